@@ -1,0 +1,102 @@
+"""Sample completions to a table, adapter export, and validation before training."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_only
+
+log = logging.getLogger(__name__)
+
+
+def run_dir(trainer) -> str:
+    """Where this run writes its files: the first logger's folder, else the trainer's root dir."""
+    directory = trainer.log_dir or trainer.default_root_dir
+    os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+class CompletionsTable(Callback):
+    """Every ``every_n_steps`` steps, appends sample completions with their rewards to
+    ``<log_dir>/completions.jsonl`` (and to TensorBoard as text when a TensorBoard logger is present).
+
+    Args:
+        every_n_steps: how often to write (0 = never).
+        num_groups: how many prompts' groups to write each time.
+    """
+
+    def __init__(self, every_n_steps: int = 10, num_groups: int = 2) -> None:
+        self.every_n_steps, self.num_groups = every_n_steps, num_groups
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        rollouts = batch.rollouts
+        step = trainer.global_step
+        if not self.every_n_steps or rollouts is None or rollouts.rewards is None or batch_idx % self.every_n_steps:
+            return
+        rows = []
+        for i in range(min(self.num_groups * rollouts.group_size, len(rollouts.completions))):
+            rows.append(
+                {
+                    "step": step,
+                    "id": rollouts.sample_ids[i],
+                    "question": rollouts.questions[i],
+                    "answer": rollouts.answers[i] if isinstance(rollouts.answers[i], (int, float, str)) else str(rollouts.answers[i]),
+                    "completion": rollouts.completions[i],
+                    "reward": float(rollouts.rewards[i]),
+                    "tokens": int(rollouts.completion_mask[i].sum()),
+                    "truncated": bool(rollouts.truncated[i]),
+                }
+            )
+        with open(os.path.join(run_dir(trainer), "completions.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                table = "| reward | question | completion |\n|---|---|---|\n" + "\n".join(
+                    f"| {r['reward']:.2f} | {r['question']} | {r['completion'].replace('|', '/').replace(chr(10), ' ')} |"
+                    for r in rows
+                )
+                experiment.add_text("completions", table, global_step=step)
+
+
+class AdapterExport(Callback):
+    """Saves the LoRA adapter in PEFT format (``PeftModel.from_pretrained`` loads it) to
+    ``<log_dir>/adapter/step-N`` every ``every_n_steps`` steps and to ``<log_dir>/adapter/final`` at the end.
+    Full fine-tuning runs save the whole model the same way."""
+
+    def __init__(self, every_n_steps: Optional[int] = None, dirpath: Optional[str] = None) -> None:
+        self.every_n_steps, self.dirpath = every_n_steps, dirpath
+
+    def _save(self, trainer, pl_module, name: str) -> None:
+        folder = os.path.join(self.dirpath or os.path.join(run_dir(trainer), "adapter"), name)
+        if trainer.is_global_zero:
+            pl_module.policy.save_pretrained(folder)
+            pl_module.tokenizer.save_pretrained(folder)
+            log.info("saved adapter to %s", folder)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            self._save(trainer, pl_module, f"step-{trainer.global_step}")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save(trainer, pl_module, "final")
+
+
+class ValidateBeforeTraining(Callback):
+    """Runs the validation loop once before the first training step, so logs hold a step-0 baseline."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step > 0 or trainer.limit_val_batches == 0:
+            return
+        loop = trainer.fit_loop.epoch_loop.val_loop
+        first_iter = trainer._logger_connector._first_loop_iter
+        trainer.validating = True
+        loop.run()
+        trainer.training = True
+        trainer._logger_connector._first_loop_iter = first_iter

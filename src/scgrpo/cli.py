@@ -1,0 +1,67 @@
+"""``scgrpo fit|validate|test --config run.yaml``: LightningCLI over :class:`RLVRModule` and
+:class:`PromptDataModule`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from scgrpo.data import PromptDataModule
+from scgrpo.module import RLVRModule
+
+
+class ScgrpoCLI(LightningCLI):
+    def instantiate_classes(self) -> None:
+        # A bad value in the YAML (unknown task, missing file, G < 2, ...) ends in one line, not a traceback.
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError, ModuleNotFoundError, NotImplementedError) as err:
+            if os.environ.get("SCGRPO_DEBUG"):
+                raise
+            print(f"scgrpo: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from err
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        # Fix every logger's version before any of them creates its folder, so that the CSV and TensorBoard
+        # loggers of one run share runs/<name>/version_N instead of taking consecutive numbers.
+        for logger in trainer.loggers:
+            _ = logger.version
+        return trainer
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.set_defaults(
+            {
+                "trainer.logger": [
+                    {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "scgrpo"}},
+                    {
+                        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                        "init_args": {"save_dir": "runs", "name": "scgrpo"},
+                    },
+                ],
+                "trainer.max_steps": 100,
+                "trainer.log_every_n_steps": 1,
+                "trainer.num_sanity_val_steps": 0,
+                "trainer.enable_model_summary": False,
+            }
+        )
+
+
+def main(args=None) -> None:
+    logging.basicConfig(level=os.environ.get("SCGRPO_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    ScgrpoCLI(
+        RLVRModule,
+        PromptDataModule,
+        save_config_kwargs={"overwrite": True},
+        seed_everything_default=0,
+        args=args,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

@@ -1,0 +1,123 @@
+"""The LightningDataModule: a seeded, resumable stream of training prompts and fixed evaluation splits."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator, Optional, Union
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, IterableDataset
+
+from scgrpo.data.sources import PromptSource, Row, resolve_source
+from scgrpo.rollout.types import PromptBatch
+
+
+def _batch(rows: list[Row], split: str) -> PromptBatch:
+    return PromptBatch(
+        ids=[str(r["id"]) for r in rows], questions=[r["question"] for r in rows], answers=[r["answer"] for r in rows], split=split
+    )
+
+
+class PromptStream(IterableDataset):
+    """Endless batches of training prompts: each epoch a fresh seeded permutation of the rows.
+
+    Batch ``k`` is a pure function of (seed, k, rank), so a resumed run starting at ``start_batch`` sees exactly
+    the prompts it would have seen without stopping. With several ranks, rank ``r`` takes the ``r``-th slice of
+    each global batch.
+    """
+
+    def __init__(self, rows: list[Row], batch_size: int, seed: int, start_batch: int = 0, rank: int = 0, world_size: int = 1):
+        self.rows, self.batch_size, self.seed = rows, batch_size, seed
+        self.start_batch, self.rank, self.world_size = start_batch, rank, world_size
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        global_size = self.batch_size * self.world_size
+        per_epoch = max(len(self.rows) // global_size, 1)
+        k = self.start_batch
+        while True:
+            epoch, within = divmod(k, per_epoch)
+            order = self._order(epoch)
+            start = within * global_size + self.rank * self.batch_size
+            picked = [self.rows[order[(start + j) % len(order)]] for j in range(self.batch_size)]
+            yield _batch(picked, "train")
+            k += 1
+
+
+class PromptDataModule(LightningDataModule):
+    """Streams prompts for training and serves evaluation splits.
+
+    Args:
+        source: a built-in task name ("arithmetic", "countdown") or any PromptSource, e.g.
+            ``{class_path: scgrpo.data.FileSource, init_args: {files: data.jsonl, columns: {question: q}}}``.
+        batch_size: prompts per training step and rank (each is sampled ``num_generations`` times).
+        eval_batch_size: prompts per evaluation batch.
+        eval_splits: which of the source's evaluation splits to run (default: all of them).
+        max_eval_prompts: cap on prompts per evaluation split (None = all).
+        seed: fixes the order of training prompts.
+    """
+
+    def __init__(
+        self,
+        source: Union[str, PromptSource] = "arithmetic",
+        batch_size: int = 8,
+        eval_batch_size: int = 64,
+        eval_splits: Optional[list[str]] = None,
+        max_eval_prompts: Optional[int] = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1 or eval_batch_size < 1:
+            raise ValueError(f"batch sizes must be >= 1, got batch_size={batch_size}, eval_batch_size={eval_batch_size}")
+        self.source = resolve_source(source)
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        available = self.source.eval_splits()
+        self.eval_splits = list(eval_splits) if eval_splits is not None else available
+        unknown = [s for s in self.eval_splits if s not in available]
+        if unknown:
+            raise ValueError(f"eval_splits {unknown} not offered by {type(self.source).__name__}; it has {available}")
+        self.max_eval_prompts, self.seed = max_eval_prompts, seed
+        self.batches_consumed = 0  # per rank; saved in checkpoints so a resumed run continues the stream
+
+    def default_verifier(self):
+        return self.source.default_verifier()
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        rows = self.source.rows("train")
+        if not rows:
+            raise ValueError(f"{type(self.source).__name__} gave an empty train split")
+        rank, world = self._rank_world()
+        stream = PromptStream(rows, self.batch_size, self.seed, self.batches_consumed, rank, world)
+        return DataLoader(stream, batch_size=None, num_workers=0)
+
+    def eval_rows(self, split: str) -> list[Row]:
+        rows = self.source.rows(split)
+        return rows[: self.max_eval_prompts] if self.max_eval_prompts else rows
+
+    def val_dataloader(self) -> list[DataLoader]:
+        loaders = []
+        for split in self.eval_splits:
+            rows = self.eval_rows(split)
+            if not rows:
+                raise ValueError(f"evaluation split {split!r} is empty")
+            loaders.append(
+                DataLoader(rows, batch_size=self.eval_batch_size, shuffle=False, collate_fn=lambda b, s=split: _batch(b, s))
+            )
+        return loaders
+
+    def test_dataloader(self) -> list[DataLoader]:
+        return self.val_dataloader()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches_consumed": self.batches_consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches_consumed = int(state_dict.get("batches_consumed", 0))

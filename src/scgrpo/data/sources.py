@@ -1,0 +1,307 @@
+"""Where prompts come from: built-in tasks, local files, and Hugging Face hub datasets.
+
+A source turns a split name into a list of rows ``{"id": str, "question": str, "answer": Any}`` and names the
+verifier that fits its answers. Choose one in YAML by ``class_path`` or, for built-in tasks, by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from abc import ABC, abstractmethod
+from typing import Any, Optional, Union
+
+from scgrpo.verifiers import CountdownVerifier, NumericVerifier, Verifier
+
+log = logging.getLogger(__name__)
+Row = dict[str, Any]
+
+
+class PromptSource(ABC):
+    """A provider of prompt rows for each split ("train" plus evaluation splits)."""
+
+    @abstractmethod
+    def rows(self, split: str) -> list[Row]:
+        """All rows of ``split``: dicts with "id", "question" and "answer"."""
+
+    @abstractmethod
+    def splits(self) -> list[str]:
+        """Names of the splits this source can give, "train" first."""
+
+    def default_verifier(self) -> Verifier:
+        return NumericVerifier()
+
+    def eval_splits(self) -> list[str]:
+        return [s for s in self.splits() if s != "train"]
+
+
+class ArithmeticTask(PromptSource):
+    """Integer arithmetic questions "What is a + b? Answer with just the number.".
+
+    Splits: ``train`` (operands with ``digits`` digits), ``id`` (``num_eval`` operand pairs of the same
+    distribution, held out of train), ``ood`` (``num_ood`` pairs with ``ood_digits`` digits: unseen lengths).
+
+    Args:
+        digits: digits of each operand in train and id.
+        ood_digits: digits of each operand in ood.
+        operations: any of "+", "-", "*".
+        num_eval: size of the id split.
+        num_ood: size of the ood split.
+        template: question text with {a}, {op} and {b}.
+        seed: fixes which pairs are held out.
+    """
+
+    def __init__(
+        self,
+        digits: int = 2,
+        ood_digits: int = 3,
+        operations: tuple[str, ...] = ("+",),
+        num_eval: int = 64,
+        num_ood: int = 64,
+        template: str = "What is {a} {op} {b}? Answer with just the number.",
+        seed: int = 1234,
+    ) -> None:
+        bad = [op for op in operations if op not in ("+", "-", "*")]
+        if bad or not operations:
+            raise ValueError(f"operations={list(operations)}: each must be one of '+', '-', '*'")
+        if digits < 1 or ood_digits < 1:
+            raise ValueError(f"digits and ood_digits must be >= 1, got {digits} and {ood_digits}")
+        self.digits, self.ood_digits, self.operations = digits, ood_digits, tuple(operations)
+        self.num_eval, self.num_ood, self.template, self.seed = num_eval, num_ood, template, seed
+        self._cache: dict[str, list[Row]] = {}
+
+    def splits(self) -> list[str]:
+        return ["train", "id", "ood"]
+
+    def _row(self, split: str, a: int, op: str, b: int) -> Row:
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        return {"id": f"{split}-{a}{op}{b}", "question": self.template.format(a=a, op=op, b=b), "answer": answer}
+
+    def rows(self, split: str) -> list[Row]:
+        if split not in self.splits():
+            raise ValueError(f"arithmetic has no split {split!r}; expected one of {self.splits()}")
+        if split not in self._cache:
+            self._cache[split] = self._make(split)
+        return self._cache[split]
+
+    def _make(self, split: str) -> list[Row]:
+        rng = random.Random(self.seed)
+        lo, hi = 10 ** (self.digits - 1), 10**self.digits - 1
+        if self.digits == 1:
+            lo = 0
+        pairs = [(a, op, b) for op in self.operations for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+        rng.shuffle(pairs)
+        if self.num_eval >= len(pairs):
+            raise ValueError(f"num_eval={self.num_eval} leaves no training pairs out of {len(pairs)}")
+        if split == "id":
+            return [self._row(split, *p) for p in pairs[: self.num_eval]]
+        if split == "train":
+            return [self._row(split, *p) for p in pairs[self.num_eval :]]
+        lo, hi = 10 ** (self.ood_digits - 1), 10**self.ood_digits - 1
+        ood_rng = random.Random(self.seed + 1)
+        seen, rows = set(), []
+        while len(rows) < self.num_ood:
+            p = (ood_rng.randint(lo, hi), ood_rng.choice(self.operations), ood_rng.randint(lo, hi))
+            if p not in seen:
+                seen.add(p)
+                rows.append(self._row(split, *p))
+        return rows
+
+
+class CountdownTask(PromptSource):
+    """Countdown: reach a target with some given numbers and + - * /, each number at most once.
+
+    Every target is reachable by construction (it is the value of a random expression over the numbers).
+    Splits: ``train`` (``num_train`` problems with ``num_numbers`` numbers), ``id`` (``num_eval`` more of the
+    same kind, another seed), ``ood`` (``num_eval`` problems with ``ood_num_numbers`` numbers).
+    """
+
+    def __init__(
+        self,
+        num_numbers: int = 3,
+        ood_num_numbers: int = 4,
+        max_number: int = 50,
+        num_train: int = 10000,
+        num_eval: int = 64,
+        template: str = (
+            "Using the numbers {numbers}, create an equation that equals {target}. You can use +, -, *, / and each "
+            "number at most once. Give the equation inside <answer></answer>, e.g. <answer>(1 + 2) * 3</answer>."
+        ),
+        seed: int = 1234,
+    ) -> None:
+        if num_numbers < 2 or ood_num_numbers < 2:
+            raise ValueError("countdown needs at least 2 numbers per problem")
+        self.num_numbers, self.ood_num_numbers, self.max_number = num_numbers, ood_num_numbers, max_number
+        self.num_train, self.num_eval, self.template, self.seed = num_train, num_eval, template, seed
+        self._cache: dict[str, list[Row]] = {}
+
+    def splits(self) -> list[str]:
+        return ["train", "id", "ood"]
+
+    def default_verifier(self) -> Verifier:
+        return CountdownVerifier()
+
+    def rows(self, split: str) -> list[Row]:
+        if split not in self.splits():
+            raise ValueError(f"countdown has no split {split!r}; expected one of {self.splits()}")
+        if split not in self._cache:
+            count = self.num_train if split == "train" else self.num_eval
+            k = self.ood_num_numbers if split == "ood" else self.num_numbers
+            rng = random.Random(f"{self.seed}-{split}")
+            self._cache[split] = [self._problem(rng, split, i, k) for i in range(count)]
+        return self._cache[split]
+
+    def _problem(self, rng: random.Random, split: str, index: int, k: int) -> Row:
+        while True:
+            numbers = [rng.randint(1, self.max_number) for _ in range(k)]
+            value = numbers[0]
+            for n in numbers[1:]:
+                op = rng.choice("+-*/")
+                if op == "/" and (n == 0 or value % n):
+                    op = "+"
+                value = value + n if op == "+" else value - n if op == "-" else value * n if op == "*" else value // n
+            if 0 < value <= 1000:
+                break
+        shuffled = numbers[:]
+        rng.shuffle(shuffled)
+        answer = {"target": value, "numbers": shuffled}
+        question = self.template.format(numbers=shuffled, target=value)
+        return {"id": f"{split}-{index}", "question": question, "answer": answer}
+
+
+def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
+    """Map a datasets.Dataset to rows through ``columns`` (our name -> its column), skipping bad rows."""
+    names = list(getattr(table, "column_names", []))
+    for ours in ("question", "answer"):
+        theirs = columns.get(ours, ours)
+        if theirs not in names:
+            raise ValueError(
+                f"{where}: no column {theirs!r} for the {ours} (columns: {names}); set columns: {{{ours}: <name>}}"
+            )
+    if len(table) == 0:
+        raise ValueError(f"{where}: the dataset is empty")
+    qcol, acol, icol = columns.get("question", "question"), columns.get("answer", "answer"), columns.get("id", "id")
+    rows, skipped = [], 0
+    for i, record in enumerate(table):
+        question, answer = record.get(qcol), record.get(acol)
+        if not isinstance(question, str) or not question.strip() or answer is None:
+            skipped += 1
+            continue
+        rows.append({"id": str(record.get(icol, i)) if icol in names else str(i), "question": question, "answer": answer})
+    if skipped:
+        log.warning("%s: skipped %d of %d rows with a missing or empty question/answer", where, skipped, len(table))
+    if not rows:
+        raise ValueError(f"{where}: every row lacks a question or an answer")
+    return rows
+
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
+
+
+class FileSource(PromptSource):
+    """Prompts from local JSONL, JSON, Parquet or CSV files, read with ``datasets``.
+
+    Args:
+        files: one path (the train split) or a mapping split -> path, e.g. ``{train: a.jsonl, test: b.jsonl}``.
+        columns: our field -> the file's column, for "question", "answer" and optionally "id".
+        verifier: the verifier that fits the answers (default: numeric).
+    """
+
+    def __init__(
+        self, files: Union[str, dict[str, str]], columns: Optional[dict[str, str]] = None, verifier: Optional[Verifier] = None
+    ) -> None:
+        self.files = {"train": files} if isinstance(files, str) else dict(files)
+        if "train" not in self.files:
+            raise ValueError(f"files must include a 'train' split, got {list(self.files)}")
+        for split, path in self.files.items():
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"data file for split {split!r} does not exist: {path}")
+            if os.path.splitext(path)[1].lower() not in _FORMATS:
+                raise ValueError(f"{path}: unknown file type; expected one of {sorted(_FORMATS)}")
+        self.columns = dict(columns or {})
+        self._verifier = verifier
+        self._cache: dict[str, list[Row]] = {}
+
+    def splits(self) -> list[str]:
+        return list(self.files)
+
+    def default_verifier(self) -> Verifier:
+        return self._verifier or NumericVerifier()
+
+    def rows(self, split: str) -> list[Row]:
+        if split not in self.files:
+            raise ValueError(f"no file for split {split!r}; splits: {list(self.files)}")
+        if split not in self._cache:
+            import datasets
+
+            path = self.files[split]
+            ext = os.path.splitext(path)[1].lower()
+            kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
+            try:
+                table = datasets.load_dataset(_FORMATS[ext], data_files=path, split="train", **kwargs)
+            except ValueError as err:
+                if "no data" in str(err):
+                    raise ValueError(f"{path}: the dataset is empty") from err
+                raise ValueError(f"{path}: could not be read as {_FORMATS[ext]}: {err}") from err
+            self._cache[split] = _table_rows(table, self.columns, path)
+        return self._cache[split]
+
+
+class HubDataset(PromptSource):
+    """A dataset by name through ``datasets.load_dataset`` (a hub id such as ``openai/gsm8k``, or a local
+    folder in the hub's layout).
+
+    Args:
+        name: the dataset id or folder.
+        subset: its configuration name (e.g. ``main`` for gsm8k).
+        splits: our split -> its split, e.g. ``{train: train, test: test}``.
+        columns: our field -> its column, for "question", "answer" and optionally "id".
+        verifier: the verifier that fits the answers (default: numeric).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        subset: Optional[str] = None,
+        splits: Optional[dict[str, str]] = None,
+        columns: Optional[dict[str, str]] = None,
+        verifier: Optional[Verifier] = None,
+    ) -> None:
+        self.name, self.subset = name, subset
+        self.split_map = dict(splits or {"train": "train", "test": "test"})
+        if "train" not in self.split_map:
+            raise ValueError(f"splits must map a 'train' split, got {self.split_map}")
+        self.columns = dict(columns or {})
+        self._verifier = verifier
+        self._cache: dict[str, list[Row]] = {}
+
+    def splits(self) -> list[str]:
+        return list(self.split_map)
+
+    def default_verifier(self) -> Verifier:
+        return self._verifier or NumericVerifier()
+
+    def rows(self, split: str) -> list[Row]:
+        if split not in self.split_map:
+            raise ValueError(f"no split {split!r}; splits: {list(self.split_map)}")
+        if split not in self._cache:
+            import datasets
+
+            table = datasets.load_dataset(self.name, self.subset, split=self.split_map[split])
+            self._cache[split] = _table_rows(table, self.columns, f"{self.name}[{self.split_map[split]}]")
+        return self._cache[split]
+
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+
+
+def resolve_source(source: Union[str, PromptSource]) -> PromptSource:
+    if isinstance(source, PromptSource):
+        return source
+    if source in TASKS:
+        return TASKS[source]()
+    raise ValueError(
+        f"unknown task {source!r}; expected one of {sorted(TASKS)} or a PromptSource "
+        "(class_path: scgrpo.data.FileSource / scgrpo.data.HubDataset / your own)"
+    )

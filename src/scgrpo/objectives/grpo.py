@@ -1,0 +1,94 @@
+"""GRPO (DeepSeekMath, arXiv 2402.03300)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+from torch import Tensor
+
+from scgrpo.objectives import functional as Fn
+from scgrpo.objectives.base import LossInputs, LossOutput, Objective
+
+
+class GRPO(Objective):
+    """Group Relative Policy Optimisation with the PPO clipped surrogate.
+
+    A_i = (r_i - mean_group r) / (std_group r + 1e-4); loss = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
+    aggregated over completion tokens, plus ``beta`` times the k3 estimate of KL(pi || pi_ref) when beta > 0.
+
+    Departures from the paper: the default aggregation is token-mean (DAPO's; the paper's is
+    ``seq-mean-token-mean``) and the default beta is 0 (no reference model), as in most recent recipes.
+
+    Args:
+        scale: advantage normalisation, ``"group"`` (paper), ``"batch"`` or ``"none"`` (Dr. GRPO).
+        eps_low: lower clip range of the ratio.
+        eps_high: upper clip range (DAPO's clip-higher raises it to 0.28).
+        beta: weight of the k3 KL penalty to the reference (the base model, adapters disabled).
+        aggregation: ``"token-mean"``, ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum-norm"``.
+        num_iterations: mu, optimisation passes over each rollout batch (1 = strictly on-policy).
+    """
+
+    def __init__(
+        self,
+        scale: Fn.AdvantageScale = "group",
+        eps_low: float = 0.2,
+        eps_high: float = 0.2,
+        beta: float = 0.0,
+        aggregation: Fn.Aggregation = "token-mean",
+        num_iterations: int = 1,
+    ) -> None:
+        if scale not in ("group", "batch", "none"):
+            raise ValueError(f"scale={scale!r}: expected 'group', 'batch' or 'none'")
+        if aggregation not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            raise ValueError(
+                f"aggregation={aggregation!r}: expected 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'"
+            )
+        if eps_low < 0 or eps_high < 0:
+            raise ValueError(f"clip ranges must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+        if beta < 0:
+            raise ValueError(f"beta must be >= 0, got {beta}")
+        if num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
+        self.scale = scale
+        self.eps_low = eps_low
+        self.eps_high = eps_high
+        self.beta = beta
+        self.aggregation = aggregation
+        self.num_iterations = num_iterations
+
+    def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
+        return Fn.group_advantages(rewards, group_size, self.scale)
+
+    def per_token_advantages(self, inputs: LossInputs) -> Tensor:
+        """``[n, C]`` (or broadcastable) advantage of each token; SC-GRPO multiplies in its token weights."""
+        advantages = inputs.advantages.unsqueeze(1)  # [n, 1]
+        return advantages if inputs.token_weights is None else advantages * inputs.token_weights
+
+    def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
+        mask = inputs.completion_mask
+        per_token, is_clipped = Fn.clipped_surrogate(
+            logprobs, inputs.old_logprobs, self.per_token_advantages(inputs), self.eps_low, self.eps_high
+        )  # [n, C]
+        stats: dict[str, Tensor] = {}
+        if self.beta > 0:
+            if inputs.ref_logprobs is None:
+                raise RuntimeError("beta > 0 needs reference log-probs; the module did not provide them")
+            kl = Fn.k3_kl(logprobs, inputs.ref_logprobs)  # [n, C]
+            per_token = per_token + self.beta * kl
+            stats["kl"] = Fn.masked_mean(kl.detach(), mask)
+        loss = self._aggregate(per_token, inputs)
+        stats["clip_fraction"] = Fn.masked_mean(is_clipped, mask)
+        return LossOutput(loss=loss, stats=stats)
+
+    def _aggregate(self, per_token: Tensor, inputs: LossInputs, aggregation: Optional[str] = None) -> Tensor:
+        return Fn.aggregate(
+            per_token,
+            inputs.completion_mask,
+            aggregation or self.aggregation,  # type: ignore[arg-type]
+            max_len=inputs.max_len,
+            num_tokens=inputs.num_tokens,
+            num_sequences=inputs.num_sequences,
+        )
+
+

@@ -1,0 +1,265 @@
+"""Sampling completions with Hugging Face ``generate`` and turning them into padded, masked tensors."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class GenerationSettings:
+    """How rollouts are sampled."""
+
+    num_generations: int = 4
+    """G: completions sampled per prompt (the group size)"""
+    max_new_tokens: int = 48
+    """Completion length cap; longer completions are cut and flagged as truncated"""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs in the loss use the same temperature)"""
+    top_p: float = 1.0
+    """Nucleus sampling mass"""
+    top_k: int = 0
+    """Top-k sampling (0 = off)"""
+    engine: str = "loop"
+    """"loop": this package's decode loop (static KV cache, fast sampling); "hf": model.generate"""
+    min_new_tokens: int = 0
+    """Forbid end-of-sequence before this many tokens (benchmarks fix lengths with it)"""
+    extra: dict = field(default_factory=dict)
+    """Further ``model.generate`` arguments (engine "hf" only)"""
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations (G) must be >= 2 for group-relative advantages, got {self.num_generations}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (sampling), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.engine not in ("loop", "hf"):
+            raise ValueError(f"engine={self.engine!r}: expected 'loop' or 'hf'")
+
+
+@dataclass
+class Generated:
+    prompt_ids: Tensor  # [N, Tp] left-padded
+    prompt_mask: Tensor  # [N, Tp]
+    completion_ids: Tensor  # [N, C] right-padded with the pad token
+    completion_mask: Tensor  # [N, C] float
+    truncated: Tensor  # [N] bool
+    completions: list[str]  # [N]
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (config_eos, tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return sorted(ids)
+
+
+def completion_mask_from_eos(completion_ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Mask ``[N, C]`` that is 1 up to and including the first end-of-sequence token, and the ``[N]`` flag of
+    rows that have none (truncated)."""
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for eos in eos_ids:
+        is_eos |= completion_ids == eos
+    n, c = completion_ids.shape
+    has_eos = is_eos.any(dim=1)
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full((n,), c, device=completion_ids.device))
+    positions = torch.arange(c, device=completion_ids.device).expand(n, c)
+    mask = (positions <= first.unsqueeze(1)).float()
+    return mask, ~has_eos
+
+
+@contextlib.contextmanager
+def merged_adapters(model) -> Iterator[bool]:
+    """Run the base layers with LoRA folded in (W + scale * B A) and the adapter branches switched off.
+
+    Generation then costs what the plain model costs. The merged weights are new tensors; on exit each base
+    layer gets back its original tensor object, so nothing drifts (unlike merge_adapter/unmerge_adapter,
+    which add and subtract in the weight dtype). Layers whose base weight is not a plain float tensor
+    (4-bit) keep their adapter branch. Yields whether anything was merged.
+    """
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:  # pragma: no cover - peft is a dependency
+        yield False
+        return
+    swapped = []
+    if hasattr(model, "get_base_model"):
+        for module in model.modules():
+            if not isinstance(module, LoraLinear) or module.merged or module.disable_adapters:
+                continue
+            if any(name in getattr(module, "lora_variant", {}) for name in module.active_adapters):
+                continue  # DoRA and other variants are not a plain additive delta
+            weight = module.get_base_layer().weight
+            if not weight.dtype.is_floating_point or type(weight.data) is not torch.Tensor:
+                continue
+            delta = sum(module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A)
+            if isinstance(delta, int):
+                continue
+            original = weight.data
+            weight.data = (original.float() + delta.float()).to(original.dtype)
+            swapped.append((module, weight, original, module.disable_adapters))
+            module._disable_adapters = True
+    try:
+        yield bool(swapped)
+    finally:
+        for module, weight, original, disabled in swapped:
+            weight.data = original
+            module._disable_adapters = disabled
+
+
+@contextlib.contextmanager
+def generation_mode(model) -> Iterator[None]:
+    """Eval mode, no grad, KV cache on, gradient checkpointing off and LoRA merged for the duration;
+    everything restored after."""
+    was_training = model.training
+    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    if checkpointing:
+        model.gradient_checkpointing_disable()
+    model.eval()
+    try:
+        with torch.no_grad(), merged_adapters(model):
+            yield
+    finally:
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train(was_training)
+
+
+def sample_from_logits(
+    logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False
+) -> Tensor:
+    """One token per row of ``[N, V]`` logits: argmax, or a draw from softmax(logits / temperature) after
+    top-k / top-p filtering. Draws by inverting the CDF with one uniform number per row, which is exact and
+    much cheaper on CPU than torch.multinomial's per-entry exponential noise."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature  # [N, V]
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [N, V]
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # mass before this token already exceeds top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(1).clamp(max=logits.shape[-1] - 1)
+
+
+def _cache_kwarg(causal_lm) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(causal_lm.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def decode_loop(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    min_new_tokens: int = 0,
+) -> Tensor:
+    """Autoregressive sampling with a preallocated (static) KV cache; stops when every row has ended.
+
+    ``prompt_ids`` ``[N, Tp]`` are left-padded; positions count real tokens only, as ``generate`` does.
+    Returns ``[N, C]`` new tokens, ``C <= max_new_tokens``, pad after a row's end-of-sequence token.
+    """
+    from transformers import StaticCache
+
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone, lm_head = getattr(causal_lm, causal_lm.base_model_prefix), causal_lm.get_output_embeddings()
+    n, tp = prompt_ids.shape
+    device = prompt_ids.device
+    cache = StaticCache(config=causal_lm.config, max_cache_len=tp + max_new_tokens)
+    cache_arg = _cache_kwarg(backbone)
+    attention = torch.cat([prompt_mask, prompt_mask.new_zeros(n, max_new_tokens)], dim=1)  # [N, Tp + max_new]
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [N, Tp]
+
+    def step(input_ids: Tensor, position_ids: Tensor, cache_position: Tensor) -> Tensor:
+        hidden = backbone(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=position_ids,
+            cache_position=cache_position,
+            use_cache=True,
+            **{cache_arg: cache},
+        ).last_hidden_state[:, -1].contiguous()  # [N, H]
+        return lm_head(hidden).float()  # [N, V]
+
+    logits = step(prompt_ids, positions, torch.arange(tp, device=device))
+    next_position = positions[:, -1:] + 1  # [N, 1]
+    eos = torch.tensor(list(eos_ids), device=device, dtype=torch.long)
+    tokens = torch.full((n, max_new_tokens), pad_id, device=device, dtype=torch.long)  # [N, max_new]
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
+    steps = 0
+    for t in range(max_new_tokens):
+        if t < min_new_tokens and eos.numel():
+            logits[:, eos] = float("-inf")
+        token = sample_from_logits(logits, temperature, top_p, top_k, greedy)  # [N]
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens[:, t] = token
+        steps = t + 1
+        if eos.numel():
+            finished |= torch.isin(token, eos)
+        if t == max_new_tokens - 1 or bool(finished.all()):
+            break
+        attention[:, tp + t] = 1
+        logits = step(token.unsqueeze(1), next_position, torch.tensor([tp + t], device=device))
+        next_position = next_position + 1
+    return tokens[:, :steps]
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    num_samples: int,
+    settings: GenerationSettings,
+    device: torch.device,
+    greedy: bool = False,
+    temperature: Optional[float] = None,
+) -> Generated:
+    """Sample ``num_samples`` completions of each prompt (rows ``[p0 x num_samples, p1 x num_samples, ...]``)."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    prompt_ids = encoded["input_ids"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
+    prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
+    eos_ids = eos_token_ids(model, tokenizer)
+    temperature = temperature if temperature is not None else settings.temperature
+    with generation_mode(model):
+        if settings.engine == "loop":
+            completion_ids = decode_loop(
+                model, prompt_ids, prompt_mask, settings.max_new_tokens, eos_ids, tokenizer.pad_token_id,
+                temperature, settings.top_p, settings.top_k, greedy, settings.min_new_tokens,
+            )  # [N, C]
+        else:
+            kwargs = dict(max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens or None,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids or None, use_cache=True)
+            if greedy:
+                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            else:
+                kwargs.update(do_sample=True, temperature=temperature, top_p=settings.top_p, top_k=settings.top_k or None)
+            kwargs.update(settings.extra)
+            output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)  # [N, Tp + C]
+            completion_ids = output[:, prompt_ids.shape[1] :]  # [N, C]
+    completion_mask, truncated = completion_mask_from_eos(completion_ids, eos_ids)
+    completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Generated(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)

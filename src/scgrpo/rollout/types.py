@@ -1,0 +1,83 @@
+"""Typed containers that flow from the data module through the callbacks to the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PromptBatch:
+    """A batch of prompts as the data module yields it; the rollout callback fills ``rollouts``."""
+
+    ids: list[str]
+    questions: list[str]
+    answers: list[Any]
+    split: str = "train"
+    rollouts: Optional["RolloutBatch"] = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class RolloutBatch:
+    """``G`` sampled completions for each of ``P`` prompts, group members adjacent (``N = P x G`` rows).
+
+    Prompts are left-padded and completions right-padded, so ``cat([prompt_ids, completion_ids], 1)`` is the
+    sequence the policy saw while sampling.
+    """
+
+    prompt_ids: Tensor  # [N, Tp] long, left-padded
+    prompt_mask: Tensor  # [N, Tp] long
+    completion_ids: Tensor  # [N, C] long, right-padded
+    completion_mask: Tensor  # [N, C] float, 1 up to and including the first end-of-sequence token
+    truncated: Tensor  # [N] bool, no end-of-sequence token within max_new_tokens
+    group_size: int
+    sample_ids: list[str]  # [N] prompt id of each row
+    questions: list[str]  # [N]
+    answers: list[Any]  # [N]
+    completions: list[str]  # [N] decoded completion text
+    rewards: Optional[Tensor] = None  # [N] float, set by the verification callback
+    infos: Optional[list[dict[str, Any]]] = None  # [N] the verifier's info per rollout
+    old_logprobs: Optional[Tensor] = None  # [N, C] fp32 under the sampling policy (only when mu > 1)
+    ref_logprobs: Optional[Tensor] = None  # [N, C] fp32 under the reference (only when beta > 0)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_groups(self) -> int:
+        return self.completion_ids.shape[0] // self.group_size
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [N, Tp + C]
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    def select(self, rows: Tensor) -> "RolloutBatch":
+        """The rows ``rows`` (a 1-D index tensor) as a new batch; ``group_size`` is kept for bookkeeping only."""
+        idx = rows.tolist()
+
+        def pick(x):
+            return None if x is None else x[rows]
+
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[rows],
+            prompt_mask=self.prompt_mask[rows],
+            completion_ids=self.completion_ids[rows],
+            completion_mask=self.completion_mask[rows],
+            truncated=self.truncated[rows],
+            group_size=self.group_size,
+            sample_ids=[self.sample_ids[i] for i in idx],
+            questions=[self.questions[i] for i in idx],
+            answers=[self.answers[i] for i in idx],
+            completions=[self.completions[i] for i in idx],
+            rewards=pick(self.rewards),
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+        )

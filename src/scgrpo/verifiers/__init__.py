@@ -1,0 +1,18 @@
+"""Verifiers: the abstract :class:`Verifier` and the built-ins."""
+
+from scgrpo.verifiers.base import VerificationResult, Verifier
+from scgrpo.verifiers.combined import WeightedVerifier
+from scgrpo.verifiers.countdown import CountdownVerifier
+from scgrpo.verifiers.math import MathVerifier
+from scgrpo.verifiers.numeric import NumericVerifier
+from scgrpo.verifiers.runner import VerifierRunner
+
+__all__ = [
+    "CountdownVerifier",
+    "MathVerifier",
+    "NumericVerifier",
+    "VerificationResult",
+    "Verifier",
+    "VerifierRunner",
+    "WeightedVerifier",
+]

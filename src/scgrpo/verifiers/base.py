@@ -1,0 +1,31 @@
+"""The verifier interface. Any importable subclass can be chosen in YAML by ``class_path``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class VerificationResult:
+    """A verifier's verdict: ``score`` (usually 0 or 1; success means score >= the run's threshold) and
+    free-form ``info`` (the extracted answer, a reason) that is shown in the completions table."""
+
+    score: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Verifier(ABC):
+    """Scores one completion against the reference answer of its prompt.
+
+    Subclass it and implement :meth:`verify`; pick it in YAML with
+    ``verifier: {class_path: my_pkg.MyVerifier, init_args: {...}}``. A verifier that raises or runs longer than
+    ``timeout_s`` gives score 0 for that completion; the run counts it and goes on.
+    """
+
+    timeout_s: Optional[float] = 5.0
+
+    @abstractmethod
+    def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
+        """Score ``completion`` for a prompt whose reference answer is ``answer``."""

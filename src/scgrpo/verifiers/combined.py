@@ -1,0 +1,36 @@
+"""A weighted sum of several verifiers (e.g. correctness plus a format bonus)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from scgrpo.verifiers.base import VerificationResult, Verifier
+
+
+class WeightedVerifier(Verifier):
+    """score = sum_k weight_k * score_k. ``info`` holds each part's score under its class name.
+
+    Args:
+        verifiers: the parts, each any :class:`Verifier`.
+        weights: one weight per part (default: all 1).
+    """
+
+    def __init__(
+        self, verifiers: Sequence[Verifier], weights: Optional[Sequence[float]] = None, timeout_s: Optional[float] = 10.0
+    ) -> None:
+        if not verifiers:
+            raise ValueError("WeightedVerifier needs at least one verifier")
+        weights = list(weights) if weights is not None else [1.0] * len(verifiers)
+        if len(weights) != len(verifiers):
+            raise ValueError(f"{len(weights)} weights given for {len(verifiers)} verifiers")
+        self.verifiers = list(verifiers)
+        self.weights = weights
+        self.timeout_s = timeout_s
+
+    def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
+        total, info = 0.0, {}
+        for verifier, weight in zip(self.verifiers, self.weights):
+            result = verifier.verify(completion, answer, question)
+            info[type(verifier).__name__] = result.score
+            total += weight * result.score
+        return VerificationResult(total, info)

@@ -1,0 +1,137 @@
+import json
+
+import pytest
+
+from scgrpo.data import ArithmeticTask, CountdownTask, FileSource, HubDataset, PromptDataModule, PromptStream, resolve_source
+from scgrpo.verifiers import CountdownVerifier, NumericVerifier
+
+
+def test_arithmetic_splits_are_disjoint_deterministic_and_correct():
+    task = ArithmeticTask(num_eval=64, num_ood=32)
+    train, ident, ood = task.rows("train"), task.rows("id"), task.rows("ood")
+    assert len(ident) == 64 and len(ood) == 32 and len(train) == 90 * 90 - 64
+    train_q = {r["question"] for r in train}
+    assert not train_q & {r["question"] for r in ident}
+    assert all(10 <= int(q) <= 99 for r in train[:50] for q in r["question"].split("?")[0].split()[2::2])
+    assert all(100 <= int(n) <= 999 for r in ood for n in r["question"].split("?")[0].split()[2::2])
+    for row in ident + ood:
+        a, _, b = row["question"].removeprefix("What is ").split("?")[0].split()
+        assert row["answer"] == int(a) + int(b)
+    assert ArithmeticTask(num_eval=64).rows("id") == ident  # same seed, same split
+    assert ArithmeticTask(num_eval=64, seed=7).rows("id") != ident
+
+
+def test_arithmetic_other_operations():
+    rows = ArithmeticTask(operations=("-", "*"), num_eval=10).rows("id")
+    for row in rows:
+        a, op, b = row["question"].removeprefix("What is ").split("?")[0].split()
+        assert row["answer"] == (int(a) - int(b) if op == "-" else int(a) * int(b))
+    with pytest.raises(ValueError, match="operations"):
+        ArithmeticTask(operations=("/",))
+
+
+def test_countdown_problems_are_well_formed():
+    task = CountdownTask(num_train=50, num_eval=8)
+    for row in task.rows("train") + task.rows("ood"):
+        assert 0 < row["answer"]["target"] <= 1000
+        assert str(row["answer"]["target"]) in row["question"]
+    assert len(task.rows("ood")[0]["answer"]["numbers"]) == 4
+    assert isinstance(task.default_verifier(), CountdownVerifier)
+    # a problem built from a single addition is solvable by that addition
+    row = {"target": 7, "numbers": [3, 4]}
+    assert CountdownVerifier().verify("<answer>3 + 4</answer>", row).score == 1.0
+
+
+def test_unknown_task_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown task 'arithmetik'.*arithmetic"):
+        resolve_source("arithmetik")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_file_source_maps_columns_and_skips_bad_rows(tmp_path, caplog):
+    path = _write_jsonl(
+        tmp_path / "train.jsonl",
+        [{"problem": "1+1?", "solution": 2, "uid": "a"}, {"problem": "", "solution": 3, "uid": "b"},
+         {"problem": "2+2?", "solution": None, "uid": "c"}, {"problem": "3+3?", "solution": 6, "uid": "d"}],
+    )
+    source = FileSource(path, columns={"question": "problem", "answer": "solution", "id": "uid"})
+    rows = source.rows("train")
+    assert rows == [{"id": "a", "question": "1+1?", "answer": 2}, {"id": "d", "question": "3+3?", "answer": 6}]
+    assert "skipped 2 of 4 rows" in caplog.text
+    assert isinstance(source.default_verifier(), NumericVerifier)
+
+
+def test_file_source_reads_csv_and_parquet(tmp_path):
+    import pandas as pd
+
+    frame = pd.DataFrame({"question": ["a?", "b?"], "answer": ["1", "2"]})
+    frame.to_csv(tmp_path / "d.csv", index=False)
+    frame.to_parquet(tmp_path / "d.parquet")
+    for name in ("d.csv", "d.parquet"):
+        rows = FileSource(str(tmp_path / name)).rows("train")
+        assert [r["question"] for r in rows] == ["a?", "b?"] and [r["id"] for r in rows] == ["0", "1"]
+
+
+def test_missing_column_is_a_clear_error(tmp_path):
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"q": "x", "a": 1}])
+    with pytest.raises(ValueError, match="no column 'question'.*columns: \\['q', 'a'\\]"):
+        FileSource(path).rows("train")
+
+
+def test_empty_dataset_is_a_clear_error(tmp_path):
+    import pandas as pd
+
+    pd.DataFrame({"question": [], "answer": []}).to_csv(tmp_path / "empty.csv", index=False)
+    with pytest.raises(ValueError, match="empty"):
+        FileSource(str(tmp_path / "empty.csv")).rows("train")
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        FileSource(str(tmp_path / "nope.jsonl"))
+
+
+def test_hub_dataset_loads_a_local_folder_in_hub_layout(tmp_path):
+    """load_dataset(name) on a folder with data/train-*.jsonl works as it does for a hub id."""
+    folder = tmp_path / "gsm8k-like" / "data"
+    folder.mkdir(parents=True)
+    _write_jsonl(folder / "train-00000.jsonl", [{"question": f"q{i}", "answer": f"work #### {i}"} for i in range(5)])
+    _write_jsonl(folder / "test-00000.jsonl", [{"question": "t", "answer": "#### 9"}])
+    source = HubDataset(str(tmp_path / "gsm8k-like"))
+    assert [r["question"] for r in source.rows("train")] == [f"q{i}" for i in range(5)]
+    assert source.rows("test")[0]["answer"] == "#### 9"
+    assert source.eval_splits() == ["test"]
+    assert NumericVerifier().verify("so 9", source.rows("test")[0]["answer"]).score == 1.0
+
+
+def test_prompt_stream_is_deterministic_resumable_and_rank_split():
+    rows = [{"id": str(i), "question": f"q{i}", "answer": i} for i in range(10)]
+    stream = iter(PromptStream(rows, batch_size=3, seed=0))
+    batches = [next(stream).ids for _ in range(7)]
+    assert len({tuple(b) for b in batches}) == 7
+    assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))  # no repeats within an epoch
+    resumed = iter(PromptStream(rows, batch_size=3, seed=0, start_batch=4))
+    assert [next(resumed).ids for _ in range(3)] == batches[4:7]
+    other_seed = iter(PromptStream(rows, batch_size=3, seed=1))
+    assert next(other_seed).ids != batches[0]
+    r0 = iter(PromptStream(rows, batch_size=2, seed=0, rank=0, world_size=2))
+    r1 = iter(PromptStream(rows, batch_size=2, seed=0, rank=1, world_size=2))
+    first0, first1 = next(r0).ids, next(r1).ids
+    assert not set(first0) & set(first1)
+
+
+def test_datamodule_eval_splits_and_state():
+    dm = PromptDataModule("arithmetic", batch_size=4, eval_batch_size=16, eval_splits=["id"], max_eval_prompts=20)
+    loaders = dm.val_dataloader()
+    batches = list(loaders[0])
+    assert [len(b) for b in batches] == [16, 4] and batches[0].split == "id"
+    dm.batches_consumed = 5
+    fresh = PromptDataModule("arithmetic")
+    fresh.load_state_dict(dm.state_dict())
+    assert fresh.batches_consumed == 5
+    with pytest.raises(ValueError, match="eval_splits \\['test'\\]"):
+        PromptDataModule("arithmetic", eval_splits=["test"])

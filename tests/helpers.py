@@ -1,0 +1,45 @@
+"""Building a module, data module and trainer around the tiny model."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+
+from scgrpo import GenerationSettings, LoraSettings, PromptDataModule, RLVRModule
+from tests.verifiers.helpers import ParityVerifier
+
+
+def tiny_module(model_dir: str, **kwargs) -> RLVRModule:
+    defaults = dict(
+        model=model_dir,
+        lora=LoraSettings(r=4, alpha=8, extra={"init_lora_weights": False}),
+        generation=GenerationSettings(num_generations=4, max_new_tokens=8),
+        verifier=ParityVerifier(),
+        validate_before_training=False,
+        eval_samples=2,
+    )
+    defaults.update(kwargs)
+    return RLVRModule(**defaults)
+
+
+def tiny_data(**kwargs) -> PromptDataModule:
+    defaults = dict(source="arithmetic", batch_size=4, eval_batch_size=8, eval_splits=["id"], max_eval_prompts=8)
+    defaults.update(kwargs)
+    return PromptDataModule(**defaults)
+
+
+def tiny_trainer(root, max_steps: int = 1, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=CSVLogger(str(root), name="run"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)

@@ -1,0 +1,75 @@
+"""Every shipped YAML parses and runs 2 steps with the tiny model; CLI plug-ins and error messages."""
+
+import glob
+import os
+
+import pytest
+
+from scgrpo.cli import main
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
+
+
+def _tiny_args(tiny_model_dir):
+    return [
+        f"--model.model={tiny_model_dir}",
+        "--model.dtype=float32",
+        "--model.generation.max_new_tokens=6",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.enable_progress_bar=false",
+        "--data.max_eval_prompts=4",
+        "--data.batch_size=2",
+    ]
+
+
+def test_there_are_configs():
+    names = {os.path.basename(c) for c in CONFIGS}
+    assert {"quickstart.yaml", "grpo_arith.yaml"} <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+def test_config_runs_two_steps_with_the_tiny_model(config, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir)])
+    versions = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    assert versions, "no run folder written"
+    run = versions[0]
+    with open(os.path.join(run, "metrics.csv")) as f:
+        header = f.readline()
+    assert "train/reward" in header and "val/" in header
+    assert os.path.isfile(os.path.join(run, "adapter", "final", "adapter_config.json"))
+    assert glob.glob(os.path.join(run, "checkpoints", "*.ckpt"))
+
+
+def test_custom_verifier_by_class_path(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
+    main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir),
+          "--model.verifier=tests.verifiers.helpers.ParityVerifier", "--model.verifier.offset=1"])
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    import yaml
+
+    saved = yaml.safe_load(open(os.path.join(run, "config.yaml")))
+    assert saved["model"]["verifier"]["class_path"] == "tests.verifiers.helpers.ParityVerifier"
+    assert saved["model"]["verifier"]["init_args"]["offset"] == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data.source=arithmetik"], "unknown task 'arithmetik'"),
+        (["--model.generation.num_generations=1"], "num_generations"),
+        (["--model.model=/does/not/exist"], "does not exist"),
+        (["--model.objective.init_args.aggregation=sum"], "aggregation"),
+    ],
+)
+def test_bad_config_values_end_in_one_clear_message(args, message, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
+    with pytest.raises((SystemExit, ValueError, FileNotFoundError)) as info:
+        main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir), *args])
+    text = str(info.value) + capsys.readouterr().err
+    assert message in text

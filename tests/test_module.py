@@ -1,0 +1,120 @@
+import csv
+import os
+
+import pytest
+import torch
+
+from scgrpo import GRPO
+from scgrpo.rollout.engine import GenerationSettings, generate
+from scgrpo.rollout.types import RolloutBatch
+from tests.helpers import tiny_data, tiny_module, tiny_trainer
+from tests.verifiers.helpers import AlwaysRight, RaisingVerifier
+
+
+def _metrics(trainer):
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_one_step_changes_every_lora_parameter_and_no_base_parameter(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    trainer = tiny_trainer(tmp_path, max_steps=1)
+    trainer.fit(module, datamodule=tiny_data())
+    rows = [r for r in _metrics(trainer) if r.get("train/mixed_groups")]
+    assert float(rows[0]["train/mixed_groups"]) > 0  # there was a learning signal
+    lora = [n for n in before if "lora_" in n]
+    assert lora and all(p.requires_grad == ("lora_" in n) for n, p in module.policy.named_parameters())
+    for name, p in module.policy.named_parameters():
+        if "lora_" in name:
+            assert not torch.equal(p, before[name]), f"{name} did not change"
+        else:
+            assert torch.equal(p, before[name]), f"base weight {name} changed"
+
+
+def test_full_finetuning_changes_base_weights(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, lora=None)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_data())
+    changed = [n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+
+
+def _rollouts(module, rewards):
+    prompts = module.format_prompts(["What is 1 + 1?", "What is 2 + 3?"])
+    g = generate(module.policy, module.tokenizer, prompts, 4, GenerationSettings(max_new_tokens=6), module.device)
+    n = g.completion_ids.shape[0]
+    return RolloutBatch(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.truncated, 4,
+                        ["a"] * n, ["q"] * n, [0] * n, g.completions, rewards=torch.tensor(rewards))
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_leaving_out_zero_advantage_rows_gives_the_full_batch_gradient(tiny_model_dir, aggregation):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=GRPO(aggregation=aggregation))
+    module.configure_model()
+    module.manual_backward = lambda loss: loss.backward()
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # second group: zero advantage
+    advantages = module.objective.advantages(rollouts.rewards, 4)
+    n_tok, n_rows = float(rollouts.completion_mask.sum()), 8.0
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+
+    def grads(rows):
+        for p in params:
+            p.grad = None
+        module._micro_step(rollouts, rows, advantages, n_tok, n_rows)
+        return [p.grad.clone() for p in params]
+
+    full = grads(torch.arange(8))
+    subset = grads(torch.arange(4))
+    for a, b in zip(full, subset):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert any(g.abs().max() > 0 for g in full)
+
+
+def test_validation_reports_avg_pass_and_greedy(tiny_model_dir, tmp_path):
+    module = tiny_module(tiny_model_dir, verifier=AlwaysRight(), eval_samples=3)
+    trainer = tiny_trainer(tmp_path, limit_val_batches=None)
+    metrics = trainer.validate(module, datamodule=tiny_data(max_eval_prompts=5))[0]
+    assert metrics["val/id/avg@3"] == 1.0 and metrics["val/id/pass@3"] == 1.0 and metrics["val/id/greedy"] == 1.0
+    module = tiny_module(tiny_model_dir, verifier=RaisingVerifier(), eval_samples=3)
+    metrics = tiny_trainer(tmp_path, limit_val_batches=None).validate(module, datamodule=tiny_data(max_eval_prompts=5))[0]
+    assert metrics["val/id/avg@3"] == 0.0 and metrics["val/id/pass@3"] == 0.0
+    assert module.verifier_runner.errors == 5 * 3 + 5
+
+
+def test_training_logs_the_step_statistics(tiny_model_dir, tmp_path):
+    module = tiny_module(tiny_model_dir, validate_before_training=True, log_completions_every_n_steps=1)
+    trainer = tiny_trainer(tmp_path, max_steps=2, limit_val_batches=None, val_check_interval=2)
+    trainer.fit(module, datamodule=tiny_data())
+    rows = _metrics(trainer)
+    keys = set().union(*[{k for k, v in r.items() if v != ""} for r in rows])
+    for key in ["train/reward", "train/accuracy", "train/mixed_groups", "train/completion_length", "train/truncated",
+                "train/clip_fraction", "train/entropy", "time/generation_s", "time/verification_s", "time/train_s",
+                "val/id/avg@2", "val/id/pass@2", "val/id/greedy", "verifier/errors"]:
+        assert key in keys, key
+    val_steps = [r["step"] for r in rows if r.get("val/id/avg@2")]
+    assert len(val_steps) == 2  # before training and after step 2
+    with open(os.path.join(trainer.logger.log_dir, "completions.jsonl")) as f:
+        lines = f.readlines()
+    assert len(lines) == 2 * 2 * 4  # 2 steps x 2 groups x G
+
+
+def test_nonfinite_loss_skips_the_update(tiny_model_dir, tmp_path, caplog):
+    class NaNObjective(GRPO):
+        def loss(self, logprobs, inputs):
+            out = super().loss(logprobs, inputs)
+            out.loss = out.loss * float("nan")
+            return out
+
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=NaNObjective())
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    tiny_trainer(tmp_path, max_steps=2).fit(module, datamodule=tiny_data())
+    assert module.nonfinite_skips > 0 and "non-finite loss" in caplog.text
+    assert all(torch.equal(p, before[n]) for n, p in module.policy.named_parameters())
