@@ -118,3 +118,43 @@ def test_nonfinite_loss_skips_the_update(tiny_model_dir, tmp_path, caplog):
     tiny_trainer(tmp_path, max_steps=2).fit(module, datamodule=tiny_data())
     assert module.nonfinite_skips > 0 and "non-finite loss" in caplog.text
     assert all(torch.equal(p, before[n]) for n, p in module.policy.named_parameters())
+
+
+def test_several_iterations_reuse_old_logprobs_and_step_each_time(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=GRPO(num_iterations=3))
+    trainer = tiny_trainer(tmp_path, max_steps=3)
+    data = tiny_data()
+    trainer.fit(module, datamodule=data)
+    assert data.batches_consumed == 1  # three optimizer steps on one rollout batch
+    rows = [r for r in _metrics(trainer) if r.get("train/clip_fraction")]
+    assert len(rows) == 1
+
+
+def test_reference_logprobs_come_from_the_base_model(tiny_model_dir):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=GRPO(beta=0.1, num_iterations=2))
+    module.configure_model()
+    rollouts = _rollouts(module, [1.0, 0.0] * 4)
+    module.score_rollouts(rollouts)
+    c = rollouts.completion_ids.shape[1]
+    with torch.no_grad():
+        with module.policy.disable_adapter():
+            base, _ = module.token_logprobs(module.policy, rollouts.input_ids, rollouts.attention_mask, c)
+        policy, _ = module.token_logprobs(module.policy, rollouts.input_ids, rollouts.attention_mask, c)
+    torch.testing.assert_close(rollouts.ref_logprobs, base)
+    torch.testing.assert_close(rollouts.old_logprobs, policy)
+    assert (base - policy).abs().max() > 1e-4  # the adapters change the distribution
+
+
+def test_logprobs_of_left_padded_rows_match_the_unpadded_sequence(tiny_model_dir):
+    """Positions count real tokens only, so a left-padded row scores its completion as the bare row would."""
+    module = tiny_module(tiny_model_dir)
+    module.configure_model()
+    module.policy.eval()
+    row = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    padded = torch.tensor([[2, 2, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        bare, _ = module.token_logprobs(module.policy, row, torch.ones_like(row), 3)
+        pad, _ = module.token_logprobs(module.policy, padded, torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]), 3)
+    torch.testing.assert_close(bare, pad, atol=1e-5, rtol=1e-5)

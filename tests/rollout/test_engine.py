@@ -96,3 +96,14 @@ def test_generation_settings_reject_bad_values():
         GenerationSettings(temperature=0)
     with pytest.raises(ValueError, match="engine"):
         GenerationSettings(engine="vllm")
+
+
+@pytest.mark.parametrize("dtype, policy, merges", [
+    (torch.float32, "auto", True), (torch.bfloat16, "auto", False), (torch.bfloat16, "always", True),
+    (torch.float32, "never", False),
+])
+def test_merge_policy(tiny_model_dir, dtype, policy, merges):
+    """bf16 weights are not merged by default: rounding W + BA to bf16 would drop small adapter updates."""
+    policy_model, _ = load_policy(tiny_model_dir, dtype, LoraSettings(r=2, alpha=4))
+    with merged_adapters(policy_model, policy) as merged:
+        assert merged == merges

@@ -28,6 +28,10 @@ class GenerationSettings:
     """"loop": this package's decode loop (static KV cache, fast sampling); "hf": model.generate"""
     min_new_tokens: int = 0
     """Forbid end-of-sequence before this many tokens (benchmarks fix lengths with it)"""
+    merge_lora: str = "auto"
+    """Fold LoRA into the weights while sampling: "auto" (only fp32 weights, where rounding is negligible),
+    "always" or "never". In bf16 a merged weight rounds away small adapter updates, and sampling would then
+    lag behind the policy that is trained"""
     extra: dict = field(default_factory=dict)
     """Further ``model.generate`` arguments (engine "hf" only)"""
 
@@ -42,6 +46,8 @@ class GenerationSettings:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.engine not in ("loop", "hf"):
             raise ValueError(f"engine={self.engine!r}: expected 'loop' or 'hf'")
+        if self.merge_lora not in ("auto", "always", "never"):
+            raise ValueError(f"merge_lora={self.merge_lora!r}: expected 'auto', 'always' or 'never'")
 
 
 @dataclass
@@ -79,13 +85,14 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_ids: Sequence[int]) -> 
 
 
 @contextlib.contextmanager
-def merged_adapters(model) -> Iterator[bool]:
+def merged_adapters(model, policy: str = "always") -> Iterator[bool]:
     """Run the base layers with LoRA folded in (W + scale * B A) and the adapter branches switched off.
 
     Generation then costs what the plain model costs. The merged weights are new tensors; on exit each base
     layer gets back its original tensor object, so nothing drifts (unlike merge_adapter/unmerge_adapter,
     which add and subtract in the weight dtype). Layers whose base weight is not a plain float tensor
-    (4-bit) keep their adapter branch. Yields whether anything was merged.
+    (4-bit) keep their adapter branch, and so do all layers when ``policy`` is "never", or "auto" with
+    weights in less than fp32. Yields whether anything was merged.
     """
     try:
         from peft.tuners.lora import Linear as LoraLinear
@@ -101,6 +108,8 @@ def merged_adapters(model) -> Iterator[bool]:
                 continue  # DoRA and other variants are not a plain additive delta
             weight = module.get_base_layer().weight
             if not weight.dtype.is_floating_point or type(weight.data) is not torch.Tensor:
+                continue
+            if policy == "never" or (policy == "auto" and weight.dtype != torch.float32):
                 continue
             delta = sum(module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A)
             if isinstance(delta, int):
@@ -118,16 +127,18 @@ def merged_adapters(model) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def generation_mode(model) -> Iterator[None]:
+def generation_mode(model, merge_lora: str = "auto") -> Iterator[None]:
     """Eval mode, no grad, KV cache on, gradient checkpointing off and LoRA merged for the duration;
     everything restored after."""
     was_training = model.training
-    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    checkpointing = bool(getattr(inner, flag, False))
     if checkpointing:
         model.gradient_checkpointing_disable()
     model.eval()
     try:
-        with torch.no_grad(), merged_adapters(model):
+        with torch.no_grad(), merged_adapters(model, merge_lora):
             yield
     finally:
         if checkpointing:
@@ -243,7 +254,7 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
     eos_ids = eos_token_ids(model, tokenizer)
     temperature = temperature if temperature is not None else settings.temperature
-    with generation_mode(model):
+    with generation_mode(model, settings.merge_lora):
         if settings.engine == "loop":
             completion_ids = decode_loop(
                 model, prompt_ids, prompt_mask, settings.max_new_tokens, eos_ids, tokenizer.pad_token_id,

@@ -1,0 +1,93 @@
+"""Run the quickstart (or any config) end to end and record what it achieved and what it cost.
+
+    python scripts/bench_quickstart.py --name quickstart_cpu [--fresh-cache] [-- extra scgrpo fit args]
+
+Runs ``scgrpo fit --config configs/quickstart.yaml`` in a scratch folder, measures wall time and the peak
+resident memory of the run, reads the run's metrics.csv, and writes benchmarks/results/<name>.json with
+evaluation before/after, seconds per step (mean and median, and per phase), and the exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _float(row: dict, key: str):
+    value = row.get(key, "")
+    return float(value) if value not in ("", None) else None
+
+
+def summarise(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    evals = [r for r in rows if any(k.startswith("val/") and v for k, v in r.items())]
+    steps = [r for r in rows if r.get("time/step_s")]
+
+    def phase(key):
+        values = [_float(r, key) for r in steps if _float(r, key) is not None]
+        return {"mean": statistics.mean(values), "median": statistics.median(values)} if values else None
+
+    return {
+        "evaluations": [{k: (float(v) if k != "step" else int(v)) for k, v in r.items() if v and (k.startswith("val/") or k == "step")}
+                        for r in evals],
+        "steps": len(steps),
+        "seconds_per_step": phase("time/step_s"),
+        "generation_s": phase("time/generation_s"),
+        "verification_s": phase("time/verification_s"),
+        "train_s": phase("time/train_s"),
+        "final_train_reward": _float(steps[-1], "train/reward") if steps else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", default="quickstart_cpu")
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart.yaml"))
+    parser.add_argument("--fresh-cache", action="store_true", help="convert the GGUF model again, as a fresh install does")
+    parser.add_argument("extra", nargs="*", help="further scgrpo fit arguments (after --)")
+    args = parser.parse_args()
+
+    workdir = tempfile.mkdtemp(prefix="scgrpo-bench-")
+    env = dict(os.environ)
+    if args.fresh_cache:
+        env["SCGRPO_CACHE"] = os.path.join(workdir, "cache")
+    command = ["scgrpo", "fit", f"--config={args.config}", *args.extra]
+    start = time.perf_counter()
+    subprocess.run(command, cwd=workdir, env=env, check=True)
+    wall = time.perf_counter() - start
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    (run_dir,) = glob.glob(os.path.join(workdir, "runs", "*", "version_0"))
+    result = {
+        "name": args.name,
+        "command": " ".join(["python", "scripts/bench_quickstart.py", f"--name {args.name}"]
+                            + (["--fresh-cache"] if args.fresh_cache else []) + (["--", *args.extra] if args.extra else [])),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version()},
+        "wall_s": round(wall, 1),
+        "peak_rss_gib": round(peak_kib / 2**20, 2),
+        "fresh_cache": args.fresh_cache,
+        **summarise(run_dir),
+    }
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    out = os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    print(f"written to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
