@@ -23,7 +23,8 @@ def test_checkpoint_holds_only_trainable_weights_and_resumes(tiny_model_dir, tmp
     (path,) = glob.glob(str(ckpt_dir / "*.ckpt"))
     checkpoint = torch.load(path, weights_only=False)
     assert set(checkpoint["state_dict"]) == {f"policy.{n}" for n in after_two}
-    assert checkpoint["PromptDataModule"] == {"batches_consumed": 2}
+    assert checkpoint["PromptDataModule"]["batches_consumed"] == 2
+    assert checkpoint["PromptDataModule"]["verified_buffer"] == data.verified_buffer.state_dict()
     assert data.batches_consumed == 2
 
     resumed_module, resumed_data = tiny_module(tiny_model_dir), tiny_data()
@@ -59,3 +60,30 @@ def test_adapter_export_loads_with_peft(tiny_model_dir, tmp_path):
     module.policy.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, module.policy(input_ids=ids).logits)
+
+
+def test_four_steps_equal_two_steps_checkpoint_and_two_resumed_steps(tiny_model_dir, tmp_path):
+    """Buffer, optimizer, RNG and data position are restored: the resumed run ends where the straight one does."""
+    from lightning.pytorch import seed_everything
+
+    from scgrpo.objectives import SCGRPO
+
+    def run(root, max_steps, ckpt_path=None, save_every=None):
+        seed_everything(0)
+        module = tiny_module(tiny_model_dir, objective=SCGRPO())
+        data = tiny_data()
+        callbacks = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=save_every, save_top_k=-1)] if save_every else []
+        trainer = tiny_trainer(root, max_steps=max_steps, enable_checkpointing=bool(save_every), callbacks=callbacks)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return module, data
+
+    straight, straight_data = run(tmp_path / "straight", 4)
+    run(tmp_path / "first", 2, save_every=2)
+    (ckpt,) = glob.glob(str(tmp_path / "first" / "ckpt" / "*.ckpt"))
+    resumed, resumed_data = run(tmp_path / "resumed", 4, ckpt_path=ckpt)
+    assert len(straight_data.verified_buffer) > 0
+    assert resumed_data.verified_buffer.state_dict() == straight_data.verified_buffer.state_dict()
+    assert resumed_data.batches_consumed == straight_data.batches_consumed == 4
+    a, b = _lora_state(straight), _lora_state(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)

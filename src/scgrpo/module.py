@@ -12,15 +12,51 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from scgrpo.callbacks import AdapterExport, CompletionsTable, RolloutCallback, ValidateBeforeTraining, VerificationCallback
+from scgrpo.callbacks import (
+    AdapterExport,
+    CompletionsTable,
+    CreditLogging,
+    DynamicSamplingCallback,
+    RolloutCallback,
+    ValidateBeforeTraining,
+    VerificationCallback,
+)
 from scgrpo.models import LoraSettings, check_model_name, load_policy, parse_dtype
 from scgrpo.objectives import GRPO, LossInputs, Objective
-from scgrpo.objectives.functional import chunked_token_logprobs, masked_mean
+from scgrpo.objectives.functional import chunked_distill_kl, chunked_divergence, chunked_token_logprobs, masked_mean
 from scgrpo.rollout.engine import GenerationSettings, generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
+from scgrpo.selfteacher import choose_references, teacher_inputs
 from scgrpo.verifiers import Verifier, VerifierRunner
 
 log = logging.getLogger(__name__)
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    # plain types and tensors only: Lightning loads checkpoints with torch.load(weights_only=True)
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _unwrap_causal_lm(policy):
@@ -109,6 +145,7 @@ class RLVRModule(LightningModule):
         self.tokenizer = None
         self.verifier_runner: Optional[VerifierRunner] = None
         self.nonfinite_skips = 0
+        self.last_credit: Optional[dict] = None
         self._eval: dict[str, dict[str, float]] = {}
 
     # ----------------------------------------------------------------------------------------------- setup
@@ -134,8 +171,12 @@ class RLVRModule(LightningModule):
         self.verifier_runner = VerifierRunner(verifier)
 
     def configure_callbacks(self):
-        callbacks = [RolloutCallback(), VerificationCallback(), CompletionsTable(self.log_completions_every_n_steps),
-                     AdapterExport(self.save_adapter_every_n_steps)]
+        callbacks = [RolloutCallback(), VerificationCallback()]
+        if self.objective.dynamic_sampling:
+            callbacks.append(DynamicSamplingCallback())
+        callbacks += [CompletionsTable(self.log_completions_every_n_steps), AdapterExport(self.save_adapter_every_n_steps)]
+        if self.objective.uses_teacher:
+            callbacks.append(CreditLogging(self.log_completions_every_n_steps))
         if self.validate_before_training:
             callbacks.append(ValidateBeforeTraining())
         return callbacks
@@ -164,21 +205,26 @@ class RLVRModule(LightningModule):
         return prompts
 
     # ------------------------------------------------------------------------------------------ log-probs
-    def token_logprobs(self, model, input_ids: Tensor, attention_mask: Tensor, num_completion: int) -> tuple[Tensor, Tensor]:
-        """fp32 log-probs ``[N, C]`` of the last ``num_completion`` tokens of ``input_ids`` and the entropy of
-        each predicted distribution, at the sampling temperature. Only the backbone runs on the whole
-        sequence; logits are computed in chunks for the completion positions alone."""
+    def completion_hidden(self, model, input_ids: Tensor, attention_mask: Tensor, num_completion: int) -> Tensor:
+        """``[N, C, H]`` final hidden states that predict the last ``num_completion`` tokens of ``input_ids``."""
         causal_lm = _unwrap_causal_lm(model)
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # [N, T, H]
-        hidden = hidden[:, -num_completion - 1 : -1]  # [N, C, H]: the state before each completion token
+        return hidden[:, -num_completion - 1 : -1]  # [N, C, H]: the state before each completion token
+
+    def lm_head(self):
+        return _unwrap_causal_lm(self.policy).get_output_embeddings()
+
+    def token_logprobs(self, model, input_ids: Tensor, attention_mask: Tensor, num_completion: int) -> tuple[Tensor, Tensor]:
+        """fp32 log-probs ``[N, C]`` of the last ``num_completion`` tokens of ``input_ids`` and the entropy of
+        each predicted distribution, at the sampling temperature. Only the backbone runs on the whole
+        sequence; logits are computed in chunks for the completion positions alone."""
+        hidden = self.completion_hidden(model, input_ids, attention_mask, num_completion)
         targets = input_ids[:, -num_completion:]  # [N, C]
-        return chunked_token_logprobs(
-            hidden, causal_lm.get_output_embeddings(), targets, self.generation.temperature, self.logprob_chunk_size
-        )
+        return chunked_token_logprobs(hidden, self.lm_head(), targets, self.generation.temperature, self.logprob_chunk_size)
 
     @torch.no_grad()
     def score_rollouts(self, rollouts: RolloutBatch) -> None:
@@ -204,27 +250,38 @@ class RLVRModule(LightningModule):
         if rollouts is None or rollouts.rewards is None:
             raise RuntimeError("the batch has no verified rollouts; RolloutCallback and VerificationCallback must run first")
         start = time.perf_counter()
-        advantages = self.objective.advantages(rollouts.rewards, rollouts.group_size)  # [N]
+        objective = self.objective
+        if objective.num_iterations > 1 or objective.beta > 0:
+            self.score_rollouts(rollouts)
+            rollouts.stats["time/scoring_s"] = time.perf_counter() - start
+            start = time.perf_counter()
         mask = rollouts.completion_mask  # [N, C]
-        num_tokens, num_rows = float(mask.sum()), float(mask.shape[0])
-        if self.objective.skips_zero_advantage_rows():
+        rewards = objective.shape_rewards(rollouts.rewards, mask.sum(1), self.generation.max_new_tokens)  # [N]
+        advantages = objective.advantages(rewards, rollouts.group_size)  # [N]
+        loss_mask = mask
+        if objective.needs_batch_entropy:
+            loss_mask = objective.token_mask(self._batch_entropy(rollouts), mask)  # [N, C]
+        if objective.skips_zero_advantage_rows():
             rows = torch.nonzero(advantages != 0).squeeze(1)  # [n]
         else:
             rows = torch.arange(mask.shape[0], device=mask.device)
+        teacher = self._prepare_teacher(rollouts, rows, loss_mask) if objective.uses_teacher else None
+        norms = {"num_tokens": float(loss_mask.sum()), "num_rows": float(mask.shape[0])}
         micro = self.micro_batch_size or max(len(rows), 1)
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sums: dict[str, float] = defaultdict(float)
-        for _ in range(self.objective.num_iterations):
+        for _ in range(objective.num_iterations):
             for chunk in torch.split(rows, micro) if len(rows) else ():
-                out, entropy = self._micro_step(rollouts, chunk, advantages, num_tokens, num_rows)
+                out, entropy = self._micro_step(rollouts, chunk, advantages, loss_mask, norms, teacher)
                 if out is None:
                     sums["nonfinite"] += 1
                     continue
+                share = len(chunk) / max(len(rows), 1)
                 sums["loss"] += float(out.loss.detach())
                 for name, value in out.stats.items():
-                    sums[name] += float(value) * len(chunk) / max(len(rows), 1)
-                sums["entropy"] += float(entropy) * len(chunk) / max(len(rows), 1)
+                    sums[name] += float(value) * share
+                sums["entropy"] += float(entropy) * share
             if sums["nonfinite"]:
                 optimizer.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
             elif self.max_grad_norm > 0 and len(rows):
@@ -235,17 +292,111 @@ class RLVRModule(LightningModule):
             if scheduler is not None:
                 scheduler.step()
         train_time = time.perf_counter() - start
-        self._log_step(rollouts, advantages, rows, sums, train_time)
+        self.last_credit = self._credit_record(rollouts, advantages, teacher) if teacher is not None else None
+        self._log_step(rollouts, rewards, advantages, rows, sums, train_time, teacher)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "batches_consumed"):
             datamodule.batches_consumed += 1
-        return torch.tensor(sums["loss"] / self.objective.num_iterations)
+        return torch.tensor(sums["loss"] / objective.num_iterations)
 
-    def _micro_step(self, rollouts: RolloutBatch, rows: Tensor, advantages: Tensor, num_tokens: float, num_rows: float):
+    # ------------------------------------------------------------------------------------ self-teacher
+    def _prepare_teacher(self, rollouts: RolloutBatch, rows: Tensor, loss_mask: Tensor) -> dict:
+        """References for the rows in the loss (group first, then the buffer of earlier steps)."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        buffer = getattr(datamodule, "verified_buffer", None)
+        objective = self.objective
+        references = choose_references(
+            rollouts, rows.tolist(), self.success_threshold, buffer, objective.num_references, objective.seed, self.global_step
+        )
+        by_row = {int(r): refs for r, refs in zip(rows.tolist(), references)}
+        has_reference = torch.zeros(loss_mask.shape[0], dtype=torch.bool, device=loss_mask.device)  # [N]
+        for r, refs in by_row.items():
+            has_reference[r] = bool(refs)
+        return {
+            "references": by_row,
+            "has_reference": has_reference,
+            "num_distill_tokens": float((loss_mask * has_reference.unsqueeze(1)).sum()),
+            "cache": {},  # row -> divergence [C] or teacher hidden [C, H], computed once under pi_old
+            "rows": rows,
+        }
+
+    @torch.no_grad()
+    def _teacher_hidden(self, rollouts: RolloutBatch, rows: Tensor, references: list[str]) -> Tensor:
+        ids, mask = teacher_inputs(self, rollouts, rows, references, self.objective.teacher_template)
+        c = rollouts.completion_ids.shape[1]
+        if self.objective.teacher == "base":
+            if not hasattr(self.policy, "disable_adapter"):
+                raise ValueError("teacher='base' runs the base model with adapters disabled; it needs LoRA")
+            with self.policy.disable_adapter():
+                return self.completion_hidden(self.policy, ids, mask, c)
+        return self.completion_hidden(self.policy, ids, mask, c)
+
+    def _teacher_signal(self, rollouts: RolloutBatch, chunk: Tensor, student_hidden: Tensor, teacher: dict) -> Tensor:
+        """For the rows of ``chunk``: SC-GRPO's divergence ``[n, C]`` (averaged over references) or the
+        teacher's hidden states ``[n, C, H]`` for distillation; zeros where a row has no reference. Computed on
+        the first pass over a row (under pi_old) and reused by later ones."""
+        cache, objective = teacher["cache"], self.objective
+        missing = [i for i, r in enumerate(chunk.tolist()) if r not in cache]
+        if missing:
+            idx = torch.tensor(missing, device=chunk.device)
+            rows = chunk[idx]
+            targets = rollouts.completion_ids[rows]
+            distill = objective.teacher_signal == "distill"
+            shape = student_hidden.shape[1:] if distill else student_hidden.shape[1:2]
+            total = torch.zeros((len(missing), *shape), device=chunk.device,
+                                dtype=student_hidden.dtype if distill else torch.float32)
+            count = torch.zeros(len(missing), device=chunk.device)
+            for k in range(1 if distill else objective.num_references):
+                pick = [j for j, r in enumerate(rows.tolist()) if len(teacher["references"][r]) > k]
+                if not pick:
+                    continue
+                sel = torch.tensor(pick, device=chunk.device)
+                hidden_t = self._teacher_hidden(rollouts, rows[sel], [teacher["references"][int(rows[j])][k] for j in pick])
+                if distill:
+                    total[sel] += hidden_t
+                else:
+                    total[sel] += chunked_divergence(
+                        hidden_t, student_hidden[idx[sel]].detach(), self.lm_head(), targets[sel], objective.divergence,
+                        self.generation.temperature, self.logprob_chunk_size,
+                    )
+                count[sel] += 1
+            for j, r in enumerate(rows.tolist()):
+                cache[r] = total[j] / count[j].clamp(min=1)
+        return torch.stack([cache[r] for r in chunk.tolist()])
+
+    def _credit_record(self, rollouts: RolloutBatch, advantages: Tensor, teacher: dict) -> dict:
+        """What the credit-logging callback reads: per loss row its reference flag, advantage and, for SC-GRPO,
+        divergences and weights."""
+        rows = teacher["rows"].tolist()
+        record = {"rows": rows, "has_reference": teacher["has_reference"][teacher["rows"]].cpu(),
+                  "advantages": advantages[teacher["rows"]].detach().cpu(), "signal": self.objective.teacher_signal}
+        if self.objective.teacher_signal == "weights" and rows:
+            mask = rollouts.completion_mask[teacher["rows"]]
+            divergence = torch.stack([teacher["cache"][r] for r in rows])  # [n, C]
+            record["divergence"] = (divergence * mask).cpu()
+            record["weights"] = self.objective.token_weights(divergence, mask, teacher["has_reference"][teacher["rows"]]).cpu()
+            record["mask"] = mask.cpu()
+        return record
+
+    @torch.no_grad()
+    def _batch_entropy(self, rollouts: RolloutBatch) -> Tensor:
+        """``[N, C]`` token entropies of the whole batch under the current (= sampling) policy."""
+        c = rollouts.completion_ids.shape[1]
+        micro = self.micro_batch_size or rollouts.completion_ids.shape[0]
+        parts = []
+        for rows in torch.split(torch.arange(rollouts.completion_ids.shape[0], device=self.device), micro):
+            parts.append(self.token_logprobs(self.policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], c)[1])
+        return torch.cat(parts)
+
+    def _micro_step(self, rollouts: RolloutBatch, rows: Tensor, advantages: Tensor, loss_mask: Tensor, norms: dict,
+                    teacher: Optional[dict] = None):
         c = rollouts.completion_ids.shape[1]
         input_ids, attention_mask = rollouts.input_ids[rows], rollouts.attention_mask[rows]
-        logprobs, entropy = self.token_logprobs(self.policy, input_ids, attention_mask, c)  # [n, C]
-        mask = rollouts.completion_mask[rows]
+        hidden = self.completion_hidden(self.policy, input_ids, attention_mask, c)  # [n, C, H]
+        logprobs, entropy = chunked_token_logprobs(
+            hidden, self.lm_head(), rollouts.completion_ids[rows], self.generation.temperature, self.logprob_chunk_size
+        )  # [n, C]
+        mask = loss_mask[rows]
         old = rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach()
         inputs = LossInputs(
             completion_mask=mask,
@@ -253,10 +404,21 @@ class RLVRModule(LightningModule):
             old_logprobs=old,
             ref_logprobs=rollouts.ref_logprobs[rows] if rollouts.ref_logprobs is not None else None,
             entropy=entropy,
-            num_tokens=num_tokens,
-            num_sequences=num_rows,
+            num_tokens=norms["num_tokens"],
+            num_sequences=norms["num_rows"],
             max_len=self.generation.max_new_tokens,
         )
+        if teacher is not None:
+            signal = self._teacher_signal(rollouts, rows, hidden, teacher)
+            inputs.has_reference = teacher["has_reference"][rows]
+            inputs.num_distill_tokens = teacher["num_distill_tokens"]
+            if self.objective.teacher_signal == "weights":
+                inputs.token_weights = self.objective.token_weights(signal, mask, inputs.has_reference)
+            else:
+                inputs.distill_kl = chunked_distill_kl(
+                    hidden, signal, self.lm_head(), self.objective.divergence, self.generation.temperature,
+                    self.logprob_chunk_size,
+                )
         out = self.objective.loss(logprobs, inputs)
         if not torch.isfinite(out.loss):
             self.nonfinite_skips += 1
@@ -266,16 +428,18 @@ class RLVRModule(LightningModule):
         self.manual_backward(out.loss)
         return out, masked_mean(entropy.detach(), mask)
 
-    def _log_step(self, rollouts: RolloutBatch, advantages: Tensor, rows: Tensor, sums: dict, train_time: float) -> None:
-        rewards, mask = rollouts.rewards, rollouts.completion_mask
+    def _log_step(self, rollouts: RolloutBatch, rewards: Tensor, advantages: Tensor, rows: Tensor, sums: dict,
+                  train_time: float, teacher: Optional[dict] = None) -> None:
+        mask = rollouts.completion_mask
         grouped = rewards.view(-1, rollouts.group_size)
         lengths = mask.sum(1)
         iters = self.objective.num_iterations
         metrics = {
             "train/loss": sums["loss"] / iters,
-            "train/reward": rewards.mean(),
+            "train/reward": rollouts.rewards.mean(),
+            "train/shaped_reward": rewards.mean(),
             "train/reward_std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
-            "train/accuracy": (rewards >= self.success_threshold).float().mean(),
+            "train/accuracy": (rollouts.rewards >= self.success_threshold).float().mean(),
             "train/mixed_groups": (grouped.max(1).values != grouped.min(1).values).float().mean(),
             "train/completion_length": lengths.mean(),
             "train/truncated": rollouts.truncated.float().mean(),
@@ -291,6 +455,8 @@ class RLVRModule(LightningModule):
                 metrics["train/grad_norm"] = sums["grad_norm"] / iters
         if "kl" in sums:
             metrics["train/kl"] = sums["kl"] / iters
+        if teacher is not None and len(rows):
+            metrics["credit/reference_share"] = teacher["has_reference"][rows].float().mean()
         for name, value in sums.items():
             if name not in ("loss", "entropy", "grad_norm", "kl", "clip_fraction", "nonfinite"):
                 metrics[f"train/{name}"] = value / iters
@@ -299,8 +465,8 @@ class RLVRModule(LightningModule):
         optimizer = self.optimizers()
         metrics["train/lr"] = optimizer.param_groups[0]["lr"]
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, prog_bar=False,
-                      batch_size=len(rewards))
-        self.log("reward", float(rewards.mean()), prog_bar=True, on_step=True, on_epoch=False, logger=False)
+                      batch_size=max(len(rewards), 1))
+        self.log("reward", float(rollouts.rewards.mean()), prog_bar=True, on_step=True, on_epoch=False, logger=False)
 
     # -------------------------------------------------------------------------------------------- eval
     def on_validation_epoch_start(self) -> None:
@@ -360,7 +526,7 @@ class RLVRModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {f"policy.{name}" for name, p in self.policy.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips}
+        checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "rng": _rng_state()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()
@@ -371,4 +537,7 @@ class RLVRModule(LightningModule):
                 f"checkpoint lacks {len(missing)} trainable tensors of this model (e.g. {missing[0]}); "
                 "was it written with another model or LoRA setting?"
             )
-        self.nonfinite_skips = checkpoint.get("scgrpo", {}).get("nonfinite_skips", 0)
+        state = checkpoint.get("scgrpo", {})
+        self.nonfinite_skips = state.get("nonfinite_skips", 0)
+        if "rng" in state:  # sampling goes on exactly as it would have without the stop
+            _set_rng_state(state["rng"])

@@ -1,15 +1,84 @@
-"""Rollout generation and verification, run before each training step."""
+"""Rollout generation, verification and DAPO's dynamic sampling, run before each training step."""
 
 from __future__ import annotations
 
+import logging
 import time
 
-
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Callback
 
 from scgrpo.rollout.engine import generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
+    """G completions of each prompt of ``batch`` under the current policy."""
+    settings = pl_module.generation
+    g = settings.num_generations
+    generated = generate(
+        pl_module.policy, pl_module.tokenizer, pl_module.format_prompts(batch.questions), g, settings, pl_module.device
+    )
+    return RolloutBatch(
+        prompt_ids=generated.prompt_ids,
+        prompt_mask=generated.prompt_mask,
+        completion_ids=generated.completion_ids,
+        completion_mask=generated.completion_mask,
+        truncated=generated.truncated,
+        group_size=g,
+        sample_ids=[i for i in batch.ids for _ in range(g)],
+        questions=[q for q in batch.questions for _ in range(g)],
+        answers=[a for a in batch.answers for _ in range(g)],
+        completions=generated.completions,
+    )
+
+
+def verify_rollouts(pl_module, rollouts: RolloutBatch) -> None:
+    """Sets ``rollouts.rewards`` and ``rollouts.infos`` with the run's verifier (failures score 0)."""
+    results = pl_module.verifier_runner(rollouts.completions, rollouts.answers, rollouts.questions, rollouts.sample_ids)
+    rollouts.rewards = torch.tensor([r.score for r in results], dtype=torch.float32, device=pl_module.device)
+    rollouts.infos = [r.info for r in results]
+
+
+def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch from several: prompts re-padded on the left, completions on the right."""
+    tp = max(p.prompt_ids.shape[1] for p in parts)
+    c = max(p.completion_ids.shape[1] for p in parts)
+
+    def left(x, width, value):
+        return F.pad(x, (width - x.shape[1], 0), value=value)
+
+    def right(x, width, value):
+        return F.pad(x, (0, width - x.shape[1]), value=value)
+
+    merged = RolloutBatch(
+        prompt_ids=torch.cat([left(p.prompt_ids, tp, pad_id) for p in parts]),
+        prompt_mask=torch.cat([left(p.prompt_mask, tp, 0) for p in parts]),
+        completion_ids=torch.cat([right(p.completion_ids, c, pad_id) for p in parts]),
+        completion_mask=torch.cat([right(p.completion_mask, c, 0.0) for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+        group_size=parts[0].group_size,
+        sample_ids=sum((p.sample_ids for p in parts), []),
+        questions=sum((p.questions for p in parts), []),
+        answers=sum((p.answers for p in parts), []),
+        completions=sum((p.completions for p in parts), []),
+        rewards=torch.cat([p.rewards for p in parts]) if all(p.rewards is not None for p in parts) else None,
+        infos=sum((p.infos or [{}] * len(p.completions) for p in parts), []),
+    )
+    for p in parts:
+        for key, value in p.stats.items():
+            merged.stats[key] = merged.stats.get(key, 0.0) + value
+    return merged
+
+
+def mixed_groups(rollouts: RolloutBatch) -> torch.Tensor:
+    """Row indices of the groups whose rewards are not all equal."""
+    grouped = rollouts.rewards.view(-1, rollouts.group_size)
+    keep = grouped.max(1).values != grouped.min(1).values  # [P]
+    return torch.nonzero(keep.repeat_interleave(rollouts.group_size)).squeeze(1)
 
 
 class RolloutCallback(Callback):
@@ -19,38 +88,15 @@ class RolloutCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
         start = time.perf_counter()
-        settings = pl_module.generation
-        generated = generate(
-            pl_module.policy,
-            pl_module.tokenizer,
-            pl_module.format_prompts(batch.questions),
-            settings.num_generations,
-            settings,
-            pl_module.device,
-        )
-        g = settings.num_generations
-        rollouts = RolloutBatch(
-            prompt_ids=generated.prompt_ids,
-            prompt_mask=generated.prompt_mask,
-            completion_ids=generated.completion_ids,
-            completion_mask=generated.completion_mask,
-            truncated=generated.truncated,
-            group_size=g,
-            sample_ids=[i for i in batch.ids for _ in range(g)],
-            questions=[q for q in batch.questions for _ in range(g)],
-            answers=[a for a in batch.answers for _ in range(g)],
-            completions=generated.completions,
-        )
+        rollouts = sample_rollouts(pl_module, batch)
         rollouts.stats["time/generation_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        pl_module.score_rollouts(rollouts)
-        rollouts.stats["time/scoring_s"] = time.perf_counter() - start
         batch.rollouts = rollouts
 
 
 class VerificationCallback(Callback):
-    """Scores each rollout with the run's verifier (``reward``); failures of the verifier give 0 and are
-    counted. Runs after :class:`RolloutCallback`."""
+    """Scores each rollout with the run's verifier (failures of the verifier give 0 and are counted), and
+    after the step stores the verified rollouts in the data module's verified-trajectory buffer, so the
+    self-teacher of later steps can be shown them. Runs after :class:`RolloutCallback`."""
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
         rollouts = batch.rollouts
@@ -59,13 +105,48 @@ class VerificationCallback(Callback):
         start = time.perf_counter()
         runner = pl_module.verifier_runner
         errors, timeouts = runner.errors, runner.timeouts
-        results = runner(rollouts.completions, rollouts.answers, rollouts.questions, rollouts.sample_ids)
-        rollouts.rewards = torch.tensor([r.score for r in results], dtype=torch.float32, device=pl_module.device)
+        verify_rollouts(pl_module, rollouts)
         rollouts.stats["time/verification_s"] = time.perf_counter() - start
         rollouts.stats["verifier/errors"] = float(runner.errors - errors)
         rollouts.stats["verifier/timeouts"] = float(runner.timeouts - timeouts)
-        rollouts.stats["verifier/errors_total"] = float(runner.errors)
-        rollouts.stats["verifier/timeouts_total"] = float(runner.timeouts)
-        rollouts.infos = [r.info for r in results]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: PromptBatch, batch_idx: int) -> None:
+        buffer = getattr(getattr(trainer, "datamodule", None), "verified_buffer", None)
+        rollouts = batch.rollouts
+        if buffer is None or rollouts is None or rollouts.rewards is None:
+            return
+        for i, reward in enumerate(rollouts.rewards.tolist()):
+            if reward >= pl_module.success_threshold:
+                tokens = rollouts.completion_ids[i][rollouts.completion_mask[i].bool()].tolist()
+                buffer.add(rollouts.sample_ids[i], tokens, rollouts.completions[i], reward, trainer.global_step)
 
 
+class DynamicSamplingCallback(Callback):
+    """DAPO's dynamic sampling: drops the groups whose rewards are all equal and samples more prompts until
+    the batch again holds as many groups as it started with, for at most ``objective.max_sampling_rounds``
+    extra rounds. Logs ``dapo/extra_rounds`` and ``dapo/kept_groups``. Runs after verification and only for
+    objectives with ``dynamic_sampling``."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
+        objective = pl_module.objective
+        if not getattr(objective, "dynamic_sampling", False) or batch.rollouts is None:
+            return
+        target = batch.rollouts.num_groups
+        kept = [batch.rollouts.select(mixed_groups(batch.rollouts))]
+        kept[0].stats = dict(batch.rollouts.stats)
+        have, rounds = kept[0].num_groups, 0
+        datamodule = getattr(trainer, "datamodule", None)
+        while have < target and rounds < objective.max_sampling_rounds and hasattr(datamodule, "extra_batch"):
+            rounds += 1
+            start = time.perf_counter()
+            extra = sample_rollouts(pl_module, datamodule.extra_batch())
+            verify_rollouts(pl_module, extra)
+            extra = extra.select(mixed_groups(extra)[: (target - have) * extra.group_size])
+            extra.stats = {"time/generation_s": time.perf_counter() - start}
+            kept.append(extra)
+            have += extra.num_groups
+        batch.rollouts = concat_rollouts(kept, pl_module.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]
+        batch.rollouts.stats["dapo/extra_rounds"] = float(rounds)
+        batch.rollouts.stats["dapo/kept_groups"] = float(have)
+        if have < target:
+            log.debug("dynamic sampling stopped at %d of %d groups after %d extra rounds", have, target, rounds)

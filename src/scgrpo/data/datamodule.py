@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 from typing import Any, Iterator, Optional, Union
 
+import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
+from scgrpo.data.buffer import VerifiedBuffer
 from scgrpo.data.sources import PromptSource, Row, resolve_source
 from scgrpo.rollout.types import PromptBatch
 
@@ -59,6 +61,8 @@ class PromptDataModule(LightningDataModule):
         eval_splits: which of the source's evaluation splits to run (default: all of them).
         max_eval_prompts: cap on prompts per evaluation split (None = all).
         seed: fixes the order of training prompts.
+        buffer_size_per_prompt: K, verified completions kept per prompt for the self-teacher (0 = none).
+        buffer_max_total: cap on verified completions kept overall.
     """
 
     def __init__(
@@ -69,6 +73,8 @@ class PromptDataModule(LightningDataModule):
         eval_splits: Optional[list[str]] = None,
         max_eval_prompts: Optional[int] = None,
         seed: int = 0,
+        buffer_size_per_prompt: int = 4,
+        buffer_max_total: Optional[int] = 100_000,
     ) -> None:
         super().__init__()
         if batch_size < 1 or eval_batch_size < 1:
@@ -82,6 +88,8 @@ class PromptDataModule(LightningDataModule):
             raise ValueError(f"eval_splits {unknown} not offered by {type(self.source).__name__}; it has {available}")
         self.max_eval_prompts, self.seed = max_eval_prompts, seed
         self.batches_consumed = 0  # per rank; saved in checkpoints so a resumed run continues the stream
+        self.extra_consumed = 0
+        self.verified_buffer = VerifiedBuffer(buffer_size_per_prompt, buffer_max_total)
 
     def default_verifier(self):
         return self.source.default_verifier()
@@ -96,7 +104,9 @@ class PromptDataModule(LightningDataModule):
             raise ValueError(f"{type(self.source).__name__} gave an empty train split")
         rank, world = self._rank_world()
         stream = PromptStream(rows, self.batch_size, self.seed, self.batches_consumed, rank, world)
-        return DataLoader(stream, batch_size=None, num_workers=0)
+        # a private generator: creating a loader's iterator draws a seed from it, and drawing from the global one
+        # would shift the sampling RNG of a resumed run (and of every run at each validation)
+        return DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator().manual_seed(self.seed))
 
     def eval_rows(self, split: str) -> list[Row]:
         rows = self.source.rows(split)
@@ -109,15 +119,31 @@ class PromptDataModule(LightningDataModule):
             if not rows:
                 raise ValueError(f"evaluation split {split!r} is empty")
             loaders.append(
-                DataLoader(rows, batch_size=self.eval_batch_size, shuffle=False, collate_fn=lambda b, s=split: _batch(b, s))
+                DataLoader(rows, batch_size=self.eval_batch_size, shuffle=False, collate_fn=lambda b, s=split: _batch(b, s),
+                           generator=torch.Generator().manual_seed(self.seed))
             )
         return loaders
 
     def test_dataloader(self) -> list[DataLoader]:
         return self.val_dataloader()
 
+    def extra_batch(self) -> PromptBatch:
+        """One more batch of training prompts for DAPO's dynamic sampling, from a second seeded stream (the
+        main one is already being read ahead by the data loader); its position is checkpointed too."""
+        rank, world = self._rank_world()
+        stream = PromptStream(self.source.rows("train"), self.batch_size, self.seed + 1_000_003, self.extra_consumed, rank, world)
+        self.extra_consumed += 1
+        return next(iter(stream))
+
     def state_dict(self) -> dict[str, Any]:
-        return {"batches_consumed": self.batches_consumed}
+        return {
+            "batches_consumed": self.batches_consumed,
+            "extra_consumed": self.extra_consumed,
+            "verified_buffer": self.verified_buffer.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.batches_consumed = int(state_dict.get("batches_consumed", 0))
+        self.extra_consumed = int(state_dict.get("extra_consumed", 0))
+        if "verified_buffer" in state_dict:
+            self.verified_buffer.load_state_dict(state_dict["verified_buffer"])

@@ -6,6 +6,7 @@ formula is tested once. Shapes: ``N`` rollouts (prompts x group size), ``C`` com
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Literal, Optional
 
 import torch
@@ -220,3 +221,116 @@ def chunked_token_logprobs(
 def naive_token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
     """Reference implementation for tests: full fp32 log-softmax, then gather."""
     return torch.gather(F.log_softmax(logits.float() / temperature, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+Divergence = Literal["forward_kl", "reverse_kl", "jsd", "sampled"]
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "sampled")
+
+
+def divergence_from_logprobs(teacher: Tensor, student: Tensor, targets: Tensor, kind: Divergence = "forward_kl") -> Tensor:
+    """Per-token divergence between two ``[..., V]`` log-distributions (fp32), reduced over the vocabulary.
+
+    forward_kl = KL(p_T || p_S), reverse_kl = KL(p_S || p_T), jsd = Jensen-Shannon with the mixture
+    (natural log), sampled = |log p_T(y_t) - log p_S(y_t)| at the sampled token ``targets``.
+    """
+    if kind == "forward_kl":
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if kind == "reverse_kl":
+        return (student.exp() * (student - teacher)).sum(-1)
+    if kind == "jsd":
+        mixture = torch.logaddexp(teacher, student) - math.log(2.0)
+        return 0.5 * (teacher.exp() * (teacher - mixture)).sum(-1) + 0.5 * (student.exp() * (student - mixture)).sum(-1)
+    if kind == "sampled":
+        index = targets.unsqueeze(-1)
+        return (teacher.gather(-1, index) - student.gather(-1, index)).squeeze(-1).abs()
+    raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES}")
+
+
+@torch.no_grad()
+def chunked_divergence(
+    teacher_hidden: Tensor,
+    student_hidden: Tensor,
+    lm_head: Callable[[Tensor], Tensor],
+    targets: Tensor,
+    kind: Divergence = "forward_kl",
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> Tensor:
+    """``[N, C]`` divergence between the teacher's and the student's next-token distributions, exact over the
+    full vocabulary in fp32, computed ``chunk_size`` tokens at a time (no ``N x C x V`` tensor), no gradient."""
+    n, c, h = student_hidden.shape
+    t_flat, s_flat, y_flat = teacher_hidden.reshape(n * c, h), student_hidden.reshape(n * c, h), targets.reshape(n * c)
+    out = torch.empty(n * c, dtype=torch.float32, device=student_hidden.device)
+    for start in range(0, n * c, chunk_size):
+        rows = slice(start, start + chunk_size)
+        teacher = torch.log_softmax(lm_head(t_flat[rows]).float() / temperature, dim=-1)  # [n, V]
+        student = torch.log_softmax(lm_head(s_flat[rows]).float() / temperature, dim=-1)  # [n, V]
+        out[rows] = divergence_from_logprobs(teacher, student, y_flat[rows], kind)
+    return out.view(n, c)
+
+
+def credit_weights(divergence: Tensor, mask: Tensor, w_max: float = 5.0, lam: float = 1.0, eps: float = 1e-8) -> Tensor:
+    """SC-GRPO token weights: w_t = min(d_t / (mean of d over the sequence + eps), w_max), then
+    (1 - lam) + lam * w_t. ``divergence`` and ``mask`` are ``[N, C]``; padding gets weight 0 (it is masked
+    anyway). Detached."""
+    divergence = divergence.detach().float()
+    mean = masked_mean(divergence, mask, dim=1).unsqueeze(1)  # [N, 1]
+    weights = torch.clamp(divergence / (mean + eps), max=w_max)
+    return ((1.0 - lam) + lam * weights) * mask
+
+
+class _LinearDistillKL(torch.autograd.Function):
+    """Per-token KL between a fixed teacher and the student, both ``softmax(h W^T / T)``, chunk by chunk, with
+    the gradient through the student's hidden states only."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, weight, bias, teacher_hidden, temperature, chunk_size, kind):
+        m = student_hidden.shape[0]
+        out = student_hidden.new_empty(m, dtype=torch.float32)
+        for start in range(0, m, chunk_size):
+            rows = slice(start, start + chunk_size)
+            student = torch.log_softmax(F.linear(student_hidden[rows], weight, bias).float() / temperature, -1)
+            teacher = torch.log_softmax(F.linear(teacher_hidden[rows], weight, bias).float() / temperature, -1)
+            out[rows] = divergence_from_logprobs(teacher, student, None, kind)  # type: ignore[arg-type]
+        ctx.save_for_backward(student_hidden, weight, bias, teacher_hidden)
+        ctx.temperature, ctx.chunk_size, ctx.kind = temperature, chunk_size, kind
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        student_hidden, weight, bias, teacher_hidden = ctx.saved_tensors
+        grad_hidden = torch.empty_like(student_hidden)
+        for start in range(0, student_hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            student = torch.log_softmax(F.linear(student_hidden[rows], weight, bias).float() / ctx.temperature, -1)
+            teacher = torch.log_softmax(F.linear(teacher_hidden[rows], weight, bias).float() / ctx.temperature, -1)
+            g = grad_out[rows].float().unsqueeze(-1)  # [n, 1]
+            p_s = student.exp()
+            if ctx.kind == "forward_kl":  # d/dz_s sum p_T (log p_T - log p_S) = p_S - p_T
+                grad_logits = (p_s - teacher.exp()) * g
+            else:  # reverse: d/dz_s sum p_S (log p_S - log p_T) = p_S * ((log p_S - log p_T) - KL)
+                diff = student - teacher
+                kl = (p_s * diff).sum(-1, keepdim=True)
+                grad_logits = p_s * (diff - kl) * g
+            grad_hidden[rows] = (grad_logits / ctx.temperature).to(student_hidden.dtype) @ weight
+        return grad_hidden, None, None, None, None, None, None
+
+
+def chunked_distill_kl(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    lm_head: torch.nn.Linear,
+    kind: Divergence = "forward_kl",
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> Tensor:
+    """``[N, C]`` KL between the teacher (no gradient) and the student, differentiable in the student's hidden
+    states; the lm_head weights get no gradient (they are frozen under LoRA)."""
+    if kind not in ("forward_kl", "reverse_kl"):
+        raise ValueError(f"distillation supports forward_kl and reverse_kl, got {kind!r}")
+    n, c, h = student_hidden.shape
+    out = _LinearDistillKL.apply(
+        student_hidden.reshape(n * c, h), lm_head.weight, lm_head.bias, teacher_hidden.detach().reshape(n * c, h),
+        float(temperature), chunk_size, kind,
+    )
+    return out.view(n, c)

@@ -78,6 +78,7 @@ class RolloutBatch:
             answers=[self.answers[i] for i in idx],
             completions=[self.completions[i] for i in idx],
             rewards=pick(self.rewards),
+            infos=[self.infos[i] for i in idx] if self.infos is not None else None,
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
         )

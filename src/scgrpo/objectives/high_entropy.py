@@ -1,0 +1,44 @@
+"""GRPO on the high-entropy minority of tokens (Beyond the 80/20 Rule, arXiv 2506.01939)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from scgrpo.objectives import functional as Fn
+from scgrpo.objectives.grpo import GRPO
+
+
+class HighEntropyGRPO(GRPO):
+    """The policy-gradient loss restricted to the tokens whose entropy is in the batch's top ``rho`` share
+    ("forking tokens"); the others get no gradient. The threshold is the (1 - rho) quantile of the
+    entropies of all completion tokens in the rollout batch, measured under pi_old.
+
+    Args:
+        rho: share of tokens kept (0.2 in the paper).
+        (and GRPO's arguments; the paper pairs it with DAPO's clip-higher: eps_high=0.28)
+    """
+
+    needs_batch_entropy = True
+
+    def __init__(
+        self,
+        rho: float = 0.2,
+        scale: Fn.AdvantageScale = "group",
+        eps_low: float = 0.2,
+        eps_high: float = 0.28,
+        beta: float = 0.0,
+        aggregation: Fn.Aggregation = "token-mean",
+        num_iterations: int = 1,
+    ) -> None:
+        super().__init__(scale, eps_low, eps_high, beta, aggregation, num_iterations)
+        if not 0.0 < rho <= 1.0:
+            raise ValueError(f"rho must be in (0, 1], got {rho}")
+        self.rho = rho
+
+    def token_mask(self, entropy: Tensor, mask: Tensor) -> Tensor:
+        values = entropy[mask.bool()].float()
+        if values.numel() == 0:
+            return mask
+        threshold = torch.quantile(values, 1.0 - self.rho)
+        return mask * (entropy >= threshold).to(mask.dtype)
