@@ -27,7 +27,7 @@ def _tiny_args(tiny_model_dir):
 
 def test_there_are_configs():
     names = {os.path.basename(c) for c in CONFIGS}
-    assert {"quickstart.yaml", "grpo_arith.yaml"} <= names
+    assert {"quickstart.yaml", "grpo_arith_gpu.yaml"} | {f"{n}_arith.yaml" for n in ("scgrpo", "grpo", "drgrpo", "dapo", "selfdistill")} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
@@ -73,3 +73,15 @@ def test_bad_config_values_end_in_one_clear_message(args, message, tiny_model_di
         main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir), *args])
     text = str(info.value) + capsys.readouterr().err
     assert message in text
+
+
+def test_arith_configs_differ_only_in_the_objective_block():
+    import yaml
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "configs")
+    loaded = {n: yaml.safe_load(open(os.path.join(folder, f"{n}_arith.yaml"))) for n in
+              ("scgrpo", "grpo", "drgrpo", "dapo", "selfdistill")}
+    for config in loaded.values():
+        config["model"].pop("objective")
+    first = loaded.pop("scgrpo")
+    assert all(config == first for config in loaded.values())

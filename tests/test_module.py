@@ -66,7 +66,7 @@ def test_leaving_out_zero_advantage_rows_gives_the_full_batch_gradient(tiny_mode
     def grads(rows):
         for p in params:
             p.grad = None
-        module._micro_step(rollouts, rows, advantages, n_tok, n_rows)
+        module._micro_step(rollouts, rows, advantages, rollouts.completion_mask, {"num_tokens": n_tok, "num_rows": n_rows})
         return [p.grad.clone() for p in params]
 
     full = grads(torch.arange(8))

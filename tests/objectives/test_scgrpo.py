@@ -107,12 +107,15 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
 
 
 def test_peak_memory_of_the_chunked_divergence_does_not_grow_with_length():
-    """Measured in a fresh process: from 512 to 4096 tokens the peak RSS grows by far less than the
-    4096 x 32000 x 4 B = 500 MiB that one fp32 full-vocabulary tensor would take."""
+    """Measured in a fresh process: at 4096 tokens the whole computation peaks below the 4096 x 32000 x 4 B =
+    500 MiB that a single fp32 full-vocabulary tensor of that length would take (the naive computation holds
+    several), and going from 512 to 4096 tokens adds far less than that."""
 
     def peak_kib(tokens: int) -> int:
         out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tokens)], capture_output=True, text=True, check=True)
         return int(out.stdout.strip().splitlines()[-1])
 
     short, long = peak_kib(512), peak_kib(4096)
-    assert long - short < 100 * 1024, (short, long)
+    full_tensor_kib = 4096 * 32000 * 4 // 1024
+    assert long < full_tensor_kib, (short, long)
+    assert long - short < full_tensor_kib // 2, (short, long)

@@ -40,6 +40,8 @@ def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale = "
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    if rewards.numel() == 0:
+        return rewards.clone()
     grouped = rewards.view(-1, group_size)  # [P, G]
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # [N]
     if scale == "none":
