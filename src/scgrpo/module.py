@@ -448,15 +448,15 @@ class RLVRModule(LightningModule):
             "train/nonfinite_skips": float(self.nonfinite_skips),
             "time/train_s": train_time,
         }
-        if len(rows):
-            metrics["train/clip_fraction"] = sums.get("clip_fraction", 0.0) / iters
-            metrics["train/entropy"] = sums["entropy"] / iters
-            if "grad_norm" in sums:
-                metrics["train/grad_norm"] = sums["grad_norm"] / iters
-        if "kl" in sums:
-            metrics["train/kl"] = sums["kl"] / iters
-        if teacher is not None and len(rows):
-            metrics["credit/reference_share"] = teacher["has_reference"][rows].float().mean()
+        # every key every step (NaN when undefined): Lightning would otherwise repeat a stale value
+        nan = float("nan")
+        metrics["train/clip_fraction"] = sums.get("clip_fraction", 0.0) / iters if len(rows) else nan
+        metrics["train/entropy"] = sums["entropy"] / iters if len(rows) else nan
+        metrics["train/grad_norm"] = sums["grad_norm"] / iters if "grad_norm" in sums else nan
+        if self.objective.beta > 0:
+            metrics["train/kl"] = sums["kl"] / iters if "kl" in sums else nan
+        if teacher is not None:
+            metrics["credit/reference_share"] = teacher["has_reference"][rows].float().mean() if len(rows) else nan
         for name, value in sums.items():
             if name not in ("loss", "entropy", "grad_norm", "kl", "clip_fraction", "nonfinite"):
                 metrics[f"train/{name}"] = value / iters

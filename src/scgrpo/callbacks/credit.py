@@ -33,11 +33,14 @@ class CreditLogging(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         record = getattr(pl_module, "last_credit", None)
-        if not record or not record["rows"] or "weights" not in record:
+        if not record or record.get("signal") != "weights":
             return
+        # every key every step (NaN when undefined); credit/reference_share is logged by the module itself
+        metrics = {k: float("nan") for k in ("credit/weight_p50", "credit/weight_p90", "credit/weight_p99",
+                                              "credit/weight_max", "credit/clipped_share",
+                                              "credit/divergence_positive_adv", "credit/divergence_negative_adv")}
         with_ref = record["has_reference"]
-        metrics: dict[str, float] = {}  # credit/reference_share is logged by the module itself
-        if with_ref.any():
+        if record["rows"] and "weights" in record and with_ref.any():
             mask = record["mask"][with_ref].bool()
             weights = record["weights"][with_ref][mask]
             divergence = record["divergence"][with_ref]
@@ -51,9 +54,8 @@ class CreditLogging(Callback):
             for name, sel in (("positive", adv > 0), ("negative", adv < 0)):
                 if sel.any():
                     metrics[f"credit/divergence_{name}_adv"] = per_row[sel].mean().item()
-        if metrics:
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=max(len(record["rows"]), 1))
-        if self.every_n_steps and batch_idx % self.every_n_steps == 0:
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=max(len(record["rows"]), 1))
+        if self.every_n_steps and batch_idx % self.every_n_steps == 0 and "weights" in record:
             self._heatmap(trainer, pl_module, batch, record)
 
     @rank_zero_only
