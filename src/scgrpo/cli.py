@@ -36,13 +36,18 @@ class ScgrpoCLI(LightningCLI):
         parser.set_defaults(
             {
                 "trainer.logger": [
-                    {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "scgrpo"}},
+                    {
+                        "class_path": "lightning.pytorch.loggers.CSVLogger",
+                        "init_args": {"save_dir": "runs", "name": "scgrpo", "flush_logs_every_n_steps": 10},
+                    },
                     {
                         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                         "init_args": {"save_dir": "runs", "name": "scgrpo"},
                     },
                 ],
                 "trainer.max_steps": 100,
+                "trainer.val_check_interval": 50,  # the prompt stream is endless: validate every N steps
+                "trainer.check_val_every_n_epoch": None,
                 "trainer.log_every_n_steps": 1,
                 "trainer.num_sanity_val_steps": 0,
                 "trainer.enable_model_summary": False,
