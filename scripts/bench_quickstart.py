@@ -64,7 +64,7 @@ def main() -> None:
     env = dict(os.environ)
     if args.fresh_cache:
         env["SCGRPO_CACHE"] = os.path.join(workdir, "cache")
-    command = ["scgrpo", "fit", f"--config={args.config}", *args.extra]
+    command = ["scgrpo", "fit", f"--config={os.path.abspath(args.config)}", *args.extra]
     start = time.perf_counter()
     subprocess.run(command, cwd=workdir, env=env, check=True)
     wall = time.perf_counter() - start
@@ -72,7 +72,8 @@ def main() -> None:
     (run_dir,) = glob.glob(os.path.join(workdir, "runs", "*", "version_0"))
     result = {
         "name": args.name,
-        "command": " ".join(["python", "scripts/bench_quickstart.py", f"--name {args.name}"]
+        "command": " ".join(["python", "scripts/bench_quickstart.py", f"--name {args.name}",
+                             f"--config {os.path.relpath(os.path.abspath(args.config), ROOT)}"]
                             + (["--fresh-cache"] if args.fresh_cache else []) + (["--", *args.extra] if args.extra else [])),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version()},
