@@ -16,7 +16,6 @@ from tests.helpers import tiny_data, tiny_module, tiny_trainer
 def _rollouts(module, rewards, group_size=4):
     prompts = module.format_prompts(["What is 1 + 1?", "What is 2 + 3?"])
     g = generate(module.policy, module.tokenizer, prompts, group_size, GenerationSettings(max_new_tokens=6), module.device)
-    n = g.completion_ids.shape[0]
     return RolloutBatch(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.truncated, group_size,
                         ["a"] * 4 + ["b"] * 4, ["What is 1 + 1?"] * 4 + ["What is 2 + 3?"] * 4, [2] * 4 + [5] * 4,
                         g.completions, rewards=torch.tensor(rewards))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
-
 from torch import Tensor
 
 from scgrpo.objectives import functional as Fn
@@ -81,11 +78,11 @@ class GRPO(Objective):
         stats["clip_fraction"] = Fn.masked_mean(is_clipped, mask)
         return LossOutput(loss=loss, stats=stats)
 
-    def _aggregate(self, per_token: Tensor, inputs: LossInputs, aggregation: Optional[str] = None) -> Tensor:
+    def _aggregate(self, per_token: Tensor, inputs: LossInputs) -> Tensor:
         return Fn.aggregate(
             per_token,
             inputs.completion_mask,
-            aggregation or self.aggregation,  # type: ignore[arg-type]
+            self.aggregation,
             max_len=inputs.max_len,
             num_tokens=inputs.num_tokens,
             num_sequences=inputs.num_sequences,
