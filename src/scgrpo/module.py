@@ -218,13 +218,17 @@ class RLVRModule(LightningModule):
     def lm_head(self):
         return _unwrap_causal_lm(self.policy).get_output_embeddings()
 
-    def token_logprobs(self, model, input_ids: Tensor, attention_mask: Tensor, num_completion: int) -> tuple[Tensor, Tensor]:
+    def token_logprobs(
+        self, model, input_ids: Tensor, attention_mask: Tensor, num_completion: int, entropy: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """fp32 log-probs ``[N, C]`` of the last ``num_completion`` tokens of ``input_ids`` and the entropy of
         each predicted distribution, at the sampling temperature. Only the backbone runs on the whole
         sequence; logits are computed in chunks for the completion positions alone."""
         hidden = self.completion_hidden(model, input_ids, attention_mask, num_completion)
         targets = input_ids[:, -num_completion:]  # [N, C]
-        return chunked_token_logprobs(hidden, self.lm_head(), targets, self.generation.temperature, self.logprob_chunk_size)
+        return chunked_token_logprobs(
+            hidden, self.lm_head(), targets, self.generation.temperature, self.logprob_chunk_size, entropy
+        )
 
     @torch.no_grad()
     def score_rollouts(self, rollouts: RolloutBatch) -> None:
@@ -235,12 +239,14 @@ class RLVRModule(LightningModule):
         self.policy.eval()
         try:
             if self.objective.num_iterations > 1:
-                rollouts.old_logprobs = self.token_logprobs(self.policy, rollouts.input_ids, rollouts.attention_mask, c)[0]
+                rollouts.old_logprobs = self.token_logprobs(
+                    self.policy, rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
             if self.objective.beta > 0:
                 if not hasattr(self.policy, "disable_adapter"):
                     raise ValueError("beta > 0 uses the base model (adapters off) as reference; it needs LoRA (lora != null)")
                 with self.policy.disable_adapter():
-                    rollouts.ref_logprobs = self.token_logprobs(self.policy, rollouts.input_ids, rollouts.attention_mask, c)[0]
+                    rollouts.ref_logprobs = self.token_logprobs(
+                        self.policy, rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
         finally:
             self.policy.train(was_training)
 

@@ -110,13 +110,6 @@ def aggregate(
     )
 
 
-def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
-    """log softmax(logits)[..., index] in fp32 without materialising the fp32 log-softmax of every row."""
-    logits = logits.float()
-    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 class _LinearLogprobs(torch.autograd.Function):
     """log softmax(h W^T / T)[target] over row chunks, with a hand-written backward that recomputes each
     chunk's logits: d logp / d logits = (onehot(target) - softmax) / T. No [rows, V] tensor outlives a chunk."""
@@ -176,10 +169,13 @@ class _LinearLogprobs(torch.autograd.Function):
         )
 
 
-def _chunk_logprobs(lm_head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float):
+def _chunk_logprobs(lm_head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float,
+                    want_entropy: bool = True):
     logits = lm_head(hidden).float() / temperature  # [n, V] fp32, one chunk only
     logz = torch.logsumexp(logits, dim=-1)
     logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    if not want_entropy:
+        return logprobs, torch.zeros_like(logz).detach()
     with torch.no_grad():
         probs = torch.softmax(logits.detach(), dim=-1)
         entropy = logz.detach() - (probs * logits.detach()).sum(-1)
@@ -213,7 +209,8 @@ def chunked_token_logprobs(
     logprob_chunks, entropy_chunks = [], []
     use_checkpoint = torch.is_grad_enabled() and hidden.requires_grad
     for start in range(0, n * c, chunk_size):
-        args = (lm_head, flat_hidden[start : start + chunk_size], flat_targets[start : start + chunk_size], temperature)
+        args = (lm_head, flat_hidden[start : start + chunk_size], flat_targets[start : start + chunk_size], temperature,
+                entropy)
         lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if use_checkpoint else _chunk_logprobs(*args)
         logprob_chunks.append(lp)
         entropy_chunks.append(ent)
