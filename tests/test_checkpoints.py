@@ -22,7 +22,7 @@ def test_checkpoint_holds_only_trainable_weights_and_resumes(tiny_model_dir, tmp
     after_two = _lora_state(module)
     (path,) = glob.glob(str(ckpt_dir / "*.ckpt"))
     checkpoint = torch.load(path, weights_only=False)
-    assert set(checkpoint["state_dict"]) == {f"policy.{n}" for n in after_two}
+    assert set(checkpoint["state_dict"]) == {f"runner.policy.{n}" for n in after_two}
     assert checkpoint["PromptDataModule"]["batches_consumed"] == 2
     assert checkpoint["PromptDataModule"]["verified_buffer"] == data.verified_buffer.state_dict()
     assert data.batches_consumed == 2

@@ -28,12 +28,17 @@ def _tiny_args(tiny_model_dir):
 def test_there_are_configs():
     names = {os.path.basename(c) for c in CONFIGS}
     assert {"quickstart.yaml", "grpo_arith_gpu.yaml"} | {f"{n}_arith.yaml" for n in ("scgrpo", "grpo", "drgrpo", "dapo", "selfdistill")} <= names
+    assert {"qlora_scgrpo_arith.yaml", "qlora_grpo_arith.yaml", "fsdp_scgrpo_arith.yaml", "fsdp_grpo_arith.yaml"} <= names
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+SINGLE_PROCESS = [c for c in CONFIGS if not os.path.basename(c).startswith("fsdp_")]  # fsdp: tests/distributed
+
+
+@pytest.mark.parametrize("config", SINGLE_PROCESS, ids=os.path.basename)
 def test_config_runs_two_steps_with_the_tiny_model(config, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir)])
+    extra = ["--model.quantization=null"] if os.path.basename(config).startswith("qlora_") else []  # 4-bit: GPU only
+    main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir), *extra])
     versions = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
     assert versions, "no run folder written"
     run = versions[0]
@@ -64,6 +69,8 @@ def test_custom_verifier_by_class_path(tiny_model_dir, tmp_path, monkeypatch):
         (["--model.generation.num_generations=1"], "num_generations"),
         (["--model.model=/does/not/exist"], "does not exist"),
         (["--model.objective.init_args.aggregation=sum"], "aggregation"),
+        (["--model.quantization=int3"], "quantization='int3'"),
+        (["--model.quantization=nf4", "--model.lora=null"], "cannot be trained"),
     ],
 )
 def test_bad_config_values_end_in_one_clear_message(args, message, tiny_model_dir, tmp_path, monkeypatch, capsys):

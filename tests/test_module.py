@@ -1,3 +1,4 @@
+from collections import defaultdict
 import csv
 import os
 
@@ -66,7 +67,10 @@ def test_leaving_out_zero_advantage_rows_gives_the_full_batch_gradient(tiny_mode
     def grads(rows):
         for p in params:
             p.grad = None
-        module._micro_step(rollouts, rows, advantages, rollouts.completion_mask, {"num_tokens": n_tok, "num_rows": n_rows})
+        plan = module.plan_step(rollouts)
+        assert plan["norms"] == {"num_tokens": n_tok, "num_rows": n_rows}  # denominators count every row
+        plan.update(rows=rows, chunks=[rows], num_chunks=1)
+        module.accumulate_gradients(rollouts, plan, defaultdict(float))
         return [p.grad.clone() for p in params]
 
     full = grads(torch.arange(8))

@@ -1,3 +1,4 @@
+from collections import defaultdict
 """The objectives inside the training loop: SC-GRPO's reduction to GRPO, DAPO's sampling, the baselines."""
 
 import os
@@ -24,16 +25,13 @@ def _rollouts(module, rewards, group_size=4):
 def _gradients(module, rollouts):
     """Loss and LoRA gradients of one training step's math, without the optimizer."""
     module.manual_backward = lambda loss: loss.backward()
-    objective = module.objective
-    advantages = objective.advantages(rollouts.rewards, rollouts.group_size)
-    rows = torch.nonzero(advantages != 0).squeeze(1)
-    mask = rollouts.completion_mask
-    teacher = module._prepare_teacher(rollouts, rows, mask) if objective.uses_teacher else None
+    plan = module.plan_step(rollouts)  # rows with non-zero advantage, references, global denominators
     params = [p for p in module.policy.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    out, _ = module._micro_step(rollouts, rows, advantages, mask, {"num_tokens": float(mask.sum()), "num_rows": 8.0}, teacher)
-    return out.loss.detach(), [p.grad.clone() for p in params], teacher
+    sums = defaultdict(float)
+    module.accumulate_gradients(rollouts, plan, sums)
+    return torch.tensor(sums["loss"]), [p.grad.clone() for p in params], plan["teacher"]
 
 
 def test_scgrpo_without_references_equals_grpo_exactly(tiny_model_dir):

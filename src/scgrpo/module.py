@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -21,10 +22,22 @@ from scgrpo.callbacks import (
     ValidateBeforeTraining,
     VerificationCallback,
 )
-from scgrpo.models import LoraSettings, check_model_name, load_policy, parse_dtype
+from scgrpo.distributed import (
+    PolicyRunner,
+    all_reduce,
+    data_parallel_mesh,
+    full_parameters,
+    full_state,
+    is_sharded,
+    mean_over_ranks,
+    shard_policy,
+    sum_over_ranks,
+    world_size,
+)
+from scgrpo.models import LoraSettings, QUANTIZATIONS, check_model_name, load_policy, parse_dtype
 from scgrpo.objectives import GRPO, LossInputs, Objective
 from scgrpo.objectives.functional import chunked_distill_kl, chunked_divergence, chunked_token_logprobs, masked_mean
-from scgrpo.rollout.engine import GenerationSettings, generate
+from scgrpo.rollout.engine import GenerationSettings, Generated, generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
 from scgrpo.selfteacher import choose_references, teacher_inputs
 from scgrpo.verifiers import Verifier, VerifierRunner
@@ -90,6 +103,8 @@ class RLVRModule(LightningModule):
         micro_batch_size: rows per forward/backward (gradient accumulation inside a step); None = all at once.
         logprob_chunk_size: tokens per chunk of fp32 logits in the log-prob computation.
         gradient_checkpointing: recompute activations in backward (non-reentrant); off during generation.
+        quantization: "nf4" loads the frozen base in 4 bits through bitsandbytes (QLoRA: double quantisation,
+            compute and storage in bf16, so FSDP can shard it); None keeps it in ``dtype``. Needs a GPU.
         eval_samples: k for Avg@k and Pass@k in validation.
         eval_temperature: sampling temperature in validation (None: the training temperature).
         eval_greedy: also measure greedy accuracy in validation.
@@ -114,6 +129,7 @@ class RLVRModule(LightningModule):
         micro_batch_size: Optional[int] = None,
         logprob_chunk_size: int = 1024,
         gradient_checkpointing: bool = False,
+        quantization: Optional[str] = None,
         eval_samples: int = 4,
         eval_temperature: Optional[float] = None,
         eval_greedy: bool = True,
@@ -127,6 +143,14 @@ class RLVRModule(LightningModule):
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
         check_model_name(model)
+        if quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization={quantization!r}: expected null or one of {QUANTIZATIONS}")
+        if quantization is not None and lora is None:
+            raise ValueError("a quantised base cannot be trained; set lora (QLoRA) or quantization: null")
+        if quantization is not None and not torch.cuda.is_available():
+            raise ValueError("quantization (QLoRA) needs a GPU: bitsandbytes' 4-bit layers run on CUDA; "
+                             "set model.quantization: null to train in model.dtype")
+        self.quantization = quantization
         self.model_name = model
         self.objective = objective if objective is not None else GRPO()
         self.lora, self.dtype_name, self.generation = lora, dtype, generation
@@ -141,7 +165,7 @@ class RLVRModule(LightningModule):
         self.save_adapter_every_n_steps = save_adapter_every_n_steps
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trainable weights
-        self.policy = None
+        self.runner: Optional[PolicyRunner] = None  # holds the policy; the FSDP root when sharded
         self.tokenizer = None
         self.verifier_runner: Optional[VerifierRunner] = None
         self.nonfinite_skips = 0
@@ -149,16 +173,30 @@ class RLVRModule(LightningModule):
         self._eval: dict[str, dict[str, float]] = {}
 
     # ----------------------------------------------------------------------------------------------- setup
+    @property
+    def policy(self):
+        """The policy (a peft model with LoRA, or the bare causal LM)."""
+        return self.runner.policy if self.runner is not None else None
+
+    @property
+    def sharded(self) -> bool:
+        return self.runner is not None and is_sharded(self.runner)
+
     def configure_model(self) -> None:
-        if self.policy is not None:
+        if self.runner is not None:
             return
-        device_type = self.trainer.strategy.root_device.type if self._trainer is not None else "cpu"
-        self.policy, self.tokenizer = load_policy(self.model_name, parse_dtype(self.dtype_name, device_type), self.lora)
-        self.policy.train()  # from_pretrained returns eval mode; generation switches to eval by itself
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        dtype = parse_dtype(self.dtype_name, device.type)
+        policy, self.tokenizer = load_policy(self.model_name, dtype, self.lora, self.quantization, device)
+        self.runner = PolicyRunner(policy)
+        policy.train()  # from_pretrained returns eval mode; generation switches to eval by itself
         if self.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if self.lora is not None and hasattr(self.policy, "enable_input_require_grads"):
-                self.policy.enable_input_require_grads()
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if self.lora is not None and hasattr(policy, "enable_input_require_grads"):
+                policy.enable_input_require_grads()
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None:  # a ModelParallelStrategy run (FSDP2Strategy): shard over the data-parallel ranks
+            shard_policy(self.runner, data_parallel_mesh(mesh), dtype)
 
     def setup(self, stage: str) -> None:
         self.configure_model()
@@ -230,10 +268,28 @@ class RLVRModule(LightningModule):
             hidden, self.lm_head(), targets, self.generation.temperature, self.logprob_chunk_size, entropy
         )
 
-    @torch.no_grad()
+    def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
+               temperature: Optional[float] = None) -> Generated:
+        """``num_samples`` completions of each prompt under the current policy (eval mode, no grad). When the
+        policy is sharded, its parameters are gathered once for the whole decode loop."""
+
+        def run() -> Generated:
+            with full_parameters(self.runner):
+                settings = self.generation
+                if self.sharded and settings.merge_lora == "always":
+                    settings = dataclasses.replace(settings, merge_lora="never")  # weights are FSDP's views
+                return generate(self.policy, self.tokenizer, prompts, num_samples, settings, self.device,
+                                greedy=greedy, temperature=temperature)
+
+        return self.runner(run)
+
     def score_rollouts(self, rollouts: RolloutBatch) -> None:
         """Log-probs the objective needs besides the trained ones: under the sampling policy when it takes
         several optimiser steps per batch, and under the reference (adapters off) when it has a KL term."""
+        self.runner(self._score_rollouts, rollouts)
+
+    @torch.no_grad()
+    def _score_rollouts(self, rollouts: RolloutBatch) -> None:
         c = rollouts.completion_ids.shape[1]
         was_training = self.policy.training
         self.policy.eval()
@@ -251,6 +307,11 @@ class RLVRModule(LightningModule):
             self.policy.train(was_training)
 
     # ------------------------------------------------------------------------------------------ training
+    def _sync(self) -> None:
+        """Waits for the GPU so that phase timings measure the work, not the kernel launches."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def training_step(self, batch: PromptBatch, batch_idx: int) -> Tensor:
         rollouts = batch.rollouts
         if rollouts is None or rollouts.rewards is None:
@@ -259,11 +320,41 @@ class RLVRModule(LightningModule):
         objective = self.objective
         if objective.num_iterations > 1 or objective.beta > 0:
             self.score_rollouts(rollouts)
+            self._sync()
             rollouts.stats["time/scoring_s"] = time.perf_counter() - start
             start = time.perf_counter()
+        plan = self.plan_step(rollouts)
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        sums: dict[str, float] = defaultdict(float)
+        for _ in range(objective.num_iterations):
+            self.accumulate_gradients(rollouts, plan, sums)
+            if sums["nonfinite"]:
+                optimizer.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights, on any rank
+            elif self.max_grad_norm > 0 and plan["global_rows"]:
+                params = [p for p in self.policy.parameters() if p.requires_grad]
+                sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+        self._sync()
+        train_time = time.perf_counter() - start
+        teacher = plan["teacher"]
+        self.last_credit = self._credit_record(rollouts, plan["advantages"], teacher) if teacher is not None else None
+        self._log_step(rollouts, plan["rewards"], plan["advantages"], plan["rows"], sums, train_time, teacher)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "batches_consumed"):
+            datamodule.batches_consumed += 1
+        return torch.tensor(sums["loss"] / objective.num_iterations)
+
+    def plan_step(self, rollouts: RolloutBatch) -> dict:
+        """Rewards, advantages, the rows that enter the loss, the self-teacher's references and the loss
+        denominators, summed over all ranks so that every rank's loss share has the global batch's scale."""
+        objective = self.objective
         mask = rollouts.completion_mask  # [N, C]
         rewards = objective.shape_rewards(rollouts.rewards, mask.sum(1), self.generation.max_new_tokens)  # [N]
-        advantages = objective.advantages(rewards, rollouts.group_size)  # [N]
+        advantages = objective.advantages(rewards, rollouts.group_size)  # [N]; groups never span ranks
         loss_mask = mask
         if objective.needs_batch_entropy:
             loss_mask = objective.token_mask(self._batch_entropy(rollouts), mask)  # [N, C]
@@ -272,38 +363,60 @@ class RLVRModule(LightningModule):
         else:
             rows = torch.arange(mask.shape[0], device=mask.device)
         teacher = self._prepare_teacher(rollouts, rows, loss_mask) if objective.uses_teacher else None
-        norms = {"num_tokens": float(loss_mask.sum()), "num_rows": float(mask.shape[0])}
         micro = self.micro_batch_size or max(len(rows), 1)
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        sums: dict[str, float] = defaultdict(float)
-        for _ in range(objective.num_iterations):
-            for chunk in torch.split(rows, micro) if len(rows) else ():
-                out, entropy = self._micro_step(rollouts, chunk, advantages, loss_mask, norms, teacher)
-                if out is None:
-                    sums["nonfinite"] += 1
-                    continue
-                share = len(chunk) / max(len(rows), 1)
-                sums["loss"] += float(out.loss.detach())
-                for name, value in out.stats.items():
-                    sums[name] += float(value) * share
-                sums["entropy"] += float(entropy) * share
-            if sums["nonfinite"]:
-                optimizer.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
-            elif self.max_grad_norm > 0 and len(rows):
-                params = [p for p in self.policy.parameters() if p.requires_grad]
-                sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-        train_time = time.perf_counter() - start
-        self.last_credit = self._credit_record(rollouts, advantages, teacher) if teacher is not None else None
-        self._log_step(rollouts, rewards, advantages, rows, sums, train_time, teacher)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is not None and hasattr(datamodule, "batches_consumed"):
-            datamodule.batches_consumed += 1
-        return torch.tensor(sums["loss"] / objective.num_iterations)
+        chunks = list(torch.split(rows, micro)) if len(rows) else []
+        local = [float(loss_mask.sum()), float(mask.shape[0]), teacher["num_distill_tokens"] if teacher else 0.0,
+                 float(len(rows))]
+        num_tokens, num_rows, num_distill, global_rows = all_reduce(local, device=self.device)
+        num_chunks = len(chunks)
+        if world_size() > 1:  # every rank runs as many forward/backward passes (FSDP's collectives pair up)
+            num_chunks = int(all_reduce([float(len(chunks))], "max", self.device)[0])
+        if teacher is not None:
+            teacher["num_distill_tokens"] = num_distill
+        return {
+            "rewards": rewards, "advantages": advantages, "loss_mask": loss_mask, "rows": rows, "chunks": chunks,
+            "num_chunks": num_chunks, "teacher": teacher, "global_rows": global_rows,
+            "norms": {"num_tokens": num_tokens, "num_rows": num_rows},
+        }
+
+    def accumulate_gradients(self, rollouts: RolloutBatch, plan: dict, sums: dict[str, float]) -> None:
+        """One pass of forward + backward over the rows of ``plan`` (no optimiser step). Adds to ``sums`` the
+        global loss, the objective's statistics weighted by rows, and ``nonfinite`` (> 0 on every rank when any
+        rank met a NaN/inf loss)."""
+        world = world_size()
+        rows, chunks = plan["rows"], plan["chunks"]
+        local = defaultdict(float)
+        for i in range(plan["num_chunks"]):
+            real = i < len(chunks)
+            # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
+            chunk = chunks[i] if real else torch.zeros(1, dtype=torch.long, device=rows.device)
+            out, entropy = self.runner(self._micro_forward, rollouts, chunk, plan)
+            finite = bool(torch.isfinite(out.loss))
+            if not finite:
+                self.nonfinite_skips += 1
+                log.warning("non-finite loss (%s) at step %d: the step is skipped (%d so far)", out.loss.item(),
+                            self.global_step, self.nonfinite_skips)
+                local["nonfinite"] += 1
+            if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
+                # FSDP averages gradients over ranks; each rank's loss is its share of the global one
+                self.manual_backward(out.loss * (world if real else 0.0))
+            if not (finite and real):
+                continue
+            share = len(chunk) / max(len(rows), 1)
+            local["loss"] += float(out.loss.detach())
+            for name, value in out.stats.items():
+                local[name] += float(value) * share
+            local["entropy"] += float(entropy) * share
+        if world > 1:
+            sums["nonfinite"] += all_reduce([local["nonfinite"]], "max", self.device)[0]
+            sums["loss"] += all_reduce([local["loss"]], device=self.device)[0]
+            stats = mean_over_ranks({k: v for k, v in local.items() if k not in ("loss", "nonfinite")} if len(rows) else {})
+        else:
+            sums["nonfinite"] += local["nonfinite"]
+            sums["loss"] += local["loss"]
+            stats = {k: v for k, v in local.items() if k not in ("loss", "nonfinite")}
+        for name, value in stats.items():
+            sums[name] += value
 
     # ------------------------------------------------------------------------------------ self-teacher
     def _prepare_teacher(self, rollouts: RolloutBatch, rows: Tensor, loss_mask: Tensor) -> dict:
@@ -353,7 +466,7 @@ class RLVRModule(LightningModule):
                                 dtype=student_hidden.dtype if distill else torch.float32)
             count = torch.zeros(len(missing), device=chunk.device)
             for k in range(1 if distill else objective.num_references):
-                pick = [j for j, r in enumerate(rows.tolist()) if len(teacher["references"][r]) > k]
+                pick = [j for j, r in enumerate(rows.tolist()) if len(teacher["references"].get(r, ())) > k]
                 if not pick:
                     continue
                 sel = torch.tensor(pick, device=chunk.device)
@@ -384,19 +497,26 @@ class RLVRModule(LightningModule):
             record["mask"] = mask.cpu()
         return record
 
-    @torch.no_grad()
     def _batch_entropy(self, rollouts: RolloutBatch) -> Tensor:
         """``[N, C]`` token entropies of the whole batch under the current (= sampling) policy."""
-        c = rollouts.completion_ids.shape[1]
-        micro = self.micro_batch_size or rollouts.completion_ids.shape[0]
-        parts = []
-        for rows in torch.split(torch.arange(rollouts.completion_ids.shape[0], device=self.device), micro):
-            parts.append(self.token_logprobs(self.policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], c)[1])
-        return torch.cat(parts)
 
-    def _micro_step(self, rollouts: RolloutBatch, rows: Tensor, advantages: Tensor, loss_mask: Tensor, norms: dict,
-                    teacher: Optional[dict] = None):
+        @torch.no_grad()
+        def run() -> Tensor:
+            c = rollouts.completion_ids.shape[1]
+            micro = self.micro_batch_size or rollouts.completion_ids.shape[0]
+            parts = []
+            with full_parameters(self.runner):
+                for rows in torch.split(torch.arange(rollouts.completion_ids.shape[0], device=self.device), micro):
+                    parts.append(self.token_logprobs(
+                        self.policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], c)[1])
+            return torch.cat(parts)
+
+        return self.runner(run)
+
+    def _micro_forward(self, rollouts: RolloutBatch, rows: Tensor, plan: dict):
+        """The loss of the rows ``rows`` (run inside the policy runner's forward); the caller runs backward."""
         c = rollouts.completion_ids.shape[1]
+        loss_mask, advantages, teacher = plan["loss_mask"], plan["advantages"], plan["teacher"]
         input_ids, attention_mask = rollouts.input_ids[rows], rollouts.attention_mask[rows]
         hidden = self.completion_hidden(self.policy, input_ids, attention_mask, c)  # [n, C, H]
         logprobs, entropy = chunked_token_logprobs(
@@ -410,12 +530,17 @@ class RLVRModule(LightningModule):
             old_logprobs=old,
             ref_logprobs=rollouts.ref_logprobs[rows] if rollouts.ref_logprobs is not None else None,
             entropy=entropy,
-            num_tokens=norms["num_tokens"],
-            num_sequences=norms["num_rows"],
+            num_tokens=plan["norms"]["num_tokens"],
+            num_sequences=plan["norms"]["num_rows"],
             max_len=self.generation.max_new_tokens,
         )
         if teacher is not None:
-            signal = self._teacher_signal(rollouts, rows, hidden, teacher)
+            self._sync()
+            start = time.perf_counter()
+            with full_parameters(self.runner):  # teacher passes vary in number across ranks: no collectives
+                signal = self._teacher_signal(rollouts, rows, hidden, teacher)
+            self._sync()
+            teacher["time"] = teacher.get("time", 0.0) + time.perf_counter() - start
             inputs.has_reference = teacher["has_reference"][rows]
             inputs.num_distill_tokens = teacher["num_distill_tokens"]
             if self.objective.teacher_signal == "weights":
@@ -425,14 +550,7 @@ class RLVRModule(LightningModule):
                     hidden, signal, self.lm_head(), self.objective.divergence, self.generation.temperature,
                     self.logprob_chunk_size,
                 )
-        out = self.objective.loss(logprobs, inputs)
-        if not torch.isfinite(out.loss):
-            self.nonfinite_skips += 1
-            log.warning("non-finite loss (%s) at step %d: the step is skipped (%d so far)", out.loss.item(),
-                        self.global_step, self.nonfinite_skips)
-            return None, None
-        self.manual_backward(out.loss)
-        return out, masked_mean(entropy.detach(), mask)
+        return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)
 
     def _log_step(self, rollouts: RolloutBatch, rewards: Tensor, advantages: Tensor, rows: Tensor, sums: dict,
                   train_time: float, teacher: Optional[dict] = None) -> None:
@@ -452,8 +570,10 @@ class RLVRModule(LightningModule):
             "train/rows_in_loss": float(len(rows)) / max(len(rewards), 1),
             "train/advantage_abs": advantages.abs().mean(),
             "train/nonfinite_skips": float(self.nonfinite_skips),
-            "time/train_s": train_time,
+            "time/train_s": train_time - (teacher or {}).get("time", 0.0),
         }
+        if teacher is not None:
+            metrics["time/teacher_s"] = teacher.get("time", 0.0)
         # every key every step (NaN when undefined): Lightning would otherwise repeat a stale value
         nan = float("nan")
         metrics["train/clip_fraction"] = sums.get("clip_fraction", 0.0) / iters if len(rows) else nan
@@ -470,9 +590,10 @@ class RLVRModule(LightningModule):
         metrics["time/step_s"] = sum(v for k, v in rollouts.stats.items() if k.startswith("time/")) + train_time
         optimizer = self.optimizers()
         metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+        metrics = mean_over_ranks({k: float(v) for k, v in metrics.items()})  # rewards etc. of the global batch
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, prog_bar=False,
                       batch_size=max(len(rewards), 1))
-        self.log("reward", float(rollouts.rewards.mean()), prog_bar=True, on_step=True, on_epoch=False, logger=False)
+        self.log("reward", metrics["train/reward"], prog_bar=True, on_step=True, on_epoch=False, logger=False)
 
     # -------------------------------------------------------------------------------------------- eval
     def on_validation_epoch_start(self) -> None:
@@ -482,8 +603,7 @@ class RLVRModule(LightningModule):
     def validation_step(self, batch: PromptBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         prompts = self.format_prompts(batch.questions)
         k = self.eval_samples
-        sampled = generate(self.policy, self.tokenizer, prompts, k, self.generation, self.device,
-                           temperature=self.eval_temperature)
+        sampled = self.sample(prompts, k, temperature=self.eval_temperature)
         ids = [i for i in batch.ids for _ in range(k)]
         answers = [a for a in batch.answers for _ in range(k)]
         questions = [q for q in batch.questions for _ in range(k)]
@@ -496,13 +616,13 @@ class RLVRModule(LightningModule):
         acc["length"] += float(sampled.completion_mask.sum(1).view(-1, k).mean(1).sum())
         acc["truncated"] += float(sampled.truncated.float().view(-1, k).mean(1).sum())
         if self.eval_greedy:
-            greedy = generate(self.policy, self.tokenizer, prompts, 1, self.generation, self.device, greedy=True)
+            greedy = self.sample(prompts, 1, greedy=True)
             results = self.verifier_runner(greedy.completions, batch.answers, batch.questions, batch.ids)
             acc["greedy"] += sum(float(r.score >= self.success_threshold) for r in results)
 
     def on_validation_epoch_end(self) -> None:
         k = self.eval_samples
-        for split, acc in self._eval.items():
+        for split, acc in sum_over_ranks(self._eval).items():  # each rank evaluated its share of the prompts
             n = max(acc["prompts"], 1.0)
             metrics = {
                 f"val/{split}/avg@{k}": acc["avg"] / n,
@@ -513,9 +633,10 @@ class RLVRModule(LightningModule):
             if self.eval_greedy:
                 metrics[f"val/{split}/greedy"] = acc["greedy"] / n
             metrics[f"val/{split}/time_s"] = time.perf_counter() - self._eval_start
-            self.log_dict(metrics, on_step=False, on_epoch=True, add_dataloader_idx=False, sync_dist=True)
+            self.log_dict(metrics, on_step=False, on_epoch=True, add_dataloader_idx=False)
             summary = ", ".join(f"{name.split('/')[-1]} {value:.3f}" for name, value in metrics.items())
-            log.info("step %d validation [%s] on %d prompts: %s", self.global_step, split, int(n), summary)
+            if self.global_rank == 0:
+                    log.info("step %d validation [%s] on %d prompts: %s", self.global_step, split, int(n), summary)
             self.eval_summary = getattr(self, "eval_summary", [])
             self.eval_summary.append({"step": self.global_step, "split": split, **{k_.split("/")[-1]: v for k_, v in metrics.items()}})
 
@@ -529,15 +650,34 @@ class RLVRModule(LightningModule):
         self.on_validation_epoch_end()
 
     # ------------------------------------------------------------------------------------- checkpoints
+    def trainable_names(self) -> set[str]:
+        """State-dict keys of the trained tensors (LoRA weights, or all weights without LoRA)."""
+        return {name for name, p in self.named_parameters() if p.requires_grad}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Only the trainable tensors: checkpoints never carry (or, sharded, gather) the frozen base."""
+        state = super().state_dict(*args, **kwargs)
+        if self.runner is None:
+            return state
+        prefix = kwargs.get("prefix", "")
+        trainable = self.trainable_names()
+        for key in [k for k in state if k[len(prefix):] not in trainable]:
+            del state[key]
+        return state
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        """The trainable tensors, whole on every rank (gathered when sharded: call on all ranks)."""
+        return full_state({name: p for name, p in self.named_parameters() if p.requires_grad})
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        trainable = {f"policy.{name}" for name, p in self.policy.named_parameters() if p.requires_grad}
+        trainable = self.trainable_names()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "rng": _rng_state()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()
-        trainable = {f"policy.{name}" for name, p in self.policy.named_parameters() if p.requires_grad}
-        missing = sorted(trainable - set(checkpoint["state_dict"]))
+        trainable = self.trainable_names()
+        missing = sorted(trainable - set(checkpoint["state_dict"])) if "state_dict" in checkpoint else []
         if missing:
             raise ValueError(
                 f"checkpoint lacks {len(missing)} trainable tensors of this model (e.g. {missing[0]}); "

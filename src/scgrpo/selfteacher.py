@@ -24,7 +24,8 @@ def choose_references(
     """For each row in ``rows``, up to ``num_references`` verified completions of the same prompt to show the
     teacher. Candidates: the other successful rollouts of the row's group first, then the buffer's entries
     (earlier steps) that differ from the row; a rollout is never its own reference. The choice is random,
-    seeded by (seed, step, row), so it is reproducible. An empty list means no reference (weight 1)."""
+    seeded by (seed, step, prompt id, place in the group), so it is reproducible and does not depend on
+    how the batch is split over ranks. An empty list means no reference (weight 1)."""
     assert rollouts.rewards is not None
     rewards = rollouts.rewards.tolist()
     g = rollouts.group_size
@@ -35,7 +36,7 @@ def choose_references(
         group = [rollouts.completions[j] for j in range(start, start + g) if j != i and rewards[j] >= threshold]
         stored = buffer.get(rollouts.sample_ids[i]) if buffer is not None else []
         from_buffer = [e.text for e in stored if e.token_ids != own_tokens]
-        rng = random.Random(f"{seed}-{step}-{i}")
+        rng = random.Random(f"{seed}-{step}-{rollouts.sample_ids[i]}-{i % g}")  # the same on any number of ranks
         picks = rng.sample(group, min(num_references, len(group)))
         if len(picks) < num_references and from_buffer:
             picks += rng.sample(from_buffer, min(num_references - len(picks), len(from_buffer)))

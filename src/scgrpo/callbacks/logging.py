@@ -14,8 +14,10 @@ log = logging.getLogger(__name__)
 
 
 def run_dir(trainer) -> str:
-    """Where this run writes its files: the first logger's folder, else the trainer's root dir."""
-    directory = trainer.log_dir or trainer.default_root_dir
+    """Where this run writes its files: the first logger's folder, else the trainer's root dir. Read from the
+    logger directly: ``trainer.log_dir`` broadcasts, and a rank-zero-only caller would wait forever."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    directory = getattr(logger, "log_dir", None) or trainer.default_root_dir
     os.makedirs(directory, exist_ok=True)
     return directory
 
@@ -75,6 +77,15 @@ class AdapterExport(Callback):
 
     def _save(self, trainer, pl_module, name: str) -> None:
         folder = os.path.join(self.dirpath or os.path.join(run_dir(trainer), "adapter"), name)
+        if pl_module.sharded:  # gather the sharded trainable tensors (all ranks), save them from rank 0
+            whole = pl_module.trainable_state()
+            prefix = "runner.policy."
+            state = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}
+            if trainer.is_global_zero:
+                pl_module.policy.save_pretrained(folder, state_dict=state)
+                pl_module.tokenizer.save_pretrained(folder)
+                log.info("saved adapter to %s", folder)
+            return
         if trainer.is_global_zero:
             pl_module.policy.save_pretrained(folder)
             pl_module.tokenizer.save_pretrained(folder)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback
 
-from scgrpo.rollout.engine import generate
+from scgrpo.distributed import all_reduce
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -19,9 +19,7 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
     """G completions of each prompt of ``batch`` under the current policy."""
     settings = pl_module.generation
     g = settings.num_generations
-    generated = generate(
-        pl_module.policy, pl_module.tokenizer, pl_module.format_prompts(batch.questions), g, settings, pl_module.device
-    )
+    generated = pl_module.sample(pl_module.format_prompts(batch.questions), g)
     return RolloutBatch(
         prompt_ids=generated.prompt_ids,
         prompt_mask=generated.prompt_mask,
@@ -89,6 +87,7 @@ class RolloutCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
         start = time.perf_counter()
         rollouts = sample_rollouts(pl_module, batch)
+        pl_module._sync()
         rollouts.stats["time/generation_s"] = time.perf_counter() - start
         batch.rollouts = rollouts
 
@@ -136,12 +135,17 @@ class DynamicSamplingCallback(Callback):
         kept[0].stats = dict(batch.rollouts.stats)
         have, rounds = kept[0].num_groups, 0
         datamodule = getattr(trainer, "datamodule", None)
-        while have < target and rounds < objective.max_sampling_rounds and hasattr(datamodule, "extra_batch"):
+        can_sample = hasattr(datamodule, "extra_batch")
+
+        def more_needed() -> bool:  # sharded generation gathers weights: ranks sample the same number of rounds
+            return all_reduce([float(have < target and can_sample)], "max", pl_module.device)[0] > 0
+
+        while rounds < objective.max_sampling_rounds and more_needed():
             rounds += 1
             start = time.perf_counter()
             extra = sample_rollouts(pl_module, datamodule.extra_batch())
             verify_rollouts(pl_module, extra)
-            extra = extra.select(mixed_groups(extra)[: (target - have) * extra.group_size])
+            extra = extra.select(mixed_groups(extra)[: max(target - have, 0) * extra.group_size])
             extra.stats = {"time/generation_s": time.perf_counter() - start}
             kept.append(extra)
             have += extra.num_groups

@@ -1,0 +1,118 @@
+"""One training step's loss and LoRA gradients on fixed rollouts, sharded over the ranks torchrun starts.
+
+    torchrun --nproc_per_node 2 scripts/fsdp_step_check.py --model DIR --out grads2.pt
+    python scripts/fsdp_step_check.py --model DIR --out grads1.pt        # one process, no sharding
+
+The global batch (prompts x G completions, rewards) is built from a seed, the same on every rank; rank r
+trains on its share of the prompt groups. With more than one rank the policy is sharded with FSDP2 exactly
+as ``FSDP2Strategy`` shards it. Rank 0 writes the global loss and the whole (gathered) LoRA gradients, so
+runs on different numbers of ranks can be compared (tests/distributed/test_fsdp.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+def fixed_rollouts(tokenizer, prompts: int, group: int, completion_len: int, vocab: int, device):
+    """A reproducible batch: random completions of varying length, rewards with mixed, all-wrong and
+    all-right groups, so that SC-GRPO finds references in some groups and zero advantages in others."""
+    from scgrpo.rollout.engine import completion_mask_from_eos
+    from scgrpo.rollout.types import RolloutBatch
+
+    g = torch.Generator().manual_seed(1234)
+    questions = [f"What is {i} + {i + 1}?" for i in range(prompts)]
+    encoded = tokenizer([q for q in questions for _ in range(group)], return_tensors="pt", padding=True)
+    n = prompts * group
+    completion = torch.randint(3, vocab, (n, completion_len), generator=g)
+    ends = torch.randint(completion_len // 2, completion_len, (n,), generator=g)
+    completion[torch.arange(n), ends] = tokenizer.eos_token_id
+    mask, truncated = completion_mask_from_eos(completion, [tokenizer.eos_token_id])
+    completion = torch.where(mask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
+    pattern = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1], [1, 1, 1, 1]]
+    rewards = torch.tensor([float(pattern[p % 4][j % 4]) for p in range(prompts) for j in range(group)])
+    return RolloutBatch(
+        prompt_ids=encoded["input_ids"].to(device), prompt_mask=encoded["attention_mask"].to(device),
+        completion_ids=completion.to(device), completion_mask=mask.to(device), truncated=truncated.to(device),
+        group_size=group, sample_ids=[f"q{p}" for p in range(prompts) for _ in range(group)],
+        questions=[q for q in questions for _ in range(group)], answers=[str(2 * p + 1) for p in range(prompts) for _ in range(group)],
+        completions=tokenizer.batch_decode(completion, skip_special_tokens=True), rewards=rewards.to(device),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model folder")
+    parser.add_argument("--objective", default="scgrpo", choices=["grpo", "scgrpo"])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts in the global batch")
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--completion-len", type=int, default=12)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from scgrpo.models import LoraSettings
+    from scgrpo.module import RLVRModule
+    from scgrpo.objectives import GRPO, SCGRPO
+    from scgrpo.rollout.engine import GenerationSettings
+    from scgrpo.verifiers import NumericVerifier
+
+    distributed = "WORLD_SIZE" in os.environ
+    cuda = torch.cuda.is_available()
+    if distributed:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if world > 1 and args.prompts % world:
+        raise SystemExit(f"--prompts ({args.prompts}) must divide evenly over {world} ranks")
+
+    torch.manual_seed(0)  # LoRA initialisation: the same on every rank and in every run
+    objective = SCGRPO() if args.objective == "scgrpo" else GRPO()
+    module = RLVRModule(
+        model=args.model, objective=objective, dtype=args.dtype,
+        lora=LoraSettings(r=4, alpha=8, extra={"init_lora_weights": False}),
+        generation=GenerationSettings(num_generations=args.group, max_new_tokens=args.completion_len),
+        verifier=NumericVerifier(), validate_before_training=False, micro_batch_size=args.micro_batch_size,
+    )
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        module._device_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("data_parallel",))
+    module.configure_model()
+    module.to(device)
+    module.manual_backward = lambda loss: loss.backward()
+
+    rollouts = fixed_rollouts(module.tokenizer, args.prompts, args.group, args.completion_len,
+                              module.policy.config.vocab_size, device)
+    share = args.prompts // world * args.group
+    local = rollouts.select(torch.arange(rank * share, (rank + 1) * share, device=device))
+    plan = module.plan_step(local)
+    sums: dict[str, float] = defaultdict(float)
+    module.accumulate_gradients(local, plan, sums)
+    grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
+    missing = [name for name, g in grads.items() if g is None]
+    if missing:
+        raise SystemExit(f"no gradient for {len(missing)} LoRA tensors, e.g. {missing[0]}")
+    from scgrpo.distributed import full_state
+
+    whole = full_state(grads)
+    if rank == 0:
+        torch.save({"loss": sums["loss"], "world": world,
+                    "grads": {k: v.float().cpu() for k, v in whole.items()}}, args.out)
+        print(f"world {world}: loss {sums['loss']:.6f}, {len(whole)} LoRA gradients -> {args.out}")
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Several GPUs: FSDP2 sharding of the policy, gathered parameters for generation, cross-rank sums.
+
+The policy sits inside :class:`PolicyRunner`, whose forward runs any function given to it. Sharded with
+``fully_shard`` (each decoder layer a unit, the runner the root), every computation that touches the weights
+goes through the runner, so FSDP gathers the root's parameters (embeddings, final norm, LM head) and
+registers its backward hooks, while each layer gathers its own on use. Passes whose number depends on the
+data (generation stops when every row has ended, teacher passes depend on references) run inside
+:func:`full_parameters`: every unit is gathered once, and no collective runs until the window closes, so
+ranks never wait on one another in the middle of a decode loop.
+
+Frozen base weights carry no gradient memory (FSDP2 keeps ``requires_grad`` per parameter); LoRA weights
+stay fp32 in the optimizer and are gathered in the compute dtype (``MixedPrecisionPolicy``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class PolicyRunner(nn.Module):
+    """Holds the policy; ``runner(fn, *args)`` calls ``fn(*args)`` inside this module's forward."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with every process in the data-parallel (FSDP) dimension.
+
+    ``RLVRModule.configure_model`` shards the policy over that dimension. Checkpoints hold only the trainable
+    (LoRA) tensors, gathered to rank 0 into one file by default (``save_distributed_checkpoint=False``);
+    frozen base weights are never gathered for a checkpoint.
+    """
+
+    def __init__(self, save_distributed_checkpoint: bool = False, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+
+def data_parallel_mesh(device_mesh):
+    """The mesh FSDP shards over; tensor parallelism is not supported."""
+    names = device_mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and device_mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            "scgrpo shards the policy with FSDP only: use scgrpo.distributed.FSDP2Strategy (or set "
+            "tensor_parallel_size: 1 and data_parallel_size: <number of GPUs> on ModelParallelStrategy)"
+        )
+    return device_mesh["data_parallel"] if "data_parallel" in names else device_mesh
+
+
+def decoder_layers(policy: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Hugging Face causal LM (inside a peft wrapper or not)."""
+    causal_lm = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+    layers = getattr(backbone, "layers", None) or getattr(backbone, "h", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"cannot find the decoder layers of {type(causal_lm).__name__} to shard them")
+    return layers
+
+
+def shard_policy(runner: PolicyRunner, mesh, compute_dtype: Optional[torch.dtype] = None) -> None:
+    """``fully_shard`` each decoder layer and the runner (the root) over ``mesh``.
+
+    With parameters of several dtypes (fp32 LoRA on a bf16 base), FSDP gathers them all in ``compute_dtype``
+    and reduces gradients in fp32; the stored (sharded) LoRA weights stay fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtypes = {p.dtype for p in runner.parameters() if p.dtype.is_floating_point}
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if len(dtypes) > 1:
+        param_dtype = compute_dtype or min(dtypes, key=lambda d: torch.finfo(d).bits)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layers = decoder_layers(runner.policy)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(runner, **kwargs)
+    # Backward prefetching by layer index, not by FSDP's record of forward order: no-grad passes (teacher,
+    # generation) add to that record as many entries as their rank ran, and ranks would then prefetch
+    # different units. Layer 0 names itself, which is already gathered when its backward starts.
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_backward_prefetch([layers[i - 1] if i > 0 else layer])
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def full_parameters(runner: nn.Module) -> Iterator[None]:
+    """Every FSDP unit inside ``runner`` gathered once and kept gathered until exit; a no-op when not sharded.
+
+    Call inside the runner's forward: FSDP is then initialised and the root's own parameters are in place."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in runner.modules() if isinstance(m, FSDPModule) and m is not runner]  # the root is gathered
+    if not units:
+        yield
+        return
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce(values: list[float], op: str = "sum", device: Optional[torch.device] = None) -> list[float]:
+    """Element-wise sum or max of ``values`` over ranks (one collective); ``values`` unchanged on one rank."""
+    if world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Each metric averaged over the ranks that report it (NaN-aware); one ``all_gather_object``."""
+    if world_size() == 1:
+        return metrics
+    gathered: list[Optional[dict[str, float]]] = [None] * world_size()
+    dist.all_gather_object(gathered, metrics)
+    out = {}
+    for key in sorted({k for part in gathered if part for k in part}):
+        values = torch.tensor([part[key] for part in gathered if part and key in part], dtype=torch.float64)
+        finite = values[~values.isnan()]
+        out[key] = float(finite.mean()) if len(finite) else float("nan")
+    return out
+
+
+def sum_over_ranks(tables: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``{name: {key: value}}`` summed key by key over ranks (one ``all_gather_object``)."""
+    if world_size() == 1:
+        return tables
+    gathered: list[Optional[dict]] = [None] * world_size()
+    dist.all_gather_object(gathered, {name: dict(table) for name, table in tables.items()})
+    out: dict[str, dict[str, float]] = {}
+    for part in gathered:
+        for name, table in (part or {}).items():
+            into = out.setdefault(name, {})
+            for key, value in table.items():
+                into[key] = into.get(key, 0.0) + value
+    return out
+
+
+def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sharded (DTensor) entries gathered whole; a collective, so every rank must call it."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in tensors.items()}

@@ -1,0 +1,106 @@
+"""FSDP2 sharding: one step on 1 process vs 2 (same global batch, same rollouts) and a 2-process CLI run.
+
+On CPU the ranks talk through gloo and compute in fp32, so the sharded gradients must match to float
+rounding; the GPU variant (2+ GPUs, NCCL, bf16) runs only where the GPUs are.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+CHECK = os.path.join(ROOT, "scripts", "fsdp_step_check.py")
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("CUDA_VISIBLE_DEVICES", None) if torch.cuda.device_count() > 1 else env.update(CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def _step(tmp_path, model_dir, nproc: int, *args: str) -> dict:
+    out = tmp_path / f"grads-{nproc}.pt"
+    launch = [sys.executable, CHECK] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", CHECK]
+    result = subprocess.run([*launch, f"--model={model_dir}", f"--out={out}", *args], env=_env(),
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return torch.load(out)
+
+
+def _compare(one: dict, two: dict, rtol: float, atol: float) -> None:
+    assert one["world"] == 1 and two["world"] == 2
+    assert set(one["grads"]) == set(two["grads"]) and len(one["grads"]) > 0
+    assert abs(one["loss"] - two["loss"]) <= atol + rtol * abs(one["loss"])
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], grad, rtol=rtol, atol=atol, msg=name)
+    assert any(g.abs().max() > 0 for g in one["grads"].values())
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--objective=grpo", "--prompts=8"),
+        # 6 prompts: rank 0 gets 2 groups in the loss, rank 1 one (the other has zero advantage); with
+        # micro-batches of 3 rows, rank 1 runs a zero-weight pass to keep FSDP's collectives paired
+        ("--objective=scgrpo", "--prompts=6", "--micro-batch-size=3"),
+    ],
+    ids=["grpo", "scgrpo-uneven-micro-batches"],
+)
+def test_sharded_step_equals_single_process_step_on_cpu(tiny_model_dir, tmp_path, args):
+    one = _step(tmp_path, tiny_model_dir, 1, *args)
+    two = _step(tmp_path, tiny_model_dir, 2, *args)
+    _compare(one, two, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("objective", ["grpo", "scgrpo"])
+def test_sharded_step_equals_single_gpu_step_in_bf16(tiny_model_dir, tmp_path, objective):
+    args = (f"--objective={objective}", "--dtype=bfloat16", "--prompts=16", "--completion-len=32")
+    one = _step(tmp_path, tiny_model_dir, 1, *args)
+    two = _step(tmp_path, tiny_model_dir, 2, *args)
+    # bf16: the single GPU computes LoRA in fp32, FSDP gathers LoRA weights in bf16
+    for name, grad in one["grads"].items():
+        other = two["grads"][name]
+        assert (other - grad).norm() <= 0.03 * grad.norm() + 1e-6, name
+    assert abs(one["loss"] - two["loss"]) <= 0.02 * abs(one["loss"]) + 1e-4
+
+
+@pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
+def test_two_process_fit_from_the_fsdp_config_saves_only_whole_lora_tensors(tiny_model_dir, tmp_path):
+    config = os.path.join(ROOT, "configs", "fsdp_scgrpo_arith.yaml")
+    result = subprocess.run(
+        ["scgrpo", "fit", f"--config={config}", f"--model.model={tiny_model_dir}", "--model.dtype=float32",
+         "--model.generation.max_new_tokens=6", "--model.generation.num_generations=4", "--model.eval_samples=2",
+         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+         "--trainer.enable_progress_bar=false", "--data.batch_size=2", "--data.max_eval_prompts=4"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    (ckpt,) = glob.glob(os.path.join(run, "checkpoints", "*.ckpt"))
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    lora_names = {n for n, _ in PeftModel.from_pretrained(base, os.path.join(run, "adapter", "final")).named_parameters()
+                  if "lora_" in n}
+    assert state and all("lora_" in k for k in state)  # no frozen weight in the checkpoint
+    assert {k.removeprefix("runner.policy.") for k in state} == lora_names
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                         os.path.join(run, "adapter", "final"))
+    for name, p in exported.named_parameters():
+        if "lora_" in name:  # whole tensors (gathered from the shards), equal to the checkpoint's
+            torch.testing.assert_close(p.detach(), state[f"runner.policy.{name}"])
+    with open(os.path.join(run, "metrics.csv")) as f:
+        header = f.readline()
+    assert "train/reward" in header and "time/teacher_s" in header
