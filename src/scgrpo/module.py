@@ -169,6 +169,8 @@ class RLVRModule(LightningModule):
         self.tokenizer = None
         self.verifier_runner: Optional[VerifierRunner] = None
         self.nonfinite_skips = 0
+        self._teacher_tokens = 0
+        self.last_step_metrics: dict[str, float] = {}
         self.last_credit: Optional[dict] = None
         self._eval: dict[str, dict[str, float]] = {}
 
@@ -185,7 +187,10 @@ class RLVRModule(LightningModule):
     def configure_model(self) -> None:
         if self.runner is not None:
             return
-        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        if self._trainer is not None:
+            device = self.trainer.strategy.root_device
+        else:  # used outside a Trainer: a 4-bit base must load onto a GPU
+            device = torch.device("cuda" if self.quantization is not None else "cpu")
         dtype = parse_dtype(self.dtype_name, device.type)
         policy, self.tokenizer = load_policy(self.model_name, dtype, self.lora, self.quantization, device)
         self.runner = PolicyRunner(policy)
@@ -363,6 +368,7 @@ class RLVRModule(LightningModule):
         else:
             rows = torch.arange(mask.shape[0], device=mask.device)
         teacher = self._prepare_teacher(rollouts, rows, loss_mask) if objective.uses_teacher else None
+        self._teacher_tokens = 0
         micro = self.micro_batch_size or max(len(rows), 1)
         chunks = list(torch.split(rows, micro)) if len(rows) else []
         local = [float(loss_mask.sum()), float(mask.shape[0]), teacher["num_distill_tokens"] if teacher else 0.0,
@@ -442,6 +448,7 @@ class RLVRModule(LightningModule):
     @torch.no_grad()
     def _teacher_hidden(self, rollouts: RolloutBatch, rows: Tensor, references: list[str]) -> Tensor:
         ids, mask = teacher_inputs(self, rollouts, rows, references, self.objective.teacher_template)
+        self._teacher_tokens += ids.numel()
         c = rollouts.completion_ids.shape[1]
         if self.objective.teacher == "base":
             if not hasattr(self.policy, "disable_adapter"):
@@ -587,10 +594,16 @@ class RLVRModule(LightningModule):
             if name not in ("loss", "entropy", "grad_norm", "kl", "clip_fraction", "nonfinite"):
                 metrics[f"train/{name}"] = value / iters
         metrics.update(rollouts.stats)
+        width = rollouts.input_ids.shape[1]
+        metrics["tokens/completion"] = float(mask.sum())  # sampled tokens (without padding)
+        metrics["tokens/train"] = float(len(rows) * width)  # rows in the loss x padded sequence length
+        if teacher is not None:
+            metrics["tokens/teacher"] = float(self._teacher_tokens)  # teacher inputs (padded), all references
         metrics["time/step_s"] = sum(v for k, v in rollouts.stats.items() if k.startswith("time/")) + train_time
         optimizer = self.optimizers()
         metrics["train/lr"] = optimizer.param_groups[0]["lr"]
         metrics = mean_over_ranks({k: float(v) for k, v in metrics.items()})  # rewards etc. of the global batch
+        self.last_step_metrics = metrics
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, prog_bar=False,
                       batch_size=max(len(rewards), 1))
         self.log("reward", metrics["train/reward"], prog_bar=True, on_step=True, on_epoch=False, logger=False)

@@ -1,0 +1,262 @@
+"""Per-phase timing and peak GPU memory of full RL steps (Lightning Trainer, real callbacks), per case.
+
+    python scripts/bench_step.py --suite smollm2        # SmolLM2-135M real weights at TRL's figure's settings
+    python scripts/bench_step.py --suite qwen1p5b       # random Qwen2.5-1.5B-shaped model, bf16 LoRA and QLoRA
+    python scripts/bench_step.py --suite fsdp --devices 1   # then --devices 2: FSDP throughput at equal per-GPU batch
+
+Each case trains ``--warmup`` steps (not counted: CUDA graphs, allocator, first kernels) then ``--steps``
+measured steps, and reports medians over the measured ones: wall time per step (from one step's start to
+the next one's), the phases the module times itself (generation, verification, teacher pass, train
+forward+backward+optimizer; each bracketed by ``torch.cuda.synchronize``), tokens per second for each, and
+the peak of ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the measured steps.
+Writes ``benchmarks/results/bench_<suite>_<card>.json`` (``--out`` to change); ``scripts/bench_table.py``
+turns the results into ``docs/benchmarks.md`` and ``benchmarks/results/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN_1P5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def card_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def card_tag() -> str:
+    name = card_name()
+    for tag in ("H200", "H100", "A100", "L4", "4090", "3090"):
+        if tag in name:
+            return tag.lower()
+    return "cpu" if not torch.cuda.is_available() else "gpu"
+
+
+def versions() -> dict[str, str]:
+    import lightning
+    import peft
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+           "lightning": lightning.__version__, "python": platform.python_version()}
+    try:
+        import bitsandbytes
+
+        out["bitsandbytes"] = bitsandbytes.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def random_qwen_folder(tokenizer_source: str) -> str:
+    """A randomly initialised model with Qwen2.5-1.5B's shapes, saved in bf16 with SmolLM2's tokenizer (its
+    ids fit the bigger vocabulary), so that the 4-bit path loads it like any checkpoint."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    folder = os.path.join(tempfile.gettempdir(), "scgrpo-bench", "qwen2.5-1.5b-shaped")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    config = Qwen2Config(**QWEN_1P5B, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+class StepRecorder(Callback):
+    """Per step: the module's own phase timings and token counts, wall time and peak GPU memory."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._start: Optional[float] = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        now = time.perf_counter()
+        if self._start is not None and self.steps:
+            self.steps[-1]["wall_s"] = now - self._start  # one step's start to the next one's
+        self._start = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record = {k: float(v) for k, v in pl_module.last_step_metrics.items()}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            record["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            record["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        record["end_s"] = time.perf_counter() - self._start
+        self.steps.append(record)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.steps and "wall_s" not in self.steps[-1]:
+            self.steps[-1]["wall_s"] = self.steps[-1]["end_s"]  # the last step has no successor
+
+
+def summarise(steps: list[dict[str, float]], world: int = 1) -> dict[str, Any]:
+    def med(key: str) -> Optional[float]:
+        values = [s[key] for s in steps if key in s and s[key] == s[key]]
+        return statistics.median(values) if values else None
+
+    out: dict[str, Any] = {"measured_steps": len(steps)}
+    for key in ("wall_s", "time/step_s", "time/generation_s", "time/verification_s", "time/scoring_s",
+                "time/teacher_s", "time/train_s", "tokens/completion", "tokens/train", "tokens/teacher",
+                "train/completion_length", "train/reward"):
+        value = med(key)
+        if value is not None:
+            out[key.replace("/", "_")] = value
+    pairs = {"generation_tok_s": ("tokens/completion", "time/generation_s"),
+             "teacher_tok_s": ("tokens/teacher", "time/teacher_s"),
+             "train_tok_s": ("tokens/train", "time/train_s")}
+    for name, (tokens, seconds) in pairs.items():
+        rates = [s[tokens] / s[seconds] for s in steps if s.get(seconds, 0) > 0 and tokens in s]
+        if rates:
+            out[name] = statistics.median(rates)
+    for key in ("peak_allocated_gib", "peak_reserved_gib"):
+        values = [s[key] for s in steps if key in s]
+        if values:
+            out[key] = max(values)
+    return out
+
+
+def run_case(name: str, *, model: str, objective: str, prompts: int, group: int, max_new: int, min_new: int = 0,
+             quantization: Optional[str] = None, gradient_checkpointing: bool = False,
+             micro_batch_size: Optional[int] = None, steps: int = 5, warmup: int = 2, devices: int = 1,
+             cuda_graphs: bool = True, lr: float = 1e-5) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from scgrpo.data import PromptDataModule
+    from scgrpo.distributed import FSDP2Strategy
+    from scgrpo.models import LoraSettings
+    from scgrpo.module import RLVRModule
+    from scgrpo.objectives import GRPO, SCGRPO
+    from scgrpo.rollout.engine import GenerationSettings
+
+    pl.seed_everything(0, verbose=False)
+    module = RLVRModule(
+        model=model,
+        objective=SCGRPO() if objective == "scgrpo" else GRPO(),
+        lora=LoraSettings(r=16, alpha=32),
+        dtype="bfloat16",
+        quantization=quantization,
+        generation=GenerationSettings(num_generations=group, max_new_tokens=max_new, min_new_tokens=min_new,
+                                      cuda_graphs=cuda_graphs),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
+        gradient_checkpointing=gradient_checkpointing,
+        micro_batch_size=micro_batch_size,
+        validate_before_training=False,
+        log_completions_every_n_steps=0,
+    )
+    data = PromptDataModule(source="arithmetic", batch_size=prompts, eval_splits=[])
+    recorder = StepRecorder()
+    root = tempfile.mkdtemp(prefix="scgrpo-bench-")
+    trainer = pl.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=devices,
+        strategy=FSDP2Strategy() if devices > 1 else "auto",
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        callbacks=[recorder],
+    )
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    result = {
+        "case": name, "model": model, "objective": objective, "quantization": quantization,
+        "prompts_per_gpu": prompts, "group_size": group, "max_new_tokens": max_new, "min_new_tokens": min_new,
+        "lora": "r=16 alpha=32 all-linear", "dtype": "bfloat16", "gradient_checkpointing": gradient_checkpointing,
+        "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
+        "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
+    }
+    result.update(summarise(recorder.steps[warmup:]))
+    if result.get("wall_s"):
+        result["completions_per_s_per_gpu"] = prompts * group / result["wall_s"]
+    del module, trainer
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--suite", required=True, choices=["smollm2", "qwen1p5b", "fsdp"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--model", default="smollm2", help="the real model (default: the embedded SmolLM2)")
+    parser.add_argument("--max-new", type=int, default=None, help="override the suite's completion length")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+
+    from scgrpo.models import resolve_model
+
+    smollm2 = resolve_model(args.model)
+    cases: dict[str, dict[str, Any]] = {}
+    if args.suite == "smollm2":  # the TRL figure's settings: 32 prompts x G=8, 128 new tokens, LoRA r=16, bf16
+        common = dict(model=smollm2, prompts=32, group=8, max_new=128)
+        cases["smollm2_grpo"] = dict(objective="grpo", **common)
+        cases["smollm2_scgrpo"] = dict(objective="scgrpo", **common)
+        cases["smollm2_grpo_no_graphs"] = dict(objective="grpo", cuda_graphs=False, **common)
+    elif args.suite == "qwen1p5b":  # 4 prompts x G=8, 512 completion tokens (forced), checkpointing
+        qwen = random_qwen_folder(smollm2)
+        common = dict(model=qwen, prompts=4, group=8, max_new=512, min_new=512, gradient_checkpointing=True,
+                      micro_batch_size=8)
+        for quant in ("nf4", None):
+            for objective in ("grpo", "scgrpo"):
+                cases[f"qwen1p5b_{objective}_{'qlora' if quant else 'bf16_lora'}"] = dict(
+                    objective=objective, quantization=quant, **common)
+    else:  # FSDP throughput: same per-GPU batch on 1 and on N GPUs, fixed lengths
+        common = dict(model=smollm2, prompts=16, group=8, max_new=128, min_new=128, devices=args.devices)
+        cases[f"fsdp_grpo_{args.devices}gpu"] = dict(objective="grpo", **common)
+    wanted = set(filter(None, args.cases.split(",")))
+    results = []
+    for name, kwargs in cases.items():
+        if wanted and name not in wanted:
+            continue
+        print(f"== {name}", flush=True)
+        if args.max_new:
+            kwargs.update(max_new=args.max_new, min_new=min(kwargs.get("min_new", 0), args.max_new))
+        result = run_case(name, steps=args.steps, warmup=args.warmup, **kwargs)
+        results.append(result)
+        brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "steps"}
+        print(json.dumps(brief), flush=True)
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) != 0:
+        return
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"bench_{args.suite}_{card_tag()}"
+                                   f"{'_' + str(args.devices) + 'gpu' if args.suite == 'fsdp' else ''}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    payload = {"suite": args.suite, "card": card_name(), "gpus": torch.cuda.device_count(), "versions": versions(),
+               "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+               "date": time.strftime("%Y-%m-%d"), "cases": results}
+    with open(out, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
