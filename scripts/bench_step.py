@@ -16,6 +16,7 @@ turns the results into ``docs/benchmarks.md`` and ``benchmarks/results/summary.j
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -27,6 +28,9 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+from scgrpo.verifiers import VerificationResult, Verifier  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_1P5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -80,6 +84,16 @@ def random_qwen_folder(tokenizer_source: str) -> str:
     del model
     torch.cuda.empty_cache()
     return folder
+
+
+class CoinFlipVerifier(Verifier):
+    """Reward 1 or 0 from a hash of the completion's text: random-weight models never solve a task, and with
+    all rewards equal every row would have zero advantage and the training and teacher phases would not run.
+    About half of each group is rewarded, so (almost) every group is mixed and every row is trained."""
+
+    def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
+        digest = hashlib.sha256(completion.encode()).digest()
+        return VerificationResult(score=float(digest[0] % 2))
 
 
 class StepRecorder(Callback):
@@ -141,7 +155,7 @@ def summarise(steps: list[dict[str, float]], world: int = 1) -> dict[str, Any]:
 def run_case(name: str, *, model: str, objective: str, prompts: int, group: int, max_new: int, min_new: int = 0,
              quantization: Optional[str] = None, gradient_checkpointing: bool = False,
              micro_batch_size: Optional[int] = None, steps: int = 5, warmup: int = 2, devices: int = 1,
-             cuda_graphs: bool = True, lr: float = 1e-5) -> dict[str, Any]:
+             cuda_graphs: bool = True, lr: float = 1e-5, coin_flip_rewards: bool = False) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -165,6 +179,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         micro_batch_size=micro_batch_size,
         validate_before_training=False,
         log_completions_every_n_steps=0,
+        verifier=CoinFlipVerifier() if coin_flip_rewards else None,
     )
     data = PromptDataModule(source="arithmetic", batch_size=prompts, eval_splits=[])
     recorder = StepRecorder()
@@ -190,6 +205,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "prompts_per_gpu": prompts, "group_size": group, "max_new_tokens": max_new, "min_new_tokens": min_new,
         "lora": "r=16 alpha=32 all-linear", "dtype": "bfloat16", "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
+        "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
     }
     result.update(summarise(recorder.steps[warmup:]))
@@ -222,16 +238,21 @@ def main() -> None:
         cases["smollm2_grpo"] = dict(objective="grpo", **common)
         cases["smollm2_scgrpo"] = dict(objective="scgrpo", **common)
         cases["smollm2_grpo_no_graphs"] = dict(objective="grpo", cuda_graphs=False, **common)
+        # as TRL runs by default: gradient checkpointing; rows in micro-batches of 64
+        low = dict(common, gradient_checkpointing=True, micro_batch_size=64)
+        cases["smollm2_grpo_checkpointing"] = dict(objective="grpo", **low)
+        cases["smollm2_scgrpo_checkpointing"] = dict(objective="scgrpo", **low)
     elif args.suite == "qwen1p5b":  # 4 prompts x G=8, 512 completion tokens (forced), checkpointing
         qwen = random_qwen_folder(smollm2)
         common = dict(model=qwen, prompts=4, group=8, max_new=512, min_new=512, gradient_checkpointing=True,
-                      micro_batch_size=8)
+                      micro_batch_size=8, coin_flip_rewards=True)
         for quant in ("nf4", None):
             for objective in ("grpo", "scgrpo"):
                 cases[f"qwen1p5b_{objective}_{'qlora' if quant else 'bf16_lora'}"] = dict(
                     objective=objective, quantization=quant, **common)
     else:  # FSDP throughput: same per-GPU batch on 1 and on N GPUs, fixed lengths
-        common = dict(model=smollm2, prompts=16, group=8, max_new=128, min_new=128, devices=args.devices)
+        common = dict(model=smollm2, prompts=16, group=8, max_new=128, min_new=128, devices=args.devices,
+                      coin_flip_rewards=True)
         cases[f"fsdp_grpo_{args.devices}gpu"] = dict(objective="grpo", **common)
     wanted = set(filter(None, args.cases.split(",")))
     results = []

@@ -175,6 +175,17 @@ def sample_from_logits(
     return torch.searchsorted(cdf, u).squeeze(1).clamp(max=logits.shape[-1] - 1)
 
 
+def _cache_counters(cache) -> list[Tensor]:
+    """Integer tensors a static cache keeps to know where the next token goes (``cumulative_length`` in recent
+    transformers, which ignores ``cache_position``)."""
+    counters = []
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            if isinstance(value, Tensor) and not value.is_floating_point() and value.numel() <= 16:
+                counters.append(value)
+    return counters
+
+
 def _cache_kwarg(causal_lm) -> str:
     import inspect
 
@@ -184,14 +195,17 @@ def _cache_kwarg(causal_lm) -> str:
 class _GraphedStep:
     """The decode step (one new token for every row) recorded as a CUDA graph over fixed input buffers."""
 
-    def __init__(self, step, ids: Tensor, positions: Tensor, cache_position: Tensor) -> None:
+    def __init__(self, step, ids: Tensor, positions: Tensor, cache_position: Tensor, counters: list[Tensor]) -> None:
         self.ids, self.positions, self.cache_position = ids.clone(), positions.clone(), cache_position.clone()
+        saved = [c.clone() for c in counters]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (it writes the same cache slot again later)
             for _ in range(2):
                 step(self.ids, self.positions, self.cache_position)
         torch.cuda.current_stream().wait_stream(stream)
+        for counter, value in zip(counters, saved):  # the cache's own write positions, as before the warm-up
+            counter.copy_(value)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = step(self.ids, self.positions, self.cache_position)
@@ -262,7 +276,7 @@ def decode_loop(
     if cuda_graphs and ready_mask and device.type == "cuda" and max_new_tokens > 1:
         try:
             attention[:, tp] = True
-            decode = _GraphedStep(step, tokens[:, :1], next_position, cache_positions[:1])
+            decode = _GraphedStep(step, tokens[:, :1], next_position, cache_positions[:1], _cache_counters(cache))
         except Exception as err:  # noqa: BLE001 - any failure to record: plain launches still work
             log.warning("CUDA graph recording of the decode step failed (%s); decoding without graphs", err)
             decode = step
