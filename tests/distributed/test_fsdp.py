@@ -60,17 +60,28 @@ def test_sharded_step_equals_single_process_step_on_cpu(tiny_model_dir, tmp_path
     _compare(one, two, rtol=1e-4, atol=1e-6)
 
 
+def _relative_error(grads: dict, reference: dict) -> float:
+    """||g - g_ref|| / ||g_ref|| over all LoRA gradients together."""
+    diff = sum(float((grads[k] - reference[k]).pow(2).sum()) for k in reference)
+    return (diff / sum(float(v.pow(2).sum()) for v in reference.values())) ** 0.5
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("objective", ["grpo", "scgrpo"])
 def test_sharded_step_equals_single_gpu_step_in_bf16(tiny_model_dir, tmp_path, objective):
-    args = (f"--objective={objective}", "--dtype=bfloat16", "--prompts=16", "--completion-len=32")
-    one = _step(tmp_path, tiny_model_dir, 1, *args)
-    two = _step(tmp_path, tiny_model_dir, 2, *args)
-    # bf16: the single GPU computes LoRA in fp32, FSDP gathers LoRA weights in bf16
-    for name, grad in one["grads"].items():
-        other = two["grads"][name]
-        assert (other - grad).norm() <= 0.03 * grad.norm() + 1e-6, name
-    assert abs(one["loss"] - two["loss"]) <= 0.02 * abs(one["loss"]) + 1e-4
+    """bf16 tolerance, measured rather than guessed: the fp32 single-GPU step is the reference, and the
+    2-GPU bf16 step may differ from it by at most about what the 1-GPU bf16 step itself differs."""
+    args = (f"--objective={objective}", "--prompts=16", "--completion-len=32")
+    exact = _step(tmp_path, tiny_model_dir, 1, *args, "--dtype=float32")
+    one = _step(tmp_path, tiny_model_dir, 1, *args, "--dtype=bfloat16")
+    (tmp_path / "grads-1.pt").unlink()
+    two = _step(tmp_path, tiny_model_dir, 2, *args, "--dtype=bfloat16")
+    floor, sharded = _relative_error(one["grads"], exact["grads"]), _relative_error(two["grads"], exact["grads"])
+    print(f"{objective}: relative gradient error vs fp32: 1 GPU bf16 {floor:.4f}, 2 GPUs bf16 {sharded:.4f}; "
+          f"loss fp32 {exact['loss']:.6f}, 1 GPU {one['loss']:.6f}, 2 GPUs {two['loss']:.6f}")
+    assert floor < 0.1  # the reference itself is sound
+    assert sharded <= 2 * floor + 0.01
+    assert abs(two["loss"] - exact["loss"]) <= 2 * abs(one["loss"] - exact["loss"]) + 1e-3 * abs(exact["loss"]) + 1e-4
 
 
 @pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
