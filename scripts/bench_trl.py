@@ -40,12 +40,12 @@ def main() -> None:
     args = parser.parse_args()
 
     import trl
+    from bench_step import card_name, card_tag, versions
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from bench_step import card_name, card_tag, versions
     from scgrpo.data.sources import ArithmeticTask
     from scgrpo.models import load_tokenizer, resolve_model
     from scgrpo.verifiers import NumericVerifier

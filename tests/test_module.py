@@ -1,6 +1,6 @@
-from collections import defaultdict
 import csv
 import os
+from collections import defaultdict
 
 import pytest
 import torch
@@ -61,6 +61,7 @@ def test_leaving_out_zero_advantage_rows_gives_the_full_batch_gradient(tiny_mode
     module.manual_backward = lambda loss: loss.backward()
     rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # second group: zero advantage
     advantages = module.objective.advantages(rollouts.rewards, 4)
+    assert torch.equal(torch.nonzero(advantages != 0).squeeze(1), torch.arange(4))  # the subset below
     n_tok, n_rows = float(rollouts.completion_mask.sum()), 8.0
     params = [p for p in module.policy.parameters() if p.requires_grad]
 

@@ -1,4 +1,5 @@
 from collections import defaultdict
+
 """The objectives inside the training loop: SC-GRPO's reduction to GRPO, DAPO's sampling, the baselines."""
 
 import os

@@ -34,10 +34,15 @@ from scgrpo.distributed import (
     sum_over_ranks,
     world_size,
 )
-from scgrpo.models import LoraSettings, QUANTIZATIONS, check_model_name, load_policy, parse_dtype
+from scgrpo.models import QUANTIZATIONS, LoraSettings, check_model_name, load_policy, parse_dtype
 from scgrpo.objectives import GRPO, LossInputs, Objective
-from scgrpo.objectives.functional import chunked_distill_kl, chunked_divergence, chunked_token_logprobs, masked_mean
-from scgrpo.rollout.engine import GenerationSettings, Generated, generate
+from scgrpo.objectives.functional import (
+    chunked_distill_kl,
+    chunked_divergence,
+    chunked_token_logprobs,
+    masked_mean,
+)
+from scgrpo.rollout.engine import Generated, GenerationSettings, generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
 from scgrpo.selfteacher import choose_references, teacher_inputs
 from scgrpo.verifiers import Verifier, VerifierRunner

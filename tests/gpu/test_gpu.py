@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from scgrpo.rollout.engine import GenerationSettings, decode_loop, eos_token_ids, generate
+from scgrpo.rollout.engine import GenerationSettings, decode_loop, eos_token_ids
 from tests.helpers import tiny_module
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
