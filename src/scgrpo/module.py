@@ -206,6 +206,11 @@ class RLVRModule(LightningModule):
                 policy.enable_input_require_grads()
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None:  # a ModelParallelStrategy run (FSDP2Strategy): shard over the data-parallel ranks
+            if self.quantization is not None:
+                raise ValueError(
+                    "quantization (4-bit QLoRA) cannot be sharded by FSDP2Strategy: FSDP2 gathers packed 4-bit "
+                    "weights without their quantisation state. Use one GPU per run for QLoRA, or bf16 LoRA with FSDP"
+                )
             shard_policy(self.runner, data_parallel_mesh(mesh), dtype)
 
     def setup(self, stage: str) -> None:

@@ -20,7 +20,8 @@ CHECK = os.path.join(ROOT, "scripts", "fsdp_step_check.py")
 
 
 def _env():
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
     env.pop("CUDA_VISIBLE_DEVICES", None) if torch.cuda.device_count() > 1 else env.update(CUDA_VISIBLE_DEVICES="")
     return env
 
@@ -86,18 +87,24 @@ def test_sharded_step_equals_single_gpu_step_in_bf16(tiny_model_dir, tmp_path, o
 
 @pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
 def test_two_process_fit_from_the_fsdp_config_saves_only_whole_lora_tensors(tiny_model_dir, tmp_path):
+    """Also: each rank fills the verified buffer from its own prompts, and the checkpoint keeps both ranks'."""
     config = os.path.join(ROOT, "configs", "fsdp_scgrpo_arith.yaml")
     result = subprocess.run(
         ["scgrpo", "fit", f"--config={config}", f"--model.model={tiny_model_dir}", "--model.dtype=float32",
          "--model.generation.max_new_tokens=6", "--model.generation.num_generations=4", "--model.eval_samples=2",
          "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
-         "--trainer.enable_progress_bar=false", "--data.batch_size=2", "--data.max_eval_prompts=4"],
+         "--trainer.enable_progress_bar=false", "--data.batch_size=2", "--data.max_eval_prompts=4",
+         "--model.verifier=tests.verifiers.helpers.ParityVerifier"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
     (ckpt,) = glob.glob(os.path.join(run, "checkpoints", "*.ckpt"))
-    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    checkpoint = torch.load(ckpt, weights_only=True)
+    state = checkpoint["state_dict"]
+    # one rank sees 2 steps x 2 prompts; about 94% of prompts get a verified completion (G=4, p=1/2)
+    buffered = {pid for pid, _ in checkpoint["PromptDataModule"]["verified_buffer"]["entries"]}
+    assert len(buffered) > 4, buffered
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

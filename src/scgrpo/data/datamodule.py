@@ -136,10 +136,21 @@ class PromptDataModule(LightningDataModule):
         return next(iter(stream))
 
     def state_dict(self) -> dict[str, Any]:
+        """Stream positions and the verified buffer. With several ranks (Lightning asks every rank), each rank's
+        buffer holds the solutions of its own prompts: they are gathered, so the checkpoint keeps them all."""
+        buffer = self.verified_buffer.state_dict()
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            parts: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(parts, buffer["entries"])
+            merged: dict[str, Any] = {}
+            for part in parts:
+                for prompt_id, entries in part or []:
+                    merged.setdefault(prompt_id, entries)
+            buffer = dict(buffer, entries=[[pid, entries] for pid, entries in merged.items()])
         return {
             "batches_consumed": self.batches_consumed,
             "extra_consumed": self.extra_consumed,
-            "verified_buffer": self.verified_buffer.state_dict(),
+            "verified_buffer": buffer,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
