@@ -150,7 +150,8 @@ def load_tokenizer(source: str):
 
 def quantization_config(quantization: str, dtype: torch.dtype):
     """QLoRA's 4-bit base: ``quantization`` ("nf4" or "fp4") blocks with double quantisation, computed in
-    ``dtype`` and stored in ``dtype``-sized words, so that FSDP can shard the packed weights like any other."""
+    ``dtype`` and stored in ``dtype``-sized words (the layout sharded 4-bit training needs; FSDP2Strategy does
+    not shard 4-bit bases: it would gather packed weights without their quantisation state)."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:

@@ -109,7 +109,7 @@ class RLVRModule(LightningModule):
         logprob_chunk_size: tokens per chunk of fp32 logits in the log-prob computation.
         gradient_checkpointing: recompute activations in backward (non-reentrant); off during generation.
         quantization: "nf4" loads the frozen base in 4 bits through bitsandbytes (QLoRA: double quantisation,
-            compute and storage in bf16, so FSDP can shard it); None keeps it in ``dtype``. Needs a GPU.
+            compute and storage in bf16); None keeps it in ``dtype``. Needs a GPU; one GPU per run (not sharded).
         eval_samples: k for Avg@k and Pass@k in validation.
         eval_temperature: sampling temperature in validation (None: the training temperature).
         eval_greedy: also measure greedy accuracy in validation.
@@ -695,7 +695,12 @@ class RLVRModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = self.trainable_names()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "rng": _rng_state()}
+        rng = _rng_state()
+        checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "rng": rng}
+        if world_size() > 1:  # every rank samples with its own generator state (Lightning asks every rank)
+            per_rank: list[Any] = [None] * world_size()
+            torch.distributed.all_gather_object(per_rank, rng)
+            checkpoint["scgrpo"]["rng_per_rank"] = per_rank
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()
@@ -708,5 +713,8 @@ class RLVRModule(LightningModule):
             )
         state = checkpoint.get("scgrpo", {})
         self.nonfinite_skips = state.get("nonfinite_skips", 0)
-        if "rng" in state:  # sampling goes on exactly as it would have without the stop
+        per_rank = state.get("rng_per_rank")
+        if per_rank is not None and len(per_rank) == world_size():  # sampling goes on as it would have
+            _set_rng_state(per_rank[self.global_rank])
+        elif "rng" in state:
             _set_rng_state(state["rng"])

@@ -85,6 +85,42 @@ def test_sharded_step_equals_single_gpu_step_in_bf16(tiny_model_dir, tmp_path, o
     assert abs(two["loss"] - exact["loss"]) <= 2 * abs(one["loss"] - exact["loss"]) + 1e-3 * abs(exact["loss"]) + 1e-4
 
 
+def _fit(tiny_model_dir, cwd, *extra: str) -> str:
+    """``scgrpo fit`` from the FSDP config on 2 CPU processes; returns the run folder."""
+    config = os.path.join(ROOT, "configs", "fsdp_scgrpo_arith.yaml")
+    before = set(glob.glob(str(cwd / "runs" / "*" / "version_*")))
+    result = subprocess.run(
+        ["scgrpo", "fit", f"--config={config}", f"--model.model={tiny_model_dir}", "--model.dtype=float32",
+         "--model.generation.max_new_tokens=6", "--model.generation.num_generations=4", "--model.eval_samples=2",
+         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
+         "--data.batch_size=2", "--data.max_eval_prompts=4", "--model.verifier=tests.verifiers.helpers.ParityVerifier",
+         *extra],
+        cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run,) = set(glob.glob(str(cwd / "runs" / "*" / "version_*"))) - before
+    return run
+
+
+@pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
+def test_sharded_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tiny_model_dir, tmp_path):
+    """4 steps == 2 steps + checkpoint + 2 resumed steps on 2 ranks: LoRA weights (gathered from shards),
+    every rank's sampling generator and the verified buffer of both ranks come back."""
+    quiet = ["--model.validate_before_training=false", "--trainer.val_check_interval=2"]  # checkpoint every 2
+    straight = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=4", *quiet)
+    first = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=2", *quiet)
+    (ckpt,) = glob.glob(os.path.join(first, "checkpoints", "*.ckpt"))
+    resumed = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=4", f"--ckpt_path={ckpt}", *quiet)
+    (a,) = glob.glob(os.path.join(straight, "checkpoints", "*.ckpt"))
+    (b,) = glob.glob(os.path.join(resumed, "checkpoints", "*.ckpt"))
+    a, b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert a["global_step"] == b["global_step"] == 4
+    assert set(a["state_dict"]) == set(b["state_dict"])
+    for name, tensor in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    assert a["PromptDataModule"] == b["PromptDataModule"]
+
+
 @pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
 def test_two_process_fit_from_the_fsdp_config_saves_only_whole_lora_tensors(tiny_model_dir, tmp_path):
     """Also: each rank fills the verified buffer from its own prompts, and the checkpoint keeps both ranks'."""

@@ -66,6 +66,24 @@ class VerifiedBuffer:
             if not oldest:
                 del self._entries[oldest_id]
 
+    @classmethod
+    def merge_states(cls, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """One state from several buffers' states (one per rank): every distinct (prompt, completion) once,
+        added in the order of the steps that verified them, under the first state's caps."""
+        first = states[0]
+        seen, items = set(), []
+        for state in states:
+            for prompt_id, entries in state["entries"]:
+                for entry in entries:
+                    key = (prompt_id, tuple(entry["token_ids"]))
+                    if key not in seen:
+                        seen.add(key)
+                        items.append((prompt_id, entry))
+        merged = cls(first["size_per_prompt"], first["max_total"])
+        for prompt_id, entry in sorted(items, key=lambda item: item[1]["step"]):  # stable: rank order within a step
+            merged.add(prompt_id, entry["token_ids"], entry["text"], entry["reward"], entry["step"])
+        return merged.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "size_per_prompt": self.size_per_prompt,

@@ -141,12 +141,8 @@ class PromptDataModule(LightningDataModule):
         buffer = self.verified_buffer.state_dict()
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             parts: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(parts, buffer["entries"])
-            merged: dict[str, Any] = {}
-            for part in parts:
-                for prompt_id, entries in part or []:
-                    merged.setdefault(prompt_id, entries)
-            buffer = dict(buffer, entries=[[pid, entries] for pid, entries in merged.items()])
+            torch.distributed.all_gather_object(parts, buffer)
+            buffer = VerifiedBuffer.merge_states(parts)
         return {
             "batches_consumed": self.batches_consumed,
             "extra_consumed": self.extra_consumed,
