@@ -29,14 +29,18 @@ log = logging.getLogger(__name__)
 
 
 class PolicyRunner(nn.Module):
-    """Holds the policy; ``runner(fn, *args)`` calls ``fn(*args)`` inside this module's forward."""
+    """Holds the policy; ``runner(fn)`` calls ``fn()`` inside this module's forward.
+
+    ``fn`` takes no arguments on purpose: FSDP's root forward copies the containers in its arguments while
+    moving them to the GPU, and state written into such a copy (a cache, a batch's log-probs) would be lost.
+    Pass a closure instead."""
 
     def __init__(self, policy: nn.Module) -> None:
         super().__init__()
         self.policy = policy
 
-    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
+    def forward(self, fn: Callable[[], Any]) -> Any:
+        return fn()
 
 
 class FSDP2Strategy(ModelParallelStrategy):

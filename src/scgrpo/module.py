@@ -301,7 +301,7 @@ class RLVRModule(LightningModule):
     def score_rollouts(self, rollouts: RolloutBatch) -> None:
         """Log-probs the objective needs besides the trained ones: under the sampling policy when it takes
         several optimiser steps per batch, and under the reference (adapters off) when it has a KL term."""
-        self.runner(self._score_rollouts, rollouts)
+        self.runner(lambda: self._score_rollouts(rollouts))
 
     @torch.no_grad()
     def _score_rollouts(self, rollouts: RolloutBatch) -> None:
@@ -406,7 +406,7 @@ class RLVRModule(LightningModule):
             real = i < len(chunks)
             # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
             chunk = chunks[i] if real else torch.zeros(1, dtype=torch.long, device=rows.device)
-            out, entropy = self.runner(self._micro_forward, rollouts, chunk, plan)
+            out, entropy = self.runner(lambda: self._micro_forward(rollouts, chunk, plan))
             finite = bool(torch.isfinite(out.loss))
             if not finite:
                 self.nonfinite_skips += 1
