@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections import defaultdict
 
 import torch
@@ -111,7 +112,9 @@ def main() -> None:
         print(f"world {world}: loss {sums['loss']:.6f}, {len(whole)} LoRA gradients -> {args.out}")
     if distributed:
         dist.barrier()
-        dist.destroy_process_group()
+        # leave without tearing down gloo's threads: that teardown can abort the process after the work is done
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
