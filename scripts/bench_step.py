@@ -242,6 +242,8 @@ def main() -> None:
         low = dict(common, gradient_checkpointing=True, micro_batch_size=64)
         cases["smollm2_grpo_checkpointing"] = dict(objective="grpo", **low)
         cases["smollm2_scgrpo_checkpointing"] = dict(objective="scgrpo", **low)
+        for objective in ("grpo", "scgrpo"):  # 4-bit base (QLoRA), same checkpointing and micro-batches
+            cases[f"smollm2_{objective}_qlora"] = dict(objective=objective, quantization="nf4", **low)
     elif args.suite == "qwen1p5b":  # 4 prompts x G=8, 512 completion tokens (forced), checkpointing
         qwen = random_qwen_folder(smollm2)
         common = dict(model=qwen, prompts=4, group=8, max_new=512, min_new=512, gradient_checkpointing=True,
