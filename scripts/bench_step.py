@@ -29,10 +29,10 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
 from scgrpo.verifiers import VerificationResult, Verifier  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_1P5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
                  rms_norm_eps=1e-6, tie_word_embeddings=True)
@@ -126,7 +126,7 @@ class StepRecorder(Callback):
             self.steps[-1]["wall_s"] = self.steps[-1]["end_s"]  # the last step has no successor
 
 
-def summarise(steps: list[dict[str, float]], world: int = 1) -> dict[str, Any]:
+def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
     def med(key: str) -> Optional[float]:
         values = [s[key] for s in steps if key in s and s[key] == s[key]]
         return statistics.median(values) if values else None
@@ -227,7 +227,6 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="the real model (default: the embedded SmolLM2)")
     parser.add_argument("--max-new", type=int, default=None, help="override the suite's completion length")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.join(ROOT, "src"))
 
     from scgrpo.models import resolve_model
 

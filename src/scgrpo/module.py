@@ -693,8 +693,7 @@ class RLVRModule(LightningModule):
         return full_state({name: p for name, p in self.named_parameters() if p.requires_grad})
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        trainable = self.trainable_names()
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        # checkpoint["state_dict"] already holds only the trainable tensors (see state_dict)
         rng = _rng_state()
         checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "rng": rng}
         if world_size() > 1:  # every rank samples with its own generator state (Lightning asks every rank)

@@ -10,6 +10,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from scgrpo.data.buffer import VerifiedBuffer
+from scgrpo.distributed import world_size
 from scgrpo.data.sources import PromptSource, Row, resolve_source
 from scgrpo.rollout.types import PromptBatch
 
@@ -139,8 +140,8 @@ class PromptDataModule(LightningDataModule):
         """Stream positions and the verified buffer. With several ranks (Lightning asks every rank), each rank's
         buffer holds the solutions of its own prompts: they are gathered, so the checkpoint keeps them all."""
         buffer = self.verified_buffer.state_dict()
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            parts: list[Any] = [None] * torch.distributed.get_world_size()
+        if world_size() > 1:
+            parts: list[Any] = [None] * world_size()
             torch.distributed.all_gather_object(parts, buffer)
             buffer = VerifiedBuffer.merge_states(parts)
         return {
