@@ -23,6 +23,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CREDIT_KEYS = ("credit/c", "credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all",
+               "credit/teacher_rows", "credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95",
+               "credit/f_mean", "credit/f_above_half", "credit/div_adv_std", "policy/entropy", "train/mixed_groups",
+               "time/teacher_s")
 
 
 def _float(row: dict, key: str):
@@ -37,7 +41,7 @@ def summarise(run_dir: str) -> dict:
     steps = [r for r in rows if r.get("time/step_s")]
 
     def phase(key):
-        values = [_float(r, key) for r in steps if _float(r, key) is not None]
+        values = [v for v in (_float(r, key) for r in steps) if v is not None and v == v]  # skip missing and NaN
         return {"mean": statistics.mean(values), "median": statistics.median(values)} if values else None
 
     return {
@@ -49,6 +53,9 @@ def summarise(run_dir: str) -> dict:
         "verification_s": phase("time/verification_s"),
         "train_s": phase("time/train_s"),
         "final_train_reward": _float(steps[-1], "train/reward") if steps else None,
+        # the self-teacher's signal and the policy's entropy, averaged over the steps where they are defined
+        "credit": {key: phase(key) for key in CREDIT_KEYS if phase(key) is not None},
+        "entropy_first_last": [_float(steps[0], "policy/entropy"), _float(steps[-1], "policy/entropy")] if steps else None,
     }
 
 

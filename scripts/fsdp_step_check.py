@@ -96,7 +96,7 @@ def main() -> None:
                               module.policy.config.vocab_size, device)
     share = args.prompts // world * args.group
     local = rollouts.select(torch.arange(rank * share, (rank + 1) * share, device=device))
-    plan = module.plan_step(local)
+    plan = module.plan_step(local, module.run_self_teacher(local))
     sums: dict[str, float] = defaultdict(float)
     module.accumulate_gradients(local, plan, sums)
     grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}

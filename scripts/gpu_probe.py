@@ -47,7 +47,7 @@ def main() -> None:
     for rows in (64, 256):
         prompt = torch.randint(3, 49000, (rows, 48), device=device)
         mask = torch.ones_like(prompt)
-        ours = timed(lambda: decode_loop(model, prompt, mask, new, [2], 2, min_new_tokens=new))
+        ours = timed(lambda: decode_loop(model, prompt, mask, new, [2], 2, min_new_tokens=new)[0])
         hf = timed(lambda: model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                           do_sample=True, top_k=None, pad_token_id=2))
         result[f"decode_loop_{rows}_tok_s"] = rows * new / ours

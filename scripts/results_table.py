@@ -23,39 +23,80 @@ def fmt(x) -> str:
     return f"{x:.3f}"
 
 
+def _mean_std(values: list[float]) -> str:
+    if len(values) < 2:
+        return fmt(values[0]) if values else "-"
+    return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}"
+
+
 def signal_table() -> str:
     runs = load("signal_*.json")
     if not runs:
         return ""
     lines = ["| objective | seed | ID Avg@4 before -> after | ID greedy after | OOD Avg@4 before -> after | OOD greedy after "
              "| s/step (mean) | train s/step (mean) |", "|---|---|---|---|---|---|---|---|"]
-    by_objective: dict[str, list[dict]] = {}
+    by_objective: dict[str, dict[str, dict]] = {}
     for r in runs:
         _, objective, seed = r["name"].split("_")
-        by_objective.setdefault(objective, []).append(r)
+        by_objective.setdefault(objective, {})[seed] = r
         (id0, id1), (ood0, ood1) = evals(r, "id"), evals(r, "ood")
         lines.append(
             f"| {objective} | {seed.removeprefix('seed')} | {fmt(id0['val/id/avg@4'])} -> {fmt(id1['val/id/avg@4'])} "
             f"| {fmt(id1['val/id/greedy'])} | {fmt(ood0['val/ood/avg@4'])} -> {fmt(ood1['val/ood/avg@4'])} "
             f"| {fmt(ood1['val/ood/greedy'])} | {r['seconds_per_step']['mean']:.2f} | {r['train_s']['mean']:.2f} |"
         )
-    lines.append("")
-    lines.append("| objective | mean ID Avg@4 after | mean OOD Avg@4 after | mean s/step |")
-    lines.append("|---|---|---|---|")
+    lines += ["", "| objective | seeds | ID Avg@4 after (mean +- std) | OOD Avg@4 after | ID Pass@4 after | OOD Pass@4 after "
+              "| mean s/step |", "|---|---|---|---|---|---|---|"]
     for objective, rs in sorted(by_objective.items()):
+        values = list(rs.values())
         lines.append(
-            f"| {objective} | {fmt(statistics.mean(evals(r, 'id')[1]['val/id/avg@4'] for r in rs))} "
-            f"| {fmt(statistics.mean(evals(r, 'ood')[1]['val/ood/avg@4'] for r in rs))} "
-            f"| {statistics.mean(r['seconds_per_step']['mean'] for r in rs):.2f} |"
+            f"| {objective} | {len(values)} | {_mean_std([evals(r, 'id')[1]['val/id/avg@4'] for r in values])} "
+            f"| {_mean_std([evals(r, 'ood')[1]['val/ood/avg@4'] for r in values])} "
+            f"| {_mean_std([evals(r, 'id')[1]['val/id/pass@4'] for r in values])} "
+            f"| {_mean_std([evals(r, 'ood')[1]['val/ood/pass@4'] for r in values])} "
+            f"| {statistics.mean(r['seconds_per_step']['mean'] for r in values):.2f} |"
         )
-    if "scgrpo" in by_objective and "grpo" in by_objective:
-        ratio = statistics.mean(r["seconds_per_step"]["mean"] for r in by_objective["scgrpo"]) / statistics.mean(
-            r["seconds_per_step"]["mean"] for r in by_objective["grpo"])
-        train_ratio = statistics.mean(r["train_s"]["mean"] for r in by_objective["scgrpo"]) / statistics.mean(
-            r["train_s"]["mean"] for r in by_objective["grpo"])
-        lines.append("")
-        lines.append(f"SC-GRPO step time over GRPO's (same runs, same machine): {ratio:.2f}x for the whole step, "
-                     f"{train_ratio:.2f}x for the training phase (teacher pass and loss).")
+    if "scgrpo" in by_objective:
+        for other in ("grpo", "dapo"):
+            if other not in by_objective:
+                continue
+            seeds = sorted(set(by_objective["scgrpo"]) & set(by_objective[other]))
+            diffs = {split: [evals(by_objective["scgrpo"][s], split)[1][f"val/{split}/avg@4"]
+                             - evals(by_objective[other][s], split)[1][f"val/{split}/avg@4"] for s in seeds]
+                     for split in ("id", "ood")}
+            lines += ["", f"Paired difference SC-GRPO minus {other.upper()} in Avg@4 after 30 steps, seed by seed "
+                      f"({', '.join(s.removeprefix('seed') for s in seeds)}): ID "
+                      f"{', '.join(f'{d:+.3f}' for d in diffs['id'])} (mean {statistics.mean(diffs['id']):+.3f}); OOD "
+                      f"{', '.join(f'{d:+.3f}' for d in diffs['ood'])} (mean {statistics.mean(diffs['ood']):+.3f})."]
+        credit = [r for r in by_objective["scgrpo"].values() if r.get("credit")]
+        if credit:
+            keys = ["credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all",
+                    "credit/c", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95", "credit/f_mean",
+                    "credit/f_above_half", "credit/div_adv_std"]
+            lines += ["", "SC-GRPO's self-teacher signal, the mean over the 30 steps of each run:", "",
+                      "| seed | " + " | ".join(k.split("/")[-1] for k in keys) + " | entropy first -> last |",
+                      "|---" * (len(keys) + 2) + "|"]
+            for seed, r in sorted(by_objective["scgrpo"].items()):
+                c = r.get("credit", {})
+                cells = [f"{c[k]['mean']:.3g}" if k in c else "-" for k in keys]
+                first, last = r.get("entropy_first_last") or [None, None]
+                entropy = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "-"
+                lines.append(f"| {seed.removeprefix('seed')} | " + " | ".join(cells) + f" | {entropy} |")
+        for other in ("grpo", "dapo"):
+            rows = [r for r in by_objective.get(other, {}).values() if r.get("entropy_first_last")]
+            if rows:
+                lines.append("")
+                lines.append(f"{other.upper()} policy entropy first -> last step: " + ", ".join(
+                    f"{r['entropy_first_last'][0]:.3f} -> {r['entropy_first_last'][1]:.3f}" for r in rows) + ".")
+        if "grpo" in by_objective:
+            ratio = statistics.mean(r["seconds_per_step"]["mean"] for r in by_objective["scgrpo"].values()) / statistics.mean(
+                r["seconds_per_step"]["mean"] for r in by_objective["grpo"].values())
+            train_ratio = statistics.mean(r["train_s"]["mean"] for r in by_objective["scgrpo"].values()) / statistics.mean(
+                r["train_s"]["mean"] for r in by_objective["grpo"].values())
+            lines.append("")
+            lines.append(f"SC-GRPO step time over GRPO's (same runs, same machine): {ratio:.2f}x for the whole step, "
+                         f"{train_ratio:.2f}x for the update (training forward, backward and optimizer; the teacher "
+                         "pass is timed apart, in the step).")
     return "\n".join(lines)
 
 
@@ -98,11 +139,13 @@ def document() -> str:
                   f"{trl[0]['seconds_per_step']['mean'] / 24:.2f} of TRL's.", ""]
     table = signal_table()
     if table:
-        parts += ["## First signal: SC-GRPO vs GRPO", "",
-                  "`bash scripts/run_signal.sh`: `configs/scgrpo_arith.yaml` and `configs/grpo_arith.yaml` (they differ "
-                  "only in the objective), 30 steps x 8 prompts x G=4 (the same rollout budget), lr 5e-4, seeds 0 and 1, "
-                  "evaluated on 64 held-out two-digit additions (ID) and 64 three-digit additions (OOD) with 4 samples "
-                  "each.", "", table, ""]
+        parts += ["## CPU signal: SC-GRPO (the paper's method) vs GRPO and DAPO", "",
+                  "`bash scripts/run_signal.sh`: `configs/scgrpo_arith.yaml` (the paper's defaults), "
+                  "`configs/grpo_arith.yaml` (the paper's GRPO: clip 0.2, per-sequence mean, no KL) and "
+                  "`configs/dapo_arith.yaml` (they differ only in the objective), 30 steps x 8 prompts x G=4 (the same "
+                  "rollout budget; DAPO's dynamic sampling draws extra rollouts on top), lr 5e-4, seeds 0, 1 and 2 "
+                  "(`--seed_everything` and `--data.seed`), evaluated on 64 held-out two-digit additions (ID) and 64 "
+                  "three-digit additions (OOD) with 4 samples each. Nothing was tuned for any method.", "", table, ""]
     return "\n".join(parts)
 
 

@@ -8,6 +8,11 @@ import pytest
 from scgrpo.cli import main
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
+ABLATIONS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "ablations", "*.yaml")))
+BASE = os.path.join(os.path.dirname(__file__), "..", "configs", "scgrpo_arith.yaml")
+CREDIT_KEYS = ["credit/c", "credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all",
+               "credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95", "credit/f_mean",
+               "credit/f_above_half", "credit/div_adv_std", "policy/entropy"]
 
 
 def _tiny_args(tiny_model_dir):
@@ -27,7 +32,11 @@ def _tiny_args(tiny_model_dir):
 
 def test_there_are_configs():
     names = {os.path.basename(c) for c in CONFIGS}
-    assert {"quickstart.yaml", "grpo_arith_gpu.yaml"} | {f"{n}_arith.yaml" for n in ("scgrpo", "grpo", "drgrpo", "dapo", "selfdistill")} <= names
+    assert {"quickstart.yaml", "grpo_arith_gpu.yaml"} | {f"{n}_arith.yaml" for n in ("scgrpo", "grpo", "drgrpo", "dapo", "selfdistill", "opsd")} <= names
+    ablations = {os.path.basename(c) for c in ABLATIONS}
+    assert {"route_partial_only.yaml", "route_single.yaml", "route_all.yaml", "c_p50.yaml", "c_p75.yaml", "c_p90.yaml",
+            "c_fixed.yaml", "alpha_0.1.yaml", "alpha_0.2.yaml", "additive_forward_kl.yaml", "opsd_oracle.yaml",
+            "buffer_references.yaml"} <= ablations
     assert {"qlora_scgrpo_arith.yaml", "qlora_grpo_arith.yaml", "fsdp_scgrpo_arith.yaml", "fsdp_grpo_arith.yaml"} <= names
 
 
@@ -47,6 +56,36 @@ def test_config_runs_two_steps_with_the_tiny_model(config, tiny_model_dir, tmp_p
     assert "train/reward" in header and "val/" in header
     assert os.path.isfile(os.path.join(run, "adapter", "final", "adapter_config.json"))
     assert glob.glob(os.path.join(run, "checkpoints", "*.ckpt"))
+
+
+@pytest.mark.parametrize("ablation", ABLATIONS, ids=os.path.basename)
+def test_ablation_layered_over_the_paper_config_runs_two_steps(ablation, tiny_model_dir, tmp_path, monkeypatch):
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    main(["fit", f"--config={BASE}", f"--config={ablation}", *_tiny_args(tiny_model_dir)])
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    saved = yaml.safe_load(open(os.path.join(run, "config.yaml")))["model"]["objective"]
+    wanted = yaml.safe_load(open(ablation))["model"]["objective"]
+    assert saved["class_path"] == wanted["class_path"]
+    for key, value in wanted["init_args"].items():  # the ablation's values reached the objective
+        assert saved["init_args"][key] == value, key
+
+
+def test_scgrpo_run_logs_every_credit_key_every_step(tiny_model_dir, tmp_path, monkeypatch):
+    import csv
+
+    monkeypatch.chdir(tmp_path)
+    main(["fit", f"--config={BASE}", *_tiny_args(tiny_model_dir), "--trainer.max_steps=3"])
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    rows = [r for r in csv.DictReader(open(os.path.join(run, "metrics.csv"))) if r.get("train/reward")]
+    assert len(rows) == 3
+    for row in rows:
+        for key in CREDIT_KEYS:
+            assert key in row and row[key] != "", key
+        shares = sum(float(row[f"credit/route_{r}"]) for r in ("partial", "solve_none", "single", "all"))
+        assert shares == pytest.approx(1.0)
+        assert float(row["policy/entropy"]) > 0
 
 
 def test_custom_verifier_by_class_path(tiny_model_dir, tmp_path, monkeypatch):
@@ -71,6 +110,7 @@ def test_custom_verifier_by_class_path(tiny_model_dir, tmp_path, monkeypatch):
         (["--model.objective.init_args.aggregation=sum"], "aggregation"),
         (["--model.quantization=int3"], "quantization='int3'"),
         (["--model.quantization=nf4", "--model.lora=null"], "cannot be trained"),
+        (["--model.objective=scgrpo.objectives.SCGRPO", "--model.objective.init_args.w_max=5"], "c_quantile"),
     ],
 )
 def test_bad_config_values_end_in_one_clear_message(args, message, tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -87,7 +127,7 @@ def test_arith_configs_differ_only_in_the_objective_block():
 
     folder = os.path.join(os.path.dirname(__file__), "..", "configs")
     loaded = {n: yaml.safe_load(open(os.path.join(folder, f"{n}_arith.yaml"))) for n in
-              ("scgrpo", "grpo", "drgrpo", "dapo", "selfdistill")}
+              ("scgrpo", "grpo", "drgrpo", "dapo", "selfdistill", "opsd")}
     for config in loaded.values():
         config["model"].pop("objective")
     first = loaded.pop("scgrpo")

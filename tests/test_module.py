@@ -69,7 +69,7 @@ def test_leaving_out_zero_advantage_rows_gives_the_full_batch_gradient(tiny_mode
         for p in params:
             p.grad = None
         plan = module.plan_step(rollouts)
-        assert plan["norms"] == {"num_tokens": n_tok, "num_rows": n_rows}  # denominators count every row
+        assert plan["norms"]["num_tokens"] == n_tok and plan["norms"]["num_rows"] == n_rows  # every row counts
         plan.update(rows=rows, chunks=[rows], num_chunks=1)
         module.accumulate_gradients(rollouts, plan, defaultdict(float))
         return [p.grad.clone() for p in params]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scgrpo.callbacks.rollout import DynamicSamplingCallback, concat_rollouts, mixed_groups
-from scgrpo.objectives import DAPO, GRPO, SCGRPO, HighEntropyGRPO, SelfDistillation
+from scgrpo.objectives import DAPO, GRPO, OPSD, SCGRPO, HighEntropyGRPO, SelfDistillation
 from scgrpo.objectives.dapo import overlong_penalty
 from scgrpo.rollout.engine import GenerationSettings, generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
@@ -26,43 +26,118 @@ def _rollouts(module, rewards, group_size=4):
 def _gradients(module, rollouts):
     """Loss and LoRA gradients of one training step's math, without the optimizer."""
     module.manual_backward = lambda loss: loss.backward()
-    plan = module.plan_step(rollouts)  # rows with non-zero advantage, references, global denominators
+    plan = module.plan_step(rollouts, module.run_self_teacher(rollouts))  # credit, rows in the loss, denominators
     params = [p for p in module.policy.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
     sums = defaultdict(float)
     module.accumulate_gradients(rollouts, plan, sums)
-    return torch.tensor(sums["loss"]), [p.grad.clone() for p in params], plan["teacher"]
+    return torch.tensor(sums["loss"]), [p.grad.clone() for p in params], plan
 
 
-def test_scgrpo_without_references_equals_grpo_exactly(tiny_model_dir):
+def test_single_and_all_correct_groups_give_exactly_grpo(tiny_model_dir):
+    """n_c = 1 and n_c = G groups are plain GRPO: loss and every gradient equal GRPO's with the same
+    aggregation, bit for bit."""
     torch.manual_seed(0)
-    module = tiny_module(tiny_model_dir, objective=GRPO(), success_threshold=2.0)  # nothing counts as verified
+    module = tiny_module(tiny_model_dir, objective=GRPO(aggregation="seq-mean-token-mean"))
     module.configure_model()
-    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # n_c = 1, then n_c = G
     grpo_loss, grpo_grads, _ = _gradients(module, rollouts)
     module.objective = SCGRPO()
-    sc_loss, sc_grads, teacher = _gradients(module, rollouts)
-    assert not teacher["has_reference"].any()
+    sc_loss, sc_grads, plan = _gradients(module, rollouts)
+    assert not plan["signal"].has_teacher.any()
     assert torch.equal(sc_loss, grpo_loss)
     for a, b in zip(sc_grads, grpo_grads):
         assert torch.equal(a, b)
-
-
-def test_scgrpo_with_references_reweights_tokens(tiny_model_dir):
-    torch.manual_seed(0)
-    module = tiny_module(tiny_model_dir, objective=GRPO())
-    module.configure_model()
-    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    grpo_loss, grpo_grads, _ = _gradients(module, rollouts)
+    rollouts.rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # a partial-solve group: not GRPO
+    module.objective = GRPO(aggregation="seq-mean-token-mean")
+    _, grpo_grads, _ = _gradients(module, rollouts)
     module.objective = SCGRPO()
-    sc_loss, sc_grads, teacher = _gradients(module, rollouts)
-    assert teacher["has_reference"].all()  # every group has two successes
+    _, sc_grads, _ = _gradients(module, rollouts)
     assert any(not torch.allclose(a, b) for a, b in zip(sc_grads, grpo_grads))
-    weights = module._credit_record(rollouts, module.objective.advantages(rollouts.rewards, 4), teacher)["weights"]
+
+
+def test_one_step_equals_the_hand_written_weighted_surrogate(tiny_model_dir):
+    """The module's LoRA gradients for a partial-solve and a solve-none group equal those of the paper's
+    objective written out by hand on a plain full forward: weights f = D / (D + c) with c = P75 of the active
+    divergences (torch.quantile), -(1/N) sum_i 1/|o_i| sum_t f_it A_i rho_it, rho = exp(logp - logp.detach())."""
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=SCGRPO())
+    module.configure_model()
+    with torch.no_grad():
+        module.policy.get_base_model().model.norm.weight.mul_(8.0)
+    rollouts = _rollouts(module, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    loss, grads, plan = _gradients(module, rollouts)
+    signal = plan["signal"]
     mask = rollouts.completion_mask
-    row_means = (weights * mask).sum(1) / mask.sum(1)
-    assert (weights[mask.bool()] != 1).any() and (row_means <= 1 + 1e-5).all()
+    active = mask.bool() & signal.has_teacher.unsqueeze(1)
+    c = max(float(torch.quantile(signal.divergence[active], 0.75)), 1e-4)
+    f = torch.where(signal.has_teacher.unsqueeze(1), signal.divergence / (signal.divergence + c), torch.ones_like(mask))
+    advantages = plan["credit"].advantages
+    assert (advantages[4:] != 0).any()  # the solve-none group carries the diversity advantage
+    c_len = rollouts.completion_ids.shape[1]
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    logits = module.policy(input_ids=rollouts.input_ids, attention_mask=rollouts.attention_mask,
+                           position_ids=(rollouts.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits[:, -c_len - 1 : -1].float(), -1).gather(-1, rollouts.completion_ids.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    per_row = (f * advantages.unsqueeze(1) * ratio * mask).sum(1) / mask.sum(1)
+    hand_loss = -(per_row.sum() / mask.shape[0])
+    hand_loss.backward()
+    assert loss.item() == pytest.approx(hand_loss.item(), abs=1e-6)
+    for ours, hand in zip(grads, [p.grad for p in params]):
+        torch.testing.assert_close(ours, hand, atol=1e-6, rtol=1e-4)
+
+
+def test_batch_scope_c_does_not_change_with_micro_batch_size(tiny_model_dir):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=SCGRPO())
+    module.configure_model()
+    rollouts = _rollouts(module, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    whole_loss, whole, _ = _gradients(module, rollouts)
+    module.micro_batch_size = 3
+    micro_loss, micro, _ = _gradients(module, rollouts)
+    assert micro_loss.item() == pytest.approx(whole_loss.item(), abs=1e-7)
+    for a, b in zip(whole, micro):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    module.objective = SCGRPO(c_scope="micro_batch")  # the paper's literal scope does change
+    _, literal, _ = _gradients(module, rollouts)
+    assert any(not torch.allclose(a, b, atol=1e-7, rtol=1e-5) for a, b in zip(whole, literal))
+
+
+def test_self_distillation_without_any_reference_is_grpo_not_nan(tiny_model_dir):
+    """No row has a verified reference (rewards below the threshold but not equal): the distillation term is
+    0 and the loss is GRPO's, not 0/0."""
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=GRPO(aggregation="seq-mean-token-mean"))
+    module.configure_model()
+    rollouts = _rollouts(module, [0.5, 0.0, 0.0, 0.0, 0.0, 0.25, 0.0, 0.0])
+    grpo_loss, grpo_grads, _ = _gradients(module, rollouts)
+    module.objective = SelfDistillation()
+    loss, grads, plan = _gradients(module, rollouts)
+    assert not plan["signal"].has_teacher.any()
+    assert torch.isfinite(loss) and torch.equal(loss, grpo_loss)
+    for a, b in zip(grads, grpo_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_self_distillation_full_fine_tuning_trains_the_head_through_the_distillation_term(tiny_model_dir):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=OPSD(teacher="policy"), lora=None)  # pure distillation
+    module.configure_model()
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    _, grads, _ = _gradients(module, rollouts)
+    head = module.lm_head().weight
+    index = [i for i, p in enumerate(p for p in module.policy.parameters() if p.requires_grad) if p is head]
+    assert index and grads[index[0]].abs().sum() > 0
+
+
+def test_additive_distillation_coefficient_warms_up_linearly():
+    objective = SelfDistillation(distill_coef=0.1, distill_coef_start=0.03, warmup_steps=10)
+    assert [round(objective.coefficient(s), 6) for s in (0, 5, 10, 20)] == [0.03, 0.065, 0.1, 0.1]
+    assert SelfDistillation().coefficient(0) == 0.1
 
 
 def test_teacher_base_differs_from_teacher_policy(tiny_model_dir):
@@ -139,9 +214,9 @@ def test_concat_rollouts_repads_prompts_left_and_completions_right(tiny_model_di
     assert torch.equal(merged.completion_ids[8:, :2], b.completion_ids) and (merged.completion_mask[8:, 2:] == 0).all()
 
 
-@pytest.mark.parametrize("objective", [SCGRPO(), SelfDistillation(), SelfDistillation(grpo_coef=1.0),
+@pytest.mark.parametrize("objective", [SCGRPO(), SelfDistillation(), SelfDistillation(divergence="bidirectional"), OPSD(),
                                        HighEntropyGRPO(), DAPO(overlong_buffer=2)],
-                         ids=["scgrpo", "selfdistill", "selfdistill+grpo", "high_entropy", "dapo"])
+                         ids=["scgrpo", "selfdistill", "selfdistill-bidirectional", "opsd", "high_entropy", "dapo"])
 def test_each_objective_trains_the_adapters(objective, tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=objective, log_completions_every_n_steps=1)
@@ -155,11 +230,4 @@ def test_each_objective_trains_the_adapters(objective, tiny_model_dir, tmp_path)
     assert len(data.verified_buffer) > 0  # verified rollouts were stored for later steps
     if isinstance(objective, SCGRPO):
         page = open(os.path.join(trainer.log_dir, "credit_heatmap.html")).read()
-        assert "<span title=\"w=" in page
-
-
-def test_high_entropy_mask_keeps_the_top_share():
-    entropy = torch.tensor([[0.1, 0.9, 0.5, 0.0], [0.8, 0.2, 0.7, 0.3]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    kept = HighEntropyGRPO(rho=0.3).token_mask(entropy, mask)  # 7 tokens; the top 30%: 0.9, 0.8 (and 0.7 at the edge)
-    assert kept[0].tolist() == [0.0, 1.0, 0.0, 0.0] and kept[1, 0] == 1.0 and kept[1, 1] == 0.0
+        assert "<span title=\"f=" in page

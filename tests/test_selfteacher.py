@@ -1,54 +1,249 @@
-"""Reference choice and the verified-trajectory buffer."""
+"""The self-teacher: routing by n_c, reference rules, the teacher's inputs and its per-token divergences
+against an independent forward pass; and the verified-trajectory buffer."""
 
+import pytest
 import torch
 
 from scgrpo.data.buffer import VerifiedBuffer
+from scgrpo.objectives import SCGRPO
+from scgrpo.rollout.engine import GenerationSettings, generate
 from scgrpo.rollout.types import RolloutBatch
-from scgrpo.selfteacher import choose_references
+from scgrpo.selfteacher import (
+    ALL, PARTIAL, SINGLE, SOLVE_NONE, ROUTES, TeacherSpec, group_routes, route_rollouts, system_prompt_layout)
+from tests.helpers import tiny_module
+
+SC_ROUTES = TeacherSpec().routes  # SC-GRPO's defaults: partial-solve and solve-none
 
 
-def _rollouts(rewards, texts, group_size=4, ids=None):
+def _rollouts(rewards, tokens, group_size=4, ids=None):
+    """Rows with the given completion tokens (each ends in EOS = 2); text = the tokens as a string."""
     n = len(rewards)
-    completion_ids = torch.tensor([[10 + i, 2] for i in range(n)])
+    width = max(len(t) for t in tokens) + 1
+    completion_ids = torch.full((n, width), 2)
+    mask = torch.zeros(n, width)
+    for i, t in enumerate(tokens):
+        completion_ids[i, : len(t)] = torch.tensor(t)
+        mask[i, : len(t) + 1] = 1.0
     return RolloutBatch(
         prompt_ids=torch.ones(n, 3, dtype=torch.long), prompt_mask=torch.ones(n, 3, dtype=torch.long),
-        completion_ids=completion_ids, completion_mask=torch.ones(n, 2), truncated=torch.zeros(n, dtype=torch.bool),
+        completion_ids=completion_ids, completion_mask=mask, truncated=torch.zeros(n, dtype=torch.bool),
         group_size=group_size, sample_ids=ids or [f"p{i // group_size}" for i in range(n)], questions=["q"] * n,
-        answers=[0] * n, completions=texts, rewards=torch.tensor(rewards),
+        answers=[7] * n, completions=[" ".join(map(str, t)) for t in tokens], rewards=torch.tensor(rewards),
     )
 
 
-def test_a_rollout_is_never_its_own_reference():
-    rollouts = _rollouts([1.0, 0.0, 0.0, 0.0], ["a", "b", "c", "d"])
-    refs = choose_references(rollouts, [0, 1, 2, 3], 1.0, None)
-    assert refs == [[], ["a"], ["a"], ["a"]]  # the only success has no other verified rollout
+@pytest.mark.parametrize("n_c", range(5))
+def test_routing_for_every_number_of_correct_rollouts(n_c):
+    """G = 4, distinct completions, the first n_c correct. Partial-solve (n_c = 2, 3): every row's reference is
+    a correct sibling, never itself. Solve-none (0): one reference row, the other three conditioned on it.
+    Single (1) and all-correct (4): no teacher (plain GRPO)."""
+    tokens = [[10 + i] * (i + 1) for i in range(4)]  # lengths 1, 2, 3, 4
+    rewards = [1.0] * n_c + [0.0] * (4 - n_c)
+    rollouts = _rollouts(rewards, tokens)
+    plan = route_rollouts(rollouts, TeacherSpec(routes=SC_ROUTES), 1.0, step=3)
+    expected_route = {0: SOLVE_NONE, 1: SINGLE, 2: PARTIAL, 3: PARTIAL, 4: ALL}[n_c]
+    assert plan.route == [expected_route] * 4
+    if n_c in (2, 3):
+        for i in range(4):
+            j = plan.reference_rows[i]
+            assert j is not None and j != i and rewards[j] == 1.0
+            assert plan.references[i] == rollouts.completions[j]
+        assert not any(plan.is_reference)
+    elif n_c == 0:
+        (r,) = [i for i in range(4) if plan.is_reference[i]]
+        assert plan.references[r] is None
+        for i in range(4):
+            if i != r:
+                assert plan.reference_rows[i] == r
+                assert plan.diversity_length[i] == min(len(tokens[i]), len(tokens[r])) + 1  # + EOS
+    else:
+        assert plan.references == [None] * 4
 
 
-def test_group_references_come_before_the_buffer_and_buffer_fills_in():
+def test_routing_ablations_turn_single_and_all_correct_groups_on():
+    tokens = [[10 + i] * (i + 1) for i in range(8)]
+    rollouts = _rollouts([1.0, 0, 0, 0, 1, 1, 1, 1], tokens)
+    plan = route_rollouts(rollouts, TeacherSpec(routes=ROUTES), 1.0)
+    # single-correct: the three wrong rows see the correct one; the correct one has no other correct sibling
+    assert [plan.reference_rows[i] for i in range(4)] == [None, 0, 0, 0]
+    assert all(plan.reference_rows[i] not in (None, i) for i in range(4, 8))
+
+
+def test_a_token_identical_sibling_is_never_a_reference():
+    """Rows 0 and 1 are correct and token-identical, row 2 correct and different: 0 and 1 may only see 2, and
+    2 sees 0 or 1. With only identical correct rows, a correct row has no teacher (weight 1) unless the
+    buffer supplies a completion with other tokens."""
+    rollouts = _rollouts([1.0, 1.0, 1.0, 0.0], [[5, 6], [5, 6], [7], [8]])
+    for step in range(20):
+        plan = route_rollouts(rollouts, TeacherSpec(), 1.0, step=step)
+        assert plan.reference_rows[0] == 2 and plan.reference_rows[1] == 2 and plan.reference_rows[2] in (0, 1)
+    twins = _rollouts([1.0, 1.0, 0.0, 0.0], [[5, 6], [5, 6], [7], [8]])
+    plan = route_rollouts(twins, TeacherSpec(), 1.0)
+    assert plan.references[:2] == [None, None] and plan.reference_rows[2] in (0, 1)
     buffer = VerifiedBuffer(4)
-    buffer.add("p0", [99, 2], "old", 1.0, step=0)
-    rollouts = _rollouts([1.0, 1.0, 0.0, 0.0], ["a", "b", "c", "d"])
-    refs = choose_references(rollouts, [0, 1, 2, 3], 1.0, buffer)
-    assert refs[0] == ["b"] and refs[1] == ["a"] and refs[2][0] in {"a", "b"}
-    only = _rollouts([1.0, 0.0, 0.0, 0.0], ["a", "b", "c", "d"])
-    assert choose_references(only, [0], 1.0, buffer) == [["old"]]  # no other success in the group -> buffer
-    two = choose_references(only, [1], 1.0, buffer, num_references=2)
-    assert sorted(two[0]) == ["a", "old"]
+    buffer.add("p0", [5, 6, 2], "5 6", 1.0, step=0)  # the same tokens as rows 0 and 1: never shown to them
+    buffer.add("p0", [9, 2], "older", 1.0, step=0)
+    plan = route_rollouts(twins, TeacherSpec(buffer_references=True), 1.0, buffer)
+    assert plan.references[:2] == ["older", "older"] and plan.reference_rows[:2] == [None, None]
+    assert route_rollouts(twins, TeacherSpec(buffer_references=False), 1.0, buffer).references[:2] == [None, None]
 
 
-def test_the_buffer_never_hands_a_rollout_back_to_itself():
-    buffer = VerifiedBuffer(4)
-    buffer.add("p0", [10, 2], "a", 1.0, step=0)  # identical tokens to row 0 below
-    rollouts = _rollouts([1.0, 0.0, 0.0, 0.0], ["a", "b", "c", "d"])
-    assert choose_references(rollouts, [0], 1.0, buffer) == [[]]
+def test_reference_choice_is_seeded_and_does_not_depend_on_the_split_over_ranks():
+    tokens = [[10 + i] for i in range(8)]
+    rollouts = _rollouts([1.0] * 6 + [0.0] * 2, tokens, group_size=8, ids=["p"] * 8)
+    first = route_rollouts(rollouts, TeacherSpec(seed=3), 1.0, step=5).reference_rows
+    assert first == route_rollouts(rollouts, TeacherSpec(seed=3), 1.0, step=5).reference_rows
+    assert any(route_rollouts(rollouts, TeacherSpec(seed=s), 1.0, step=5).reference_rows != first for s in range(4, 9))
+    two = _rollouts([1.0, 0, 1, 0, 0, 0, 0, 0], [[10 + i] for i in range(8)], group_size=4)
+    whole = route_rollouts(two, TeacherSpec(), 1.0, step=1).references
+    second = route_rollouts(two.select(torch.arange(4, 8)), TeacherSpec(), 1.0, step=1).references
+    assert whole[4:] == second  # the second group, routed alone (as another rank would), draws the same
 
 
-def test_reference_choice_is_reproducible_under_a_seed():
-    rollouts = _rollouts([1.0] * 8, list("abcdefgh"), group_size=8, ids=["p"] * 8)
-    first = choose_references(rollouts, list(range(8)), 1.0, None, seed=3, step=5)
-    assert first == choose_references(rollouts, list(range(8)), 1.0, None, seed=3, step=5)
-    others = [choose_references(rollouts, list(range(8)), 1.0, None, seed=s, step=5) for s in range(4, 9)]
-    assert any(o != first for o in others)
+def test_privileged_teachers_see_the_ground_truth_answer_in_every_row():
+    rollouts = _rollouts([0.0, 0.0, 1.0, 0.0], [[1], [2], [3], [4]])
+    plan = route_rollouts(rollouts, TeacherSpec(routes=(), privileged=True), 1.0)
+    assert plan.references == ["7"] * 4
+
+
+def test_group_routes():
+    rewards = torch.tensor([0.0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 0.5, 1, 0, 0])
+    assert group_routes(rewards, 4, 1.0).tolist() == [SOLVE_NONE, SINGLE, PARTIAL, PARTIAL, ALL, SINGLE]
+
+
+# ------------------------------------------------------------------------ teacher inputs and divergences
+def _sampled(module, rewards, questions, g=4):
+    """Rollouts sampled from the tiny model: left-padded prompts of different lengths, EOS at different places."""
+    torch.manual_seed(0)
+    prompts = module.format_prompts(questions)
+    out = generate(module.policy, module.tokenizer, prompts, g, GenerationSettings(max_new_tokens=10), module.device)
+    n = len(questions) * g
+    ids, mask = out.completion_ids.clone(), out.completion_mask.clone()
+    for i in range(n):  # end-of-sequence at different places (a random tiny model rarely samples it)
+        end = 2 + (3 * i) % (ids.shape[1] - 2)
+        ids[i, end], ids[i, end + 1 :], mask[i, end + 1 :], mask[i, : end + 1] = 2, 2, 0.0, 1.0
+    texts = module.tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return RolloutBatch(out.prompt_ids, out.prompt_mask, ids, mask, out.truncated, g,
+                        [f"q{i // g}" for i in range(n)], [q for q in questions for _ in range(g)], [0] * n,
+                        texts, rewards=torch.tensor(rewards))
+
+
+def _independent_divergence(module, rollouts, row, reference, system_text):
+    """D on the row's real tokens from two plain full forwards over *unpadded* sequences: the teacher's chat
+    (system = base + guide + reference, user = the question) and the student's own prompt."""
+    tok, policy = module.tokenizer, module.policy
+    length = int(rollouts.completion_mask[row].sum())
+    completion = rollouts.completion_ids[row, :length]
+    question = rollouts.questions[row]
+    block = SCGRPO().teacher.template.format(reference=reference)
+    teacher_prompt = tok.apply_chat_template(
+        [{"role": "system", "content": f"{system_text}\n\n{block}" if system_text else block},
+         {"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    student_prompt = module.format_prompts([question])[0]
+
+    def logprobs(prompt):
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        full = torch.cat([ids, completion]).unsqueeze(0)
+        with torch.no_grad():
+            logits = policy(input_ids=full).logits[0].double()
+        return torch.log_softmax(logits[len(ids) - 1 : len(ids) - 1 + length], -1), logits, len(ids)
+
+    t, t_logits, t_len = logprobs(teacher_prompt)
+    s, s_logits, s_len = logprobs(student_prompt)
+    forward = (t.exp() * (t - s)).sum(-1)
+    # variants the test must tell apart from the right one
+    shifted = torch.log_softmax(t_logits[t_len : t_len + length], -1)
+    return forward, {"swapped": (s.exp() * (s - t)).sum(-1),
+                     "off_by_one": (shifted.exp() * (shifted - s[: shifted.shape[0]])).sum(-1)}
+
+
+def test_teacher_sees_the_reference_in_its_system_message_and_scores_the_same_tokens(tiny_model_dir):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=SCGRPO())
+    module.configure_model()
+    with torch.no_grad():  # sharper distributions than a random init gives: KLs of ~0.1-1, not ~1e-3
+        module.policy.get_base_model().model.norm.weight.mul_(8.0)
+    questions = ["What is 1 + 1?", "What is 23 + 4 and then what is 5 times 6 exactly?"]  # different prompt lengths
+    rollouts = _sampled(module, [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0], questions)
+    lengths = rollouts.completion_mask.sum(1)
+    assert (rollouts.prompt_mask == 0).any() and len(set(lengths.tolist())) > 1
+    signal = module.run_self_teacher(rollouts)
+    assert signal.has_teacher.all()
+    has_system, base = system_prompt_layout(module.tokenizer, None)
+    assert has_system and base == ""  # the test template has no default system message
+    # the teacher's text: reference in the system turn only, the user turn is the student's question
+    ids, _, _ = module.self_teacher.teacher_inputs(module, rollouts, [2], [signal.references[2]])
+    text = module.tokenizer.decode(ids[0], skip_special_tokens=False)
+    system_part, user_part = text.split("<|im_start|>user\n")
+    assert signal.references[2] in system_part and "<|im_start|>system" in system_part
+    assert user_part.startswith(questions[0] + "<|im_end|>")
+    for row in range(8):
+        length = int(lengths[row])
+        expected, wrong = _independent_divergence(module, rollouts, row, signal.references[row], base)
+        torch.testing.assert_close(signal.divergence[row, :length].double(), expected, atol=2e-5, rtol=1e-4)
+        assert (signal.divergence[row, length:] == 0).all()
+        for name, value in wrong.items():
+            n = min(len(value), length)
+            assert (signal.divergence[row, :n].double() - value[:n]).abs().max() > 1e-3, name
+    # another row's reference gives other divergences
+    row, other = 0, next(r for r in range(4, 8) if signal.references[r] != signal.references[0])
+    misplaced, _ = _independent_divergence(module, rollouts, row, signal.references[other], base)
+    assert (signal.divergence[row, : len(misplaced)].double() - misplaced).abs().max() > 1e-3
+
+
+def test_template_default_system_prompt_is_kept_under_the_reference():
+    """SmolLM2-like templates insert a default system message when none is given: the teacher keeps it."""
+    from tests.conftest import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    assert system_prompt_layout(tok, None) == (True, "You are helpful.")
+    assert system_prompt_layout(tok, "Be brief.") == (True, "Be brief.")
+    tok.chat_template = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ raise_exception('no') }}"
+                         "{% endif %}{{ message['content'] }}{% endfor %}")
+    assert system_prompt_layout(tok, None) == (False, "")
+
+
+def test_teacher_and_entropy_passes_run_without_dropout(tiny_model_dir):
+    """LoRA dropout 0.5: two teacher passes (and two entropy passes) under different RNG states agree, so the
+    teacher and the student see the same network."""
+    from scgrpo.models import LoraSettings
+
+    module = tiny_module(tiny_model_dir, objective=SCGRPO(),
+                         lora=LoraSettings(r=4, alpha=8, dropout=0.5, extra={"init_lora_weights": False}))
+    module.configure_model()
+    rollouts = _sampled(module, [1.0, 1.0, 0.0, 0.0], ["What is 1 + 1?"])
+    module.policy.train()
+    torch.manual_seed(1)
+    first = module.run_self_teacher(rollouts).divergence
+    torch.manual_seed(2)
+    second = module.run_self_teacher(rollouts).divergence
+    assert torch.equal(first, second) and first.abs().sum() > 0
+    torch.manual_seed(1)
+    e1 = module._batch_entropy(rollouts)
+    torch.manual_seed(2)
+    assert torch.equal(e1, module._batch_entropy(rollouts))
+    assert module.policy.training  # the passes restore train mode
+
+
+def test_a_reference_too_long_for_the_model_is_cut_and_counted(tiny_model_dir):
+    module = tiny_module(tiny_model_dir, objective=SCGRPO())
+    module.configure_model()
+    rollouts = _sampled(module, [1.0, 1.0, 0.0, 0.0], ["What is 1 + 1?"])
+    limit = module.policy.config.max_position_embeddings  # 512 for the tiny model
+    rollouts.completions[0] = "7 " * 400  # 800 byte-level tokens
+    rollouts.completions[1] = "7 " * 400
+    ids, mask, cut = module.self_teacher.teacher_inputs(module, rollouts, [1, 2], [rollouts.completions[0], "short"])
+    assert cut == 1 and ids.shape[1] <= limit
+    signal = module.run_self_teacher(rollouts)
+    assert signal.stats["credit/truncated_references"] >= 1
+    rollouts.questions = ["x" * 1000] * 4  # even an empty reference cannot fit
+    with pytest.raises(ValueError, match="maximum of 512"):
+        module.run_self_teacher(rollouts)
 
 
 def test_buffer_deduplicates_caps_and_round_trips():

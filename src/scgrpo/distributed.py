@@ -149,6 +149,22 @@ def all_reduce(values: list[float], op: str = "sum", device: Optional[torch.devi
     return t.tolist()
 
 
+def gather_values(values: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor's values from every rank, concatenated in rank order (ranks may hold different numbers);
+    the tensor itself on one rank."""
+    if world_size() == 1:
+        return values
+    values = values.reshape(-1)
+    count = torch.tensor([values.numel()], device=values.device)
+    counts = [torch.zeros_like(count) for _ in range(world_size())]
+    dist.all_gather(counts, count)
+    sizes = [int(c) for c in counts]
+    padded = torch.nn.functional.pad(values, (0, max(sizes) - values.numel()))
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+
 def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     """Each metric averaged over the ranks that report it (NaN-aware); one ``all_gather_object``."""
     if world_size() == 1:

@@ -35,16 +35,11 @@ from scgrpo.distributed import (
     world_size,
 )
 from scgrpo.models import QUANTIZATIONS, LoraSettings, check_model_name, load_policy, parse_dtype
-from scgrpo.objectives import GRPO, LossInputs, Objective
-from scgrpo.objectives.functional import (
-    chunked_distill_kl,
-    chunked_divergence,
-    chunked_token_logprobs,
-    masked_mean,
-)
+from scgrpo.objectives import GRPO, Credit, LossInputs, Objective
+from scgrpo.objectives.functional import chunked_token_logprobs, masked_mean
 from scgrpo.rollout.engine import Generated, GenerationSettings, generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
-from scgrpo.selfteacher import choose_references, teacher_inputs
+from scgrpo.selfteacher import SelfTeacher, TeacherSignal
 from scgrpo.verifiers import Verifier, VerifierRunner
 
 log = logging.getLogger(__name__)
@@ -174,9 +169,9 @@ class RLVRModule(LightningModule):
         self.tokenizer = None
         self.verifier_runner: Optional[VerifierRunner] = None
         self.nonfinite_skips = 0
-        self._teacher_tokens = 0
+        self._self_teacher: Optional[SelfTeacher] = None
         self.last_step_metrics: dict[str, float] = {}
-        self.last_credit: Optional[dict] = None
+        self.last_credit: Optional[dict] = None  # what CreditLogging draws: the step's signal and credit
         self._eval: dict[str, dict[str, float]] = {}
 
     # ----------------------------------------------------------------------------------------------- setup
@@ -184,6 +179,16 @@ class RLVRModule(LightningModule):
     def policy(self):
         """The policy (a peft model with LoRA, or the bare causal LM)."""
         return self.runner.policy if self.runner is not None else None
+
+    @property
+    def self_teacher(self) -> Optional[SelfTeacher]:
+        """The self-teacher for the objective's spec (None when the objective uses none)."""
+        spec = self.objective.teacher
+        if spec is None:
+            return None
+        if self._self_teacher is None or self._self_teacher.spec is not spec:
+            self._self_teacher = SelfTeacher(spec)
+        return self._self_teacher
 
     @property
     def sharded(self) -> bool:
@@ -228,7 +233,7 @@ class RLVRModule(LightningModule):
         if self.objective.dynamic_sampling:
             callbacks.append(DynamicSamplingCallback())
         callbacks += [CompletionsTable(self.log_completions_every_n_steps), AdapterExport(self.save_adapter_every_n_steps)]
-        if self.objective.uses_teacher:
+        if self.objective.teacher is not None:
             callbacks.append(CreditLogging(self.log_completions_every_n_steps))
         if self.validate_before_training:
             callbacks.append(ValidateBeforeTraining())
@@ -328,6 +333,7 @@ class RLVRModule(LightningModule):
             torch.cuda.synchronize(self.device)
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> Tensor:
+        """sample -> verify (callbacks, before this) -> self-teacher -> credit -> loss -> log."""
         rollouts = batch.rollouts
         if rollouts is None or rollouts.rewards is None:
             raise RuntimeError("the batch has no verified rollouts; RolloutCallback and VerificationCallback must run first")
@@ -337,8 +343,9 @@ class RLVRModule(LightningModule):
             self.score_rollouts(rollouts)
             self._sync()
             rollouts.stats["time/scoring_s"] = time.perf_counter() - start
-            start = time.perf_counter()
-        plan = self.plan_step(rollouts)
+        signal = self.run_self_teacher(rollouts)
+        start = time.perf_counter()
+        plan = self.plan_step(rollouts, signal)
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sums: dict[str, float] = defaultdict(float)
@@ -355,44 +362,44 @@ class RLVRModule(LightningModule):
                 scheduler.step()
         self._sync()
         train_time = time.perf_counter() - start
-        teacher = plan["teacher"]
-        self.last_credit = self._credit_record(rollouts, plan["advantages"], teacher) if teacher is not None else None
-        self._log_step(rollouts, plan["rewards"], plan["advantages"], plan["rows"], sums, train_time, teacher)
+        self.last_credit = {"signal": signal, "credit": plan["credit"]} if signal is not None else None
+        self._log_step(rollouts, plan, sums, train_time, signal)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "batches_consumed"):
             datamodule.batches_consumed += 1
         return torch.tensor(sums["loss"] / objective.num_iterations)
 
-    def plan_step(self, rollouts: RolloutBatch) -> dict:
-        """Rewards, advantages, the rows that enter the loss, the self-teacher's references and the loss
-        denominators, summed over all ranks so that every rank's loss share has the global batch's scale."""
+    def run_self_teacher(self, rollouts: RolloutBatch) -> Optional[TeacherSignal]:
+        """The self-teacher's signal for the batch (routes, references, teacher pass), or None when the
+        objective uses none."""
+        if self.self_teacher is None:
+            return None
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        buffer = getattr(datamodule, "verified_buffer", None)
+        step = self.global_step if self._trainer is not None else 0
+        return self.self_teacher(self, rollouts, buffer, step)
+
+    def plan_step(self, rollouts: RolloutBatch, signal: Optional[TeacherSignal] = None) -> dict:
+        """Rewards, the objective's credit (advantages, token weights), the rows that enter the loss and the
+        loss denominators, summed over all ranks so that every rank's loss share has the global batch's scale."""
         objective = self.objective
         mask = rollouts.completion_mask  # [N, C]
         rewards = objective.shape_rewards(rollouts.rewards, mask.sum(1), self.generation.max_new_tokens)  # [N]
-        advantages = objective.advantages(rewards, rollouts.group_size)  # [N]; groups never span ranks
-        loss_mask = mask
-        if objective.needs_batch_entropy:
-            loss_mask = objective.token_mask(self._batch_entropy(rollouts), mask)  # [N, C]
-        if objective.skips_zero_advantage_rows():
-            rows = torch.nonzero(advantages != 0).squeeze(1)  # [n]
-        else:
-            rows = torch.arange(mask.shape[0], device=mask.device)
-        teacher = self._prepare_teacher(rollouts, rows, loss_mask) if objective.uses_teacher else None
-        self._teacher_tokens = 0
+        credit = objective.credit(rewards, mask, rollouts.group_size, signal, self.micro_batch_size)  # groups never span ranks
+        selection = objective.token_mask(self._batch_entropy(rollouts), mask) if objective.needs_batch_entropy else None
+        rows = torch.nonzero(objective.rows_in_loss(credit, signal)).squeeze(1)  # [n]
         micro = self.micro_batch_size or max(len(rows), 1)
         chunks = list(torch.split(rows, micro)) if len(rows) else []
-        local = [float(loss_mask.sum()), float(mask.shape[0]), teacher["num_distill_tokens"] if teacher else 0.0,
-                 float(len(rows))]
-        num_tokens, num_rows, num_distill, global_rows = all_reduce(local, device=self.device)
+        teacher_rows = float(signal.has_teacher.sum()) if signal is not None else 0.0
+        local = [float(mask.sum()), float(mask.shape[0]), teacher_rows, float(len(rows))]
+        num_tokens, num_rows, num_teacher_rows, global_rows = all_reduce(local, device=self.device)
         num_chunks = len(chunks)
         if world_size() > 1:  # every rank runs as many forward/backward passes (FSDP's collectives pair up)
             num_chunks = int(all_reduce([float(len(chunks))], "max", self.device)[0])
-        if teacher is not None:
-            teacher["num_distill_tokens"] = num_distill
         return {
-            "rewards": rewards, "advantages": advantages, "loss_mask": loss_mask, "rows": rows, "chunks": chunks,
-            "num_chunks": num_chunks, "teacher": teacher, "global_rows": global_rows,
-            "norms": {"num_tokens": num_tokens, "num_rows": num_rows},
+            "rewards": rewards, "credit": credit, "selection": selection, "rows": rows, "chunks": chunks,
+            "num_chunks": num_chunks, "signal": signal, "global_rows": global_rows,
+            "norms": {"num_tokens": num_tokens, "num_rows": num_rows, "num_teacher_rows": num_teacher_rows},
         }
 
     def accumulate_gradients(self, rollouts: RolloutBatch, plan: dict, sums: dict[str, float]) -> None:
@@ -421,7 +428,8 @@ class RLVRModule(LightningModule):
             share = len(chunk) / max(len(rows), 1)
             local["loss"] += float(out.loss.detach())
             for name, value in out.stats.items():
-                local[name] += float(value) * share
+                if torch.isfinite(torch.as_tensor(value)):
+                    local[name] += float(value) * share
             local["entropy"] += float(entropy) * share
         if world > 1:
             sums["nonfinite"] += all_reduce([local["nonfinite"]], "max", self.device)[0]
@@ -434,98 +442,23 @@ class RLVRModule(LightningModule):
         for name, value in stats.items():
             sums[name] += value
 
-    # ------------------------------------------------------------------------------------ self-teacher
-    def _prepare_teacher(self, rollouts: RolloutBatch, rows: Tensor, loss_mask: Tensor) -> dict:
-        """References for the rows in the loss (group first, then the buffer of earlier steps)."""
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        buffer = getattr(datamodule, "verified_buffer", None)
-        objective = self.objective
-        references = choose_references(
-            rollouts, rows.tolist(), self.success_threshold, buffer, objective.num_references, objective.seed, self.global_step
-        )
-        by_row = {int(r): refs for r, refs in zip(rows.tolist(), references)}
-        has_reference = torch.zeros(loss_mask.shape[0], dtype=torch.bool, device=loss_mask.device)  # [N]
-        for r, refs in by_row.items():
-            has_reference[r] = bool(refs)
-        return {
-            "references": by_row,
-            "has_reference": has_reference,
-            "num_distill_tokens": float((loss_mask * has_reference.unsqueeze(1)).sum()),
-            "cache": {},  # row -> divergence [C] or teacher hidden [C, H], computed once under pi_old
-            "rows": rows,
-        }
-
-    @torch.no_grad()
-    def _teacher_hidden(self, rollouts: RolloutBatch, rows: Tensor, references: list[str]) -> Tensor:
-        ids, mask = teacher_inputs(self, rollouts, rows, references, self.objective.teacher_template)
-        self._teacher_tokens += ids.numel()
-        c = rollouts.completion_ids.shape[1]
-        if self.objective.teacher == "base":
-            if not hasattr(self.policy, "disable_adapter"):
-                raise ValueError("teacher='base' runs the base model with adapters disabled; it needs LoRA")
-            with self.policy.disable_adapter():
-                return self.completion_hidden(self.policy, ids, mask, c)
-        return self.completion_hidden(self.policy, ids, mask, c)
-
-    def _teacher_signal(self, rollouts: RolloutBatch, chunk: Tensor, student_hidden: Tensor, teacher: dict) -> Tensor:
-        """For the rows of ``chunk``: SC-GRPO's divergence ``[n, C]`` (averaged over references) or the
-        teacher's hidden states ``[n, C, H]`` for distillation; zeros where a row has no reference. Computed on
-        the first pass over a row (under pi_old) and reused by later ones."""
-        cache, objective = teacher["cache"], self.objective
-        missing = [i for i, r in enumerate(chunk.tolist()) if r not in cache]
-        if missing:
-            idx = torch.tensor(missing, device=chunk.device)
-            rows = chunk[idx]
-            targets = rollouts.completion_ids[rows]
-            distill = objective.teacher_signal == "distill"
-            shape = student_hidden.shape[1:] if distill else student_hidden.shape[1:2]
-            total = torch.zeros((len(missing), *shape), device=chunk.device,
-                                dtype=student_hidden.dtype if distill else torch.float32)
-            count = torch.zeros(len(missing), device=chunk.device)
-            for k in range(1 if distill else objective.num_references):
-                pick = [j for j, r in enumerate(rows.tolist()) if len(teacher["references"].get(r, ())) > k]
-                if not pick:
-                    continue
-                sel = torch.tensor(pick, device=chunk.device)
-                hidden_t = self._teacher_hidden(rollouts, rows[sel], [teacher["references"][int(rows[j])][k] for j in pick])
-                if distill:
-                    total[sel] += hidden_t
-                else:
-                    total[sel] += chunked_divergence(
-                        hidden_t, student_hidden[idx[sel]].detach(), self.lm_head(), targets[sel], objective.divergence,
-                        self.generation.temperature, self.logprob_chunk_size,
-                    )
-                count[sel] += 1
-            for j, r in enumerate(rows.tolist()):
-                cache[r] = total[j] / count[j].clamp(min=1)
-        return torch.stack([cache[r] for r in chunk.tolist()])
-
-    def _credit_record(self, rollouts: RolloutBatch, advantages: Tensor, teacher: dict) -> dict:
-        """What the credit-logging callback reads: per loss row its reference flag, advantage and, for SC-GRPO,
-        divergences and weights."""
-        rows = teacher["rows"].tolist()
-        record = {"rows": rows, "has_reference": teacher["has_reference"][teacher["rows"]].cpu(),
-                  "advantages": advantages[teacher["rows"]].detach().cpu(), "signal": self.objective.teacher_signal}
-        if self.objective.teacher_signal == "weights" and rows:
-            mask = rollouts.completion_mask[teacher["rows"]]
-            divergence = torch.stack([teacher["cache"][r] for r in rows])  # [n, C]
-            record["divergence"] = (divergence * mask).cpu()
-            record["weights"] = self.objective.token_weights(divergence, mask, teacher["has_reference"][teacher["rows"]]).cpu()
-            record["mask"] = mask.cpu()
-        return record
-
     def _batch_entropy(self, rollouts: RolloutBatch) -> Tensor:
-        """``[N, C]`` token entropies of the whole batch under the current (= sampling) policy."""
+        """``[N, C]`` token entropies of the whole batch under the current (= sampling) policy, no dropout."""
 
         @torch.no_grad()
         def run() -> Tensor:
             c = rollouts.completion_ids.shape[1]
             micro = self.micro_batch_size or rollouts.completion_ids.shape[0]
             parts = []
-            with full_parameters(self.runner):
-                for rows in torch.split(torch.arange(rollouts.completion_ids.shape[0], device=self.device), micro):
-                    parts.append(self.token_logprobs(
-                        self.policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], c)[1])
+            was_training = self.policy.training
+            self.policy.eval()
+            try:
+                with full_parameters(self.runner):
+                    for rows in torch.split(torch.arange(rollouts.completion_ids.shape[0], device=self.device), micro):
+                        parts.append(self.token_logprobs(
+                            self.policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], c)[1])
+            finally:
+                self.policy.train(was_training)
             return torch.cat(parts)
 
         return self.runner(run)
@@ -533,48 +466,48 @@ class RLVRModule(LightningModule):
     def _micro_forward(self, rollouts: RolloutBatch, rows: Tensor, plan: dict):
         """The loss of the rows ``rows`` (run inside the policy runner's forward); the caller runs backward."""
         c = rollouts.completion_ids.shape[1]
-        loss_mask, advantages, teacher = plan["loss_mask"], plan["advantages"], plan["teacher"]
+        credit: Credit = plan["credit"]
+        signal: Optional[TeacherSignal] = plan["signal"]
         input_ids, attention_mask = rollouts.input_ids[rows], rollouts.attention_mask[rows]
         hidden = self.completion_hidden(self.policy, input_ids, attention_mask, c)  # [n, C, H]
         logprobs, entropy = chunked_token_logprobs(
             hidden, self.lm_head(), rollouts.completion_ids[rows], self.generation.temperature, self.logprob_chunk_size
         )  # [n, C]
-        mask = loss_mask[rows]
-        old = rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach()
+        mask = rollouts.completion_mask[rows]
+
+        def pick(x: Optional[Tensor]) -> Optional[Tensor]:
+            return None if x is None else x[rows]
+
         inputs = LossInputs(
             completion_mask=mask,
-            advantages=advantages[rows],
-            old_logprobs=old,
-            ref_logprobs=rollouts.ref_logprobs[rows] if rollouts.ref_logprobs is not None else None,
+            advantages=credit.advantages[rows],
+            old_logprobs=rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach(),
+            ref_logprobs=pick(rollouts.ref_logprobs),
+            token_weights=pick(credit.token_weights),
+            token_selection=pick(plan["selection"]),
             entropy=entropy,
+            hidden=hidden,
+            lm_head=self.lm_head(),
+            teacher_hidden=pick(signal.teacher_hidden) if signal is not None else None,
+            has_teacher=pick(signal.has_teacher) if signal is not None else None,
+            num_teacher_rows=plan["norms"]["num_teacher_rows"],
             num_tokens=plan["norms"]["num_tokens"],
             num_sequences=plan["norms"]["num_rows"],
             max_len=self.generation.max_new_tokens,
+            temperature=self.generation.temperature,
+            chunk_size=self.logprob_chunk_size,
+            step=self.global_step if self._trainer is not None else 0,
         )
-        if teacher is not None:
-            self._sync()
-            start = time.perf_counter()
-            with full_parameters(self.runner):  # teacher passes vary in number across ranks: no collectives
-                signal = self._teacher_signal(rollouts, rows, hidden, teacher)
-            self._sync()
-            teacher["time"] = teacher.get("time", 0.0) + time.perf_counter() - start
-            inputs.has_reference = teacher["has_reference"][rows]
-            inputs.num_distill_tokens = teacher["num_distill_tokens"]
-            if self.objective.teacher_signal == "weights":
-                inputs.token_weights = self.objective.token_weights(signal, mask, inputs.has_reference)
-            else:
-                inputs.distill_kl = chunked_distill_kl(
-                    hidden, signal, self.lm_head(), self.objective.divergence, self.generation.temperature,
-                    self.logprob_chunk_size,
-                )
         return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)
 
-    def _log_step(self, rollouts: RolloutBatch, rewards: Tensor, advantages: Tensor, rows: Tensor, sums: dict,
-                  train_time: float, teacher: Optional[dict] = None) -> None:
+    def _log_step(self, rollouts: RolloutBatch, plan: dict, sums: dict, train_time: float,
+                  signal: Optional[TeacherSignal]) -> None:
         mask = rollouts.completion_mask
+        rewards, rows, credit = plan["rewards"], plan["rows"], plan["credit"]
         grouped = rewards.view(-1, rollouts.group_size)
         lengths = mask.sum(1)
         iters = self.objective.num_iterations
+        nan = float("nan")
         metrics = {
             "train/loss": sums["loss"] / iters,
             "train/reward": rollouts.rewards.mean(),
@@ -585,31 +518,30 @@ class RLVRModule(LightningModule):
             "train/completion_length": lengths.mean(),
             "train/truncated": rollouts.truncated.float().mean(),
             "train/rows_in_loss": float(len(rows)) / max(len(rewards), 1),
-            "train/advantage_abs": advantages.abs().mean(),
+            "train/advantage_abs": credit.advantages.abs().mean(),
             "train/nonfinite_skips": float(self.nonfinite_skips),
-            "time/train_s": train_time - (teacher or {}).get("time", 0.0),
+            "time/train_s": train_time,
+            # mean token entropy of the sampled responses, from the sampler (NaN where the engine gives none)
+            "policy/entropy": (float(rollouts.entropy_sum.sum()) / max(float(mask.sum()), 1.0)
+                               if rollouts.entropy_sum is not None else nan),
         }
-        if teacher is not None:
-            metrics["time/teacher_s"] = teacher.get("time", 0.0)
         # every key every step (NaN when undefined): Lightning would otherwise repeat a stale value
-        nan = float("nan")
         metrics["train/clip_fraction"] = sums.get("clip_fraction", 0.0) / iters if len(rows) else nan
         metrics["train/entropy"] = sums["entropy"] / iters if len(rows) else nan
         metrics["train/grad_norm"] = sums["grad_norm"] / iters if "grad_norm" in sums else nan
         if self.objective.beta > 0:
             metrics["train/kl"] = sums["kl"] / iters if "kl" in sums else nan
-        if teacher is not None:
-            metrics["credit/reference_share"] = teacher["has_reference"][rows].float().mean() if len(rows) else nan
         for name, value in sums.items():
             if name not in ("loss", "entropy", "grad_norm", "kl", "clip_fraction", "nonfinite"):
                 metrics[f"train/{name}"] = value / iters
+        if signal is not None:
+            metrics.update(signal.stats)
+        metrics.update(credit.stats)
         metrics.update(rollouts.stats)
         width = rollouts.input_ids.shape[1]
         metrics["tokens/completion"] = float(mask.sum())  # sampled tokens (without padding)
         metrics["tokens/train"] = float(len(rows) * width)  # rows in the loss x padded sequence length
-        if teacher is not None:
-            metrics["tokens/teacher"] = float(self._teacher_tokens)  # teacher inputs (padded), all references
-        metrics["time/step_s"] = sum(v for k, v in rollouts.stats.items() if k.startswith("time/")) + train_time
+        metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
         optimizer = self.optimizers()
         metrics["train/lr"] = optimizer.param_groups[0]["lr"]
         metrics = mean_over_ranks({k: float(v) for k, v in metrics.items()})  # rewards etc. of the global batch

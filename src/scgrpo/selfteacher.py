@@ -1,9 +1,28 @@
-"""The self-teacher view: which verified reference each rollout is shown, and the teacher's input."""
+"""The self-teacher: the policy shown one of its own verified solutions in its system prompt (SC-GRPO §5.1).
+
+One component, called once per training step by the module. From a scored rollout batch it
+
+1. routes each group by its number of correct rollouts n_c (:func:`group_routes`),
+2. picks each row's reference (:func:`route_rollouts`): a verified sibling with other tokens (partial-solve),
+   one random rollout of the group (solve-none), an earlier verified completion from the buffer (option),
+   or the row's ground-truth answer (privileged teachers, OPSD),
+3. builds the teacher's inputs: the reference goes into the *system* message only (base system prompt +
+   guide instruction + reference); the user turn is the student's and the response tokens are the rollout's,
+4. runs the teacher pass (same network, no gradient, no dropout) and, for divergence-weighted objectives,
+   the student pass, and returns a :class:`TeacherSignal`: per row its route, reference, per-token
+   divergence D_i,t (full vocabulary, fp32 logits, clamped at 0) and the tokens its solve-none diversity
+   score averages over (t <= L_i = min(|o_i|, |o_r|)).
+
+What the signal becomes (weights, advantages, a distillation term) is the objective's business.
+"""
 
 from __future__ import annotations
 
+import logging
 import random
-from typing import Optional, Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -11,47 +30,340 @@ from torch import Tensor
 from scgrpo.data.buffer import VerifiedBuffer
 from scgrpo.rollout.types import RolloutBatch
 
+log = logging.getLogger(__name__)
 
-def choose_references(
+ROUTES = ("partial", "solve_none", "single", "all")
+"""Group cases by the number of correct rollouts n_c: 2 <= n_c < G, n_c = 0, n_c = 1, n_c = G"""
+PARTIAL, SOLVE_NONE, SINGLE, ALL = range(4)
+
+DEFAULT_TEACHER_TEMPLATE = (
+    "Below is a verified solution to the problem you will be given. Use it as a guide, but answer in your "
+    "own words.\n\nVerified solution:\n{reference}"
+)
+"""Guide instruction + reference, appended to the base system prompt in the teacher's view only"""
+
+
+@dataclass
+class TeacherSpec:
+    """What self-teacher an objective asks for (objectives expose it as ``objective.teacher``)."""
+
+    routes: tuple[str, ...] = ("partial", "solve_none")
+    """Group cases (``ROUTES``) whose rollouts get a teacher; the others are plain GRPO rows"""
+    template: str = DEFAULT_TEACHER_TEMPLATE
+    """Guide instruction with ``{reference}``, appended to the base system prompt"""
+    weights: Literal["policy", "base"] = "policy"
+    """"policy": the current weights without gradient; "base": the same network with adapters disabled"""
+    output: Literal["divergence", "hidden"] = "divergence"
+    """"divergence": per-token D (no gradient); "hidden": the teacher's hidden states, for distillation terms"""
+    divergence: str = "forward_kl"
+    """forward_kl = KL(teacher || student) (the paper's), reverse_kl or jsd"""
+    buffer_references: bool = False
+    """A correct rollout with no distinct correct sibling takes a reference from the verified buffer"""
+    privileged: bool = False
+    """The reference is the row's ground-truth answer (OPSD-oracle), for every row"""
+    seed: int = 0
+    """Seeds the reference choice, with the step, the prompt id and the place in the group"""
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.routes if r not in ROUTES]
+        if unknown:
+            raise ValueError(f"unknown route(s) {unknown}; expected some of {ROUTES}")
+        if "{reference}" not in self.template:
+            raise ValueError("the teacher template must contain {reference}")
+        if self.weights not in ("policy", "base"):
+            raise ValueError(f"teacher={self.weights!r}: expected 'policy' or 'base'")
+        if self.output not in ("divergence", "hidden"):
+            raise ValueError(f"teacher output {self.output!r}: expected 'divergence' or 'hidden'")
+
+
+@dataclass
+class RoutePlan:
+    """Per row (``N``): the group's case, the reference text (None: no teacher), which row of the group it
+    came from (None: buffer or answer), whether the row is a solve-none reference, and L_i."""
+
+    route: list[int]
+    references: list[Optional[str]]
+    reference_rows: list[Optional[int]]
+    is_reference: list[bool]
+    diversity_length: list[int]
+
+
+@dataclass
+class TeacherSignal:
+    """What the self-teacher hands the objective for a batch of ``N`` rollouts with ``C`` completion slots."""
+
+    route: Tensor  # [N] long, the group's case (index into ROUTES)
+    has_teacher: Tensor  # [N] bool, the row was scored by a teacher
+    is_reference: Tensor  # [N] bool, the reference rollout of a solve-none group (its advantage is 0)
+    diversity_mask: Tensor  # [N, C] float, tokens t <= L_i of solve-none rows with a teacher
+    references: list[Optional[str]]  # [N] the reference text each teacher saw
+    divergence: Optional[Tensor] = None  # [N, C] fp32 D_i,t >= 0; 0 at padding and rows without a teacher
+    teacher_hidden: Optional[Tensor] = None  # [N, C, H] teacher states (output="hidden"); 0 where no teacher
+    stats: dict[str, float] = field(default_factory=dict)  # route shares, truncations, tokens, time
+
+    @property
+    def num_rows(self) -> int:
+        return self.route.shape[0]
+
+
+def group_routes(rewards: Tensor, group_size: int, threshold: float) -> Tensor:
+    """``[P]`` case of each group (``ROUTES`` index) from ``[N]`` rewards, groups adjacent."""
+    n_c = (rewards.view(-1, group_size) >= threshold).sum(1)  # [P]
+    route = torch.full_like(n_c, PARTIAL)
+    route[n_c == 1] = SINGLE
+    route[n_c == 0] = SOLVE_NONE
+    route[n_c == group_size] = ALL
+    return route
+
+
+def _tokens(rollouts: RolloutBatch, i: int) -> list[int]:
+    return rollouts.completion_ids[i][rollouts.completion_mask[i].bool()].tolist()
+
+
+def route_rollouts(
     rollouts: RolloutBatch,
-    rows: Sequence[int],
+    spec: TeacherSpec,
     threshold: float,
-    buffer: Optional[VerifiedBuffer],
-    num_references: int = 1,
-    seed: int = 0,
+    buffer: Optional[VerifiedBuffer] = None,
     step: int = 0,
-) -> list[list[str]]:
-    """For each row in ``rows``, up to ``num_references`` verified completions of the same prompt to show the
-    teacher. Candidates: the other successful rollouts of the row's group first, then the buffer's entries
-    (earlier steps) that differ from the row; a rollout is never its own reference. The choice is random,
-    seeded by (seed, step, prompt id, place in the group), so it is reproducible and does not depend on
-    how the batch is split over ranks. An empty list means no reference (weight 1)."""
-    assert rollouts.rewards is not None
-    rewards = rollouts.rewards.tolist()
-    g = rollouts.group_size
-    chosen: list[list[str]] = []
-    for i in rows:
-        own_tokens = rollouts.completion_ids[i][rollouts.completion_mask[i].bool()].tolist()
-        start = (i // g) * g
-        group = [rollouts.completions[j] for j in range(start, start + g) if j != i and rewards[j] >= threshold]
-        stored = buffer.get(rollouts.sample_ids[i]) if buffer is not None else []
-        from_buffer = [e.text for e in stored if e.token_ids != own_tokens]
-        rng = random.Random(f"{seed}-{step}-{rollouts.sample_ids[i]}-{i % g}")  # the same on any number of ranks
-        picks = rng.sample(group, min(num_references, len(group)))
-        if len(picks) < num_references and from_buffer:
-            picks += rng.sample(from_buffer, min(num_references - len(picks), len(from_buffer)))
-        chosen.append(picks)
-    return chosen
+) -> RoutePlan:
+    """References for every row, by the rules of SC-GRPO §5.1 (see the module docstring).
+
+    Partial-solve (and, when routed, single- and all-correct) groups: each rollout's reference is drawn
+    uniformly from the *correct* rollouts of its group whose tokens differ from its own (an identical copy
+    is the rollout itself); a correct rollout with none takes a buffer entry with other tokens when
+    ``buffer_references``, else it has no teacher (weight 1). Solve-none groups: one rollout o_r drawn
+    uniformly is every other row's reference, L_i = min(|o_i|, |o_r|). Draws are seeded by (seed, step,
+    prompt id, place in the group), so they do not depend on how a batch is split over ranks.
+    """
+    if rollouts.rewards is None:
+        raise RuntimeError("the self-teacher needs verified rollouts (rewards)")
+    n, g = len(rollouts.completions), rollouts.group_size
+    routes = group_routes(rollouts.rewards.float(), g, threshold).tolist()
+    correct = (rollouts.rewards >= threshold).tolist()
+    lengths = rollouts.completion_mask.sum(1).long().tolist()
+    plan = RoutePlan(route=[routes[i // g] for i in range(n)], references=[None] * n, reference_rows=[None] * n,
+                     is_reference=[False] * n, diversity_length=[0] * n)
+    for p, route in enumerate(routes):
+        start = p * g
+        members = list(range(start, start + g))
+        pid = rollouts.sample_ids[start]
+        if spec.privileged:
+            for i in members:
+                plan.references[i] = str(rollouts.answers[i])
+            continue
+        if ROUTES[route] not in spec.routes:
+            continue
+        if route == SOLVE_NONE:
+            r = members[random.Random(f"{spec.seed}-{step}-{pid}-solve-none").randrange(g)]
+            plan.is_reference[r] = True
+            for i in members:
+                if i != r:
+                    plan.references[i], plan.reference_rows[i] = rollouts.completions[r], r
+                    plan.diversity_length[i] = min(lengths[i], lengths[r])
+            continue
+        tokens = {i: _tokens(rollouts, i) for i in members}
+        for i in members:
+            rng = random.Random(f"{spec.seed}-{step}-{pid}-{i - start}")
+            siblings = [j for j in members if j != i and correct[j] and tokens[j] != tokens[i]]
+            if siblings:
+                j = rng.choice(siblings)
+                plan.references[i], plan.reference_rows[i] = rollouts.completions[j], j
+            elif spec.buffer_references and buffer is not None:
+                stored = [e.text for e in buffer.get(pid) if e.token_ids != tokens[i]]
+                if stored:
+                    plan.references[i] = rng.choice(stored)
+    return plan
 
 
-def teacher_inputs(
-    module, rollouts: RolloutBatch, rows: Tensor, references: list[str], template: str
-) -> tuple[Tensor, Tensor]:
-    """Input ids and attention mask ``[n, Tt + C]`` of the teacher view for ``rows``: a user turn showing the
-    question and a reference (``template``), then the same completion tokens the rollout sampled."""
-    questions = [template.format(question=rollouts.questions[i], reference=ref) for i, ref in zip(rows.tolist(), references)]
-    encoded = module.tokenizer(module.format_prompts(questions), return_tensors="pt", padding=True, add_special_tokens=False)
-    device = rollouts.completion_ids.device
-    ids = torch.cat([encoded["input_ids"].to(device), rollouts.completion_ids[rows]], dim=1)  # [n, Tt + C]
-    mask = torch.cat([encoded["attention_mask"].to(device), rollouts.completion_mask[rows].long()], dim=1)
-    return ids, mask
+def system_prompt_layout(tokenizer, system_prompt: Optional[str]) -> tuple[bool, str]:
+    """(does the chat template render a system message, the base system prompt the student sees).
+
+    With ``system_prompt`` None the student sees the template's default system message, if it has one
+    (SmolLM2's does); it is found by rendering one user turn with and without a system message."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return False, system_prompt or ""
+    sentinel = "\x00SYSTEM\x00"
+    user = {"role": "user", "content": "\x00USER\x00"}
+    try:
+        with_system = tokenizer.apply_chat_template([{"role": "system", "content": sentinel}, user], tokenize=False)
+    except Exception:  # noqa: BLE001 - templates that raise on a system role
+        return False, system_prompt or ""
+    if sentinel not in with_system:
+        return False, system_prompt or ""
+    if system_prompt is not None:
+        return True, system_prompt
+    without = tokenizer.apply_chat_template([user], tokenize=False)
+    head, tail = with_system.split(sentinel)
+    if without.startswith(head) and without.endswith(tail) and len(without) >= len(head) + len(tail):
+        return True, without[len(head) : len(without) - len(tail)]  # the template's default system message
+    return True, ""
+
+
+class SelfTeacher:
+    """Routes a scored rollout batch, builds the teacher's inputs, runs the teacher pass and returns a
+    :class:`TeacherSignal`. ``module`` is the :class:`~scgrpo.module.RLVRModule` whose policy is the teacher.
+
+    Truncation rule: when the teacher's context (system block with the reference, question, completion
+    slots) would exceed the model's maximum length, the reference is cut from its end to fit; the number of
+    cut references is logged (``credit/truncated_references``). If even an empty reference does not fit,
+    the step ends with a clear error.
+    """
+
+    def __init__(self, spec: TeacherSpec) -> None:
+        self.spec = spec
+        self._layout: Optional[tuple[bool, str]] = None
+        self._warned_truncation = False
+
+    # ---------------------------------------------------------------------------------------- inputs
+    def teacher_prompts(self, module, questions: Sequence[str], references: Sequence[str]) -> list[str]:
+        """The teacher's prompts: the base system prompt + the guide instruction with the reference as the
+        system message, then the student's own user turn (or, for a template without a system role, the
+        block before the user turn)."""
+        if self._layout is None:
+            self._layout = system_prompt_layout(module.tokenizer, module.system_prompt)
+        has_system, base = self._layout
+        blocks = [self.spec.template.format(reference=ref) for ref in references]
+        systems = [f"{base}\n\n{block}" if base else block for block in blocks]
+        if not getattr(module.tokenizer, "chat_template", None):
+            return [f"{s}\n\n{q}" for s, q in zip(systems, questions)]
+        prompts = []
+        for system, question in zip(systems, questions):
+            messages = [{"role": "user", "content": question}]
+            if has_system:
+                messages.insert(0, {"role": "system", "content": system})
+            else:
+                messages[0]["content"] = f"{system}\n\n{question}"
+            prompts.append(module.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        return prompts
+
+    def _fit_references(self, module, questions: list[str], references: list[str], completion_len: int) -> tuple[list[str], int]:
+        """References cut from their end so that every teacher sequence fits the model (see the class doc)."""
+        limit = max_sequence_length(module)
+        if limit is None:
+            return references, 0
+        tok = module.tokenizer
+        prompt_lens = [len(ids) for ids in tok(self.teacher_prompts(module, questions, references), add_special_tokens=False)["input_ids"]]
+        out, cut = list(references), 0
+        for k, (length, ref) in enumerate(zip(prompt_lens, references)):
+            over = length + completion_len - limit
+            if over <= 0:
+                continue
+            ref_ids = tok(ref, add_special_tokens=False)["input_ids"]
+            keep = len(ref_ids) - over - 1  # one token of slack for re-tokenisation at the cut
+            if keep < 0:
+                raise ValueError(
+                    f"the self-teacher's context for {questions[k][:60]!r} needs {length - len(ref_ids) + completion_len} "
+                    f"tokens without any reference, over the model's maximum of {limit}: shorten the prompt or "
+                    "max_new_tokens, or shorten model.objective.init_args.teacher_template")
+            out[k] = tok.decode(ref_ids[:keep], skip_special_tokens=True)
+            cut += 1
+        if cut and not self._warned_truncation:
+            log.warning("self-teacher: %d reference(s) cut from their end to fit the model's %d tokens "
+                        "(counted in credit/truncated_references)", cut, limit)
+            self._warned_truncation = True
+        return out, cut
+
+    def teacher_inputs(self, module, rollouts: RolloutBatch, rows: list[int], references: list[str]) -> tuple[Tensor, Tensor, int]:
+        """Input ids and attention mask ``[n, Tt + C]`` of the teacher view for ``rows``: the teacher's prompt
+        (left-padded), then the very completion tokens the rollout sampled. Also the number of cut references."""
+        questions = [rollouts.questions[i] for i in rows]
+        c = rollouts.completion_ids.shape[1]
+        references, cut = self._fit_references(module, questions, list(references), c)
+        encoded = module.tokenizer(self.teacher_prompts(module, questions, references), return_tensors="pt",
+                                   padding=True, add_special_tokens=False)
+        device = rollouts.completion_ids.device
+        index = torch.tensor(rows, device=device)
+        ids = torch.cat([encoded["input_ids"].to(device), rollouts.completion_ids[index]], dim=1)  # [n, Tt + C]
+        mask = torch.cat([encoded["attention_mask"].to(device), rollouts.completion_mask[index].long()], dim=1)
+        return ids, mask, cut
+
+    # ------------------------------------------------------------------------------------------ pass
+    def __call__(self, module, rollouts: RolloutBatch, buffer: Optional[VerifiedBuffer] = None, step: int = 0) -> TeacherSignal:
+        start = time.perf_counter()
+        spec = self.spec
+        plan = route_rollouts(rollouts, spec, module.success_threshold, buffer, step)
+        n, c = rollouts.completion_ids.shape
+        device = rollouts.completion_ids.device
+        rows = [i for i in range(n) if plan.references[i] is not None]
+        signal = TeacherSignal(
+            route=torch.tensor(plan.route, dtype=torch.long, device=device),
+            has_teacher=torch.tensor([r is not None for r in plan.references], dtype=torch.bool, device=device),
+            is_reference=torch.tensor(plan.is_reference, dtype=torch.bool, device=device),
+            diversity_mask=(torch.arange(c, device=device).unsqueeze(0)
+                            < torch.tensor(plan.diversity_length, device=device).unsqueeze(1)).float(),
+            references=plan.references,
+        )
+        cut, tokens = module.runner(lambda: self._passes(module, rollouts, rows, plan.references, signal))
+        module._sync()
+        groups = max(len(plan.route) // max(rollouts.group_size, 1), 1)
+        group_route = signal.route.view(-1, rollouts.group_size)[:, 0] if n else signal.route
+        signal.stats = {f"credit/route_{name}": float((group_route == k).sum()) / groups for k, name in enumerate(ROUTES)}
+        signal.stats.update({
+            "credit/teacher_rows": float(len(rows)) / max(n, 1),
+            "credit/truncated_references": float(cut),
+            "tokens/teacher": float(tokens),
+            "time/teacher_s": time.perf_counter() - start,
+        })
+        return signal
+
+    @torch.no_grad()
+    def _passes(self, module, rollouts: RolloutBatch, rows: list[int], references: list[Optional[str]],
+                signal: TeacherSignal) -> tuple[int, int]:
+        """Teacher (and student) passes over ``rows`` in micro-batches, eval mode (no dropout), weights
+        gathered once when sharded. Fills the signal's divergence or teacher states."""
+        from scgrpo.distributed import full_parameters
+        from scgrpo.objectives.functional import chunked_divergence
+
+        n, c = rollouts.completion_ids.shape
+        device = rollouts.completion_ids.device
+        spec = self.spec
+        policy, head = module.policy, module.lm_head()
+        if spec.output == "divergence":
+            signal.divergence = torch.zeros(n, c, dtype=torch.float32, device=device)
+        else:
+            signal.teacher_hidden = None  # allocated at the first pass, in the model's dtype
+        cut = tokens = 0
+        micro = module.micro_batch_size or max(len(rows), 1)
+        was_training = policy.training
+        policy.eval()
+        try:
+            with full_parameters(module.runner):
+                for k in range(0, len(rows), micro):
+                    chunk = rows[k : k + micro]
+                    index = torch.tensor(chunk, device=device)
+                    ids, mask, cut_here = self.teacher_inputs(module, rollouts, chunk, [references[i] for i in chunk])
+                    cut, tokens = cut + cut_here, tokens + ids.numel()
+                    teacher_hidden = self._teacher_hidden(module, ids, mask, c)  # [n, C, H]
+                    if spec.output == "hidden":
+                        if signal.teacher_hidden is None:
+                            signal.teacher_hidden = teacher_hidden.new_zeros(n, c, teacher_hidden.shape[-1])
+                        signal.teacher_hidden[index] = teacher_hidden
+                        continue
+                    student_hidden = module.completion_hidden(
+                        policy, rollouts.input_ids[index], rollouts.attention_mask[index], c)  # [n, C, H]
+                    divergence = chunked_divergence(
+                        teacher_hidden, student_hidden, head, spec.divergence, module.generation.temperature,
+                        module.logprob_chunk_size)  # [n, C]
+                    signal.divergence[index] = divergence * rollouts.completion_mask[index]
+        finally:
+            policy.train(was_training)
+        return cut, tokens
+
+    def _teacher_hidden(self, module, ids: Tensor, mask: Tensor, c: int) -> Tensor:
+        policy = module.policy
+        if self.spec.weights == "base":
+            if not hasattr(policy, "disable_adapter"):
+                raise ValueError("teacher='base' runs the base model with adapters disabled; it needs LoRA")
+            with policy.disable_adapter():
+                return module.completion_hidden(policy, ids, mask, c)
+        return module.completion_hidden(policy, ids, mask, c)
+
+
+def max_sequence_length(module) -> Optional[int]:
+    """The longest sequence the policy takes (its config's ``max_position_embeddings``), if it states one."""
+    policy = module.policy
+    config = getattr(policy, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None

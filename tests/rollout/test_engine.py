@@ -55,7 +55,7 @@ def test_decode_loop_stops_when_all_rows_end_and_pads_after_eos(tiny_model_dir):
     model, tokenizer = load_policy(tiny_model_dir, torch.float32, None)
     enc = tokenizer(["abc", "a"], return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = decode_loop(model, enc.input_ids, enc.attention_mask, 6, [2], 2, min_new_tokens=6)
+        out = decode_loop(model, enc.input_ids, enc.attention_mask, 6, [2], 2, min_new_tokens=6)[0]
     assert out.shape == (2, 6) and not (out == 2).any()  # eos forbidden for min_new_tokens
     # a head that always prefers eos ends every row after one step
     def prefer_eos(module, inputs, output):
@@ -66,7 +66,7 @@ def test_decode_loop_stops_when_all_rows_end_and_pads_after_eos(tiny_model_dir):
     hook = model.get_output_embeddings().register_forward_hook(prefer_eos)
     try:
         with torch.no_grad():
-            out = decode_loop(model, enc.input_ids, enc.attention_mask, 6, [2], 2, greedy=True)
+            out = decode_loop(model, enc.input_ids, enc.attention_mask, 6, [2], 2, greedy=True)[0]
     finally:
         hook.remove()
     assert out.tolist() == [[2], [2]]

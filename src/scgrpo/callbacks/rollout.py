@@ -31,6 +31,7 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         questions=[q for q in batch.questions for _ in range(g)],
         answers=[a for a in batch.answers for _ in range(g)],
         completions=generated.completions,
+        entropy_sum=generated.entropy_sum,
     )
 
 
@@ -65,6 +66,7 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         completions=sum((p.completions for p in parts), []),
         rewards=torch.cat([p.rewards for p in parts]) if all(p.rewards is not None for p in parts) else None,
         infos=sum((p.infos or [{}] * len(p.completions) for p in parts), []),
+        entropy_sum=torch.cat([p.entropy_sum for p in parts]) if all(p.entropy_sum is not None for p in parts) else None,
     )
     for p in parts:
         for key, value in p.stats.items():

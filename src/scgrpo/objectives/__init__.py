@@ -1,11 +1,13 @@
 """Objectives: one class per file, each selectable in YAML by ``class_path``."""
 
-from scgrpo.objectives.base import LossInputs, LossOutput, Objective
+from scgrpo.objectives.base import Credit, LossInputs, LossOutput, Objective
 from scgrpo.objectives.dapo import DAPO
 from scgrpo.objectives.drgrpo import DrGRPO
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.objectives.high_entropy import HighEntropyGRPO
+from scgrpo.objectives.opsd import OPSD
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.objectives.selfdistill import SelfDistillation
 
-__all__ = ["DAPO", "GRPO", "SCGRPO", "DrGRPO", "HighEntropyGRPO", "LossInputs", "LossOutput", "Objective", "SelfDistillation"]
+__all__ = ["DAPO", "GRPO", "OPSD", "SCGRPO", "Credit", "DrGRPO", "HighEntropyGRPO", "LossInputs", "LossOutput", "Objective",
+           "SelfDistillation"]

@@ -3,28 +3,46 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from scgrpo.selfteacher import TeacherSignal, TeacherSpec
+
+
+@dataclass
+class Credit:
+    """How an objective turns a step's rewards (and self-teacher signal) into per-row and per-token credit."""
+
+    advantages: Tensor  # [N] float
+    token_weights: Optional[Tensor] = None  # [N, C] fp32 per-token weight on the surrogate; None = all ones
+    stats: dict[str, float] = field(default_factory=dict)  # logged every step (NaN where undefined)
 
 
 @dataclass
 class LossInputs:
     """What the module knows about the rows whose loss is being computed (``n`` rows of a batch of ``N``)."""
 
-    completion_mask: Tensor  # [n, C] float
+    completion_mask: Tensor  # [n, C] float, the response tokens
     advantages: Tensor  # [n] float
     old_logprobs: Tensor  # [n, C] fp32, log pi_old(y_t)
     ref_logprobs: Optional[Tensor] = None  # [n, C] fp32, log pi_ref(y_t), when the objective uses a KL term
-    token_weights: Optional[Tensor] = None  # [n, C] fp32 per-token credit (SC-GRPO); None means all ones
+    token_weights: Optional[Tensor] = None  # [n, C] fp32 per-token credit (SC-GRPO's f(D)); None means all ones
+    token_selection: Optional[Tensor] = None  # [n, C] 0/1: tokens whose policy-gradient term counts (80/20)
     entropy: Optional[Tensor] = None  # [n, C] fp32, detached
-    distill_kl: Optional[Tensor] = None  # [n, C] fp32 KL(teacher || student), differentiable (self-distillation)
-    has_reference: Optional[Tensor] = None  # [n] bool, a verified reference was found for the row
-    num_distill_tokens: Optional[float] = None  # tokens of rows with a reference in the whole batch
+    hidden: Optional[Tensor] = None  # [n, C, H] the student's final hidden states (differentiable)
+    lm_head: Optional[Callable[[Tensor], Tensor]] = None  # the output head, for distillation terms
+    teacher_hidden: Optional[Tensor] = None  # [n, C, H] the self-teacher's states (teacher output "hidden")
+    has_teacher: Optional[Tensor] = None  # [n] bool
+    num_teacher_rows: Optional[float] = None  # rows with a teacher in the whole batch, all ranks
     num_tokens: Optional[float] = None  # completion tokens in the whole batch (loss denominator)
     num_sequences: Optional[float] = None  # rows in the whole batch
     max_len: Optional[int] = None  # max_new_tokens, for constant-length normalisation
+    temperature: float = 1.0  # the sampling temperature (distributions are compared at it)
+    chunk_size: int = 1024  # tokens per chunk of full-vocabulary logits
+    step: int = 0  # the optimiser step (warm-up schedules)
 
 
 @dataclass
@@ -38,12 +56,13 @@ class Objective(ABC):
 
     Subclasses are chosen in YAML by ``class_path``. Attributes the training loop reads:
     ``num_iterations`` (mu, optimisation passes over one rollout batch), ``beta`` (weight of a KL term to the
-    reference policy; > 0 makes the module compute reference log-probs).
+    reference policy; > 0 makes the module compute reference log-probs), ``teacher`` (the self-teacher the
+    objective needs, or None).
     """
 
     num_iterations: int = 1
     beta: float = 0.0
-    uses_teacher: bool = False  # the module runs the self-teacher view (SC-GRPO, self-distillation)
+    teacher: Optional["TeacherSpec"] = None  # the module runs the self-teacher with this spec once per step
     dynamic_sampling: bool = False  # the rollout stage resamples groups with equal rewards (DAPO)
     needs_batch_entropy: bool = False  # the module scores the whole batch's token entropies first
 
@@ -55,15 +74,24 @@ class Objective(ABC):
     def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
         """``[n, C]`` differentiable log-probs of the sampled tokens -> scalar loss."""
 
+    def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal: Optional["TeacherSignal"],
+               micro_batch_size: Optional[int] = None) -> Credit:
+        """Per-row advantages and per-token weights for the step; ``mask`` is ``[N, C]``, ``micro_batch_size``
+        the rows per forward pass (None: all). By default the group advantages and no weights."""
+        return Credit(advantages=self.advantages(rewards, group_size))
+
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_len: Optional[int]) -> Tensor:
         """Rewards after objective-specific shaping (DAPO's overlong penalty); ``lengths`` is ``[N]``."""
         return rewards
 
     def token_mask(self, entropy: Tensor, mask: Tensor) -> Tensor:
-        """Which tokens enter the loss, given the whole batch's ``[N, C]`` entropies (needs_batch_entropy)."""
+        """Which tokens' policy-gradient terms count, given the batch's ``[N, C]`` entropies (needs_batch_entropy)."""
         return mask
 
-    def skips_zero_advantage_rows(self) -> bool:
-        """True when rows with zero advantage contribute exactly nothing to the gradient, so the module may
-        leave them out of the forward pass (the loss denominators still count them)."""
-        return self.beta == 0.0
+    def rows_in_loss(self, credit: Credit, signal: Optional["TeacherSignal"]) -> Tensor:
+        """``[N]`` bool: rows that can change the loss. Rows with zero advantage add exactly nothing to a
+        clipped surrogate without a KL term, so the module leaves them out of the forward pass (the loss
+        denominators still count them)."""
+        if self.beta > 0:
+            return credit.advantages.new_ones(credit.advantages.shape, dtype=bool)
+        return credit.advantages != 0

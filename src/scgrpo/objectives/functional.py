@@ -222,15 +222,31 @@ def naive_token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1
     return torch.gather(F.log_softmax(logits.float() / temperature, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-Divergence = Literal["forward_kl", "reverse_kl", "jsd", "sampled"]
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "sampled")
+Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
-def divergence_from_logprobs(teacher: Tensor, student: Tensor, targets: Tensor, kind: Divergence = "forward_kl") -> Tensor:
+def quantile(values: Tensor, q: float) -> Tensor:
+    """The ``q`` quantile of a 1-D tensor with linear interpolation (``torch.quantile``'s default), by sorting:
+    no limit on the number of elements (``torch.quantile`` refuses more than 2^24)."""
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"quantile needs a non-empty 1-D tensor, got shape {tuple(values.shape)}")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile q must be in [0, 1], got {q}")
+    ordered = values.float().sort().values  # [M]
+    position = q * (ordered.numel() - 1)
+    lo = int(math.floor(position))
+    hi = min(lo + 1, ordered.numel() - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (position - lo)
+
+
+def divergence_from_logprobs(teacher: Tensor, student: Tensor, kind: Divergence = "forward_kl",
+                             mix: float = 0.5) -> Tensor:
     """Per-token divergence between two ``[..., V]`` log-distributions (fp32), reduced over the vocabulary.
 
-    forward_kl = KL(p_T || p_S), reverse_kl = KL(p_S || p_T), jsd = Jensen-Shannon with the mixture
-    (natural log), sampled = |log p_T(y_t) - log p_S(y_t)| at the sampled token ``targets``.
+    forward_kl = KL(p_T || p_S) (teacher first, the paper's D_i,t), reverse_kl = KL(p_S || p_T),
+    jsd = Jensen-Shannon with the equal mixture (natural log), bidirectional = ``mix`` * forward +
+    (1 - ``mix``) * reverse.
     """
     if kind == "forward_kl":
         return (teacher.exp() * (teacher - student)).sum(-1)
@@ -239,10 +255,21 @@ def divergence_from_logprobs(teacher: Tensor, student: Tensor, targets: Tensor, 
     if kind == "jsd":
         mixture = torch.logaddexp(teacher, student) - math.log(2.0)
         return 0.5 * (teacher.exp() * (teacher - mixture)).sum(-1) + 0.5 * (student.exp() * (student - mixture)).sum(-1)
-    if kind == "sampled":
-        index = targets.unsqueeze(-1)
-        return (teacher.gather(-1, index) - student.gather(-1, index)).squeeze(-1).abs()
-    raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES}")
+    if kind == "bidirectional":
+        return mix * divergence_from_logprobs(teacher, student, "forward_kl") + (1.0 - mix) * divergence_from_logprobs(
+            teacher, student, "reverse_kl")
+    raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES} or 'bidirectional'")
+
+
+def fp32_head(lm_head: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """The head as a function that returns fp32 logits computed in fp32 (not bf16 logits upcast, whose
+    rounding alone puts a floor of ~1e-4 under a KL): a plain ``nn.Linear`` head is applied with its weight
+    upcast once; any other head (a quantised or adapted one) runs as it is and its output is upcast."""
+    if type(lm_head) is torch.nn.Linear:
+        weight = lm_head.weight.float()  # [V, H], one copy per call (a no-op for fp32 weights)
+        bias = lm_head.bias.float() if lm_head.bias is not None else None
+        return lambda hidden: F.linear(hidden.float(), weight, bias)
+    return lambda hidden: lm_head(hidden).float()
 
 
 @torch.no_grad()
@@ -250,86 +277,100 @@ def chunked_divergence(
     teacher_hidden: Tensor,
     student_hidden: Tensor,
     lm_head: Callable[[Tensor], Tensor],
-    targets: Tensor,
     kind: Divergence = "forward_kl",
     temperature: float = 1.0,
     chunk_size: int = 1024,
 ) -> Tensor:
     """``[N, C]`` divergence between the teacher's and the student's next-token distributions, exact over the
-    full vocabulary in fp32, computed ``chunk_size`` tokens at a time (no ``N x C x V`` tensor), no gradient."""
+    full vocabulary with fp32 logits, ``chunk_size`` tokens at a time (no ``N x C x V`` tensor), no gradient,
+    clamped at 0 (rounding can leave a KL of two near-equal distributions slightly negative)."""
     n, c, h = student_hidden.shape
-    t_flat, s_flat, y_flat = teacher_hidden.reshape(n * c, h), student_hidden.reshape(n * c, h), targets.reshape(n * c)
+    t_flat, s_flat = teacher_hidden.reshape(n * c, h), student_hidden.reshape(n * c, h)
     out = torch.empty(n * c, dtype=torch.float32, device=student_hidden.device)
+    head = fp32_head(lm_head)
     for start in range(0, n * c, chunk_size):
         rows = slice(start, start + chunk_size)
-        teacher = torch.log_softmax(lm_head(t_flat[rows]).float() / temperature, dim=-1)  # [n, V]
-        student = torch.log_softmax(lm_head(s_flat[rows]).float() / temperature, dim=-1)  # [n, V]
-        out[rows] = divergence_from_logprobs(teacher, student, y_flat[rows], kind)
-    return out.view(n, c)
+        teacher = torch.log_softmax(head(t_flat[rows]) / temperature, dim=-1)  # [n, V] fp32
+        student = torch.log_softmax(head(s_flat[rows]) / temperature, dim=-1)  # [n, V] fp32
+        out[rows] = divergence_from_logprobs(teacher, student, kind)
+    return out.clamp_(min=0.0).view(n, c)
 
 
-def credit_weights(divergence: Tensor, mask: Tensor, w_max: float = 5.0, lam: float = 1.0, eps: float = 1e-8) -> Tensor:
-    """SC-GRPO token weights: w_t = min(d_t / (mean of d over the sequence + eps), w_max), then
-    (1 - lam) + lam * w_t. ``divergence`` and ``mask`` are ``[N, C]``; padding gets weight 0 (it is masked
-    anyway). Detached."""
-    divergence = divergence.detach().float()
-    mean = masked_mean(divergence, mask, dim=1).unsqueeze(1)  # [N, 1]
-    weights = torch.clamp(divergence / (mean + eps), max=w_max)
-    return ((1.0 - lam) + lam * weights) * mask
+def kl_weights(divergence: Tensor, c: Tensor | float) -> Tensor:
+    """SC-GRPO's token weight f(D) = D / (D + c), in [0, 1): it only ever shrinks a token's gradient.
+    ``c`` is a scalar or broadcasts against ``divergence`` (``[N, 1]`` for one c per row). Detached."""
+    divergence = divergence.detach().float().clamp(min=0.0)
+    return divergence / (divergence + c)
 
 
-class _LinearDistillKL(torch.autograd.Function):
-    """Per-token KL between a fixed teacher and the student, both ``softmax(h W^T / T)``, chunk by chunk, with
-    the gradient through the student's hidden states only."""
-
-    @staticmethod
-    def forward(ctx, student_hidden, weight, bias, teacher_hidden, temperature, chunk_size, kind):
-        m = student_hidden.shape[0]
-        out = student_hidden.new_empty(m, dtype=torch.float32)
-        for start in range(0, m, chunk_size):
-            rows = slice(start, start + chunk_size)
-            student = torch.log_softmax(F.linear(student_hidden[rows], weight, bias).float() / temperature, -1)
-            teacher = torch.log_softmax(F.linear(teacher_hidden[rows], weight, bias).float() / temperature, -1)
-            out[rows] = divergence_from_logprobs(teacher, student, None, kind)  # type: ignore[arg-type]
-        ctx.save_for_backward(student_hidden, weight, bias, teacher_hidden)
-        ctx.temperature, ctx.chunk_size, ctx.kind = temperature, chunk_size, kind
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        student_hidden, weight, bias, teacher_hidden = ctx.saved_tensors
-        grad_hidden = torch.empty_like(student_hidden)
-        for start in range(0, student_hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            student = torch.log_softmax(F.linear(student_hidden[rows], weight, bias).float() / ctx.temperature, -1)
-            teacher = torch.log_softmax(F.linear(teacher_hidden[rows], weight, bias).float() / ctx.temperature, -1)
-            g = grad_out[rows].float().unsqueeze(-1)  # [n, 1]
-            p_s = student.exp()
-            if ctx.kind == "forward_kl":  # d/dz_s sum p_T (log p_T - log p_S) = p_S - p_T
-                grad_logits = (p_s - teacher.exp()) * g
-            else:  # reverse: d/dz_s sum p_S (log p_S - log p_T) = p_S * ((log p_S - log p_T) - KL)
-                diff = student - teacher
-                kl = (p_s * diff).sum(-1, keepdim=True)
-                grad_logits = p_s * (diff - kl) * g
-            grad_hidden[rows] = (grad_logits / ctx.temperature).to(student_hidden.dtype) @ weight
-        return grad_hidden, None, None, None, None, None, None
+def credit_threshold(active: Tensor, q: float = 0.75, c_min: float = 1e-4, c_fixed: Optional[float] = None) -> Tensor:
+    """SC-GRPO's c = max(P_q(D_act), c_min) over the active tokens' divergences ``active`` (1-D), or
+    ``c_fixed`` when given. With no active token c is ``c_min`` (no weight is ever computed from it)."""
+    if c_fixed is not None:
+        return torch.tensor(float(c_fixed))
+    if active.numel() == 0:
+        return torch.tensor(float(c_min))
+    return torch.clamp(quantile(active.detach().float(), q), min=c_min).cpu()
 
 
-def chunked_distill_kl(
+def _chunk_distill(weight: Optional[Tensor], bias: Optional[Tensor], head, student: Tensor, teacher: Tensor,
+                   temperature: float, kind: str, mix: float) -> Tensor:
+    if weight is not None:  # a plain linear head, passed as tensors so that recomputation in backward reuses them
+        logits = lambda h: F.linear(h.float(), weight.float(), None if bias is None else bias.float())  # noqa: E731
+    else:
+        logits = lambda h: head(h).float()  # noqa: E731
+    log_student = torch.log_softmax(logits(student) / temperature, dim=-1)  # [n, V] fp32
+    with torch.no_grad():
+        log_teacher = torch.log_softmax(logits(teacher) / temperature, dim=-1)  # [n, V] fp32
+    return divergence_from_logprobs(log_teacher, log_student, kind, mix)
+
+
+def chunked_distill_divergence(
     student_hidden: Tensor,
     teacher_hidden: Tensor,
-    lm_head: torch.nn.Linear,
-    kind: Divergence = "forward_kl",
+    lm_head: Callable[[Tensor], Tensor],
+    kind: str = "forward_kl",
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    mix: float = 0.5,
 ) -> Tensor:
-    """``[N, C]`` KL between the teacher (no gradient) and the student, differentiable in the student's hidden
-    states; the lm_head weights get no gradient (they are frozen under LoRA)."""
-    if kind not in ("forward_kl", "reverse_kl"):
-        raise ValueError(f"distillation supports forward_kl and reverse_kl, got {kind!r}")
+    """``[N, C]`` divergence between a fixed teacher (``teacher_hidden``, no gradient) and the student,
+    differentiable in the student's hidden states and in the head's weights (full fine-tuning trains the
+    head). fp32 logits; each chunk's logits are recomputed in backward (activation checkpointing), so no
+    ``N x C x V`` tensor is kept. ``kind``: forward_kl, reverse_kl, jsd or bidirectional (``mix`` x forward +
+    (1 - ``mix``) x reverse)."""
+    if kind not in (*DIVERGENCES, "bidirectional"):
+        raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES} or 'bidirectional'")
     n, c, h = student_hidden.shape
-    out = _LinearDistillKL.apply(
-        student_hidden.reshape(n * c, h), lm_head.weight, lm_head.bias, teacher_hidden.detach().reshape(n * c, h),
-        float(temperature), chunk_size, kind,
-    )
-    return out.view(n, c)
+    s_flat, t_flat = student_hidden.reshape(n * c, h), teacher_hidden.detach().reshape(n * c, h)
+    linear = type(lm_head) is torch.nn.Linear
+    weight, bias = (lm_head.weight, lm_head.bias) if linear else (None, None)
+    use_checkpoint = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, n * c, chunk_size):
+        args = (weight, bias, None if linear else lm_head, s_flat[start : start + chunk_size],
+                t_flat[start : start + chunk_size], float(temperature), kind, mix)
+        parts.append(checkpoint(_chunk_distill, *args, use_reentrant=False) if use_checkpoint else _chunk_distill(*args))
+    return torch.cat(parts).view(n, c) if parts else s_flat.new_zeros(n, c, dtype=torch.float32)
+
+
+def distillation_loss(inputs, kind: str, mix: float = 0.5, token_clip: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """The self-distillation term of a micro-batch: per token the divergence between the self-teacher and
+    the student (``token_clip`` caps it, as OPSD's per-token clip), each sequence's token mean, summed over
+    the rows that have a teacher and divided by the number of such rows in the whole batch (all ranks), so
+    micro-batches add up to the batch's mean (Eq. 2). Returns (loss, detached mean divergence per token)."""
+    has_teacher = inputs.has_teacher
+    rows = torch.nonzero(has_teacher).squeeze(1) if has_teacher is not None else None
+    if inputs.hidden is None or inputs.teacher_hidden is None or rows is None or rows.numel() == 0:
+        zero = inputs.completion_mask.new_zeros(())
+        anchor = inputs.hidden.sum() * 0.0 if inputs.hidden is not None else zero  # keeps the graph connected
+        return anchor, zero.new_tensor(float("nan"))
+    per_token = chunked_distill_divergence(
+        inputs.hidden[rows], inputs.teacher_hidden[rows], inputs.lm_head, kind, inputs.temperature, inputs.chunk_size,
+        mix)  # [k, C]
+    if token_clip is not None:
+        per_token = per_token.clamp(max=token_clip)
+    mask = inputs.completion_mask[rows]  # [k, C]
+    denominator = float(inputs.num_teacher_rows) if inputs.num_teacher_rows else float(rows.numel())
+    loss = masked_mean(per_token, mask, dim=1).sum() / max(denominator, 1.0)
+    return loss, masked_mean(per_token.detach(), mask)

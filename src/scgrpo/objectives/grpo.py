@@ -67,6 +67,9 @@ class GRPO(Objective):
         per_token, is_clipped = Fn.clipped_surrogate(
             logprobs, inputs.old_logprobs, self.per_token_advantages(inputs), self.eps_low, self.eps_high
         )  # [n, C]
+        if inputs.token_selection is not None:  # only the selected tokens' policy-gradient terms count
+            per_token = per_token * inputs.token_selection
+            is_clipped = is_clipped * inputs.token_selection
         stats: dict[str, Tensor] = {}
         if self.beta > 0:
             if inputs.ref_logprobs is None:

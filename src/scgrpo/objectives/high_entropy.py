@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from scgrpo.distributed import gather_values
 from scgrpo.objectives import functional as Fn
 from scgrpo.objectives.grpo import GRPO
 
 
 class HighEntropyGRPO(GRPO):
-    """The policy-gradient loss restricted to the tokens whose entropy is in the batch's top ``rho`` share
-    ("forking tokens"); the others get no gradient. The threshold is the (1 - rho) quantile of the
-    entropies of all completion tokens in the rollout batch, measured under pi_old.
+    """The policy-gradient term restricted to the tokens whose entropy is in the batch's top ``rho`` share
+    ("forking tokens"); the others get no policy gradient. The threshold is the (1 - rho) quantile of the
+    entropies of all completion tokens of the rollout batch on all ranks, under pi_old. As in the paper
+    (and TRL), the loss is still divided by all response tokens, not by the selected ones, and a KL term
+    (beta > 0) covers every token.
 
     Args:
         rho: share of tokens kept (0.2 in the paper).
@@ -37,8 +39,8 @@ class HighEntropyGRPO(GRPO):
         self.rho = rho
 
     def token_mask(self, entropy: Tensor, mask: Tensor) -> Tensor:
-        values = entropy[mask.bool()].float()
+        values = gather_values(entropy[mask.bool()].float())  # [M] every rank's response tokens
         if values.numel() == 0:
             return mask
-        threshold = torch.quantile(values, 1.0 - self.rho)
+        threshold = Fn.quantile(values, 1.0 - self.rho)
         return mask * (entropy >= threshold).to(mask.dtype)

@@ -1,80 +1,173 @@
-"""SC-GRPO: Self-Conditioned GRPO (arXiv 2606.18810), as defined in this package's design reference."""
+"""SC-GRPO: Self-Conditioned GRPO (arXiv 2606.18810, §5)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
+import torch
 from torch import Tensor
 
+from scgrpo.distributed import gather_values
 from scgrpo.objectives import functional as Fn
+from scgrpo.objectives.base import Credit
 from scgrpo.objectives.grpo import GRPO
+from scgrpo.selfteacher import DEFAULT_TEACHER_TEMPLATE, SOLVE_NONE, TeacherSignal, TeacherSpec
 
-DEFAULT_TEACHER_TEMPLATE = "{question}\n\nA verified solution:\n{reference}\n\nSolve the problem again."
+KL_PERCENTILES = (25, 50, 75, 95)
+
+
+def check_teacher_template(template: str) -> str:
+    if "{reference}" not in template:
+        raise ValueError("teacher_template must contain {reference} (the verified solution shown to the teacher)")
+    if "{question}" in template:
+        raise ValueError("teacher_template takes {reference} only: it is the teacher's system-prompt block, and the "
+                         "question stays in the user turn, as the student sees it")
+    return template
 
 
 class SCGRPO(GRPO):
-    """GRPO whose advantage is weighted token by token by how much a self-teacher disagrees with the policy.
+    """GRPO whose per-token gradient is shrunk where the policy's own verified solution would not change its
+    prediction (the paper's J_SC-GRPO, DESIGN §2):
 
-    For each rollout y_i with a verified reference y* (another successful rollout of its group, else one
-    from the verified-trajectory buffer; never y_i itself), the same network with no gradient reads a
-    context that shows y* (``teacher_template``) and then y_i. The per-token divergence d_t between that
-    self-teacher's and the sampling policy's next-token distributions (full vocabulary, fp32) becomes the
-    weight w_t = min(d_t / mean_{t'} d_t', w_max), mixed as (1 - lam) + lam * w_t, on the GRPO surrogate:
-    each token's advantage is w_t * A_i. The mean weight of a sequence is 1 before clipping, so the update
-    moves as much gradient mass as GRPO's but towards the tokens the self-teacher disagrees with. A rollout
-    with no reference keeps weight 1 (plain GRPO).
+    - self-teacher: the same network, no gradient, with a reference trajectory tau in its system prompt only;
+      D_i,t = KL(teacher || policy) on the rollout's own tokens, full vocabulary, fp32 logits, clamped at 0;
+    - weight f(D) = D / (D + c) in [0, 1) with c = max(P_q(D_act), c_min) over the active tokens (response
+      tokens of rows that have a teacher); it multiplies both signs of the advantage and is never renormalised;
+    - routing by the number of correct rollouts n_c: partial-solve groups (2 <= n_c < G) are weighted with a
+      correct sibling (other tokens) as tau and keep GRPO's advantage; solve-none groups (n_c = 0) draw one
+      rollout o_r as every other rollout's tau and replace the zero advantage by alpha * A_div (Eq. 5), with
+      s_i the mean of f(D) over t <= min(|o_i|, |o_r|), standardised over the G - 1 non-reference rollouts
+      (o_r gets 0); single-correct and all-correct groups are plain GRPO (weight 1) unless routed;
+    - clipped surrogate (eps 0.2), no KL term, per-sequence token mean then mean over rows.
 
-    Departures from a literal reading of the abstract: the divergence is computed once per rollout batch
-    under pi_old (with mu > 1 the later passes reuse it), and only for rollouts whose advantage is non-zero,
-    since the others contribute nothing to the loss.
+    Choices of this package where the paper is silent: c is taken over the whole optimiser step on all ranks
+    (``c_scope="batch"``) so that it does not change with micro-batch size or GPU count (``"micro_batch"``
+    is the paper's literal reading); the divergence is computed once per rollout batch under pi_old (with
+    mu > 1 later passes reuse it); the teacher's guide instruction is ours (``teacher_template``).
 
     Args:
-        w_max: cap on a token's weight.
-        lam: mix between uniform credit (0) and divergence-proportional credit (1).
-        divergence: "forward_kl" KL(p_T || p_S), "reverse_kl", "jsd", or "sampled" |log p_T(y) - log p_S(y)|.
+        c_quantile: q of c = max(P_q(D_act), c_min) (paper: 0.75; 0.5 degenerates to uniform, 0.9 over-suppresses).
+        c_min: floor of c.
+        c_fixed: a constant c instead of the quantile.
+        c_scope: "batch" (all active tokens of the step, all ranks) or "micro_batch" (each block of
+            ``micro_batch_size`` rollouts of a rank's batch, in batch order).
+        alpha: weight of the solve-none diversity advantage (paper: 0.1; 0.2 hurts).
+        route_solve_none: give solve-none groups the diversity advantage and weights.
+        route_single: weight single-correct groups too (paper ablation: entropy collapse).
+        route_all: weight all-correct groups too (paper ablation: no contrast).
+        divergence: forward_kl (the paper's), reverse_kl or jsd (ablations).
         teacher: "policy" (current weights, no gradient) or "base" (adapters disabled).
-        num_references: references per rollout; their divergences are averaged.
-        teacher_template: the teacher's user turn, with {question} and {reference}.
-        seed: seeds the choice of references (with the step and the row).
-        (and GRPO's arguments)
+        teacher_template: the guide instruction with {reference}, appended to the base system prompt.
+        buffer_references: a correct rollout with no distinct correct sibling (and, with route_single, a
+            single-correct group's correct rollout) takes a reference from the verified buffer (ours).
+        seed: seeds the choice of references.
+        (and GRPO's arguments; the paper's aggregation "seq-mean-token-mean" is the default here)
     """
-
-    uses_teacher = True
-    teacher_signal = "weights"  # the module computes divergences and calls token_weights
 
     def __init__(
         self,
-        w_max: float = 5.0,
-        lam: float = 1.0,
+        c_quantile: float = 0.75,
+        c_min: float = 1e-4,
+        c_fixed: Optional[float] = None,
+        c_scope: Literal["batch", "micro_batch"] = "batch",
+        alpha: float = 0.1,
+        route_solve_none: bool = True,
+        route_single: bool = False,
+        route_all: bool = False,
         divergence: Fn.Divergence = "forward_kl",
         teacher: Literal["policy", "base"] = "policy",
-        num_references: int = 1,
         teacher_template: str = DEFAULT_TEACHER_TEMPLATE,
+        buffer_references: bool = False,
         seed: int = 0,
         scale: Fn.AdvantageScale = "group",
         eps_low: float = 0.2,
         eps_high: float = 0.2,
         beta: float = 0.0,
-        aggregation: Fn.Aggregation = "token-mean",
+        aggregation: Fn.Aggregation = "seq-mean-token-mean",
         num_iterations: int = 1,
+        w_max: Optional[float] = None,
+        lam: Optional[float] = None,
     ) -> None:
         super().__init__(scale, eps_low, eps_high, beta, aggregation, num_iterations)
-        if w_max <= 0:
-            raise ValueError(f"w_max must be > 0, got {w_max}")
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"lam must be in [0, 1], got {lam}")
+        if w_max is not None or lam is not None:
+            raise ValueError(
+                "SCGRPO no longer takes w_max / lam: the paper's weight f(D) = D / (D + c) only shrinks and is not "
+                "renormalised. Set c_quantile (default 0.75), c_min or c_fixed instead")
+        if not 0.0 < c_quantile < 1.0:
+            raise ValueError(f"c_quantile must be in (0, 1), got {c_quantile}")
+        if c_min <= 0:
+            raise ValueError(f"c_min must be > 0, got {c_min}")
+        if c_fixed is not None and c_fixed <= 0:
+            raise ValueError(f"c_fixed must be > 0 or null, got {c_fixed}")
+        if c_scope not in ("batch", "micro_batch"):
+            raise ValueError(f"c_scope={c_scope!r}: expected 'batch' or 'micro_batch'")
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
         if divergence not in Fn.DIVERGENCES:
             raise ValueError(f"divergence={divergence!r}: expected one of {Fn.DIVERGENCES}")
         if teacher not in ("policy", "base"):
             raise ValueError(f"teacher={teacher!r}: expected 'policy' or 'base'")
-        if num_references < 1:
-            raise ValueError(f"num_references must be >= 1, got {num_references}")
-        if "{question}" not in teacher_template or "{reference}" not in teacher_template:
-            raise ValueError("teacher_template must contain {question} and {reference}")
-        self.w_max, self.lam, self.divergence, self.teacher = w_max, lam, divergence, teacher
-        self.num_references, self.teacher_template, self.seed = num_references, teacher_template, seed
+        self.c_quantile, self.c_min, self.c_fixed, self.c_scope = c_quantile, c_min, c_fixed, c_scope
+        self.alpha, self.divergence = alpha, divergence
+        routes = ("partial",) + ("solve_none",) * route_solve_none + ("single",) * route_single + ("all",) * route_all
+        self.teacher = TeacherSpec(routes=routes, template=check_teacher_template(teacher_template), weights=teacher,
+                                   output="divergence", divergence=divergence, buffer_references=buffer_references,
+                                   seed=seed)
 
-    def token_weights(self, divergence: Tensor, mask: Tensor, has_reference: Tensor) -> Tensor:
-        """``[n, C]`` weights from ``[n, C]`` divergences; rows without a reference get weight 1."""
-        weights = Fn.credit_weights(divergence, mask, self.w_max, self.lam)
-        return weights.where(has_reference.unsqueeze(1), mask.to(weights.dtype))
+    # --------------------------------------------------------------------------------------------- credit
+    def thresholds(self, divergence: Tensor, active: Tensor, micro_batch_size: Optional[int]) -> tuple[Tensor, Tensor]:
+        """c for every row ``[N, 1]`` and the active divergences of the whole step (all ranks) for statistics."""
+        values = gather_values(divergence[active])  # [M] every rank's active tokens
+        n = divergence.shape[0]
+        if self.c_scope == "batch" or self.c_fixed is not None:
+            c = Fn.credit_threshold(values, self.c_quantile, self.c_min, self.c_fixed)
+            return c.to(divergence.device).expand(n, 1), values
+        block = micro_batch_size or max(n, 1)
+        c_rows = torch.empty(n, 1, device=divergence.device)
+        for start in range(0, n, block):
+            rows = slice(start, start + block)
+            c_rows[rows] = Fn.credit_threshold(divergence[rows][active[rows]], self.c_quantile, self.c_min).to(divergence.device)
+        return c_rows, values
+
+    def diversity_advantages(self, f: Tensor, signal: TeacherSignal, group_size: int) -> Tensor:
+        """``[N]`` alpha * A_div for the non-reference rows of solve-none groups (Eq. 5), 0 elsewhere."""
+        scored = (signal.has_teacher & (signal.route == SOLVE_NONE)).float().view(-1, group_size)  # [P, G]
+        scores = Fn.masked_mean(f, signal.diversity_mask, dim=1).view(-1, group_size)  # [P, G] s_i
+        count = scored.sum(1, keepdim=True)  # [P, 1] G - 1 in a routed solve-none group
+        mean = (scores * scored).sum(1, keepdim=True) / count.clamp(min=1)
+        var = (((scores - mean) ** 2) * scored).sum(1, keepdim=True) / (count - 1).clamp(min=1)  # unbiased
+        a_div = (scores - mean) / (var.sqrt() + Fn.ADVANTAGE_EPS) * scored * (count >= 2).float()
+        return self.alpha * a_div.view(-1)
+
+    def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal: Optional[TeacherSignal],
+               micro_batch_size: Optional[int] = None) -> Credit:
+        advantages = self.advantages(rewards, group_size)  # [N] GRPO's A_i
+        if signal is None or signal.divergence is None:
+            raise RuntimeError("SCGRPO needs the self-teacher's divergences; the module did not run it")
+        divergence = signal.divergence  # [N, C]
+        has_teacher = signal.has_teacher.unsqueeze(1)  # [N, 1]
+        active = mask.bool() & has_teacher  # [N, C]
+        c_rows, values = self.thresholds(divergence, active, micro_batch_size)
+        f = Fn.kl_weights(divergence, c_rows) * mask  # [N, C] in [0, 1)
+        weights = torch.where(has_teacher, f, mask.to(f.dtype))  # rows without a teacher: plain GRPO
+        solve_none = signal.route == SOLVE_NONE  # [N]
+        diversity = self.diversity_advantages(f, signal, group_size)  # [N]
+        advantages = torch.where(solve_none, diversity, advantages)  # (GRPO's is 0 there; the reference gets 0)
+        return Credit(advantages=advantages, token_weights=weights, stats=self._stats(f, active, c_rows, values,
+                                                                                       diversity, signal))
+
+    def _stats(self, f: Tensor, active: Tensor, c_rows: Tensor, values: Tensor, diversity: Tensor,
+               signal: TeacherSignal) -> dict[str, float]:
+        nan = float("nan")
+        stats = {"credit/c": float(c_rows.mean()) if c_rows.numel() else nan}
+        if values.numel():
+            for p in KL_PERCENTILES:
+                stats[f"credit/kl_p{p}"] = float(Fn.quantile(values, p / 100))
+        else:
+            stats.update({f"credit/kl_p{p}": nan for p in KL_PERCENTILES})
+        weights = f[active]
+        stats["credit/f_mean"] = float(weights.mean()) if weights.numel() else nan
+        stats["credit/f_above_half"] = float((weights > 0.5).float().mean()) if weights.numel() else nan
+        scored = signal.has_teacher & (signal.route == SOLVE_NONE)
+        stats["credit/div_adv_std"] = float(diversity[scored].std()) if int(scored.sum()) > 1 else nan
+        return stats

@@ -65,6 +65,7 @@ class Generated:
     completion_mask: Tensor  # [N, C] float
     truncated: Tensor  # [N] bool
     completions: list[str]  # [N]
+    entropy_sum: Optional[Tensor] = None  # [N] fp32 sampling entropy summed over each completion's tokens
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -232,11 +233,12 @@ def decode_loop(
     greedy: bool = False,
     min_new_tokens: int = 0,
     cuda_graphs: bool = False,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """Autoregressive sampling with a preallocated (static) KV cache; stops when every row has ended.
 
     ``prompt_ids`` ``[N, Tp]`` are left-padded; positions count real tokens only, as ``generate`` does.
-    Returns ``[N, C]`` new tokens, ``C <= max_new_tokens``, pad after a row's end-of-sequence token. With
+    Returns ``[N, C]`` new tokens, ``C <= max_new_tokens``, pad after a row's end-of-sequence token, and ``[N]``
+    the entropy of the sampling distribution (at ``temperature``) summed over each row's tokens. With
     ``cuda_graphs`` on a GPU the per-token step (after the prompt's forward) is replayed from a CUDA graph.
     """
     from transformers import StaticCache
@@ -270,6 +272,7 @@ def decode_loop(
     eos = torch.tensor(list(eos_ids), device=device, dtype=torch.long)
     tokens = torch.full((n, max_new_tokens), pad_id, device=device, dtype=torch.long)  # [N, max_new]
     finished = torch.zeros(n, dtype=torch.bool, device=device)
+    entropy_sum = torch.zeros(n, dtype=torch.float32, device=device)  # [N]
     ended_at = torch.full((n,), max_new_tokens - 1, dtype=torch.long, device=device)  # last step each row needs
     cache_positions = torch.arange(tp, tp + max_new_tokens, device=device)
     decode = step
@@ -288,6 +291,11 @@ def decode_loop(
         if t < min_new_tokens and eos.numel():
             logits[:, eos] = float("-inf")
         token = sample_from_logits(logits, temperature, top_p, top_k, greedy)  # [N]
+        if not greedy:  # the policy's entropy where it sampled (rows still going), at the sampling temperature
+            scaled = logits.float() / temperature
+            logp = torch.log_softmax(scaled, dim=-1)
+            entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)  # [N]
+            entropy_sum += torch.where(finished, torch.zeros_like(entropy), entropy)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens[:, t] = token
         steps = t + 1
@@ -302,7 +310,7 @@ def decode_loop(
         next_position = next_position + 1
     if eos.numel() and bool(finished.all()):
         steps = min(steps, int(ended_at.max()) + 1)
-    return tokens[:, :steps]
+    return tokens[:, :steps], entropy_sum
 
 
 def generate(
@@ -322,9 +330,10 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
     eos_ids = eos_token_ids(model, tokenizer)
     temperature = temperature if temperature is not None else settings.temperature
+    entropy_sum = None
     with generation_mode(model, settings.merge_lora):
         if settings.engine == "loop":
-            completion_ids = decode_loop(
+            completion_ids, entropy_sum = decode_loop(
                 model, prompt_ids, prompt_mask, settings.max_new_tokens, eos_ids, tokenizer.pad_token_id,
                 temperature, settings.top_p, settings.top_k, greedy, settings.min_new_tokens,
                 cuda_graphs=settings.cuda_graphs and cuda_graphs,
@@ -342,4 +351,5 @@ def generate(
     completion_mask, truncated = completion_mask_from_eos(completion_ids, eos_ids)
     completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return Generated(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
+    return Generated(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts,
+                     None if greedy else entropy_sum)

@@ -45,6 +45,7 @@ class RolloutBatch:
     infos: Optional[list[dict[str, Any]]] = None  # [N] the verifier's info per rollout
     old_logprobs: Optional[Tensor] = None  # [N, C] fp32 under the sampling policy (only when mu > 1)
     ref_logprobs: Optional[Tensor] = None  # [N, C] fp32 under the reference (only when beta > 0)
+    entropy_sum: Optional[Tensor] = None  # [N] fp32 sum over each completion's tokens of the sampling entropy
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -81,4 +82,5 @@ class RolloutBatch:
             infos=[self.infos[i] for i in idx] if self.infos is not None else None,
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
+            entropy_sum=pick(self.entropy_sum),
         )
