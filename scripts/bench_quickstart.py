@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,15 @@ CREDIT_KEYS = ("credit/c", "credit/route_partial", "credit/route_solve_none", "c
                "credit/teacher_rows", "credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95",
                "credit/f_mean", "credit/f_above_half", "credit/div_adv_std", "policy/entropy", "train/mixed_groups",
                "time/teacher_s")
+
+
+def gpu_name(extra: list[str]):
+    """The GPU's name when the run was asked to use one, else None."""
+    if not any(a.startswith("--trainer.accelerator=") and not a.endswith("=cpu") for a in extra):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def _float(row: dict, key: str):
@@ -64,6 +74,7 @@ def main() -> None:
     parser.add_argument("--name", default="quickstart_cpu")
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart.yaml"))
     parser.add_argument("--fresh-cache", action="store_true", help="convert the GGUF model again, as a fresh install does")
+    parser.add_argument("--results-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("extra", nargs="*", help="further scgrpo fit arguments (after --)")
     args = parser.parse_args()
 
@@ -71,7 +82,9 @@ def main() -> None:
     env = dict(os.environ)
     if args.fresh_cache:
         env["SCGRPO_CACHE"] = os.path.join(workdir, "cache")
-    command = ["scgrpo", "fit", f"--config={os.path.abspath(args.config)}", *args.extra]
+    # the console script where scgrpo is installed, else the module (a checkout on PYTHONPATH)
+    launcher = ["scgrpo"] if shutil.which("scgrpo") else [sys.executable, "-m", "scgrpo.cli"]
+    command = [*launcher, "fit", f"--config={os.path.abspath(args.config)}", *args.extra]
     start = time.perf_counter()
     subprocess.run(command, cwd=workdir, env=env, check=True)
     wall = time.perf_counter() - start
@@ -83,14 +96,14 @@ def main() -> None:
                              f"--config {os.path.relpath(os.path.abspath(args.config), ROOT)}"]
                             + (["--fresh-cache"] if args.fresh_cache else []) + (["--", *args.extra] if args.extra else [])),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), "gpu": gpu_name(args.extra)},
         "wall_s": round(wall, 1),
         "peak_rss_gib": round(peak_kib / 2**20, 2),
         "fresh_cache": args.fresh_cache,
         **summarise(run_dir),
     }
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(ROOT, "benchmarks", "results", f"{args.name}.json")
+    os.makedirs(args.results_dir, exist_ok=True)
+    out = os.path.join(args.results_dir, f"{args.name}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))

@@ -40,6 +40,19 @@ def _label(path: str) -> str:
     return "/".join(parts[-3:-1]) if len(parts) >= 3 else path
 
 
+def _save(fig, ax, ylabel: str, title: str, path: str, written: list[str]) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+
 def plot(paths: list[str], out: str) -> list[str]:
     """Draws the three figures for ``paths`` into the folder ``out``; returns the files written."""
     import matplotlib
@@ -60,28 +73,15 @@ def plot(paths: list[str], out: str) -> list[str]:
                 ax.plot(steps, values, style, color=f"C{PERCENTILES.index(key) if key in PERCENTILES else 4}",
                         alpha=1.0 if i == 0 else 0.6, label=label, linewidth=2 if key == "credit/c" else 1)
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("KL(teacher || policy) per token")
-    ax.set_title("Self-teacher divergence of active tokens, and c")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(os.path.join(out, "kl_percentiles.png"))
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    _save(fig, ax, "KL(teacher || policy) per token", "Self-teacher divergence of active tokens, and c",
+          os.path.join(out, "kl_percentiles.png"), written)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for path, series in runs.items():
         steps, values = series["policy/entropy"]
         if steps:
             ax.plot(steps, values, label=_label(path))
-    ax.set_xlabel("step")
-    ax.set_ylabel("nats per token")
-    ax.set_title("Policy entropy of the sampled responses")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(os.path.join(out, "entropy.png"))
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    _save(fig, ax, "nats per token", "Policy entropy of the sampled responses", os.path.join(out, "entropy.png"), written)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     first = next(iter(runs.values()))
@@ -90,14 +90,8 @@ def plot(paths: list[str], out: str) -> list[str]:
         if steps:
             ax.plot(steps, values, label=key.split("route_")[-1])
     ax.set_ylim(0, 1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("share of groups")
-    ax.set_title(f"Routes by the number of correct rollouts ({_label(paths[0])})")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(os.path.join(out, "routes.png"))
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    _save(fig, ax, "share of groups", f"Routes by the number of correct rollouts ({_label(paths[0])})",
+          os.path.join(out, "routes.png"), written)
     return written
 
 

@@ -186,6 +186,20 @@ def test_solve_none_diversity_advantage_by_hand():
     assert not torch.allclose(other.advantages, SCGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, signal).advantages)
 
 
+def test_unrouted_solve_none_groups_keep_grpo_advantages():
+    """With route_solve_none off a group with no correct rollout is plain GRPO: with graded rewards below the
+    threshold its advantages are GRPO's, not zeroed; with the route on they are alpha x A_div."""
+    rewards = torch.tensor([0.5, 0.0, 0.25, 0.0])  # no rollout reaches the threshold 1.0
+    mask = torch.ones(4, 2)
+    unrouted = _signal([SOLVE_NONE] * 4, [False] * 4, torch.zeros(4, 2))
+    credit = SCGRPO(route_solve_none=False).credit(rewards, mask, 4, unrouted)
+    assert torch.equal(credit.advantages, Fn.group_advantages(rewards, 4)) and credit.advantages.abs().sum() > 0
+    routed = _signal([SOLVE_NONE] * 4, [True, True, True, False], torch.tensor([[0.1, 0.1], [0.2, 0.2], [0.4, 0.4],
+                     [0.0, 0.0]]), diversity_length=[2, 2, 2, 0], is_reference=[False, False, False, True])
+    credit = SCGRPO().credit(rewards, mask, 4, routed)
+    assert credit.advantages[3] == 0 and credit.advantages[:3].abs().max() <= 0.1 * 2  # alpha x standardised scores
+
+
 def test_single_and_all_correct_groups_keep_grpo_advantages_and_weight_one():
     d = torch.rand(8, 3)
     mask = torch.ones(8, 3)

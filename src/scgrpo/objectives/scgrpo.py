@@ -150,9 +150,9 @@ class SCGRPO(GRPO):
         c_rows, values = self.thresholds(divergence, active, micro_batch_size)
         f = Fn.kl_weights(divergence, c_rows) * mask  # [N, C] in [0, 1)
         weights = torch.where(has_teacher, f, mask.to(f.dtype))  # rows without a teacher: plain GRPO
-        solve_none = signal.route == SOLVE_NONE  # [N]
         diversity = self.diversity_advantages(f, signal, group_size)  # [N]
-        advantages = torch.where(solve_none, diversity, advantages)  # (GRPO's is 0 there; the reference gets 0)
+        if "solve_none" in self.teacher.routes:  # alpha * A_div replaces A_i in routed solve-none groups (o_r: 0);
+            advantages = torch.where(signal.route == SOLVE_NONE, diversity, advantages)  # unrouted: plain GRPO
         return Credit(advantages=advantages, token_weights=weights, stats=self._stats(f, active, c_rows, values,
                                                                                        diversity, signal))
 
