@@ -25,12 +25,17 @@ def main() -> None:
     parser.add_argument("--objectives", default="scgrpo,grpo,dapo")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--results-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--ablation", default=None,
+                        help="a configs/ablations/*.yaml layered over each run (names become signal_<ablation>_...)")
     parser.add_argument("extra", nargs="*", help="further scgrpo fit arguments for every run (after --)")
     args = parser.parse_args()
 
     def run(job: tuple[str, str]) -> int:
         objective, seed = job
-        name = f"signal_{objective}_seed{seed}"
+        ablation = os.path.splitext(os.path.basename(args.ablation))[0].replace("_", "-") if args.ablation else ""
+        tag = f"{objective}-{ablation}" if ablation else objective
+        name = f"signal_{tag}_seed{seed}"
+        layer = [f"--config={os.path.abspath(args.ablation)}"] if args.ablation else []
         if os.path.exists(os.path.join(args.results_dir, f"{name}.json")):
             print(f"{name}: done already", flush=True)
             return 0
@@ -38,7 +43,7 @@ def main() -> None:
             code = subprocess.run(
                 [sys.executable, os.path.join(ROOT, "scripts", "bench_quickstart.py"), "--name", name,
                  "--config", os.path.join(ROOT, "configs", f"{objective}_arith.yaml"), "--results-dir", args.results_dir,
-                 "--", f"--seed_everything={seed}", f"--data.seed={seed}", *args.extra],
+                 "--", *layer, f"--seed_everything={seed}", f"--data.seed={seed}", *args.extra],
                 stdout=log, stderr=subprocess.STDOUT).returncode
         print(f"{name}: exit {code}", flush=True)
         return code
