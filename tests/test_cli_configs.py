@@ -86,6 +86,13 @@ def test_scgrpo_run_logs_every_credit_key_every_step(tiny_model_dir, tmp_path, m
         shares = sum(float(row[f"credit/route_{r}"]) for r in ("partial", "solve_none", "single", "all"))
         assert shares == pytest.approx(1.0)
         assert float(row["policy/entropy"]) > 0
+    with_teacher = [r for r in rows if float(r["credit/teacher_rows"]) > 0]
+    assert with_teacher  # the random model's coin-flip-like parity rewards give mixed and solve-none groups
+    for row in with_teacher:  # then every statistic of the active tokens is a number
+        c, p75 = float(row["credit/c"]), float(row["credit/kl_p75"])
+        assert c == max(p75, 1e-4) or c == pytest.approx(max(p75, 1e-4))
+        assert 0 <= float(row["credit/f_mean"]) < 1 and 0 <= float(row["credit/f_above_half"]) <= 0.5
+        assert float(row["credit/kl_p25"]) <= float(row["credit/kl_p50"]) <= p75 <= float(row["credit/kl_p95"])
 
 
 def test_custom_verifier_by_class_path(tiny_model_dir, tmp_path, monkeypatch):

@@ -74,7 +74,9 @@ def test_one_step_equals_the_hand_written_weighted_surrogate(tiny_model_dir):
     c = max(float(torch.quantile(signal.divergence[active], 0.75)), 1e-4)
     f = torch.where(signal.has_teacher.unsqueeze(1), signal.divergence / (signal.divergence + c), torch.ones_like(mask))
     advantages = plan["credit"].advantages
-    assert (advantages[4:] != 0).any()  # the solve-none group carries the diversity advantage
+    std = torch.tensor([1.0, 1.0, 0.0, 0.0]).std()
+    torch.testing.assert_close(advantages[:4], torch.tensor([0.5, 0.5, -0.5, -0.5]) / (std + 1e-4))  # Eq. 1 by hand
+    assert (advantages[4:] != 0).any()  # the solve-none group carries the diversity advantage (tested by hand apart)
     c_len = rollouts.completion_ids.shape[1]
     params = [p for p in module.policy.parameters() if p.requires_grad]
     for p in params:
@@ -123,12 +125,16 @@ def test_self_distillation_without_any_reference_is_grpo_not_nan(tiny_model_dir)
         torch.testing.assert_close(a, b)
 
 
-def test_self_distillation_full_fine_tuning_trains_the_head_through_the_distillation_term(tiny_model_dir):
+@pytest.mark.parametrize("objective", [SelfDistillation(), OPSD(teacher="policy")], ids=["additive", "opsd"])
+def test_distillation_with_full_fine_tuning_trains_the_head_through_the_distillation_term(objective, tiny_model_dir):
+    """All-correct groups with distinct completions: GRPO's advantage is 0 everywhere, so any gradient on the
+    output head (tied to the embeddings here) comes from the distillation term alone."""
     torch.manual_seed(0)
-    module = tiny_module(tiny_model_dir, objective=OPSD(teacher="policy"), lora=None)  # pure distillation
+    module = tiny_module(tiny_model_dir, objective=objective, lora=None)
     module.configure_model()
-    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
-    _, grads, _ = _gradients(module, rollouts)
+    rollouts = _rollouts(module, [1.0] * 8)
+    loss, grads, plan = _gradients(module, rollouts)
+    assert (plan["credit"].advantages == 0).all() and plan["signal"].has_teacher.all() and loss != 0
     head = module.lm_head().weight
     index = [i for i, p in enumerate(p for p in module.policy.parameters() if p.requires_grad) if p is head]
     assert index and grads[index[0]].abs().sum() > 0

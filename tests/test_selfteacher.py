@@ -235,10 +235,13 @@ def test_a_reference_too_long_for_the_model_is_cut_and_counted(tiny_model_dir):
     module.configure_model()
     rollouts = _sampled(module, [1.0, 1.0, 0.0, 0.0], ["What is 1 + 1?"])
     limit = module.policy.config.max_position_embeddings  # 512 for the tiny model
-    rollouts.completions[0] = "7 " * 400  # 800 byte-level tokens
-    rollouts.completions[1] = "7 " * 400
+    rollouts.completions[0] = "HEAD " + "7 " * 400 + "TAIL"  # 800+ byte-level tokens
+    rollouts.completions[1] = rollouts.completions[0]
     ids, mask, cut = module.self_teacher.teacher_inputs(module, rollouts, [1, 2], [rollouts.completions[0], "short"])
     assert cut == 1 and ids.shape[1] <= limit
+    text = module.tokenizer.decode(ids[0], skip_special_tokens=False)
+    assert "TAIL" in text and "HEAD" not in text  # the reference keeps its end (where the answer is)
+    assert "short" in module.tokenizer.decode(ids[1])  # the other row is untouched
     signal = module.run_self_teacher(rollouts)
     assert signal.stats["credit/truncated_references"] >= 1
     rollouts.questions = ["x" * 1000] * 4  # even an empty reference cannot fit
@@ -277,3 +280,15 @@ def test_merging_rank_buffers_keeps_each_completion_once_in_step_order_under_the
     assert [e.token_ids for e in merged.get("p")] == [[3], [2]]
     assert [e.text for e in merged.get("q")] == ["five"]
     assert len(merged) == 3
+
+
+def test_heatmap_draws_rows_of_every_route_present():
+    from scgrpo.callbacks.credit import CreditLogging
+    from tests.objectives.test_scgrpo import _signal
+
+    route = [SOLVE_NONE] * 4 + [PARTIAL] * 4 + [ALL] * 4 + [PARTIAL] * 4
+    has_teacher = [False, True, True, True] + [False, True, True, True] + [False] * 4 + [True] * 4
+    signal = _signal(route, has_teacher, torch.zeros(16, 3))
+    rows = CreditLogging(num_rollouts=8).pick_rows(signal, 4)
+    assert rows == [4 + 1, 4 + 2, 1, 2, 8, 9]  # partial (first group), solve-none, all-correct; teacher rows first
+    assert CreditLogging(num_rollouts=3).pick_rows(signal, 4) == [5, 6, 1]

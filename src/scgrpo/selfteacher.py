@@ -206,9 +206,10 @@ class SelfTeacher:
     :class:`TeacherSignal`. ``module`` is the :class:`~scgrpo.module.RLVRModule` whose policy is the teacher.
 
     Truncation rule: when the teacher's context (system block with the reference, question, completion
-    slots) would exceed the model's maximum length, the reference is cut from its end to fit; the number of
-    cut references is logged (``credit/truncated_references``). If even an empty reference does not fit,
-    the step ends with a clear error.
+    slots) would exceed the model's maximum length, the reference loses tokens from its *start* (its end,
+    where a solution states its answer, is kept); the number of cut references on the rank is logged
+    (``credit/truncated_references``). If even an empty reference does not fit, the step ends with a clear
+    error.
     """
 
     def __init__(self, spec: TeacherSpec) -> None:
@@ -239,7 +240,7 @@ class SelfTeacher:
         return prompts
 
     def _fit_references(self, module, questions: list[str], references: list[str], completion_len: int) -> tuple[list[str], int]:
-        """References cut from their end so that every teacher sequence fits the model (see the class doc)."""
+        """References cut at their start so that every teacher sequence fits the model (see the class doc)."""
         limit = max_sequence_length(module)
         if limit is None:
             return references, 0
@@ -251,13 +252,13 @@ class SelfTeacher:
             if over <= 0:
                 continue
             ref_ids = tok(ref, add_special_tokens=False)["input_ids"]
-            keep = len(ref_ids) - over - 1  # one token of slack for re-tokenisation at the cut
-            if keep < 0:
+            if len(ref_ids) < over:
                 raise ValueError(
                     f"the self-teacher's context for {questions[k][:60]!r} needs {length - len(ref_ids) + completion_len} "
                     f"tokens without any reference, over the model's maximum of {limit}: shorten the prompt or "
                     "max_new_tokens, or shorten model.objective.init_args.teacher_template")
-            out[k] = tok.decode(ref_ids[:keep], skip_special_tokens=True)
+            keep = max(len(ref_ids) - over - 1, 0)  # one token of slack for re-tokenisation at the cut
+            out[k] = tok.decode(ref_ids[len(ref_ids) - keep :], skip_special_tokens=True) if keep else ""
             cut += 1
         if cut and not self._warned_truncation:
             log.warning("self-teacher: %d reference(s) cut from their end to fit the model's %d tokens "

@@ -72,6 +72,27 @@ def test_decode_loop_stops_when_all_rows_end_and_pads_after_eos(tiny_model_dir):
     assert out.tolist() == [[2], [2]]
 
 
+def test_sampling_entropy_equals_the_entropy_of_a_full_forward_on_the_sampled_tokens(tiny_model_dir):
+    """policy/entropy's source: the sampler's per-row sum of H(softmax(logits / T)) over each completion's
+    tokens equals the same sum from one teacher-forced forward over prompt + completion, padding excluded."""
+    model, tokenizer = load_policy(tiny_model_dir, torch.float32, None)
+    with torch.no_grad():  # sharper distributions than a random init: entropies well away from log V
+        model.model.norm.weight.mul_(4.0)
+    torch.manual_seed(0)
+    out = generate(model, tokenizer, ["What is 1 + 1?", "hi"], 2, GenerationSettings(max_new_tokens=7, temperature=0.7),
+                   torch.device("cpu"))
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask.long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    c = out.completion_ids.shape[1]
+    logp = torch.log_softmax(logits[:, -c - 1 : -1].double() / 0.7, -1)
+    expected = (-(logp.exp() * logp).sum(-1) * out.completion_mask).sum(1)  # [N]
+    torch.testing.assert_close(out.entropy_sum.double(), expected, atol=1e-4, rtol=1e-4)
+    assert generate(model, tokenizer, ["hi"], 1, GenerationSettings(max_new_tokens=3), torch.device("cpu"),
+                    greedy=True).entropy_sum is None
+
+
 def test_merged_adapters_match_adapter_forward_and_restore_weights_exactly(tiny_model_dir):
     policy, _ = load_policy(tiny_model_dir, torch.float32, LoraSettings(r=4, alpha=8, extra={"init_lora_weights": False}))
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}

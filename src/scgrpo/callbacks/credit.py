@@ -21,13 +21,25 @@ def weight_colour(weight: float) -> str:
 
 
 class CreditLogging(Callback):
-    """Every ``every_n_steps`` steps appends up to ``num_rollouts`` rollouts that had a self-teacher to
-    ``<log_dir>/credit_heatmap.html``: the group's route, reward and advantage, the rollout with each token's
-    background set by its weight (hover for f), and beside it the reference in the teacher's system prompt.
-    Rows without a token weight (distillation objectives) are shown uncoloured."""
+    """Every ``every_n_steps`` steps appends up to ``num_rollouts`` rollouts to ``<log_dir>/credit_heatmap.html``,
+    two of each route present (see :meth:`pick_rows`): the group's route, reward and advantage, the rollout
+    with each token's background set by its weight f (hover for the value; rows without a teacher are plain
+    GRPO, weight 1), and beside it the reference in the teacher's system prompt. Distillation objectives,
+    which have no token weights, are shown uncoloured."""
 
-    def __init__(self, every_n_steps: int = 10, num_rollouts: int = 4) -> None:
+    def __init__(self, every_n_steps: int = 10, num_rollouts: int = 8) -> None:
         self.every_n_steps, self.num_rollouts = every_n_steps, num_rollouts
+
+    def pick_rows(self, signal, group_size: int) -> list[int]:
+        """Rows to draw: for each route present, in ``ROUTES`` order, up to two rows of its first group (rows
+        with a teacher first), at most ``num_rollouts`` in all."""
+        rows: list[int] = []
+        for k in range(len(ROUTES)):
+            groups = [p for p in range(signal.num_rows // group_size) if int(signal.route[p * group_size]) == k]
+            if groups:
+                members = range(groups[0] * group_size, (groups[0] + 1) * group_size)
+                rows += sorted(members, key=lambda i: not bool(signal.has_teacher[i]))[:2]
+        return rows[: self.num_rollouts]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         record = getattr(pl_module, "last_credit", None)
@@ -42,7 +54,7 @@ class CreditLogging(Callback):
         advantages = credit.advantages.cpu()
         c = credit.stats.get("credit/c")
         parts = [f"<h2>step {trainer.global_step}" + (f", c = {c:.3g}" if c is not None else "") + "</h2>"]
-        rows = [i for i in range(signal.num_rows) if bool(signal.has_teacher[i])][: self.num_rollouts]
+        rows = self.pick_rows(signal, rollouts.group_size)
         for row in rows:
             length = int(rollouts.completion_mask[row].sum())
             tokens = rollouts.completion_ids[row][:length].tolist()
@@ -52,7 +64,9 @@ class CreditLogging(Callback):
                     for t, w in zip(tokens, weights[row][:length].tolist()))
             else:
                 spans = html.escape(tokenizer.decode(tokens))
-            route = ROUTES[int(signal.route[row])]
+            route = ROUTES[int(signal.route[row])] + (" (reference row)" if bool(signal.is_reference[row]) else "")
+            if not bool(signal.has_teacher[row]):
+                route += ", no teacher: weight 1"
             parts.append(
                 f"<p><b>{html.escape(rollouts.questions[row])}</b> route <i>{route}</i>, reward "
                 f"{float(rollouts.rewards[row]):.2f}, advantage {float(advantages[row]):+.3f}</p>"

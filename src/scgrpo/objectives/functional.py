@@ -315,8 +315,8 @@ def credit_threshold(active: Tensor, q: float = 0.75, c_min: float = 1e-4, c_fix
 
 def _chunk_distill(weight: Optional[Tensor], bias: Optional[Tensor], head, student: Tensor, teacher: Tensor,
                    temperature: float, kind: str, mix: float) -> Tensor:
-    if weight is not None:  # a plain linear head, passed as tensors so that recomputation in backward reuses them
-        logits = lambda h: F.linear(h.float(), weight.float(), None if bias is None else bias.float())  # noqa: E731
+    if weight is not None:  # a plain linear head (fp32), passed as tensors so that recomputation reuses them
+        logits = lambda h: F.linear(h.float(), weight, bias)  # noqa: E731
     else:
         logits = lambda h: head(h).float()  # noqa: E731
     log_student = torch.log_softmax(logits(student) / temperature, dim=-1)  # [n, V] fp32
@@ -344,7 +344,9 @@ def chunked_distill_divergence(
     n, c, h = student_hidden.shape
     s_flat, t_flat = student_hidden.reshape(n * c, h), teacher_hidden.detach().reshape(n * c, h)
     linear = type(lm_head) is torch.nn.Linear
-    weight, bias = (lm_head.weight, lm_head.bias) if linear else (None, None)
+    # upcast once for all chunks (differentiable: the head's gradient flows back through the cast)
+    weight = lm_head.weight.float() if linear else None
+    bias = lm_head.bias.float() if linear and lm_head.bias is not None else None
     use_checkpoint = torch.is_grad_enabled()
     parts = []
     for start in range(0, n * c, chunk_size):

@@ -165,7 +165,10 @@ class SCGRPO(GRPO):
                 stats[f"credit/kl_p{p}"] = float(Fn.quantile(values, p / 100))
         else:
             stats.update({f"credit/kl_p{p}": nan for p in KL_PERCENTILES})
-        weights = f[active]
+        if self.c_scope == "batch" or self.c_fixed is not None:  # one c: f of every rank's active tokens
+            weights = Fn.kl_weights(values, c_rows[0, 0].to(values.device)) if c_rows.numel() else values
+        else:  # c per block of rows: this rank's tokens (the module averages over ranks)
+            weights = f[active]
         stats["credit/f_mean"] = float(weights.mean()) if weights.numel() else nan
         stats["credit/f_above_half"] = float((weights > 0.5).float().mean()) if weights.numel() else nan
         scored = signal.has_teacher & (signal.route == SOLVE_NONE)
