@@ -49,7 +49,7 @@ def fixed_rollouts(tokenizer, prompts: int, group: int, completion_len: int, voc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model folder")
-    parser.add_argument("--objective", default="scgrpo", choices=["grpo", "scgrpo"])
+    parser.add_argument("--objective", default="scgrpo", help="grpo, scgrpo, or both: grpo,scgrpo (one process)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, default=8, help="prompts in the global batch")
     parser.add_argument("--group", type=int, default=4)
@@ -77,9 +77,12 @@ def main() -> None:
         raise SystemExit(f"--prompts ({args.prompts}) must divide evenly over {world} ranks")
 
     torch.manual_seed(0)  # LoRA initialisation: the same on every rank and in every run
-    objective = SCGRPO() if args.objective == "scgrpo" else GRPO()
+    objectives = {"grpo": GRPO, "scgrpo": SCGRPO}
+    names = args.objective.split(",")
+    if any(n not in objectives for n in names):
+        raise SystemExit(f"--objective: expected grpo and/or scgrpo, got {args.objective}")
     module = RLVRModule(
-        model=args.model, objective=objective, dtype=args.dtype,
+        model=args.model, objective=objectives[names[0]](), dtype=args.dtype,
         lora=LoraSettings(r=4, alpha=8, extra={"init_lora_weights": False}),
         generation=GenerationSettings(num_generations=args.group, max_new_tokens=args.completion_len),
         verifier=NumericVerifier(), validate_before_training=False, micro_batch_size=args.micro_batch_size,
@@ -96,20 +99,30 @@ def main() -> None:
                               module.policy.config.vocab_size, device)
     share = args.prompts // world * args.group
     local = rollouts.select(torch.arange(rank * share, (rank + 1) * share, device=device))
-    plan = module.plan_step(local, module.run_self_teacher(local))
-    sums: dict[str, float] = defaultdict(float)
-    module.accumulate_gradients(local, plan, sums)
-    grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
-    missing = [name for name, g in grads.items() if g is None]
-    if missing:
-        raise SystemExit(f"no gradient for {len(missing)} LoRA tensors, e.g. {missing[0]}")
     from scgrpo.distributed import full_state
 
-    whole = full_state(grads)
+    results = {}
+    for name in names:  # each objective's step from the same weights (no optimizer step is taken)
+        module.objective = objectives[name]()
+        for p in module.parameters():
+            p.grad = None
+        plan = module.plan_step(local, module.run_self_teacher(local))
+        sums: dict[str, float] = defaultdict(float)
+        module.accumulate_gradients(local, plan, sums)
+        grads = {n: p.grad for n, p in module.named_parameters() if p.requires_grad}
+        missing = [n for n, g in grads.items() if g is None]
+        if missing:
+            raise SystemExit(f"no gradient for {len(missing)} LoRA tensors, e.g. {missing[0]}")
+        whole = full_state(grads)
+        results[name] = {"loss": sums["loss"], "grads": {k: v.float().cpu() for k, v in whole.items()}}
+        if rank == 0:
+            print(f"world {world}, {name}: loss {sums['loss']:.6f}, {len(whole)} LoRA gradients")
     if rank == 0:
-        torch.save({"loss": sums["loss"], "world": world,
-                    "grads": {k: v.float().cpu() for k, v in whole.items()}}, args.out)
-        print(f"world {world}: loss {sums['loss']:.6f}, {len(whole)} LoRA gradients -> {args.out}")
+        payload = {"world": world, "results": results}
+        if len(names) == 1:  # a single objective's loss and gradients at the top level, as callers expect
+            payload.update(results[names[0]])
+        torch.save(payload, args.out)
+        print(f"-> {args.out}")
     if distributed:
         dist.barrier()
         # leave without tearing down gloo's threads: that teardown can abort the process after the work is done

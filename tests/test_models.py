@@ -42,3 +42,21 @@ def test_load_policy_with_lora_and_pad_fallback(tiny_model_dir):
 def test_smollm2_gguf_is_found_inside_the_package():
     path = models.smollm2_gguf_path()
     assert path.name == models.SMOLLM2_FILE and path.stat().st_size > 50_000_000
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_with_the_fix(monkeypatch, caplog):
+    import logging
+
+    from scgrpo import models
+
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="scgrpo.models"):
+        models.warn_if_slow_cpu_dtype(torch.bfloat16, "cpu")
+        models.warn_if_slow_cpu_dtype(torch.float32, "cpu")
+        models.warn_if_slow_cpu_dtype(torch.bfloat16, "cuda")
+    assert len(caplog.records) == 1 and "--model.dtype float32" in caplog.records[0].getMessage()
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scgrpo.models"):
+        models.warn_if_slow_cpu_dtype(torch.bfloat16, "cpu")
+    assert not caplog.records

@@ -126,6 +126,20 @@ def default_dtype(device_type: str) -> torch.dtype:
     return torch.bfloat16 if device_type == "cuda" else torch.float32
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated
+    and many times slower than fp32."""
+    cpu = getattr(torch, "cpu", None)
+    checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(bool(check()) for check in checks if check is not None)
+
+
+def warn_if_slow_cpu_dtype(dtype: torch.dtype, device_type: str) -> None:
+    if device_type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        log.warning("bfloat16 on this CPU has no native instructions (AVX512-BF16 or AMX): it is emulated and runs "
+                    "many times slower than float32; pass --model.dtype float32")
+
+
 def parse_dtype(dtype: Optional[str], device_type: str) -> torch.dtype:
     if dtype in (None, "auto"):
         return default_dtype(device_type)

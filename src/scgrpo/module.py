@@ -34,7 +34,7 @@ from scgrpo.distributed import (
     sum_over_ranks,
     world_size,
 )
-from scgrpo.models import QUANTIZATIONS, LoraSettings, check_model_name, load_policy, parse_dtype
+from scgrpo.models import QUANTIZATIONS, LoraSettings, check_model_name, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives import GRPO, Credit, LossInputs, Objective
 from scgrpo.objectives.functional import chunked_token_logprobs, masked_mean
 from scgrpo.rollout.engine import Generated, GenerationSettings, generate
@@ -202,6 +202,7 @@ class RLVRModule(LightningModule):
         else:  # used outside a Trainer: a 4-bit base must load onto a GPU
             device = torch.device("cuda" if self.quantization is not None else "cpu")
         dtype = parse_dtype(self.dtype_name, device.type)
+        warn_if_slow_cpu_dtype(dtype, device.type)
         policy, self.tokenizer = load_policy(self.model_name, dtype, self.lora, self.quantization, device)
         self.runner = PolicyRunner(policy)
         policy.train()  # from_pretrained returns eval mode; generation switches to eval by itself
