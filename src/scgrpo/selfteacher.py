@@ -239,46 +239,53 @@ class SelfTeacher:
             prompts.append(module.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         return prompts
 
-    def _fit_references(self, module, questions: list[str], references: list[str], completion_len: int) -> tuple[list[str], int]:
-        """References cut at their start so that every teacher sequence fits the model (see the class doc)."""
+    def _fit_references(self, module, questions: list[str], references: list[str], prompt_ids: list[list[int]],
+                        completion_len: int) -> tuple[list[str], list[int]]:
+        """References cut at their start so that every teacher sequence fits the model (see the class doc);
+        returns them and the positions that were cut."""
         limit = max_sequence_length(module)
         if limit is None:
-            return references, 0
+            return references, []
         tok = module.tokenizer
-        prompt_lens = [len(ids) for ids in tok(self.teacher_prompts(module, questions, references), add_special_tokens=False)["input_ids"]]
-        out, cut = list(references), 0
-        for k, (length, ref) in enumerate(zip(prompt_lens, references)):
-            over = length + completion_len - limit
+        out, cut = list(references), []
+        for k, (ids, ref) in enumerate(zip(prompt_ids, references)):
+            over = len(ids) + completion_len - limit
             if over <= 0:
                 continue
             ref_ids = tok(ref, add_special_tokens=False)["input_ids"]
             if len(ref_ids) < over:
                 raise ValueError(
-                    f"the self-teacher's context for {questions[k][:60]!r} needs {length - len(ref_ids) + completion_len} "
+                    f"the self-teacher's context for {questions[k][:60]!r} needs {len(ids) - len(ref_ids) + completion_len} "
                     f"tokens without any reference, over the model's maximum of {limit}: shorten the prompt or "
                     "max_new_tokens, or shorten model.objective.init_args.teacher_template")
             keep = max(len(ref_ids) - over - 1, 0)  # one token of slack for re-tokenisation at the cut
             out[k] = tok.decode(ref_ids[len(ref_ids) - keep :], skip_special_tokens=True) if keep else ""
-            cut += 1
+            cut.append(k)
         if cut and not self._warned_truncation:
-            log.warning("self-teacher: %d reference(s) cut from their end to fit the model's %d tokens "
-                        "(counted in credit/truncated_references)", cut, limit)
+            log.warning("self-teacher: %d reference(s) cut from their start to fit the model's %d tokens "
+                        "(counted in credit/truncated_references)", len(cut), limit)
             self._warned_truncation = True
         return out, cut
 
     def teacher_inputs(self, module, rollouts: RolloutBatch, rows: list[int], references: list[str]) -> tuple[Tensor, Tensor, int]:
         """Input ids and attention mask ``[n, Tt + C]`` of the teacher view for ``rows``: the teacher's prompt
         (left-padded), then the very completion tokens the rollout sampled. Also the number of cut references."""
+        tok = module.tokenizer
         questions = [rollouts.questions[i] for i in rows]
         c = rollouts.completion_ids.shape[1]
-        references, cut = self._fit_references(module, questions, list(references), c)
-        encoded = module.tokenizer(self.teacher_prompts(module, questions, references), return_tensors="pt",
-                                   padding=True, add_special_tokens=False)
+        prompt_ids = tok(self.teacher_prompts(module, questions, references), add_special_tokens=False)["input_ids"]
+        references, cut = self._fit_references(module, questions, list(references), prompt_ids, c)
+        if cut:  # only the cut rows are rendered and tokenised again
+            redone = tok(self.teacher_prompts(module, [questions[k] for k in cut], [references[k] for k in cut]),
+                         add_special_tokens=False)["input_ids"]
+            for k, ids in zip(cut, redone):
+                prompt_ids[k] = ids
+        encoded = tok.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")  # left, as the tokenizer pads
         device = rollouts.completion_ids.device
         index = torch.tensor(rows, device=device)
         ids = torch.cat([encoded["input_ids"].to(device), rollouts.completion_ids[index]], dim=1)  # [n, Tt + C]
         mask = torch.cat([encoded["attention_mask"].to(device), rollouts.completion_mask[index].long()], dim=1)
-        return ids, mask, cut
+        return ids, mask, len(cut)
 
     # ------------------------------------------------------------------------------------------ pass
     def __call__(self, module, rollouts: RolloutBatch, buffer: Optional[VerifiedBuffer] = None, step: int = 0) -> TeacherSignal:

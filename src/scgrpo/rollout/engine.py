@@ -155,18 +155,28 @@ def generation_mode(model, merge_lora: str = "auto") -> Iterator[None]:
 
 
 def sample_from_logits(
-    logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False
+    logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+    entropy: Optional[Tensor] = None,
 ) -> Tensor:
     """One token per row of ``[N, V]`` logits: argmax, or a draw from softmax(logits / temperature) after
     top-k / top-p filtering. Draws by inverting the CDF with one uniform number per row, which is exact and
-    much cheaper on CPU than torch.multinomial's per-entry exponential noise."""
+    much cheaper on CPU than torch.multinomial's per-entry exponential noise. When ``entropy`` (``[N]``) is
+    given, the entropy of softmax(logits / temperature), before filtering, is written into it from the same
+    softmax (sampling only)."""
     if greedy:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature  # [N, V]
+    probs = None
+    if entropy is not None:
+        logp = torch.log_softmax(logits, dim=-1)  # [N, V]
+        probs = logp.exp()
+        entropy.copy_(-(probs * logp.nan_to_num(neginf=0.0)).sum(-1))  # 0 * log 0 = 0 at banned tokens
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # [N, V]
+        probs = None
+    if probs is None:
+        probs = torch.softmax(logits, dim=-1)  # [N, V]
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # mass before this token already exceeds top_p
@@ -273,6 +283,7 @@ def decode_loop(
     tokens = torch.full((n, max_new_tokens), pad_id, device=device, dtype=torch.long)  # [N, max_new]
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     entropy_sum = torch.zeros(n, dtype=torch.float32, device=device)  # [N]
+    entropy = torch.zeros(n, dtype=torch.float32, device=device)  # [N] this step's, filled by the sampler
     ended_at = torch.full((n,), max_new_tokens - 1, dtype=torch.long, device=device)  # last step each row needs
     cache_positions = torch.arange(tp, tp + max_new_tokens, device=device)
     decode = step
@@ -290,11 +301,8 @@ def decode_loop(
     for t in range(max_new_tokens):
         if t < min_new_tokens and eos.numel():
             logits[:, eos] = float("-inf")
-        token = sample_from_logits(logits, temperature, top_p, top_k, greedy)  # [N]
+        token = sample_from_logits(logits, temperature, top_p, top_k, greedy, None if greedy else entropy)  # [N]
         if not greedy:  # the policy's entropy where it sampled (rows still going), at the sampling temperature
-            scaled = logits.float() / temperature
-            logp = torch.log_softmax(scaled, dim=-1)
-            entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)  # [N]
             entropy_sum += torch.where(finished, torch.zeros_like(entropy), entropy)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens[:, t] = token
