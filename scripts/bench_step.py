@@ -155,7 +155,8 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
 def run_case(name: str, *, model: str, objective: str, prompts: int, group: int, max_new: int, min_new: int = 0,
              quantization: Optional[str] = None, gradient_checkpointing: bool = False,
              micro_batch_size: Optional[int] = None, steps: int = 5, warmup: int = 2, devices: int = 1,
-             cuda_graphs: bool = True, lr: float = 1e-5, coin_flip_rewards: bool = False) -> dict[str, Any]:
+             cuda_graphs: bool = True, lr: float = 1e-5, coin_flip_rewards: bool = False,
+             decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -173,7 +174,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         dtype="bfloat16",
         quantization=quantization,
         generation=GenerationSettings(num_generations=group, max_new_tokens=max_new, min_new_tokens=min_new,
-                                      cuda_graphs=cuda_graphs),
+                                      cuda_graphs=cuda_graphs, decode_forward=decode_forward, max_slots=max_slots,
+                                      keep_workspace=keep_workspace),
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
         gradient_checkpointing=gradient_checkpointing,
         micro_batch_size=micro_batch_size,
@@ -205,13 +207,20 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "prompts_per_gpu": prompts, "group_size": group, "max_new_tokens": max_new, "min_new_tokens": min_new,
         "lora": "r=16 alpha=32 all-linear", "dtype": "bfloat16", "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
+        "decode_forward": decode_forward, "max_slots": max_slots, "keep_workspace": keep_workspace,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
     }
     result.update(summarise(recorder.steps[warmup:]))
     if result.get("wall_s"):
         result["completions_per_s_per_gpu"] = prompts * group / result["wall_s"]
-    del module, trainer
+    del module, trainer, data
+    import gc
+
+    from scgrpo.rollout.engine import release_rollout_workspaces
+
+    release_rollout_workspaces()  # the next case's peak must not include this one's KV caches or graphs
+    gc.collect()
     torch.cuda.empty_cache()
     return result
 
@@ -237,8 +246,13 @@ def main() -> None:
         cases["smollm2_grpo"] = dict(objective="grpo", **common)
         cases["smollm2_scgrpo"] = dict(objective="scgrpo", **common)
         cases["smollm2_grpo_no_graphs"] = dict(objective="grpo", cuda_graphs=False, **common)
+        # the decode loop over the Hugging Face forward (the engine before the compact forward), same call
+        cases["smollm2_grpo_hf_forward"] = dict(objective="grpo", decode_forward="hf", **common)
         # as TRL runs by default: gradient checkpointing; rows in micro-batches of 64
         low = dict(common, gradient_checkpointing=True, micro_batch_size=64)
+        cases["smollm2_grpo_checkpointing_hf_forward"] = dict(objective="grpo", decode_forward="hf", **low)
+        # memory-lean: 32 decode slots (waiting rows refill them as others end): a KV cache for 32 rows
+        low = dict(low, max_slots=32)
         cases["smollm2_grpo_checkpointing"] = dict(objective="grpo", **low)
         cases["smollm2_scgrpo_checkpointing"] = dict(objective="scgrpo", **low)
         for objective in ("grpo", "scgrpo"):  # 4-bit base (QLoRA), same checkpointing and micro-batches
@@ -256,6 +270,8 @@ def main() -> None:
                       coin_flip_rewards=True)
         cases[f"fsdp_grpo_{args.devices}gpu"] = dict(objective="grpo", **common)
     wanted = set(filter(None, args.cases.split(",")))
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"bench_{args.suite}_{card_tag()}"
+                                   f"{'_' + str(args.devices) + 'gpu' if args.suite == 'fsdp' else ''}.json")
     results = []
     for name, kwargs in cases.items():
         if wanted and name not in wanted:
@@ -267,16 +283,14 @@ def main() -> None:
         results.append(result)
         brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "steps"}
         print(json.dumps(brief), flush=True)
-    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) != 0:
-        return
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"bench_{args.suite}_{card_tag()}"
-                                   f"{'_' + str(args.devices) + 'gpu' if args.suite == 'fsdp' else ''}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    payload = {"suite": args.suite, "card": card_name(), "gpus": torch.cuda.device_count(), "versions": versions(),
-               "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-               "date": time.strftime("%Y-%m-%d"), "cases": results}
-    with open(out, "w") as f:
-        json.dump(payload, f, indent=1)
+        if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # after each case: a cut run keeps them
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            payload = {"suite": args.suite, "card": card_name(), "gpus": torch.cuda.device_count(),
+                       "versions": versions(),
+                       "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+                       "date": time.strftime("%Y-%m-%d"), "cases": results}
+            with open(out, "w") as f:
+                json.dump(payload, f, indent=1)
     print(f"wrote {out}")
 
 

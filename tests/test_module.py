@@ -100,7 +100,8 @@ def test_training_logs_the_step_statistics(tiny_model_dir, tmp_path):
     keys = set().union(*[{k for k, v in r.items() if v != ""} for r in rows])
     for key in ["train/reward", "train/accuracy", "train/mixed_groups", "train/completion_length", "train/truncated",
                 "train/clip_fraction", "train/entropy", "time/generation_s", "time/verification_s", "time/train_s",
-                "val/id/avg@2", "val/id/pass@2", "val/id/greedy", "verifier/errors"]:
+                "val/id/avg@2", "val/id/pass@2", "val/id/greedy", "verifier/errors", "rollout/logprob_mismatch_mean",
+                "rollout/logprob_mismatch_max", "rollout/mismatch_kl", "rollout/slots", "rollout/decode_steps"]:
         assert key in keys, key
     val_steps = [r["step"] for r in rows if r.get("val/id/avg@2")]
     assert len(val_steps) == 2  # before training and after step 2
@@ -163,3 +164,54 @@ def test_logprobs_of_left_padded_rows_match_the_unpadded_sequence(tiny_model_dir
         bare, _ = module.token_logprobs(module.policy, row, torch.ones_like(row), 3)
         pad, _ = module.token_logprobs(module.policy, padded, torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]), 3)
     torch.testing.assert_close(bare, pad, atol=1e-5, rtol=1e-5)
+
+
+def test_sampler_mismatch_metrics_and_tis_weights_by_hand(tiny_model_dir):
+    module = tiny_module(tiny_model_dir, tis_cap=2.0)
+    module._mismatch = defaultdict(float)
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -4.0, -1.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -3.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    weights = module._sampler_correction(trainer, sampler, mask, torch.full((2, 3), 0.5))
+    log_ratio = torch.tensor([[0.5, -1.0, 0.0], [0.0, -1.0, 8.0]])
+    expected = 0.5 * torch.tensor([[1.6487213, 0.3678794, 0.0], [1.0, 0.3678794, 2.0]])  # min(ratio, 2), masked
+    torch.testing.assert_close(weights, expected)
+    metrics = module._mismatch_metrics()
+    kept = log_ratio[mask.bool()]
+    assert metrics["rollout/logprob_mismatch_mean"] == pytest.approx(float(kept.abs().mean()))
+    assert metrics["rollout/logprob_mismatch_max"] == pytest.approx(8.0)
+    assert metrics["rollout/mismatch_kl"] == pytest.approx(float((kept.exp() - 1 - kept).mean()), rel=1e-5)
+    module.tis_cap = 0.0  # off: the weights pass through, the mismatch is still measured
+    assert module._sampler_correction(trainer, sampler, mask, None) is None
+    with pytest.raises(ValueError, match="tis_cap"):
+        tiny_module(tiny_model_dir, tis_cap=0.5)
+
+
+@pytest.mark.parametrize("gap,scale", [(1.5, 1.5), (3.0, 2.0)])
+def test_tis_scales_each_tokens_gradient_by_the_capped_ratio(tiny_model_dir, gap, scale):
+    """pi_trainer / pi_sampler = gap on every token: the gradient is min(gap, 2) times the uncorrected one."""
+    import math
+
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir)
+    module.configure_model()
+    module.manual_backward = lambda loss: loss.backward()
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    c = rollouts.completion_ids.shape[1]
+    module.policy.eval()  # no dropout: the training forward gives the same log-probs
+    with torch.no_grad():
+        trainer = module.token_logprobs(module.policy, rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
+    rollouts.sampler_logprobs = (trainer - math.log(gap)) * rollouts.completion_mask
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+
+    def grads(cap):
+        module.tis_cap = cap
+        for p in params:
+            p.grad = None
+        module.accumulate_gradients(rollouts, module.plan_step(rollouts), defaultdict(float))
+        return [p.grad.clone() for p in params]
+
+    plain, corrected = grads(0.0), grads(2.0)
+    assert any(g.abs().max() > 0 for g in plain)
+    for a, b in zip(plain, corrected):
+        torch.testing.assert_close(b, scale * a, atol=1e-6, rtol=1e-4)

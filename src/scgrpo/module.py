@@ -111,6 +111,9 @@ class RLVRModule(LightningModule):
         validate_before_training: run validation once before the first step.
         log_completions_every_n_steps: write sample completions every N steps (0 = never).
         save_adapter_every_n_steps: export the adapter every N steps (None: only at the end).
+        tis_cap: truncated importance sampling: each token's policy-gradient term is weighted by
+            min(pi_trainer(y) / pi_sampler(y), tis_cap), the ratio of the trainer's probability (at sampling time)
+            to the sampler's, correcting for the numerical gap between the two; 0 = off (default).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class RLVRModule(LightningModule):
         validate_before_training: bool = True,
         log_completions_every_n_steps: int = 10,
         save_adapter_every_n_steps: Optional[int] = None,
+        tis_cap: float = 0.0,
     ) -> None:
         super().__init__()
         if eval_samples < 1:
@@ -143,6 +147,9 @@ class RLVRModule(LightningModule):
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
         check_model_name(model)
+        if tis_cap < 0 or (0 < tis_cap < 1):
+            raise ValueError(f"tis_cap must be 0 (off) or >= 1 (a cap on pi_trainer / pi_sampler), got {tis_cap}")
+        self.tis_cap = tis_cap
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={quantization!r}: expected null or one of {QUANTIZATIONS}")
         if quantization is not None and lora is None:
@@ -350,7 +357,9 @@ class RLVRModule(LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sums: dict[str, float] = defaultdict(float)
-        for _ in range(objective.num_iterations):
+        self._mismatch = defaultdict(float)
+        for iteration in range(objective.num_iterations):
+            self._first_pass = iteration == 0
             self.accumulate_gradients(rollouts, plan, sums)
             if sums["nonfinite"]:
                 optimizer.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights, on any rank
@@ -479,12 +488,16 @@ class RLVRModule(LightningModule):
         def pick(x: Optional[Tensor]) -> Optional[Tensor]:
             return None if x is None else x[rows]
 
+        old_logprobs = rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach()
+        token_weights = pick(credit.token_weights)
+        if rollouts.sampler_logprobs is not None:
+            token_weights = self._sampler_correction(old_logprobs, rollouts.sampler_logprobs[rows], mask, token_weights)
         inputs = LossInputs(
             completion_mask=mask,
             advantages=credit.advantages[rows],
-            old_logprobs=rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach(),
+            old_logprobs=old_logprobs,
             ref_logprobs=pick(rollouts.ref_logprobs),
-            token_weights=pick(credit.token_weights),
+            token_weights=token_weights,
             token_selection=pick(plan["selection"]),
             entropy=entropy,
             hidden=hidden,
@@ -500,6 +513,37 @@ class RLVRModule(LightningModule):
             step=self.global_step if self._trainer is not None else 0,
         )
         return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)
+
+    def _sampler_correction(self, trainer: Tensor, sampler: Tensor, mask: Tensor,
+                            token_weights: Optional[Tensor]) -> Optional[Tensor]:
+        """Books the sampler-trainer mismatch of these rows (first pass of a step only) and, with ``tis_cap``,
+        multiplies ``token_weights`` by the truncated importance ratio min(pi_trainer / pi_sampler, tis_cap)."""
+        log_ratio = (trainer.detach() - sampler) * mask  # [n, C] log pi_trainer - log pi_sampler
+        if getattr(self, "_first_pass", True) and hasattr(self, "_mismatch"):
+            tokens = mask.bool()
+            self._mismatch["abs"] += float(log_ratio.abs().sum())
+            self._mismatch["k3"] += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())  # KL(sampler || trainer)
+            self._mismatch["tokens"] += float(mask.sum())
+            if bool(tokens.any()):
+                self._mismatch["max"] = max(self._mismatch["max"], float(log_ratio.abs()[tokens].max()))
+        if self.tis_cap <= 0:
+            return token_weights
+        ratio = log_ratio.exp().clamp(max=self.tis_cap) * mask  # [n, C]
+        return ratio if token_weights is None else token_weights * ratio
+
+    def _mismatch_metrics(self) -> dict[str, float]:
+        """rollout/logprob_mismatch_mean and _max (|log pi_sampler(y) - log pi_trainer(y)| over the sampled tokens
+        of the rows in the loss) and rollout/mismatch_kl (k3 estimate of KL(sampler || trainer)); NaN when no
+        token was compared (no sampler log-probs, or no row in the loss)."""
+        m = getattr(self, "_mismatch", {})
+        total_abs, total_k3, tokens = all_reduce([m.get("abs", 0.0), m.get("k3", 0.0), m.get("tokens", 0.0)],
+                                                 device=self.device)
+        largest = all_reduce([m.get("max", 0.0)], "max", self.device)[0]
+        if tokens == 0:
+            nan = float("nan")
+            return {"rollout/logprob_mismatch_mean": nan, "rollout/logprob_mismatch_max": nan, "rollout/mismatch_kl": nan}
+        return {"rollout/logprob_mismatch_mean": total_abs / tokens, "rollout/logprob_mismatch_max": largest,
+                "rollout/mismatch_kl": total_k3 / tokens}
 
     def _log_step(self, rollouts: RolloutBatch, plan: dict, sums: dict, train_time: float,
                   signal: Optional[TeacherSignal]) -> None:
@@ -539,6 +583,7 @@ class RLVRModule(LightningModule):
             metrics.update(signal.stats)
         metrics.update(credit.stats)
         metrics.update(rollouts.stats)
+        mismatch = self._mismatch_metrics()
         width = rollouts.input_ids.shape[1]
         metrics["tokens/completion"] = float(mask.sum())  # sampled tokens (without padding)
         metrics["tokens/train"] = float(len(rows) * width)  # rows in the loss x padded sequence length
@@ -546,6 +591,7 @@ class RLVRModule(LightningModule):
         optimizer = self.optimizers()
         metrics["train/lr"] = optimizer.param_groups[0]["lr"]
         metrics = mean_over_ranks({k: float(v) for k, v in metrics.items()})  # rewards etc. of the global batch
+        metrics.update(mismatch)  # already global
         self.last_step_metrics = metrics
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, prog_bar=False,
                       batch_size=max(len(rewards), 1))

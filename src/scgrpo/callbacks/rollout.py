@@ -20,7 +20,7 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
     settings = pl_module.generation
     g = settings.num_generations
     generated = pl_module.sample(pl_module.format_prompts(batch.questions), g)
-    return RolloutBatch(
+    rollouts = RolloutBatch(
         prompt_ids=generated.prompt_ids,
         prompt_mask=generated.prompt_mask,
         completion_ids=generated.completion_ids,
@@ -32,7 +32,10 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         answers=[a for a in batch.answers for _ in range(g)],
         completions=generated.completions,
         entropy_sum=generated.entropy_sum,
+        sampler_logprobs=generated.sampler_logprobs,
     )
+    rollouts.stats.update(generated.stats)
+    return rollouts
 
 
 def verify_rollouts(pl_module, rollouts: RolloutBatch) -> None:
@@ -67,6 +70,8 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         rewards=torch.cat([p.rewards for p in parts]) if all(p.rewards is not None for p in parts) else None,
         infos=sum((p.infos or [{}] * len(p.completions) for p in parts), []),
         entropy_sum=torch.cat([p.entropy_sum for p in parts]) if all(p.entropy_sum is not None for p in parts) else None,
+        sampler_logprobs=(torch.cat([right(p.sampler_logprobs, c, 0.0) for p in parts])
+                          if all(p.sampler_logprobs is not None for p in parts) else None),
     )
     for p in parts:
         for key, value in p.stats.items():

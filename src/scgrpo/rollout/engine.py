@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -28,7 +30,19 @@ class GenerationSettings:
     top_k: int = 0
     """Top-k sampling (0 = off)"""
     engine: str = "loop"
-    """"loop": this package's decode loop (static KV cache, fast sampling); "hf": model.generate"""
+    """"loop": this package's decode loop; "hf": model.generate"""
+    decode_forward: str = "auto"
+    """Forward pass of the "loop" engine: "auto" = the compact decode forward (fused projections, LoRA as
+    low-rank adds, slots with compaction and refill, whole-step CUDA graphs) for Llama, Mistral, Qwen2, Qwen3
+    and SmolLM models, the Hugging Face forward for any other (logged once); "hf" = always the latter"""
+    compile: str = "auto"
+    """torch.compile the compact forward's per-layer code: "auto" (on a GPU with Triton), "on" or "off"."""
+    max_slots: int = 0
+    """Rows decoded at once by the compact forward (its KV cache holds this many); waiting rows take the slots
+    of finished ones. 0 = as many as a quarter of the free GPU memory holds (every row on CPU)"""
+    keep_workspace: bool = True
+    """Keep the compact forward's KV cache and CUDA graphs between rollouts (no re-recording; the cache's
+    memory stays allocated during the update). False frees them after each rollout"""
     min_new_tokens: int = 0
     """Forbid end-of-sequence before this many tokens (benchmarks fix lengths with it)"""
     cuda_graphs: bool = True
@@ -53,6 +67,12 @@ class GenerationSettings:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.engine not in ("loop", "hf"):
             raise ValueError(f"engine={self.engine!r}: expected 'loop' or 'hf'")
+        if self.decode_forward not in ("auto", "hf"):
+            raise ValueError(f"decode_forward={self.decode_forward!r}: expected 'auto' or 'hf'")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile={self.compile!r}: expected 'auto', 'on' or 'off'")
+        if self.max_slots < 0:
+            raise ValueError(f"max_slots must be >= 0 (0 = automatic), got {self.max_slots}")
         if self.merge_lora not in ("auto", "always", "never"):
             raise ValueError(f"merge_lora={self.merge_lora!r}: expected 'auto', 'always' or 'never'")
 
@@ -66,6 +86,8 @@ class Generated:
     truncated: Tensor  # [N] bool
     completions: list[str]  # [N]
     entropy_sum: Optional[Tensor] = None  # [N] fp32 sampling entropy summed over each completion's tokens
+    sampler_logprobs: Optional[Tensor] = None  # [N, C] fp32 log-prob of each sampled token under the sampler
+    stats: dict = field(default_factory=dict)  # the engine's counters (rollout/...)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -154,36 +176,63 @@ def generation_mode(model, merge_lora: str = "auto") -> Iterator[None]:
         model.train(was_training)
 
 
+def sampling_distribution(logits: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """softmax(logits / temperature) ``[N, V]`` fp32, its log-normaliser ``[N]`` and its entropy ``[N]``."""
+    logits = logits.float() / temperature  # [N, V]
+    lse = torch.logsumexp(logits, dim=-1)  # [N]
+    logp = logits - lse.unsqueeze(1)
+    probs = logp.exp()
+    entropy = -(probs * logp.nan_to_num(neginf=0.0)).sum(-1)  # 0 log 0 = 0 at banned tokens
+    return probs, lse, entropy
+
+
+def draw(logits: Tensor, probs: Tensor, lse: Tensor, uniform: Tensor, temperature: float = 1.0, top_p: float = 1.0,
+         top_k: int = 0) -> tuple[Tensor, Tensor]:
+    """A token per row from ``probs`` after top-k / top-p filtering, by inverting the CDF at ``uniform`` ``[N, 1]``
+    (exact; one number per row), and its log-probability under the unfiltered distribution."""
+    if top_k and top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if top_p < 1.0:
+        total = probs.sum(-1, keepdim=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p * total  # mass before this token exceeds top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    token = torch.searchsorted(cdf, uniform.to(cdf.dtype) * cdf[:, -1:]).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    logprob = logits.gather(1, token.unsqueeze(1)).squeeze(1).float() / temperature - lse
+    return token, logprob
+
+
+def sample_tokens(
+    logits: Tensor, uniform: Optional[Tensor], temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One token per row of ``[N, V]`` logits, with its log-probability and the distribution's entropy.
+
+    ``uniform`` ``[N, 1]`` in [0, 1) draws from softmax(logits / temperature) after top-k / top-p filtering by
+    inverting the CDF (exact, one number per row, cheap; no host sync, so a CUDA graph can record it); None
+    takes the argmax. The log-probability and the entropy are those of the unfiltered softmax at
+    ``temperature``, which is what the trainer computes for the same token (0 when greedy)."""
+    if uniform is None:
+        token = logits.argmax(dim=-1)
+        zero = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+        return token, zero, zero
+    probs, lse, entropy = sampling_distribution(logits, temperature)
+    token, logprob = draw(logits, probs, lse, uniform, temperature, top_p, top_k)
+    return token, logprob, entropy
+
+
 def sample_from_logits(
     logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
     entropy: Optional[Tensor] = None,
 ) -> Tensor:
-    """One token per row of ``[N, V]`` logits: argmax, or a draw from softmax(logits / temperature) after
-    top-k / top-p filtering. Draws by inverting the CDF with one uniform number per row, which is exact and
-    much cheaper on CPU than torch.multinomial's per-entry exponential noise. When ``entropy`` (``[N]``) is
-    given, the entropy of softmax(logits / temperature), before filtering, is written into it from the same
-    softmax (sampling only)."""
-    if greedy:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature  # [N, V]
-    probs = None
-    if entropy is not None:
-        logp = torch.log_softmax(logits, dim=-1)  # [N, V]
-        probs = logp.exp()
-        entropy.copy_(-(probs * logp.nan_to_num(neginf=0.0)).sum(-1))  # 0 * log 0 = 0 at banned tokens
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = None
-    if probs is None:
-        probs = torch.softmax(logits, dim=-1)  # [N, V]
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # mass before this token already exceeds top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    cdf = probs.cumsum(dim=-1)  # [N, V]
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u).squeeze(1).clamp(max=logits.shape[-1] - 1)
+    """One token per row of ``[N, V]`` logits (:func:`sample_tokens` with a fresh uniform draw per row); when
+    ``entropy`` (``[N]``) is given, the sampling distribution's entropy is written into it."""
+    uniform = None if greedy else torch.rand(logits.shape[0], 1, device=logits.device)
+    token, _, ent = sample_tokens(logits, uniform, temperature, top_p, top_k)
+    if entropy is not None and not greedy:
+        entropy.copy_(ent)
+    return token
 
 
 def _cache_counters(cache) -> list[Tensor]:
@@ -247,8 +296,9 @@ def decode_loop(
     """Autoregressive sampling with a preallocated (static) KV cache; stops when every row has ended.
 
     ``prompt_ids`` ``[N, Tp]`` are left-padded; positions count real tokens only, as ``generate`` does.
-    Returns ``[N, C]`` new tokens, ``C <= max_new_tokens``, pad after a row's end-of-sequence token, and ``[N]``
-    the entropy of the sampling distribution (at ``temperature``) summed over each row's tokens. With
+    Returns ``[N, C]`` new tokens, ``C <= max_new_tokens``, pad after a row's end-of-sequence token, ``[N]``
+    the entropy of the sampling distribution (at ``temperature``) summed over each row's tokens and ``[N, C]``
+    each sampled token's log-probability under that distribution. With
     ``cuda_graphs`` on a GPU the per-token step (after the prompt's forward) is replayed from a CUDA graph.
     """
     from transformers import StaticCache
@@ -283,7 +333,6 @@ def decode_loop(
     tokens = torch.full((n, max_new_tokens), pad_id, device=device, dtype=torch.long)  # [N, max_new]
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     entropy_sum = torch.zeros(n, dtype=torch.float32, device=device)  # [N]
-    entropy = torch.zeros(n, dtype=torch.float32, device=device)  # [N] this step's, filled by the sampler
     ended_at = torch.full((n,), max_new_tokens - 1, dtype=torch.long, device=device)  # last step each row needs
     cache_positions = torch.arange(tp, tp + max_new_tokens, device=device)
     decode = step
@@ -298,14 +347,16 @@ def decode_loop(
     # on a GPU, asking "has every row ended?" waits for the GPU: ask every few steps, trim afterwards
     check_every = 8 if device.type == "cuda" else 1
     steps = 0
+    logprobs = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=device)  # [N, max_new]
     for t in range(max_new_tokens):
         if t < min_new_tokens and eos.numel():
             logits[:, eos] = float("-inf")
-        token = sample_from_logits(logits, temperature, top_p, top_k, greedy, None if greedy else entropy)  # [N]
-        if not greedy:  # the policy's entropy where it sampled (rows still going), at the sampling temperature
-            entropy_sum += torch.where(finished, torch.zeros_like(entropy), entropy)
+        uniform = None if greedy else torch.rand(n, 1, device=device)
+        token, logprob, entropy = sample_tokens(logits, uniform, temperature, top_p, top_k)  # [N] x 3
+        entropy_sum += torch.where(finished, torch.zeros_like(entropy), entropy)  # where it sampled (rows going)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens[:, t] = token
+        logprobs[:, t] = torch.where(finished, torch.zeros_like(logprob), logprob)
         steps = t + 1
         if eos.numel():
             newly = torch.isin(token, eos) & ~finished
@@ -318,7 +369,60 @@ def decode_loop(
         next_position = next_position + 1
     if eos.numel() and bool(finished.all()):
         steps = min(steps, int(ended_at.max()) + 1)
-    return tokens[:, :steps], entropy_sum
+    return tokens[:, :steps], entropy_sum, logprobs[:, :steps]
+
+
+_DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compact_decoder(model, settings: GenerationSettings, max_length: int):
+    """The model's :class:`~scgrpo.rollout.compact.CompactDecoder` (kept between rollouts, adapters refreshed),
+    or None when the settings or the model rule it out (the reason is logged once per model)."""
+    from scgrpo.rollout.compact import CompactDecoder, unsupported_reason
+
+    if settings.engine != "loop" or settings.decode_forward != "auto":
+        return None
+    entry = _DECODERS.get(model)
+    reason = unsupported_reason(model, max_length)
+    if reason is not None:
+        if entry is None or entry.get("reason") != reason:
+            log.info("compact decode forward not used (%s); decoding with the Hugging Face forward", reason)
+            _DECODERS[model] = {"reason": reason}
+        return None
+    device = next(model.parameters()).device
+    compile_layers = settings.compile == "on" or (
+        settings.compile == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None)
+    if entry is None or "decoder" not in entry or entry["compile"] != compile_layers:
+        entry = _DECODERS[model] = {"decoder": CompactDecoder(model, compile_layers=compile_layers),
+                                    "compile": compile_layers, "samplers": {}}
+    entry["decoder"].refresh()
+    return entry
+
+
+def release_rollout_workspaces() -> None:
+    """Frees every kept compact-engine workspace (KV caches, CUDA graphs) and forgets the decoders."""
+    for entry in list(_DECODERS.values()):
+        for sampler in entry.get("samplers", {}).values():
+            sampler.release()
+    _DECODERS.clear()
+
+
+def _slot_decoder(entry: dict, settings: GenerationSettings, eos_ids, pad_id: int, temperature: float,
+                  greedy: bool, cuda_graphs: bool):
+    from scgrpo.rollout.slots import SlotDecoder
+
+    key = (tuple(eos_ids), pad_id, settings.max_new_tokens, temperature, settings.top_p, settings.top_k, greedy,
+           settings.min_new_tokens, cuda_graphs, settings.max_slots)
+    samplers = entry["samplers"]
+    if key not in samplers:
+        if len(samplers) >= 2:  # training and evaluation settings; drop the oldest other
+            samplers.pop(next(iter(samplers))).release()
+        samplers[key] = SlotDecoder(
+            entry["decoder"], eos_ids, pad_id, settings.max_new_tokens, temperature, settings.top_p, settings.top_k,
+            greedy, settings.min_new_tokens, cuda_graphs=cuda_graphs, max_slots=settings.max_slots)
+    sampler = samplers[key]
+    sampler.keep_workspace = settings.keep_workspace
+    return sampler
 
 
 def generate(
@@ -338,26 +442,39 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
     eos_ids = eos_token_ids(model, tokenizer)
     temperature = temperature if temperature is not None else settings.temperature
-    entropy_sum = None
-    with generation_mode(model, settings.merge_lora):
-        if settings.engine == "loop":
-            completion_ids, entropy_sum = decode_loop(
-                model, prompt_ids, prompt_mask, settings.max_new_tokens, eos_ids, tokenizer.pad_token_id,
-                temperature, settings.top_p, settings.top_k, greedy, settings.min_new_tokens,
-                cuda_graphs=settings.cuda_graphs and cuda_graphs,
-            )  # [N, C]
-        else:
-            kwargs = dict(max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens or None,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids or None, use_cache=True)
-            if greedy:
-                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    entropy_sum = sampler_logprobs = None
+    stats: dict = {}
+    max_length = prompt_ids.shape[1] + settings.max_new_tokens
+    use_graphs = settings.cuda_graphs and cuda_graphs
+    compact = compact_decoder(model, settings, max_length)
+    if compact is not None:
+        sampler = _slot_decoder(compact, settings, eos_ids, tokenizer.pad_token_id, temperature, greedy, use_graphs)
+        with generation_mode(model, "never"):
+            completion_ids, sampler_logprobs, entropy_sum = sampler(prompt_ids, prompt_mask)  # [N, C] x 2, [N]
+        stats = dict(sampler.stats)
+    else:
+        with generation_mode(model, settings.merge_lora):
+            if settings.engine == "loop":
+                completion_ids, entropy_sum, sampler_logprobs = decode_loop(
+                    model, prompt_ids, prompt_mask, settings.max_new_tokens, eos_ids, tokenizer.pad_token_id,
+                    temperature, settings.top_p, settings.top_k, greedy, settings.min_new_tokens,
+                    cuda_graphs=use_graphs,
+                )  # [N, C]
             else:
-                kwargs.update(do_sample=True, temperature=temperature, top_p=settings.top_p, top_k=settings.top_k or None)
-            kwargs.update(settings.extra)
-            output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)  # [N, Tp + C]
-            completion_ids = output[:, prompt_ids.shape[1] :]  # [N, C]
+                kwargs = dict(max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens or None,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids or None, use_cache=True)
+                if greedy:
+                    kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                else:
+                    kwargs.update(do_sample=True, temperature=temperature, top_p=settings.top_p,
+                                  top_k=settings.top_k or None)
+                kwargs.update(settings.extra)
+                output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)  # [N, Tp + C]
+                completion_ids = output[:, prompt_ids.shape[1] :]  # [N, C]
     completion_mask, truncated = completion_mask_from_eos(completion_ids, eos_ids)
     completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
+    if sampler_logprobs is not None:
+        sampler_logprobs = sampler_logprobs * completion_mask
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return Generated(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts,
-                     None if greedy else entropy_sum)
+                     None if greedy else entropy_sum, None if greedy else sampler_logprobs, stats)

@@ -46,6 +46,7 @@ class RolloutBatch:
     old_logprobs: Optional[Tensor] = None  # [N, C] fp32 under the sampling policy (only when mu > 1)
     ref_logprobs: Optional[Tensor] = None  # [N, C] fp32 under the reference (only when beta > 0)
     entropy_sum: Optional[Tensor] = None  # [N] fp32 sum over each completion's tokens of the sampling entropy
+    sampler_logprobs: Optional[Tensor] = None  # [N, C] fp32 log-prob of each sampled token under the sampler
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -83,4 +84,5 @@ class RolloutBatch:
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
             entropy_sum=pick(self.entropy_sum),
+            sampler_logprobs=pick(self.sampler_logprobs),
         )

@@ -1,0 +1,438 @@
+"""A compact forward pass for decoding, over a Hugging Face Llama-family model's own weights.
+
+Llama, Mistral, Qwen2, Qwen3 and SmolLM (a Llama) share one decoder block: RMSNorm, attention with rotary
+positions and grouped key/value heads (Qwen2 adds q/k/v biases, Qwen3 RMS-normalises q and k per head), a
+SiLU-gated MLP. :class:`CompactDecoder` runs that block with
+
+- the q/k/v projections as one matmul and gate/up as one (the weights concatenated once and kept while the
+  base weights do not change),
+- LoRA unmerged, as low-rank adds: the adapters' down-projections ride in the same matmul as the base weight
+  (their rows appended to it), their up-projections are one block-diagonal matmul added on. Sampling thus
+  runs the policy being trained, not a rounded merge of it,
+- its own KV cache ``[layers, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
+  left padding): a row's position is its cache length, and attention reads only the first ``L`` entries
+  (``L`` a bucket of the longest live row), masking each row at its own length.
+
+Nothing here is tied to a fixed batch or length: :mod:`scgrpo.rollout.engine` records the decode step as a CUDA
+graph per (slots, length bucket). Models it cannot run exactly (another block, sliding windows that a run can
+reach, dynamic RoPE, DoRA, 4-bit linear layers with fused projections unsupported, sharded weights) are
+reported by :func:`unsupported_reason` and decoded through the Hugging Face forward instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class Compiled:
+    """``torch.compile(fn, dynamic=True)`` that falls back to ``fn`` itself, for good and with one warning, when
+    compilation fails (an unsupported pattern in this torch/Triton version): slower, never wrong."""
+
+    def __init__(self, fn, name: str) -> None:
+        self.fn, self.name = fn, name
+        self.compiled = torch.compile(fn, dynamic=True)
+        self.failed = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact
+                self.failed = True
+                log.warning("torch.compile of the %s failed (%s: %s); running it uncompiled",
+                            self.name, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return self.fn(*args, **kwargs)
+
+
+def _inner(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _base_layer(module):
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
+def _is_plain(weight: Tensor) -> bool:
+    return weight.dtype.is_floating_point and type(weight.data) is torch.Tensor
+
+
+def _lora_parts(module) -> list[tuple[Tensor, Tensor, float]]:
+    """(A ``[r, in]``, B ``[out, r]``, scale) of each active adapter of a peft LoRA layer; [] for a plain one."""
+    if not hasattr(module, "lora_A") or getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return []
+    parts = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        parts.append((module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])))
+    return parts
+
+
+def unsupported_reason(model, max_length: int) -> Optional[str]:
+    """Why :class:`CompactDecoder` cannot decode ``model`` exactly up to ``max_length`` tokens, or None."""
+    causal_lm = _inner(model)
+    config = causal_lm.config
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model type {kind!r} (compact forward: {', '.join(FAMILIES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
+    rotary = getattr(backbone, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary embedding module"
+    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        return f"RoPE type {rotary.rope_type!r} (frequencies change with length)"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = any(t == "sliding_attention" for t in layer_types) or (kind == "mistral" and window)
+    if uses_window and window and window < max_length:
+        return f"sliding-window attention ({window} tokens) within the {max_length}-token rollouts"
+    for module in causal_lm.modules():
+        if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
+            return "DoRA adapters"
+        if hasattr(module, "lora_B") and any(getattr(b, "bias", None) is not None for b in module.lora_B.values()):
+            return "LoRA with biases"
+    for param in causal_lm.parameters():
+        if type(param.data) is not torch.Tensor and param.data.__class__.__name__ == "DTensor":
+            return "sharded (DTensor) weights"
+    lm_head = causal_lm.get_output_embeddings()
+    if _lora_parts(lm_head) or not _is_plain(_base_layer(lm_head).weight):
+        return "an adapted or quantised output head"
+    if not _is_plain(backbone.embed_tokens.weight) or hasattr(backbone.embed_tokens, "lora_embedding_A"):
+        return "an adapted or quantised embedding"
+    return None
+
+
+class Projection:
+    """Linear layers that read the same input, as one matmul plus one low-rank matmul for their adapters.
+
+    ``weight`` is ``[W_1; ...; W_k; A_1; ...; A_m]`` (outputs, then adapter ranks), ``up`` the block-diagonal
+    ``[sum out, sum r]`` of the scaled B's: ``y = (x W^T)[:out] + (x W^T)[out:] up^T``. The concatenation is built
+    once and refreshed in place (A's every call, base rows only when a base weight changed), so a CUDA graph
+    that reads it stays valid. Layers whose base weight is not a plain float tensor (4-bit) run their own
+    forward instead."""
+
+    def __init__(self, modules: list, dtype: torch.dtype) -> None:
+        self.modules = modules
+        self.dtype = dtype
+        self.bases = [_base_layer(m) for m in modules]
+        self.sizes = [b.weight.shape[0] for b in self.bases]
+        self.out = sum(self.sizes)
+        self.fused = all(_is_plain(b.weight) for b in self.bases)
+        self.weight: Optional[Tensor] = None
+        self.bias: Optional[Tensor] = None
+        self.up: Optional[Tensor] = None
+        self.rank = 0
+        self._key = None
+        self.refresh()
+
+    def _base_key(self):
+        return tuple((b.weight.data_ptr(), b.weight._version, b.weight.dtype) for b in self.bases)
+
+    def refresh(self) -> bool:
+        """Returns whether the concatenated tensors were rebuilt (new storage) rather than updated in place."""
+        if not self.fused:
+            return False
+        loras = [(i, a, b, s) for i, m in enumerate(self.modules) for a, b, s in _lora_parts(m)]
+        rank = sum(a.shape[0] for _, a, _, _ in loras)
+        key = (self._base_key(), rank)
+        single = len(self.bases) == 1 and not loras
+        rebuilt = key != self._key
+        if rebuilt:
+            if single and self.bases[0].weight.dtype == self.dtype:
+                self.weight = self.bases[0].weight.detach()  # no copy
+            else:
+                device = self.bases[0].weight.device
+                self.weight = torch.empty(self.out + rank, self.bases[0].weight.shape[1], dtype=self.dtype, device=device)
+                torch.cat([b.weight.detach() for b in self.bases], out=self.weight[: self.out])
+            biases = [b.bias for b in self.bases]
+            if any(x is not None for x in biases):
+                parts = [x.detach() if x is not None else torch.zeros(n, dtype=self.dtype, device=self.weight.device)
+                         for x, n in zip(biases, self.sizes)]
+                self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=self.weight.device)
+                self.bias[: self.out].copy_(torch.cat(parts))
+            self.up = torch.zeros(self.out, rank, dtype=self.dtype, device=self.weight.device) if rank else None
+            self.rank, self._key = rank, key
+        if not loras:
+            return rebuilt
+        starts = [0]
+        for n in self.sizes:
+            starts.append(starts[-1] + n)
+        row, col = self.out, 0
+        for i, a, b, scale in loras:  # A rows after the outputs; the scaled B in its block of ``up``
+            r = a.shape[0]
+            self.weight[row : row + r].copy_(a.detach())
+            self.up[starts[i] : starts[i + 1], col : col + r].copy_(b.detach() * scale)
+            row, col = row + r, col + r
+        return rebuilt
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """``[..., in]`` -> ``[..., sum out]``."""
+        if not self.fused:
+            return torch.cat([m(x) for m in self.modules], dim=-1)
+        return fused_linear(x, self.weight, self.bias, self.up)
+
+
+def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor]) -> Tensor:
+    shape = x.shape[:-1]
+    y = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)  # [n, out + r]
+    if up is not None:
+        out = up.shape[0]
+        y = torch.addmm(y[:, :out], y[:, out:], up.t())  # base + (x A^T) (s B)^T
+    return y.view(*shape, -1)
+
+
+def linear(x: Tensor, weight, bias: Optional[Tensor], up: Optional[Tensor]) -> Tensor:
+    """:func:`fused_linear`, or a :class:`Projection` that runs its own layers (passed as ``weight``)."""
+    if isinstance(weight, Projection):
+        return weight(x)
+    return fused_linear(x, weight, bias, up)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's Llama RMSNorm, operation for operation (fp32 statistics, weight times the cast input)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE as Hugging Face applies it: x cos + rotate_half(x) sin (``cos``/``sin`` broadcast over heads)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class Layer:
+    ln1: Tensor
+    qkv: Projection
+    q_norm: Optional[Tensor]
+    k_norm: Optional[Tensor]
+    o: Projection
+    ln2: Tensor
+    gate_up: Projection
+    down: Projection
+
+
+def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float):
+    """The two halves of a decoder block for one new token per slot, as functions of plain tensors only (every
+    weight an argument, the shapes closed over), so that one compiled version serves every layer:
+
+    - ``attention_in(x [S, H], cos, sin [S, D], ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm)`` -> q
+      ``[S, kv, G, D]`` (a kv head's G query heads adjacent), k and v ``[S, kv, D]`` (rotated, normalised);
+    - ``attention_out(x, attn [S, kv, G, D], o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)`` -> the
+      block's output ``[S, H]``.
+
+    The cache write and the attention itself run between them, outside any compiled code."""
+    group = heads // kv_heads
+
+    def attention_in(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
+        lead = x.shape[:-1]
+        qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = q.reshape(*lead, heads, head_dim)
+        k, v = k.reshape(*lead, kv_heads, head_dim), v.reshape(*lead, kv_heads, head_dim)
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return q.reshape(*lead, kv_heads, group, head_dim), k, v
+
+    def attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up):
+        x = x + linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up)
+        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, d_w, d_b, d_up)
+
+    return attention_in, attention_out
+
+
+def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float):
+    """The decode step's compute between attentions, as functions of tensors (compiled once, reused by every
+    layer): ``first(x, cos, sin, *in_args)`` -> (q, kv); ``middle(x, attn, *out_args, cos, sin, *in_args)`` ->
+    (x, q, kv), one block's end and the next block's start, so that the residual add fuses into the next norm;
+    ``last(x, attn, *out_args, norm, head_w, head_b, head_up)`` -> fp32 logits. ``kv`` is ``[2, S, kv, D]``, written
+    into the cache in one indexed store; the cache write and the attention stay outside (a compiled function
+    that writes into its input cache would copy it)."""
+    attention_in, attention_out = layer_functions(heads, kv_heads, head_dim, eps)
+
+    def first(x, cos, sin, *args_in):
+        q, k, v = attention_in(x, cos, sin, *args_in)
+        return q, torch.stack([k, v])
+
+    def middle(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up, cos, sin, *args_in):
+        x = attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)
+        q, k, v = attention_in(x, cos, sin, *args_in)
+        return x, q, torch.stack([k, v])
+
+    def last(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up, norm, head_w, head_b, head_up):
+        x = attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)
+        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up).float()
+
+    return first, middle, last
+
+
+class CompactDecoder:
+    """The decode-time forward of a Llama-family model (see the module docstring); ``model`` may be a peft
+    model. Call :meth:`refresh` before each rollout (after the optimiser changed the adapters)."""
+
+    def __init__(self, model, compile_layers: bool = False) -> None:
+        causal_lm = _inner(model)
+        self.config = config = causal_lm.config
+        backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        self.embed = backbone.embed_tokens.weight
+        self.dtype = self.embed.dtype
+        self.norm = backbone.norm.weight
+        self.eps = float(config.rms_norm_eps)
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim ** -0.5
+        self.rotary = backbone.rotary_emb
+        self.head = Projection([causal_lm.get_output_embeddings()], self.dtype)
+        self.layers: list[Layer] = []
+        for block in backbone.layers:
+            attn, mlp = block.self_attn, block.mlp
+            self.layers.append(Layer(
+                ln1=block.input_layernorm.weight,
+                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype),
+                q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+                k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+                o=Projection([attn.o_proj], self.dtype),
+                ln2=block.post_attention_layernorm.weight,
+                gate_up=Projection([mlp.gate_proj, mlp.up_proj], self.dtype),
+                down=Projection([mlp.down_proj], self.dtype),
+            ))
+        self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.attention_in, self.attention_out = layer_functions(self.heads, self.kv_heads, self.head_dim, self.eps)
+        self._first, self._middle, self._last = step_functions(self.heads, self.kv_heads, self.head_dim, self.eps)
+        self.compiled = bool(compile_layers and self.fused)
+        if self.compiled:  # slots and lengths vary: one dynamic-shape compilation serves them all
+            self._first = Compiled(self._first, "decode step (first block)")
+            self._middle = Compiled(self._middle, "decode step (blocks)")
+            self._last = Compiled(self._last, "decode step (output head)")
+        self._rope: Optional[tuple[Tensor, Tensor]] = None
+        self.version = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def refresh(self) -> None:
+        """Picks up the adapters' (and any changed base weights') current values, in place where it can;
+        ``version`` changes when a tensor had to be rebuilt (recorded CUDA graphs then hold stale pointers)."""
+        rebuilt = self.head.refresh()
+        for layer in self.layers:
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                rebuilt |= proj.refresh()
+        if rebuilt:
+            self.version += 1
+
+    def rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        """``[length, D]`` cos and sin from the model's own rotary module (any static RoPE scaling)."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            positions = torch.arange(length, device=self.device).unsqueeze(0)
+            cos, sin = self.rotary(probe, positions)
+            self._rope = (cos[0].contiguous(), sin[0].contiguous())
+            self.version += 1
+        return self._rope[0][:length], self._rope[1][:length]
+
+    def new_cache(self, slots: int, length: int) -> Tensor:
+        """``[layers, 2 (keys, values), slots, kv_heads, length, head_dim]`` (the layout attention reads fastest)."""
+        return torch.zeros(self.num_layers, 2, slots, self.kv_heads, length, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def cache_bytes_per_row(self, length: int) -> int:
+        return 2 * self.num_layers * self.kv_heads * length * self.head_dim * self.embed.element_size()
+
+    def logits(self, x: Tensor) -> Tensor:
+        return self.head(rms_norm(x, self.norm, self.eps)).float()
+
+    @staticmethod
+    def _p(proj: Projection) -> tuple:
+        return (proj.weight, proj.bias, proj.up) if proj.fused else (proj, None, None)
+
+    def _args(self, layer: Layer) -> tuple:
+        p = self._p
+        return (layer.ln1, *p(layer.qkv), layer.q_norm, layer.k_norm, *p(layer.o), layer.ln2, *p(layer.gate_up),
+                *p(layer.down))
+
+    @property
+    def compile_failed(self) -> bool:
+        return any(getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
+
+    @torch.no_grad()
+    def decode(self, tokens: Tensor, lens: Tensor, cache: Tensor, length: int) -> Tensor:
+        """Logits ``[S, V]`` fp32 of the next token of every slot, after feeding ``tokens`` ``[S]`` at positions
+        ``lens`` ``[S]`` (written into ``cache`` ``[layers, 2, S, kv, Lmax, D]`` there); attends to the first
+        ``length`` cache entries. Reads nothing back to the host, so a CUDA graph can record it."""
+        s, cache_len = tokens.shape[0], cache.shape[4]
+        cos_table, sin_table = self.rope_tables(cache_len)
+        cos, sin = cos_table[lens], sin_table[lens]  # [S, D]
+        # additive mask, built once per step for every layer (a boolean one is converted inside each attention)
+        visible = torch.arange(length, device=lens.device) <= lens.unsqueeze(1)  # [S, L]
+        mask = torch.zeros(s, 1, 1, length, dtype=cache.dtype, device=lens.device).masked_fill(
+            ~visible.view(s, 1, 1, length), float("-inf"))
+        slots = torch.arange(s, device=lens.device)
+        x = F.embedding(tokens, self.embed)  # [S, H]
+        args = [self._args(layer) for layer in self.layers]
+        q, kv = self._first(x, cos, sin, *args[0][:6])
+        for i in range(self.num_layers):
+            cache[i, :, slots, :, lens] = kv.transpose(0, 1)  # [S, 2, kv, D] at each slot's position
+            attn = F.scaled_dot_product_attention(q, cache[i, 0, :, :, :length], cache[i, 1, :, :, :length],
+                                                  attn_mask=mask, scale=self.scaling)  # [S, kv, G, D]
+            if i + 1 < self.num_layers:
+                x, q, kv = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
+        return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
+
+    @torch.no_grad()
+    def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
+        """Runs right-padded prompts ``ids`` ``[n, T]`` (``lengths`` ``[n]`` real tokens each) from position 0,
+        stores their keys/values in cache rows ``slots`` ``[n]`` and returns the fp32 logits ``[n, V]`` after
+        each prompt's last token."""
+        n, t = ids.shape
+        cos, sin = self.rope_tables(cache.shape[4])
+        cos, sin = cos[:t].unsqueeze(0), sin[:t].unsqueeze(0)  # [1, T, D]
+        positions = torch.arange(t, device=ids.device)
+        causal = positions.view(1, t) <= positions.view(t, 1)  # [T, T]
+        mask = (causal.unsqueeze(0) & (positions.view(1, 1, t) < lengths.view(n, 1, 1))).unsqueeze(1)  # [n,1,T,T]
+        x = F.embedding(ids, self.embed)  # [n, T, H]
+        for i, layer in enumerate(self.layers):
+            args = self._args(layer)
+            q, k, v = self.attention_in(x, cos, sin, *args[:6])  # [n, T, kv, G, D], [n, T, kv, D] x 2
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [n, kv, T, D]
+            cache[i, 0, slots, :, :t] = k
+            cache[i, 1, slots, :, :t] = v
+            q = q.flatten(2, 3).transpose(1, 2)  # [n, heads, T, D]
+            group = self.heads // self.kv_heads
+            attn = F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                                                  attn_mask=mask, scale=self.scaling)  # [n, heads, T, D]
+            x = self.attention_out(x, attn.transpose(1, 2), *args[6:])
+        last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
+        return self.logits(last)
+
+
+def length_bucket(length: int, limit: int) -> int:
+    """Attention length for a step whose longest live row needs ``length`` entries: rounded up to a multiple of
+    64 (256 past 1,024), at most ``limit``. Few buckets = few CUDA graphs; a bucket reads at most 63 (255)
+    entries more than needed."""
+    width = 64 if length <= 1024 else 256
+    return min(limit, int(math.ceil(length / width) * width))

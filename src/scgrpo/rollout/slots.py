@@ -1,0 +1,321 @@
+"""The decode loop over the compact forward: slots, CUDA graphs of whole steps, compaction and refill.
+
+``S`` slots each hold one row being sampled (its own KV cache row, length, token count). One *step* feeds every
+slot's last token through :meth:`CompactDecoder.decode`, samples the next one and does the bookkeeping
+(end-of-sequence, per-row outputs, entropy, the token's log-probability) on the GPU; on a GPU the whole step is
+a CUDA graph, one per (slots, attention-length bucket), replayed ``check_every`` times before the host looks at
+which rows ended. Then:
+
+- **refill**: rows still waiting take the slots of finished ones (their prompts prefilled into those cache
+  rows), so ``S`` can be smaller than the number of rows and the KV cache is sized to ``S``, not to the batch;
+- **compaction**: with nobody waiting and at most half the slots live, the live ones move to the front of a
+  smaller workspace (the next power of two), whose steps cost less.
+
+A row's tokens depend only on its own prompt and draws: compaction and refill change which slot a row sits in,
+never what it samples (greedy: bit for bit up to the matmul's batch-size dependence).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from scgrpo.rollout.compact import CompactDecoder, Compiled, length_bucket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SlotState:
+    """The per-slot tensors a step reads and writes (fixed buffers: a recorded graph keeps using them)."""
+
+    tokens: Tensor  # [S] long: the token to feed next
+    lens: Tensor  # [S] long: entries in the slot's cache = the next token's position
+    live: Tensor  # [S] bool: the slot holds a row that has not ended
+    row: Tensor  # [S] long: the output row of the slot (N = a scratch row for free slots)
+    count: Tensor  # [S] long: tokens the row has produced so far
+    cache: Tensor  # [layers, 2, S, kv_heads, Lmax, head_dim]
+    graphs: dict[int, "torch.cuda.CUDAGraph"] = field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass
+class Outputs:
+    tokens: Tensor  # [N + 1, C] long, pad after the end (row N is scratch)
+    logprobs: Tensor  # [N + 1, C] fp32 log-probability of each sampled token under the sampler
+    entropy: Tensor  # [N + 1] fp32 summed sampling entropy
+    count: Tensor  # [N + 1] long tokens produced
+
+
+class SlotDecoder:
+    """Samples completions of many prompts with a :class:`CompactDecoder` (see the module docstring)."""
+
+    def __init__(self, decoder: CompactDecoder, eos_ids: Sequence[int], pad_id: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                 min_new_tokens: int = 0, cuda_graphs: bool = True, check_every: int = 8,
+                 max_slots: int = 0, refill: bool = True, compaction: bool = True) -> None:
+        self.decoder = decoder
+        self.device = decoder.device
+        self.pad_id, self.max_new = pad_id, max_new_tokens
+        self.temperature, self.top_p, self.top_k, self.greedy = temperature, top_p, top_k, greedy
+        self.min_new = min_new_tokens
+        self.graphs = cuda_graphs and self.device.type == "cuda"
+        self.check_every = check_every if self.device.type == "cuda" else 1
+        self.max_slots, self.refill, self.compaction = max_slots, refill, compaction
+        vocab = decoder.embed.shape[0]
+        self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
+        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+        self.is_eos[self.eos[self.eos < vocab]] = True
+        self.pool = None
+        self.stats: dict[str, float] = {}
+        # the softmax and entropy over the vocabulary compiled (fused passes); the draw (a scan) runs eagerly
+        self._distribution = (Compiled(self._distribution_fn, "sampling softmax") if decoder.compiled
+                              else self._distribution_fn)
+        self.keep_workspace = True
+        self._key = None  # (rows, cache length, decoder version) the kept workspaces were built for
+        self._out: Optional[Outputs] = None
+        self._states: dict[int, SlotState] = {}
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _distribution_fn(self, logits: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        from scgrpo.rollout.engine import sampling_distribution
+
+        if self.min_new and self.eos.numel():  # no end-of-sequence before min_new tokens
+            logits = logits.masked_fill((count < self.min_new).unsqueeze(1) & self.is_eos.unsqueeze(0), float("-inf"))
+        return (logits, *sampling_distribution(logits, self.temperature))
+
+    def _sample(self, logits: Tensor, uniform: Optional[Tensor], count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        from scgrpo.rollout.engine import draw
+
+        if uniform is None:  # greedy
+            if self.min_new and self.eos.numel():
+                logits = logits.masked_fill((count < self.min_new).unsqueeze(1) & self.is_eos.unsqueeze(0),
+                                            float("-inf"))
+            zero = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+            return logits.argmax(dim=-1), zero, zero
+        logits, probs, lse, entropy = self._distribution(logits, count)
+        token, logprob = draw(logits, probs, lse, uniform, self.temperature, self.top_p, self.top_k)
+        return token, logprob, entropy
+
+    def _emit(self, state: SlotState, out: Outputs, logits: Tensor, slots: Optional[Tensor]) -> None:
+        """Samples a token for ``slots`` (None: all) from their ``logits`` and books it."""
+        idx = slice(None) if slots is None else slots
+        live, count, row = state.live[idx], state.count[idx], state.row[idx]
+        uniform = None if self.greedy else torch.rand(logits.shape[0], 1, device=logits.device)
+        token, logprob, entropy = self._sample(logits, uniform, count)
+        token = torch.where(live, token, torch.full_like(token, self.pad_id))
+        at = count.clamp(max=self.max_new - 1)
+        out.tokens[row, at] = torch.where(live, token, out.tokens[row, at])
+        out.logprobs[row, at] = torch.where(live, logprob, out.logprobs[row, at])
+        out.entropy.index_add_(0, row, torch.where(live, entropy, torch.zeros_like(entropy)))
+        ended = live & (self.is_eos[token] | (count + 1 >= self.max_new))
+        state.count[idx] = count + live.long()
+        out.count[row] = count + live.long()
+        state.live[idx] = live & ~ended
+        state.tokens[idx] = token
+
+    def _step(self, state: SlotState, out: Outputs, length: int) -> None:
+        logits = self.decoder.decode(state.tokens, state.lens, state.cache, length)
+        limit = state.cache.shape[4] - 1
+        state.lens.copy_((state.lens + 1).clamp(max=limit))  # free slots keep writing into their last entry
+        self._emit(state, out, logits, None)
+
+    def _run(self, state: SlotState, out: Outputs, length: int, steps: int) -> None:
+        if not self.graphs:
+            for _ in range(steps):
+                self._step(state, out, length)
+            return
+        graph = state.graphs.get(length)
+        if graph is None:
+            graph = state.graphs[length] = self._record(state, out, length)
+        for _ in range(steps):
+            graph.replay()
+
+    def _record(self, state: SlotState, out: Outputs, length: int):
+        """Records one step as a CUDA graph (after a warm-up step on a side stream, which also compiles). The
+        warm-up's effects are undone: every buffer the step writes is restored."""
+        saved = [t.clone() for t in (state.tokens, state.lens, state.live, state.count, out.tokens, out.logprobs,
+                                     out.entropy, out.count)]
+        rng = torch.cuda.get_rng_state(self.device)  # recording draws nothing: a seed gives the same tokens either way
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step(state, out, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self._restore(state, out, saved)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(state, out, length)
+        self._restore(state, out, saved)
+        torch.cuda.set_rng_state(rng, self.device)
+        self.stats["rollout/graphs_recorded"] = self.stats.get("rollout/graphs_recorded", 0.0) + 1
+        return graph
+
+    @staticmethod
+    def _restore(state: SlotState, out: Outputs, saved: list[Tensor]) -> None:
+        for dst, src in zip((state.tokens, state.lens, state.live, state.count, out.tokens, out.logprobs,
+                             out.entropy, out.count), saved):
+            dst.copy_(src)
+
+    # ------------------------------------------------------------------------------------------ workspace
+    def _workspace(self, rows: int, cache_len: int) -> tuple[Outputs, int]:
+        """Output buffers for ``rows`` rows, reset; the kept slot workspaces stay valid (their graphs write into
+        these buffers and read the decoder's weights) while the row count, the cache length (grow-only) and the
+        decoder's tensors stay the same."""
+        self.decoder.rope_tables(cache_len)
+        kept = self._key
+        if kept is not None and kept[0] == rows and kept[1] >= cache_len and kept[2] == self.decoder.version:
+            cache_len = kept[1]
+        else:
+            self.release()
+            device = self.device
+            self._out = Outputs(
+                tokens=torch.empty((rows + 1, self.max_new), dtype=torch.long, device=device),
+                logprobs=torch.empty(rows + 1, self.max_new, dtype=torch.float32, device=device),
+                entropy=torch.empty(rows + 1, dtype=torch.float32, device=device),
+                count=torch.empty(rows + 1, dtype=torch.long, device=device),
+            )
+            self._key = (rows, cache_len, self.decoder.version)
+        out = self._out
+        out.tokens.fill_(self.pad_id)
+        out.logprobs.zero_()
+        out.entropy.zero_()
+        out.count.zero_()
+        return out, cache_len
+
+    def _state(self, slots: int, cache_len: int, scratch: int) -> SlotState:
+        """The workspace of ``slots`` slots, emptied (its cache keeps stale entries: nothing reads past a row's
+        length)."""
+        state = self._states.get(slots)
+        if state is None:
+            device = self.device
+            state = self._states[slots] = SlotState(
+                tokens=torch.empty(slots, dtype=torch.long, device=device),
+                lens=torch.empty(slots, dtype=torch.long, device=device),
+                live=torch.empty(slots, dtype=torch.bool, device=device),
+                row=torch.empty(slots, dtype=torch.long, device=device),
+                count=torch.empty(slots, dtype=torch.long, device=device),
+                cache=self.decoder.new_cache(slots, cache_len),
+            )
+        state.tokens.fill_(self.pad_id)
+        state.lens.zero_()
+        state.live.zero_()
+        state.row.fill_(scratch)
+        state.count.zero_()
+        return state
+
+    def _compact(self, state: SlotState, keep: Tensor, new: SlotState) -> SlotState:
+        """``new`` (a smaller, emptied workspace) holding the slots ``keep`` (in order) of ``state``."""
+        n = keep.numel()
+        for name in ("tokens", "lens", "live", "row", "count"):
+            getattr(new, name)[:n] = getattr(state, name)[keep]
+        new.cache[:, :, :n] = state.cache[:, :, keep]
+        return new
+
+    def slot_budget(self, rows: int, cache_len: int) -> int:
+        """Slots for ``rows`` rows: ``max_slots`` when set, else as many as a quarter of the free GPU memory holds
+        (all rows on CPU)."""
+        if self.max_slots:
+            return max(1, min(rows, self.max_slots))
+        if self.device.type != "cuda":
+            return rows
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fit = int(0.25 * free // max(self.decoder.cache_bytes_per_row(cache_len), 1))
+        return max(1, min(rows, fit))
+
+    # ------------------------------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Left-padded prompts ``[N, Tp]`` -> new tokens ``[N, C]`` (pad after each row's end), the sampler's
+        log-probability of each ``[N, C]`` (0 where greedy or padded) and the summed entropy ``[N]``."""
+        n, tp = prompt_ids.shape
+        device = self.device
+        self.stats = {"rollout/graphs_recorded": 0.0}
+        lengths = prompt_mask.sum(1).long()  # [N]
+        if int(lengths.min()) < 1:
+            raise ValueError("every prompt needs at least one token")
+        # right-align -> left-align: row i's real tokens start at Tp - len_i
+        starts = (tp - lengths).unsqueeze(1)
+        gather = (starts + torch.arange(tp, device=device)).clamp(max=tp - 1)
+        right = torch.where(torch.arange(tp, device=device) < lengths.unsqueeze(1),
+                            prompt_ids.gather(1, gather), torch.full_like(prompt_ids, self.pad_id))  # [N, Tp]
+        cache_len = length_bucket(int(lengths.max()) + self.max_new, 1 << 30)
+        out, cache_len = self._workspace(n, cache_len)
+        slots = n if not self.refill else self.slot_budget(n, cache_len)
+        state = self._state(slots, cache_len, n)
+        pending = deque(range(n))
+        lengths_host = lengths.tolist()
+        free = list(range(slots))
+        steps = prefills = compactions = 0
+        slot_steps = 0.0
+        while True:
+            if pending and free:  # admit waiting rows into free slots
+                take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
+                into, free = free[: len(take)], free[len(take):]
+                self._admit(state, out, right, lengths, take, into)
+                prefills += 1
+            live = state.live.nonzero().squeeze(1)
+            if live.numel() == 0:
+                if pending:
+                    free = list(range(state.slots))
+                    continue
+                break
+            if not pending and self.compaction and live.numel() <= state.slots // 2 and state.slots > 8:
+                size = max(8, 1 << (int(live.numel()) - 1).bit_length())
+                state = self._compact(state, live, self._state(size, cache_len, n))
+                live = torch.arange(live.numel(), device=device)
+                compactions += 1
+            longest = int(state.lens[live].max())
+            remaining = self.max_new - int(state.count[live].min())
+            burst = max(1, min(self.check_every, remaining))
+            length = length_bucket(longest + burst, cache_len)
+            self._run(state, out, length, burst)
+            steps += burst
+            slot_steps += burst * state.slots
+            live_host = state.live.tolist()
+            free = [i for i, alive in enumerate(live_host) if not alive]
+        counts = out.count[:n]
+        width = max(int(counts.max()), 1) if n else 1
+        self.stats.update({"rollout/decode_steps": float(steps), "rollout/prefills": float(prefills),
+                           "rollout/compactions": float(compactions), "rollout/slots": float(slots),
+                           "rollout/compiled": float(self.decoder.compiled and not self.decoder.compile_failed),
+                           # tokens made by decode steps (each row's first comes from its prefill) per slot-step
+                           "rollout/slot_use": float(counts.sum() - n) / max(slot_steps, 1.0)})
+        result = out.tokens[:n, :width].clone(), out.logprobs[:n, :width].clone(), out.entropy[:n].clone()
+        if not self.keep_workspace:
+            self.release()
+        return result
+
+    def release(self) -> None:
+        """Frees the kept workspaces (KV caches, graphs, output buffers)."""
+        self._states.clear()
+        self._out, self._key, self.pool = None, None, None
+
+    def _admit(self, state: SlotState, out: Outputs, right: Tensor, lengths: Tensor, rows: list[int],
+               slots: list[int]) -> None:
+        """Prefills ``rows`` into cache slots ``slots`` and samples their first tokens."""
+        device = self.device
+        row_t = torch.tensor(rows, dtype=torch.long, device=device)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        lens = lengths[row_t]
+        width = int(lens.max())
+        # prefill in chunks of at most ~16k prompt tokens (activations of the whole prompt batch at once)
+        chunk = max(1, 16384 // max(width, 1))
+        for start in range(0, len(rows), chunk):
+            r, s, ln = row_t[start : start + chunk], slot_t[start : start + chunk], lens[start : start + chunk]
+            logits = self.decoder.prefill(right[r, :width], ln, s, state.cache)  # [k, V]
+            state.lens[s] = ln
+            state.row[s] = r
+            state.count[s] = 0
+            state.live[s] = True
+            self._emit(state, out, logits, s)

@@ -1,0 +1,224 @@
+"""The compact rollout engine against Hugging Face: greedy tokens, LoRA unmerged, slots (refill, compaction),
+the sampler's distribution and log-probabilities, and the fallback for other architectures (CPU, fp32)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from scgrpo.rollout.compact import CompactDecoder, length_bucket, unsupported_reason
+from scgrpo.rollout.engine import GenerationSettings, generate, sample_tokens
+from scgrpo.rollout.slots import SlotDecoder
+from tests.conftest import build_tokenizer
+
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # 0.999 quantiles by dof
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # per-head q/k norms
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+}
+
+
+def tiny(family: str, vocab: int, seed: int = 0, **overrides):
+    import transformers
+
+    config_name, model_name, extra = FAMILY_CONFIGS[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        initializer_range=0.2,  # varied greedy continuations (the default 0.02 repeats one token)
+        **{**extra, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def with_lora(model, seed: int = 1):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    torch.manual_seed(seed)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)  # a large update: merged and base models differ visibly
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = build_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    texts = ["hello there", "a", "what is 2+2? answer:", "zzz", "The quick brown fox", "1 2 3 4 5 6 7 8"]
+    return tok(texts, return_tensors="pt", padding=True)
+
+
+def hf_greedy(model, batch, new: int, eos=None):
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=new, do_sample=False, pad_token_id=2, eos_token_id=eos)
+    return out[:, batch["input_ids"].shape[1]:]
+
+
+def compact_greedy(model, batch, new: int, eos=(), **kwargs):
+    sampler = SlotDecoder(CompactDecoder(model), list(eos), 2, new, greedy=True, **kwargs)
+    return sampler(batch["input_ids"], batch["attention_mask"])[0], sampler
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_greedy_equals_generate_for_each_family(family, tok, batch):
+    model = tiny(family, len(tok))
+    assert unsupported_reason(model, 100) is None
+    ours, _ = compact_greedy(model, batch, 24)
+    assert torch.equal(ours, hf_greedy(model, batch, 24))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_unmerged_lora_equals_the_merged_model(family, tok, batch):
+    model = with_lora(tiny(family, len(tok)))
+    ours, _ = compact_greedy(model, batch, 24)
+    base = hf_greedy(tiny(family, len(tok)), batch, 24)
+    merged = hf_greedy(model.merge_and_unload(), batch, 24)
+    assert torch.equal(ours, merged)
+    assert not torch.equal(merged, base)  # the adapters change the tokens: the test sees them
+
+
+def test_adapter_updates_reach_the_next_rollout_in_place(tok, batch):
+    """The concatenated weights are refreshed in place after the optimiser changes the adapters (recorded
+    graphs keep valid pointers), and the tokens follow the new adapters."""
+    model = with_lora(tiny("llama", len(tok)))
+    decoder = CompactDecoder(model)
+    sampler = SlotDecoder(decoder, [], 2, 16, greedy=True)
+    qkv = decoder.layers[0].qkv
+    pointer, version = qkv.weight.data_ptr(), decoder.version
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param))
+    decoder.refresh()
+    assert qkv.weight.data_ptr() == pointer and decoder.version == version
+    ours = sampler(batch["input_ids"], batch["attention_mask"])[0]
+    assert torch.equal(ours, hf_greedy(model.merge_and_unload(), batch, 16))
+
+
+def test_refill_and_compaction_change_no_row(tok):
+    model = tiny("llama", len(tok))
+    texts = [f"row {i} " + "ab" * (i % 5) for i in range(16)]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    free_run, _ = compact_greedy(model, batch, 30)
+    eos = sorted({int(free_run[i, 2 + (i % 12)]) for i in range(16)})  # rows end at different steps
+    plain, plain_sampler = compact_greedy(model, batch, 30, eos, refill=False, compaction=False)
+    refill, refill_sampler = compact_greedy(model, batch, 30, eos, max_slots=3)
+    compact, compact_sampler = compact_greedy(model, batch, 30, eos, compaction=True)
+    assert refill_sampler.stats["rollout/prefills"] > 1
+    assert compact_sampler.stats["rollout/compactions"] >= 1
+    assert plain_sampler.stats["rollout/compactions"] == 0
+    width = plain.shape[1]
+    assert torch.equal(refill[:, :width], plain) and torch.equal(compact[:, :width], plain)
+    ended = (plain[:, :, None] == torch.tensor(eos)).any(-1)
+    assert len(set(ended.int().argmax(1).tolist())) > 2  # the rows really did end at different steps
+    reference = hf_greedy(model, batch, 30, eos)
+    assert torch.equal(plain[:, : reference.shape[1]], reference[:, : plain.shape[1]])
+
+
+def test_eos_ends_a_row_and_pads_after_it(tok, batch):
+    model = tiny("llama", len(tok))
+    free_run, _ = compact_greedy(model, batch, 12)
+    eos = int(free_run[0, 4])
+    tokens, _ = compact_greedy(model, batch, 12, [eos])
+    first = int((tokens[0] == eos).int().argmax())
+    assert first <= 4 and bool((tokens[0, first + 1:] == 2).all())
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (1.3, 1.0, 3),
+                                                      (0.9, 0.9, 4)])
+def test_first_token_distribution_matches_the_filtered_softmax(temperature, top_p, top_k):
+    """Chi-square goodness of fit of 40,000 draws against softmax(logits / T) after top-k and top-p."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 8, generator=gen) * 2
+    draws = 40_000
+    torch.manual_seed(1)
+    tokens, logprob, entropy = sample_tokens(logits.expand(draws, 8), torch.rand(draws, 1), temperature, top_p, top_k)
+    probs = torch.softmax(logits[0] / temperature, -1)
+    expected = probs.clone()
+    if top_k:
+        expected[probs < probs.topk(top_k).values[-1]] = 0
+    if top_p < 1:
+        order = expected.argsort(descending=True)
+        before = expected[order].cumsum(0) - expected[order]
+        expected[order[before > top_p * expected.sum()]] = 0
+    expected = expected / expected.sum()
+    counts = torch.bincount(tokens, minlength=8).double()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0  # filtered tokens are never drawn
+    observed, wanted = counts[keep], expected[keep].double() * draws
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    dof = int(keep.sum()) - 1
+    assert dof >= 1  # the case keeps several tokens: the test has something to compare
+    assert statistic < CHI2_999[dof]  # P(chi2 > CHI2_999[dof]) = 0.001 under the null
+    # log-probability and entropy of the unfiltered tempered softmax
+    assert torch.allclose(logprob, torch.log(probs)[tokens], atol=1e-6)
+    assert torch.allclose(entropy[0], -(probs * probs.log()).sum(), atol=1e-6)
+
+
+def test_sampler_logprobs_equal_the_trainers(tiny_model_dir):
+    from tests.helpers import tiny_module
+
+    module = tiny_module(tiny_model_dir, dtype="float32",
+                         generation=GenerationSettings(num_generations=3, max_new_tokens=12, temperature=0.8))
+    module.configure_model()
+    torch.manual_seed(0)
+    generated = module.sample(module.format_prompts(["What is 1 + 1?", "Add 12 and 30."]), 3)
+    assert generated.stats["rollout/slots"] == 6  # the compact engine sampled
+    c = generated.completion_ids.shape[1]
+    ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)
+    attention = torch.cat([generated.prompt_mask, generated.completion_mask.long()], 1)
+    module.policy.eval()
+    with torch.no_grad():
+        trainer = module.token_logprobs(module.policy, ids, attention, c, entropy=False)[0]
+    mask = generated.completion_mask.bool()
+    assert float((trainer - generated.sampler_logprobs)[mask].abs().max()) < 1e-4
+    assert bool((generated.sampler_logprobs[~mask] == 0).all())
+
+
+def test_other_architectures_fall_back_to_the_hugging_face_forward(tok, batch, caplog):
+    model = tiny("llama", len(tok), hidden_act="gelu")
+    assert "activation" in unsupported_reason(model, 100)
+    window = tiny("mistral", len(tok), sliding_window=16)
+    assert "sliding-window" in unsupported_reason(window, 100) and unsupported_reason(window, 16) is None
+
+    class Tokenizer:  # the bits of a tokenizer generate() uses, around the shared byte-level one
+        pad_token_id, eos_token_id = 2, 2
+
+        def __call__(self, texts, **kwargs):
+            return tok(texts, **kwargs)
+
+        def batch_decode(self, ids, **kwargs):
+            return tok.batch_decode(ids, **kwargs)
+
+    settings = GenerationSettings(num_generations=2, max_new_tokens=10)
+    with caplog.at_level(logging.INFO, logger="scgrpo.rollout.engine"):
+        out = generate(model, Tokenizer(), ["hello", "a b"], 1, settings, torch.device("cpu"), greedy=True)
+        generate(model, Tokenizer(), ["hello", "a b"], 1, settings, torch.device("cpu"), greedy=True)
+    assert caplog.text.count("compact decode forward not used (activation 'gelu')") == 1  # logged once
+    assert torch.equal(out.completion_ids[:, :10], hf_greedy(model, tok(["hello", "a b"], return_tensors="pt",
+                                                                        padding=True), 10, 2)[:, : out.completion_ids.shape[1]])
+    assert out.stats == {}
+
+
+def test_length_buckets():
+    assert [length_bucket(n, 4096) for n in (1, 64, 65, 1024, 1025, 5000)] == [64, 64, 128, 1024, 1280, 4096]
+
+
+def test_generation_settings_reject_unknown_engine_options():
+    with pytest.raises(ValueError, match="decode_forward"):
+        GenerationSettings(decode_forward="fast")
+    with pytest.raises(ValueError, match="compile"):
+        GenerationSettings(compile="yes")
+    with pytest.raises(ValueError, match="max_slots"):
+        GenerationSettings(max_slots=-1)
