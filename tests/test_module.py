@@ -103,6 +103,8 @@ def test_training_logs_the_step_statistics(tiny_model_dir, tmp_path):
                 "val/id/avg@2", "val/id/pass@2", "val/id/greedy", "verifier/errors", "rollout/logprob_mismatch_mean",
                 "rollout/logprob_mismatch_max", "rollout/mismatch_kl", "rollout/slots", "rollout/decode_steps"]:
         assert key in keys, key
+    mismatch = [float(r["rollout/logprob_mismatch_max"]) for r in rows if r.get("rollout/logprob_mismatch_max")]
+    assert any(m == m for m in mismatch) and all(m < 1e-4 for m in mismatch if m == m)  # fp32: the same numbers
     val_steps = [r["step"] for r in rows if r.get("val/id/avg@2")]
     assert len(val_steps) == 2  # before training and after step 2
     with open(os.path.join(trainer.logger.log_dir, "completions.jsonl")) as f:
@@ -181,6 +183,9 @@ def test_sampler_mismatch_metrics_and_tis_weights_by_hand(tiny_model_dir):
     assert metrics["rollout/logprob_mismatch_mean"] == pytest.approx(float(kept.abs().mean()))
     assert metrics["rollout/logprob_mismatch_max"] == pytest.approx(8.0)
     assert metrics["rollout/mismatch_kl"] == pytest.approx(float((kept.exp() - 1 - kept).mean()), rel=1e-5)
+    before = dict(module._mismatch)
+    module._sampler_correction(trainer, sampler + 5.0, mask, None, book=False)  # a rank's zero-weight pass
+    assert dict(module._mismatch) == before
     module.tis_cap = 0.0  # off: the weights pass through, the mismatch is still measured
     assert module._sampler_correction(trainer, sampler, mask, None) is None
     with pytest.raises(ValueError, match="tis_cap"):

@@ -113,7 +113,10 @@ class RLVRModule(LightningModule):
         save_adapter_every_n_steps: export the adapter every N steps (None: only at the end).
         tis_cap: truncated importance sampling: each token's policy-gradient term is weighted by
             min(pi_trainer(y) / pi_sampler(y), tis_cap), the ratio of the trainer's probability (at sampling time)
-            to the sampler's, correcting for the numerical gap between the two; 0 = off (default).
+            to the sampler's, correcting for the gap between the two (numerics, and top-k / top-p filtering,
+            whose log-probabilities the sampler reports renormalised); 0 = off (default). Acts through the
+            objective's token weights, so objectives without a policy-gradient term (OPSD) are unchanged. With
+            num_iterations 1 the trainer's side is the training forward itself (LoRA dropout included).
     """
 
     def __init__(
@@ -423,7 +426,7 @@ class RLVRModule(LightningModule):
             real = i < len(chunks)
             # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
             chunk = chunks[i] if real else torch.zeros(1, dtype=torch.long, device=rows.device)
-            out, entropy = self.runner(lambda: self._micro_forward(rollouts, chunk, plan))
+            out, entropy = self.runner(lambda: self._micro_forward(rollouts, chunk, plan, book=real))
             finite = bool(torch.isfinite(out.loss))
             if not finite:
                 self.nonfinite_skips += 1
@@ -473,8 +476,9 @@ class RLVRModule(LightningModule):
 
         return self.runner(run)
 
-    def _micro_forward(self, rollouts: RolloutBatch, rows: Tensor, plan: dict):
-        """The loss of the rows ``rows`` (run inside the policy runner's forward); the caller runs backward."""
+    def _micro_forward(self, rollouts: RolloutBatch, rows: Tensor, plan: dict, book: bool = True):
+        """The loss of the rows ``rows`` (run inside the policy runner's forward); the caller runs backward.
+        ``book``: count these rows in the step's sampler-trainer mismatch (not for a rank's zero-weight pass)."""
         c = rollouts.completion_ids.shape[1]
         credit: Credit = plan["credit"]
         signal: Optional[TeacherSignal] = plan["signal"]
@@ -491,7 +495,8 @@ class RLVRModule(LightningModule):
         old_logprobs = rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach()
         token_weights = pick(credit.token_weights)
         if rollouts.sampler_logprobs is not None:
-            token_weights = self._sampler_correction(old_logprobs, rollouts.sampler_logprobs[rows], mask, token_weights)
+            token_weights = self._sampler_correction(old_logprobs, rollouts.sampler_logprobs[rows], mask, token_weights,
+                                                     book=book)
         inputs = LossInputs(
             completion_mask=mask,
             advantages=credit.advantages[rows],
@@ -515,11 +520,12 @@ class RLVRModule(LightningModule):
         return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)
 
     def _sampler_correction(self, trainer: Tensor, sampler: Tensor, mask: Tensor,
-                            token_weights: Optional[Tensor]) -> Optional[Tensor]:
-        """Books the sampler-trainer mismatch of these rows (first pass of a step only) and, with ``tis_cap``,
-        multiplies ``token_weights`` by the truncated importance ratio min(pi_trainer / pi_sampler, tis_cap)."""
+                            token_weights: Optional[Tensor], book: bool = True) -> Optional[Tensor]:
+        """Books the sampler-trainer mismatch of these rows (when ``book``, on a step's first pass) and, with
+        ``tis_cap``, multiplies ``token_weights`` by the truncated importance ratio min(pi_trainer / pi_sampler,
+        tis_cap)."""
         log_ratio = (trainer.detach() - sampler) * mask  # [n, C] log pi_trainer - log pi_sampler
-        if getattr(self, "_first_pass", True) and hasattr(self, "_mismatch"):
+        if book and getattr(self, "_first_pass", True) and hasattr(self, "_mismatch"):
             tokens = mask.bool()
             self._mismatch["abs"] += float(log_ratio.abs().sum())
             self._mismatch["k3"] += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())  # KL(sampler || trainer)

@@ -64,6 +64,10 @@ def _base_layer(module):
 
 
 def _is_plain(weight: Tensor) -> bool:
+    """A float weight used as it is (not a bitsandbytes 4/8-bit parameter, which may even have a float dtype
+    when its packed storage is bf16)."""
+    if hasattr(weight, "quant_state") or hasattr(weight, "SCB") or type(weight).__name__ in ("Params4bit", "Int8Params"):
+        return False
     return weight.dtype.is_floating_point and type(weight.data) is torch.Tensor
 
 
@@ -104,6 +108,9 @@ def unsupported_reason(model, max_length: int) -> Optional[str]:
             return "DoRA adapters"
         if hasattr(module, "lora_B") and any(getattr(b, "bias", None) is not None for b in module.lora_B.values()):
             return "LoRA with biases"
+    for module in causal_lm.modules():  # FSDP swaps parameter objects between rollouts: decode through HF
+        if any(cls.__name__ in ("FSDPModule", "FullyShardedDataParallel") for cls in type(module).__mro__):
+            return "sharded (FSDP) weights"
     for param in causal_lm.parameters():
         if type(param.data) is not torch.Tensor and param.data.__class__.__name__ == "DTensor":
             return "sharded (DTensor) weights"
@@ -119,8 +126,10 @@ class Projection:
     """Linear layers that read the same input, as one matmul plus one low-rank matmul for their adapters.
 
     ``weight`` is ``[W_1; ...; W_k; A_1; ...; A_m]`` (outputs, then adapter ranks), ``up`` the block-diagonal
-    ``[sum out, sum r]`` of the scaled B's: ``y = (x W^T)[:out] + (x W^T)[out:] up^T``. The concatenation is built
-    once and refreshed in place (A's every call, base rows only when a base weight changed), so a CUDA graph
+    ``[sum out, sum r]`` of the scaled B's: ``y = (x W^T)[:out] + (x W^T)[out:] up^T``. The concatenation costs one
+    copy of the layers' weights (kept between rollouts unless released). :meth:`refresh` updates it in place:
+    the adapters and biases every time, the base rows when a base weight is trainable or has changed; storage
+    is reallocated only when the layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph
     that reads it stays valid. Layers whose base weight is not a plain float tensor (4-bit) run their own
     forward instead."""
 
@@ -134,49 +143,56 @@ class Projection:
         self.weight: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self.up: Optional[Tensor] = None
-        self.rank = 0
-        self._key = None
+        self._layout = None
+        self._base_state = None
         self.refresh()
 
-    def _base_key(self):
-        return tuple((b.weight.data_ptr(), b.weight._version, b.weight.dtype) for b in self.bases)
+    def release(self) -> None:
+        """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`)."""
+        self.weight = self.bias = self.up = None
+        self._layout = self._base_state = None
 
     def refresh(self) -> bool:
-        """Returns whether the concatenated tensors were rebuilt (new storage) rather than updated in place."""
+        """Returns whether storage was (re)allocated, rather than updated in place."""
         if not self.fused:
             return False
         loras = [(i, a, b, s) for i, m in enumerate(self.modules) for a, b, s in _lora_parts(m)]
         rank = sum(a.shape[0] for _, a, _, _ in loras)
-        key = (self._base_key(), rank)
-        single = len(self.bases) == 1 and not loras
-        rebuilt = key != self._key
-        if rebuilt:
-            if single and self.bases[0].weight.dtype == self.dtype:
-                self.weight = self.bases[0].weight.detach()  # no copy
+        weights = [b.weight for b in self.bases]
+        single = len(self.bases) == 1 and not loras and weights[0].dtype == self.dtype
+        layout = (tuple((tuple(w.shape), w.dtype) for w in weights), tuple((i, a.shape[0]) for i, a, _, _ in loras),
+                  single, single and weights[0].data_ptr(), tuple(b.bias is not None for b in self.bases))
+        base_state = tuple((w.data_ptr(), w._version) for w in weights)
+        allocated = layout != self._layout
+        device = weights[0].device
+        if allocated:
+            if single:
+                self.weight = weights[0].detach()  # the layer's own tensor: nothing to copy
             else:
-                device = self.bases[0].weight.device
-                self.weight = torch.empty(self.out + rank, self.bases[0].weight.shape[1], dtype=self.dtype, device=device)
-                torch.cat([b.weight.detach() for b in self.bases], out=self.weight[: self.out])
-            biases = [b.bias for b in self.bases]
-            if any(x is not None for x in biases):
-                parts = [x.detach() if x is not None else torch.zeros(n, dtype=self.dtype, device=self.weight.device)
-                         for x, n in zip(biases, self.sizes)]
-                self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=self.weight.device)
-                self.bias[: self.out].copy_(torch.cat(parts))
-            self.up = torch.zeros(self.out, rank, dtype=self.dtype, device=self.weight.device) if rank else None
-            self.rank, self._key = rank, key
-        if not loras:
-            return rebuilt
-        starts = [0]
-        for n in self.sizes:
-            starts.append(starts[-1] + n)
-        row, col = self.out, 0
-        for i, a, b, scale in loras:  # A rows after the outputs; the scaled B in its block of ``up``
-            r = a.shape[0]
-            self.weight[row : row + r].copy_(a.detach())
-            self.up[starts[i] : starts[i + 1], col : col + r].copy_(b.detach() * scale)
-            row, col = row + r, col + r
-        return rebuilt
+                self.weight = torch.empty(self.out + rank, weights[0].shape[1], dtype=self.dtype, device=device)
+            has_bias = any(b.bias is not None for b in self.bases)
+            self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
+            self.up = torch.zeros(self.out, rank, dtype=self.dtype, device=device) if rank else None
+            self._layout, self._base_state = layout, None
+        trainable = any(w.requires_grad for w in weights)
+        if not single and (trainable or base_state != self._base_state):
+            torch.cat([w.detach().to(self.dtype) for w in weights], out=self.weight[: self.out])
+        self._base_state = base_state
+        if self.bias is not None:  # cheap, and biases may train while the weights do not
+            self.bias[: self.out].copy_(torch.cat([
+                b.bias.detach() if b.bias is not None else torch.zeros(n, dtype=self.dtype, device=device)
+                for b, n in zip(self.bases, self.sizes)]))
+        if loras:
+            starts = [0]
+            for n in self.sizes:
+                starts.append(starts[-1] + n)
+            row, col = self.out, 0
+            for i, a, b, scale in loras:  # A rows after the outputs; the scaled B in its block of ``up``
+                r = a.shape[0]
+                self.weight[row : row + r].copy_(a.detach())
+                self.up[starts[i] : starts[i + 1], col : col + r].copy_(b.detach() * scale)
+                row, col = row + r, col + r
+        return allocated
 
     def __call__(self, x: Tensor) -> Tensor:
         """``[..., in]`` -> ``[..., sum out]``."""
@@ -344,6 +360,14 @@ class CompactDecoder:
                 rebuilt |= proj.refresh()
         if rebuilt:
             self.version += 1
+
+    def release(self) -> None:
+        """Drops the concatenated weight copies until the next :meth:`refresh` (which reallocates them)."""
+        self.head.release()
+        for layer in self.layers:
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                proj.release()
+        self.version += 1
 
     def rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
         """``[length, D]`` cos and sin from the model's own rotary module (any static RoPE scaling)."""

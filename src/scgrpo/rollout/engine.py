@@ -41,8 +41,8 @@ class GenerationSettings:
     """Rows decoded at once by the compact forward (its KV cache holds this many); waiting rows take the slots
     of finished ones. 0 = as many as a quarter of the free GPU memory holds (every row on CPU)"""
     keep_workspace: bool = True
-    """Keep the compact forward's KV cache and CUDA graphs between rollouts (no re-recording; the cache's
-    memory stays allocated during the update). False frees them after each rollout"""
+    """Keep the compact forward's KV cache, CUDA graphs and fused weight copies between rollouts (no
+    re-recording; that memory stays allocated during the update). False frees them after each rollout"""
     min_new_tokens: int = 0
     """Forbid end-of-sequence before this many tokens (benchmarks fix lengths with it)"""
     cuda_graphs: bool = True
@@ -189,7 +189,9 @@ def sampling_distribution(logits: Tensor, temperature: float = 1.0) -> tuple[Ten
 def draw(logits: Tensor, probs: Tensor, lse: Tensor, uniform: Tensor, temperature: float = 1.0, top_p: float = 1.0,
          top_k: int = 0) -> tuple[Tensor, Tensor]:
     """A token per row from ``probs`` after top-k / top-p filtering, by inverting the CDF at ``uniform`` ``[N, 1]``
-    (exact; one number per row), and its log-probability under the unfiltered distribution."""
+    (exact; one number per row), and its log-probability under the distribution it was drawn from (the
+    filtered one, renormalised; ``logits`` and ``lse`` give it exactly when nothing is filtered)."""
+    filtered = bool(top_k and top_k < probs.shape[-1]) or top_p < 1.0
     if top_k and top_k < probs.shape[-1]:
         kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
         probs = probs.masked_fill(probs < kth, 0.0)
@@ -200,7 +202,10 @@ def draw(logits: Tensor, probs: Tensor, lse: Tensor, uniform: Tensor, temperatur
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     cdf = probs.cumsum(dim=-1)  # [N, V]
     token = torch.searchsorted(cdf, uniform.to(cdf.dtype) * cdf[:, -1:]).squeeze(1).clamp(max=probs.shape[-1] - 1)
-    logprob = logits.gather(1, token.unsqueeze(1)).squeeze(1).float() / temperature - lse
+    if filtered:  # renormalised over the tokens kept
+        logprob = probs.gather(1, token.unsqueeze(1)).squeeze(1).log() - cdf[:, -1].log()
+    else:
+        logprob = logits.gather(1, token.unsqueeze(1)).squeeze(1).float() / temperature - lse
     return token, logprob
 
 
@@ -211,8 +216,9 @@ def sample_tokens(
 
     ``uniform`` ``[N, 1]`` in [0, 1) draws from softmax(logits / temperature) after top-k / top-p filtering by
     inverting the CDF (exact, one number per row, cheap; no host sync, so a CUDA graph can record it); None
-    takes the argmax. The log-probability and the entropy are those of the unfiltered softmax at
-    ``temperature``, which is what the trainer computes for the same token (0 when greedy)."""
+    takes the argmax. The log-probability is the token's under the distribution it was drawn from (after
+    filtering; without filtering the trainer computes the same number); the entropy is the unfiltered
+    softmax's at ``temperature`` (0 when greedy)."""
     if uniform is None:
         token = logits.argmax(dim=-1)
         zero = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -452,6 +458,8 @@ def generate(
         with generation_mode(model, "never"):
             completion_ids, sampler_logprobs, entropy_sum = sampler(prompt_ids, prompt_mask)  # [N, C] x 2, [N]
         stats = dict(sampler.stats)
+        if not settings.keep_workspace:
+            compact["decoder"].release()  # the fused weight copies too
     else:
         with generation_mode(model, settings.merge_lora):
             if settings.engine == "loop":

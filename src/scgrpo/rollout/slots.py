@@ -83,6 +83,7 @@ class SlotDecoder:
         self._key = None  # (rows, cache length, decoder version) the kept workspaces were built for
         self._out: Optional[Outputs] = None
         self._states: dict[int, SlotState] = {}
+        self._top: Optional[int] = None  # slots of the kept workspace's full-size state
 
     # ------------------------------------------------------------------------------------------ one step
     def _distribution_fn(self, logits: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -251,7 +252,9 @@ class SlotDecoder:
                             prompt_ids.gather(1, gather), torch.full_like(prompt_ids, self.pad_id))  # [N, Tp]
         cache_len = length_bucket(int(lengths.max()) + self.max_new, 1 << 30)
         out, cache_len = self._workspace(n, cache_len)
-        slots = n if not self.refill else self.slot_budget(n, cache_len)
+        if self._top is None:  # decided once per workspace: a budget that moved with free memory would pile up caches
+            self._top = n if not self.refill else self.slot_budget(n, cache_len)
+        slots = self._top
         state = self._state(slots, cache_len, n)
         pending = deque(range(n))
         lengths_host = lengths.tolist()
@@ -299,7 +302,7 @@ class SlotDecoder:
     def release(self) -> None:
         """Frees the kept workspaces (KV caches, graphs, output buffers)."""
         self._states.clear()
-        self._out, self._key, self.pool = None, None, None
+        self._out, self._key, self.pool, self._top = None, None, None, None
 
     def _admit(self, state: SlotState, out: Outputs, right: Tensor, lengths: Tensor, rows: list[int],
                slots: list[int]) -> None:
