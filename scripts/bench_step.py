@@ -114,10 +114,11 @@ class StepRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         record = {k: float(v) for k, v in pl_module.last_step_metrics.items()}
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # the module resets the peak between phases: the step's is their maximum
             torch.cuda.synchronize()
-            record["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            record["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            phases = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("_peak_gib")]
+            record["peak_allocated_gib"] = max([torch.cuda.max_memory_allocated() / 2**30, *phases])
+            record["peak_reserved_gib"] = max(torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved()) / 2**30
         record["end_s"] = time.perf_counter() - self._start
         self.steps.append(record)
 
@@ -132,7 +133,8 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
         return statistics.median(values) if values else None
 
     out: dict[str, Any] = {"measured_steps": len(steps)}
-    for key in ("wall_s", "time/step_s", "time/generation_s", "time/verification_s", "time/scoring_s",
+    for key in ("memory/rollout_peak_gib", "memory/scoring_peak_gib", "memory/teacher_peak_gib", "memory/update_peak_gib",
+                "wall_s", "time/step_s", "time/generation_s", "time/verification_s", "time/scoring_s",
                 "time/teacher_s", "time/train_s", "tokens/completion", "tokens/train", "tokens/teacher",
                 "train/completion_length", "train/reward"):
         value = med(key)

@@ -343,6 +343,14 @@ class RLVRModule(LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def phase_peak(self, stats: dict, name: str) -> None:
+        """On a GPU, records the peak memory allocated since the last call as ``memory/<name>_peak_gib`` and
+        starts a new phase (the peaks of sampling, teacher pass and update are logged apart)."""
+        if self.device.type == "cuda":
+            key = f"memory/{name}_peak_gib"
+            stats[key] = max(stats.get(key, 0.0), torch.cuda.max_memory_allocated(self.device) / 2**30)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def training_step(self, batch: PromptBatch, batch_idx: int) -> Tensor:
         """sample -> verify (callbacks, before this) -> self-teacher -> credit -> loss -> log."""
         rollouts = batch.rollouts
@@ -354,7 +362,11 @@ class RLVRModule(LightningModule):
             self.score_rollouts(rollouts)
             self._sync()
             rollouts.stats["time/scoring_s"] = time.perf_counter() - start
+        # verification and DAPO's extra rounds belong to the rollout phase; the scoring pass, when run, to its own
+        self.phase_peak(rollouts.stats, "scoring" if "time/scoring_s" in rollouts.stats else "rollout")
         signal = self.run_self_teacher(rollouts)
+        if signal is not None:
+            self.phase_peak(rollouts.stats, "teacher")
         start = time.perf_counter()
         plan = self.plan_step(rollouts, signal)
         optimizer = self.optimizers()
@@ -375,6 +387,7 @@ class RLVRModule(LightningModule):
                 scheduler.step()
         self._sync()
         train_time = time.perf_counter() - start
+        self.phase_peak(rollouts.stats, "update")
         self.last_credit = {"signal": signal, "credit": plan["credit"]} if signal is not None else None
         self._log_step(rollouts, plan, sums, train_time, signal)
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -596,7 +609,10 @@ class RLVRModule(LightningModule):
         metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
         optimizer = self.optimizers()
         metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+        memory = {k: float(v) for k, v in metrics.items() if k.startswith("memory/")}
         metrics = mean_over_ranks({k: float(v) for k, v in metrics.items()})  # rewards etc. of the global batch
+        if memory:  # peaks: the largest rank's
+            metrics.update(zip(memory, all_reduce(list(memory.values()), "max", self.device)))
         metrics.update(mismatch)  # already global
         self.last_step_metrics = metrics
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, prog_bar=False,

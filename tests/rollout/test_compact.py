@@ -251,8 +251,10 @@ def test_refresh_follows_adapter_switches_trainable_biases_and_data_updates(tok,
         model.base_model.model.model.layers[0].self_attn.k_proj.bias.add_(3.0)
     check()
     weight = model.base_model.model.model.layers[1].mlp.up_proj.weight
-    weight.requires_grad_(True)  # a trained base weight, updated behind autograd's back (.data)
-    weight.data.mul_(-2.0)
+    weight.data.mul_(-2.0)  # a frozen base weight edited behind autograd's back: no version counter moves
+    check()
+    weight.requires_grad_(True)  # and a trained one
+    weight.data.mul_(0.5)
     check()
 
 
@@ -280,3 +282,10 @@ def test_a_kept_workspace_serves_later_calls_of_other_shapes(tok):
         expected = fresh(enc["input_ids"], enc["attention_mask"])[0]
         assert torch.equal(sampler(enc["input_ids"], enc["attention_mask"])[0], expected)
     assert len(sampler._states) <= 3  # the full-size state and its compactions, not one per call
+
+
+def test_a_zero_draw_never_picks_a_filtered_token():
+    logits = torch.tensor([[-3.0, 2.0, 1.0, 0.5, -1.0]]).expand(4, 5)
+    for top_p, top_k in ((1.0, 2), (0.5, 0), (0.9, 3)):
+        tokens, logprob, _ = sample_tokens(logits, torch.zeros(4, 1), 1.0, top_p, top_k)
+        assert bool((tokens == 1).all()) and bool(torch.isfinite(logprob).all())  # the first kept token

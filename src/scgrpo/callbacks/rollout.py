@@ -92,10 +92,13 @@ class RolloutCallback(Callback):
     needs them it also scores the samples under the sampling policy (mu > 1) and the reference (beta > 0)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
+        stats: dict = {}
+        pl_module.phase_peak(stats, "before")  # starts the sampling phase's peak
         start = time.perf_counter()
         rollouts = sample_rollouts(pl_module, batch)
         pl_module._sync()
         rollouts.stats["time/generation_s"] = time.perf_counter() - start
+        pl_module.phase_peak(rollouts.stats, "rollout")
         batch.rollouts = rollouts
 
 

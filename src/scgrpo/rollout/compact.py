@@ -68,6 +68,8 @@ def _is_plain(weight: Tensor) -> bool:
     when its packed storage is bf16)."""
     if hasattr(weight, "quant_state") or hasattr(weight, "SCB") or type(weight).__name__ in ("Params4bit", "Int8Params"):
         return False
+    if weight.element_size() == 1:  # float8 checkpoints keep their scales elsewhere
+        return False
     return weight.dtype.is_floating_point and type(weight.data) is torch.Tensor
 
 
@@ -127,9 +129,8 @@ class Projection:
 
     ``weight`` is ``[W_1; ...; W_k; A_1; ...; A_m]`` (outputs, then adapter ranks), ``up`` the block-diagonal
     ``[sum out, sum r]`` of the scaled B's: ``y = (x W^T)[:out] + (x W^T)[out:] up^T``. The concatenation costs one
-    copy of the layers' weights (kept between rollouts unless released). :meth:`refresh` updates it in place:
-    the adapters and biases every time, the base rows when a base weight is trainable or has changed; storage
-    is reallocated only when the layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph
+    copy of the layers' weights (kept between rollouts unless released). :meth:`refresh` updates it in place
+    (base rows, adapters and biases: one device copy); storage is reallocated only when the layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph
     that reads it stays valid. Layers whose base weight is not a plain float tensor (4-bit) run their own
     forward instead."""
 
@@ -144,13 +145,12 @@ class Projection:
         self.bias: Optional[Tensor] = None
         self.up: Optional[Tensor] = None
         self._layout = None
-        self._base_state = None
         self.refresh()
 
     def release(self) -> None:
         """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`)."""
         self.weight = self.bias = self.up = None
-        self._layout = self._base_state = None
+        self._layout = None
 
     def refresh(self) -> bool:
         """Returns whether storage was (re)allocated, rather than updated in place."""
@@ -162,7 +162,6 @@ class Projection:
         single = len(self.bases) == 1 and not loras and weights[0].dtype == self.dtype
         layout = (tuple((tuple(w.shape), w.dtype) for w in weights), tuple((i, a.shape[0]) for i, a, _, _ in loras),
                   single, single and weights[0].data_ptr(), tuple(b.bias is not None for b in self.bases))
-        base_state = tuple((w.data_ptr(), w._version) for w in weights)
         allocated = layout != self._layout
         device = weights[0].device
         if allocated:
@@ -173,11 +172,9 @@ class Projection:
             has_bias = any(b.bias is not None for b in self.bases)
             self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
             self.up = torch.zeros(self.out, rank, dtype=self.dtype, device=device) if rank else None
-            self._layout, self._base_state = layout, None
-        trainable = any(w.requires_grad for w in weights)
-        if not single and (trainable or base_state != self._base_state):
+            self._layout = layout
+        if not single:  # one device copy per rollout: in-place `.data` edits leave no version trace to check
             torch.cat([w.detach().to(self.dtype) for w in weights], out=self.weight[: self.out])
-        self._base_state = base_state
         if self.bias is not None:  # cheap, and biases may train while the weights do not
             self.bias[: self.out].copy_(torch.cat([
                 b.bias.detach() if b.bias is not None else torch.zeros(n, dtype=self.dtype, device=device)

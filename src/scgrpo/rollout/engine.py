@@ -201,7 +201,9 @@ def draw(logits: Tensor, probs: Tensor, lse: Tensor, uniform: Tensor, temperatur
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p * total  # mass before this token exceeds top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     cdf = probs.cumsum(dim=-1)  # [N, V]
-    token = torch.searchsorted(cdf, uniform.to(cdf.dtype) * cdf[:, -1:]).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    # a draw of exactly 0 must not land on a leading filtered-out token: aim at least at the smallest mass
+    target = (uniform.to(cdf.dtype) * cdf[:, -1:]).clamp(min=torch.finfo(cdf.dtype).tiny)
+    token = torch.searchsorted(cdf, target).squeeze(1).clamp(max=probs.shape[-1] - 1)
     if filtered:  # renormalised over the tokens kept
         logprob = probs.gather(1, token.unsqueeze(1)).squeeze(1).log() - cdf[:, -1].log()
     else:
