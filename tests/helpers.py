@@ -5,6 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
+import torch
+
 from scgrpo import GenerationSettings, LoraSettings, PromptDataModule, RLVRModule
 from tests.verifiers.helpers import ParityVerifier
 
@@ -43,3 +45,15 @@ def tiny_trainer(root, max_steps: int = 1, **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+def sampler_vs_trainer(module: RLVRModule, generated) -> tuple[torch.Tensor, torch.Tensor]:
+    """``|log p_trainer - log p_sampler|`` ``[N, C]`` of a ``module.sample`` result's tokens (the trainer's side from
+    the module's own log-prob pass, eval mode), and the completion mask as bool."""
+    c = generated.completion_ids.shape[1]
+    ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)
+    attention = torch.cat([generated.prompt_mask, generated.completion_mask.long()], 1)
+    module.policy.eval()
+    with torch.no_grad():
+        trainer = module.token_logprobs(module.policy, ids, attention, c, entropy=False)[0]
+    return (trainer - generated.sampler_logprobs).abs(), generated.completion_mask.bool()

@@ -181,6 +181,8 @@ class RLVRModule(LightningModule):
         self.nonfinite_skips = 0
         self._self_teacher: Optional[SelfTeacher] = None
         self.last_step_metrics: dict[str, float] = {}
+        self._mismatch: dict[str, float] = defaultdict(float)  # this step's sampler-trainer mismatch sums
+        self._first_pass = True  # the step's first optimisation pass (the mismatch is booked on it only)
         self.last_credit: Optional[dict] = None  # what CreditLogging draws: the step's signal and credit
         self._eval: dict[str, dict[str, float]] = {}
 
@@ -538,7 +540,7 @@ class RLVRModule(LightningModule):
         ``tis_cap``, multiplies ``token_weights`` by the truncated importance ratio min(pi_trainer / pi_sampler,
         tis_cap)."""
         log_ratio = (trainer.detach() - sampler) * mask  # [n, C] log pi_trainer - log pi_sampler
-        if book and getattr(self, "_first_pass", True) and hasattr(self, "_mismatch"):
+        if book and self._first_pass:
             tokens = mask.bool()
             self._mismatch["abs"] += float(log_ratio.abs().sum())
             self._mismatch["k3"] += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())  # KL(sampler || trainer)
@@ -554,7 +556,7 @@ class RLVRModule(LightningModule):
         """rollout/logprob_mismatch_mean and _max (|log pi_sampler(y) - log pi_trainer(y)| over the sampled tokens
         of the rows in the loss) and rollout/mismatch_kl (k3 estimate of KL(sampler || trainer)); NaN when no
         token was compared (no sampler log-probs, or no row in the loss)."""
-        m = getattr(self, "_mismatch", {})
+        m = self._mismatch
         total_abs, total_k3, tokens = all_reduce([m.get("abs", 0.0), m.get("k3", 0.0), m.get("tokens", 0.0)],
                                                  device=self.device)
         largest = all_reduce([m.get("max", 0.0)], "max", self.device)[0]

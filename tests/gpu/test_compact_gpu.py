@@ -118,7 +118,7 @@ def test_real_smollm2_sampler_logprobs_match_the_trainer(smollm2):
     """The sampler's log-probability of its own tokens against the training forward (the module's
     ``token_logprobs``): within 1e-3 in fp32 on the GPU (TF32 off), and the bf16 gap measured."""
     from scgrpo.rollout.engine import GenerationSettings
-    from tests.helpers import tiny_module
+    from tests.helpers import sampler_vs_trainer, tiny_module
 
     folder, tok, prompts = smollm2
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -129,14 +129,8 @@ def test_real_smollm2_sampler_logprobs_match_the_trainer(smollm2):
         module.to("cuda")
         torch.manual_seed(0)
         generated = module.sample(prompts[:32], 2)
-        c = generated.completion_ids.shape[1]
-        ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)
-        attention = torch.cat([generated.prompt_mask, generated.completion_mask.long()], 1)
-        module.policy.eval()
-        with torch.no_grad():
-            trainer = module.token_logprobs(module.policy, ids, attention, c, entropy=False)[0]
-        mask = generated.completion_mask.bool()
-        diff = (trainer - generated.sampler_logprobs)[mask].abs()
+        diff, mask = sampler_vs_trainer(module, generated)
+        diff = diff[mask]
         result[dtype] = {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(mask.sum())}
         if dtype == "float32":
             assert float(diff.max()) < 1e-3

@@ -167,7 +167,7 @@ def test_first_token_distribution_matches_the_filtered_softmax(temperature, top_
 
 
 def test_sampler_logprobs_equal_the_trainers(tiny_model_dir):
-    from tests.helpers import tiny_module
+    from tests.helpers import sampler_vs_trainer, tiny_module
 
     module = tiny_module(tiny_model_dir, dtype="float32",
                          generation=GenerationSettings(num_generations=3, max_new_tokens=12, temperature=0.8))
@@ -175,14 +175,8 @@ def test_sampler_logprobs_equal_the_trainers(tiny_model_dir):
     torch.manual_seed(0)
     generated = module.sample(module.format_prompts(["What is 1 + 1?", "Add 12 and 30."]), 3)
     assert generated.stats["rollout/slots"] == 6  # the compact engine sampled
-    c = generated.completion_ids.shape[1]
-    ids = torch.cat([generated.prompt_ids, generated.completion_ids], 1)
-    attention = torch.cat([generated.prompt_mask, generated.completion_mask.long()], 1)
-    module.policy.eval()
-    with torch.no_grad():
-        trainer = module.token_logprobs(module.policy, ids, attention, c, entropy=False)[0]
-    mask = generated.completion_mask.bool()
-    assert float((trainer - generated.sampler_logprobs)[mask].abs().max()) < 1e-4
+    diff, mask = sampler_vs_trainer(module, generated)
+    assert float(diff[mask].max()) < 1e-4
     assert bool((generated.sampler_logprobs[~mask] == 0).all())
 
 

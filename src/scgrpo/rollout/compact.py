@@ -110,7 +110,7 @@ def unsupported_reason(model, max_length: int) -> Optional[str]:
             return "DoRA adapters"
         if hasattr(module, "lora_B") and any(getattr(b, "bias", None) is not None for b in module.lora_B.values()):
             return "LoRA with biases"
-    for module in causal_lm.modules():  # FSDP swaps parameter objects between rollouts: decode through HF
+        # FSDP swaps parameter objects between rollouts: decode through the HF forward
         if any(cls.__name__ in ("FSDPModule", "FullyShardedDataParallel") for cls in type(module).__mro__):
             return "sharded (FSDP) weights"
     for param in causal_lm.parameters():

@@ -12,6 +12,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from scgrpo.rollout.sampling import sample_from_logits, sample_tokens  # noqa: F401 (sample_from_logits: re-exported)
+
 log = logging.getLogger(__name__)
 
 
@@ -174,73 +176,6 @@ def generation_mode(model, merge_lora: str = "auto") -> Iterator[None]:
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train(was_training)
-
-
-def sampling_distribution(logits: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
-    """softmax(logits / temperature) ``[N, V]`` fp32, its log-normaliser ``[N]`` and its entropy ``[N]``."""
-    logits = logits.float() / temperature  # [N, V]
-    lse = torch.logsumexp(logits, dim=-1)  # [N]
-    logp = logits - lse.unsqueeze(1)
-    probs = logp.exp()
-    entropy = -(probs * logp.nan_to_num(neginf=0.0)).sum(-1)  # 0 log 0 = 0 at banned tokens
-    return probs, lse, entropy
-
-
-def draw(logits: Tensor, probs: Tensor, lse: Tensor, uniform: Tensor, temperature: float = 1.0, top_p: float = 1.0,
-         top_k: int = 0) -> tuple[Tensor, Tensor]:
-    """A token per row from ``probs`` after top-k / top-p filtering, by inverting the CDF at ``uniform`` ``[N, 1]``
-    (exact; one number per row), and its log-probability under the distribution it was drawn from (the
-    filtered one, renormalised; ``logits`` and ``lse`` give it exactly when nothing is filtered)."""
-    filtered = bool(top_k and top_k < probs.shape[-1]) or top_p < 1.0
-    if top_k and top_k < probs.shape[-1]:
-        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
-        probs = probs.masked_fill(probs < kth, 0.0)
-    if top_p < 1.0:
-        total = probs.sum(-1, keepdim=True)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p * total  # mass before this token exceeds top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    cdf = probs.cumsum(dim=-1)  # [N, V]
-    # a draw of exactly 0 must not land on a leading filtered-out token: aim at least at the smallest mass
-    target = (uniform.to(cdf.dtype) * cdf[:, -1:]).clamp(min=torch.finfo(cdf.dtype).tiny)
-    token = torch.searchsorted(cdf, target).squeeze(1).clamp(max=probs.shape[-1] - 1)
-    if filtered:  # renormalised over the tokens kept
-        logprob = probs.gather(1, token.unsqueeze(1)).squeeze(1).log() - cdf[:, -1].log()
-    else:
-        logprob = logits.gather(1, token.unsqueeze(1)).squeeze(1).float() / temperature - lse
-    return token, logprob
-
-
-def sample_tokens(
-    logits: Tensor, uniform: Optional[Tensor], temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One token per row of ``[N, V]`` logits, with its log-probability and the distribution's entropy.
-
-    ``uniform`` ``[N, 1]`` in [0, 1) draws from softmax(logits / temperature) after top-k / top-p filtering by
-    inverting the CDF (exact, one number per row, cheap; no host sync, so a CUDA graph can record it); None
-    takes the argmax. The log-probability is the token's under the distribution it was drawn from (after
-    filtering; without filtering the trainer computes the same number); the entropy is the unfiltered
-    softmax's at ``temperature`` (0 when greedy)."""
-    if uniform is None:
-        token = logits.argmax(dim=-1)
-        zero = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-        return token, zero, zero
-    probs, lse, entropy = sampling_distribution(logits, temperature)
-    token, logprob = draw(logits, probs, lse, uniform, temperature, top_p, top_k)
-    return token, logprob, entropy
-
-
-def sample_from_logits(
-    logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
-    entropy: Optional[Tensor] = None,
-) -> Tensor:
-    """One token per row of ``[N, V]`` logits (:func:`sample_tokens` with a fresh uniform draw per row); when
-    ``entropy`` (``[N]``) is given, the sampling distribution's entropy is written into it."""
-    uniform = None if greedy else torch.rand(logits.shape[0], 1, device=logits.device)
-    token, _, ent = sample_tokens(logits, uniform, temperature, top_p, top_k)
-    if entropy is not None and not greedy:
-        entropy.copy_(ent)
-    return token
 
 
 def _cache_counters(cache) -> list[Tensor]:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from scgrpo.rollout.compact import CompactDecoder, Compiled, length_bucket
+from scgrpo.rollout.sampling import draw, sampling_distribution
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +87,20 @@ class SlotDecoder:
         self._top: Optional[int] = None  # slots of the kept workspace's full-size state
 
     # ------------------------------------------------------------------------------------------ one step
-    def _distribution_fn(self, logits: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        from scgrpo.rollout.engine import sampling_distribution
+    def _ban_eos(self, logits: Tensor, count: Tensor) -> Tensor:
+        """No end-of-sequence for rows that have made fewer than ``min_new`` tokens."""
+        if not (self.min_new and self.eos.numel()):
+            return logits
+        return logits.masked_fill((count < self.min_new).unsqueeze(1) & self.is_eos.unsqueeze(0), float("-inf"))
 
-        if self.min_new and self.eos.numel():  # no end-of-sequence before min_new tokens
-            logits = logits.masked_fill((count < self.min_new).unsqueeze(1) & self.is_eos.unsqueeze(0), float("-inf"))
+    def _distribution_fn(self, logits: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        logits = self._ban_eos(logits, count)
         return (logits, *sampling_distribution(logits, self.temperature))
 
     def _sample(self, logits: Tensor, uniform: Optional[Tensor], count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        from scgrpo.rollout.engine import draw
-
         if uniform is None:  # greedy
-            if self.min_new and self.eos.numel():
-                logits = logits.masked_fill((count < self.min_new).unsqueeze(1) & self.is_eos.unsqueeze(0),
-                                            float("-inf"))
             zero = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-            return logits.argmax(dim=-1), zero, zero
+            return self._ban_eos(logits, count).argmax(dim=-1), zero, zero
         logits, probs, lse, entropy = self._distribution(logits, count)
         token, logprob = draw(logits, probs, lse, uniform, self.temperature, self.top_p, self.top_k)
         return token, logprob, entropy
