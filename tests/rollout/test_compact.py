@@ -26,11 +26,11 @@ def tiny(family: str, vocab: int, seed: int = 0, **overrides):
     import transformers
 
     config_name, model_name, extra = FAMILY_CONFIGS[family]
-    config = getattr(transformers, config_name)(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        initializer_range=0.2,  # varied greedy continuations (the default 0.02 repeats one token)
-        **{**extra, **overrides})
+    config = getattr(transformers, config_name)(**{
+        **dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+               initializer_range=0.2),  # varied greedy continuations (the default 0.02 repeats one token)
+        **extra, **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config).eval()
 
@@ -283,3 +283,26 @@ def test_a_zero_draw_never_picks_a_filtered_token():
     for top_p, top_k in ((1.0, 2), (0.5, 0), (0.9, 3)):
         tokens, logprob, _ = sample_tokens(logits, torch.zeros(4, 1), 1.0, top_p, top_k)
         assert bool((tokens == 1).all()) and bool(torch.isfinite(logprob).all())  # the first kept token
+
+
+def test_the_two_level_cdf_inversion_equals_a_full_scan():
+    """Block sums then one block's scan pick the same token as searching the whole cumulative sum (float64, so
+    rounding cannot move a boundary), including zero-mass tokens and blocks, draws of 0 and near 1, and a
+    vocabulary that is not a multiple of the block."""
+    from scgrpo.rollout.sampling import invert_cdf
+
+    torch.manual_seed(0)
+    probs = torch.rand(6, 37, dtype=torch.float64)
+    probs[:, 8:16] = 0.0  # a whole block without mass
+    probs[:, ::5] = 0.0
+    probs[2, :36] = 0.0  # all mass on the last token
+    uniform = torch.rand(6, 200, dtype=torch.float64)
+    uniform[:, 0], uniform[:, 1] = 0.0, 1.0 - 1e-12
+    for j in range(uniform.shape[1]):
+        u = uniform[:, j : j + 1]
+        token, total = invert_cdf(probs, u, block=8)
+        cdf = probs.cumsum(-1)
+        expected = torch.searchsorted(cdf, (u * cdf[:, -1:]).clamp(min=1e-300)).squeeze(1)
+        assert torch.equal(token, expected)
+        assert bool((probs.gather(1, token[:, None]) > 0).all())
+        assert torch.allclose(total, probs.sum(-1))

@@ -30,18 +30,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from scgrpo.rollout import kernels
+
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class Compiled:
-    """``torch.compile(fn, dynamic=True)`` that falls back to ``fn`` itself, for good and with one warning, when
-    compilation fails (an unsupported pattern in this torch/Triton version): slower, never wrong."""
+    """``torch.compile(fn)`` that falls back to ``fn`` itself, for good and with one warning, when compilation
+    fails (an unsupported pattern in this torch/Triton version): slower, never wrong. Shapes start static and
+    only the dimensions seen to change (the slot count) become dynamic, so reductions over the hidden size
+    compile to single kernels."""
 
     def __init__(self, fn, name: str) -> None:
         self.fn, self.name = fn, name
-        self.compiled = torch.compile(fn, dynamic=True)
+        self.compiled = torch.compile(fn, dynamic=None)
         self.failed = False
 
     def __call__(self, *args, **kwargs):
@@ -128,7 +132,8 @@ class Projection:
     """Linear layers that read the same input, as one matmul plus one low-rank matmul for their adapters.
 
     ``weight`` is ``[W_1; ...; W_k; A_1; ...; A_m]`` (outputs, then adapter ranks), ``up`` the block-diagonal
-    ``[sum out, sum r]`` of the scaled B's: ``y = (x W^T)[:out] + (x W^T)[out:] up^T``. The concatenation costs one
+    ``[sum r, sum out]`` of the scaled, transposed B's (rows along the outputs, so that reading one rank's
+    column of every output is one contiguous load): ``y = (x W^T)[:out] + (x W^T)[out:] up``. The concatenation costs one
     copy of the layers' weights (kept between rollouts unless released). :meth:`refresh` updates it in place
     (base rows, adapters and biases: one device copy); storage is reallocated only when the layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph
     that reads it stays valid. Layers whose base weight is not a plain float tensor (4-bit) run their own
@@ -171,7 +176,7 @@ class Projection:
                 self.weight = torch.empty(self.out + rank, weights[0].shape[1], dtype=self.dtype, device=device)
             has_bias = any(b.bias is not None for b in self.bases)
             self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
-            self.up = torch.zeros(self.out, rank, dtype=self.dtype, device=device) if rank else None
+            self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
             self._layout = layout
         if not single:  # one device copy per rollout: in-place `.data` edits leave no version trace to check
             torch.cat([w.detach().to(self.dtype) for w in weights], out=self.weight[: self.out])
@@ -187,7 +192,7 @@ class Projection:
             for i, a, b, scale in loras:  # A rows after the outputs; the scaled B in its block of ``up``
                 r = a.shape[0]
                 self.weight[row : row + r].copy_(a.detach())
-                self.up[starts[i] : starts[i + 1], col : col + r].copy_(b.detach() * scale)
+                self.up[col : col + r, starts[i] : starts[i + 1]].copy_(b.detach().t() * scale)
                 row, col = row + r, col + r
         return allocated
 
@@ -198,20 +203,33 @@ class Projection:
         return fused_linear(x, self.weight, self.bias, self.up)
 
 
-def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor]) -> Tensor:
+def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor],
+                 unrolled: bool = False) -> Tensor:
     shape = x.shape[:-1]
     y = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)  # [n, out + r]
-    if up is not None:
-        out = up.shape[0]
-        y = torch.addmm(y[:, :out], y[:, out:], up.t())  # base + (x A^T) (s B)^T
-    return y.view(*shape, -1)
+    return low_rank(y, up, unrolled).view(*shape, -1)
 
 
-def linear(x: Tensor, weight, bias: Optional[Tensor], up: Optional[Tensor]) -> Tensor:
+def low_rank(y: Tensor, up: Optional[Tensor], unrolled: bool = False) -> Tensor:
+    """``y[:, :out] + y[:, out:] up`` for the output ``[n, out + r]`` of a projection with LoRA rows (``up`` ``[r, out]``;
+    ``y`` itself without). ``unrolled``: as ``r`` multiply-adds, which a compiler fuses into whatever reads the result (no
+    second matmul, no copies of the slices); a matmul otherwise."""
+    if up is None:
+        return y
+    rank, out = up.shape
+    if unrolled and isinstance(rank, int) and rank <= 256:
+        result = y[:, :out]
+        for j in range(rank):
+            result = result + y[:, out + j : out + j + 1] * up[j]
+        return result
+    return torch.addmm(y[:, :out], y[:, out:], up)  # base + (x A^T) (s B)^T
+
+
+def linear(x: Tensor, weight, bias: Optional[Tensor], up: Optional[Tensor], unrolled: bool = False) -> Tensor:
     """:func:`fused_linear`, or a :class:`Projection` that runs its own layers (passed as ``weight``)."""
     if isinstance(weight, Projection):
         return weight(x)
-    return fused_linear(x, weight, bias, up)
+    return fused_linear(x, weight, bias, up, unrolled)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -241,7 +259,7 @@ class Layer:
     down: Projection
 
 
-def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float):
+def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unrolled: bool = False):
     """The two halves of a decoder block for one new token per slot, as functions of plain tensors only (every
     weight an argument, the shapes closed over), so that one compiled version serves every layer:
 
@@ -250,12 +268,16 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float):
     - ``attention_out(x, attn [S, kv, G, D], o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)`` -> the
       block's output ``[S, H]``.
 
-    The cache write and the attention itself run between them, outside any compiled code."""
+    The cache write and the attention itself run between them, outside any compiled code. ``unrolled``: LoRA's
+    low-rank terms as multiply-adds (see :func:`low_rank`)."""
     group = heads // kv_heads
 
     def attention_in(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
         lead = x.shape[:-1]
-        qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up)
+        qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled)
+        return split_heads(qkv, lead, cos, sin, q_norm, k_norm)
+
+    def split_heads(qkv, lead, cos, sin, q_norm, k_norm):
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.reshape(*lead, heads, head_dim)
         k, v = k.reshape(*lead, kv_heads, head_dim), v.reshape(*lead, kv_heads, head_dim)
@@ -265,35 +287,55 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q.reshape(*lead, kv_heads, group, head_dim), k, v
 
-    def attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up):
-        x = x + linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up)
-        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, d_w, d_b, d_up)
+    def residual(x, y):
+        # compiled: x - (-y), exactly x + y, but not matched into a bf16 addmm, whose kernel first copies x into
+        # its output (a copy per projection) and adds before rounding (the eager model rounds the matmul first)
+        return x - (-y) if unrolled else x + y
 
+    def attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up):
+        x = residual(x, linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up, unrolled))
+        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up, unrolled).chunk(2, dim=-1)
+        return residual(x, linear(F.silu(gate) * up, d_w, d_b, d_up, unrolled))
+
+    attention_in.split_heads = split_heads
     return attention_in, attention_out
 
 
-def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float):
+def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_attention: bool = False,
+                   unrolled: bool = False):
     """The decode step's compute between attentions, as functions of tensors (compiled once, reused by every
-    layer): ``first(x, cos, sin, *in_args)`` -> (q, kv); ``middle(x, attn, *out_args, cos, sin, *in_args)`` ->
-    (x, q, kv), one block's end and the next block's start, so that the residual add fuses into the next norm;
-    ``last(x, attn, *out_args, norm, head_w, head_b, head_up)`` -> fp32 logits. ``kv`` is ``[2, S, kv, D]``, written
-    into the cache in one indexed store; the cache write and the attention stay outside (a compiled function
-    that writes into its input cache would copy it)."""
-    attention_in, attention_out = layer_functions(heads, kv_heads, head_dim, eps)
+    layer): ``first(x, cos, sin, *in_args)`` -> a; ``middle(x, attn, *out_args, cos, sin, *in_args)`` -> (x, a), one
+    block's end and the next block's start, so that the residual add fuses into the next norm;
+    ``last(x, attn, *out_args, norm, head_w, head_b, head_up)`` -> fp32 logits.
+
+    ``a`` is what the attention reads. For :func:`~scgrpo.rollout.kernels.decode_attention`
+    (``fused_attention``): the q/k/v projection's output ``[S, (heads + 2 kv) D]``, rotated in the kernel (or
+    here, after q/k norms: Qwen3). For the
+    PyTorch attention: (q, kv), ``kv`` ``[2, S, kv, D]`` written into the cache in one indexed store. The cache
+    write and the attention stay outside (a compiled function that writes into its input cache would copy it)."""
+    attention_in, attention_out = layer_functions(heads, kv_heads, head_dim, eps, unrolled)
+    split_heads = attention_in.split_heads
+
+    def start(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
+        if fused_attention:
+            qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled)  # [S, (heads + 2 kv) D]
+            if q_norm is None:
+                return qkv  # rotated in the kernel
+            q, k, v = split_heads(qkv, x.shape[:-1], cos, sin, q_norm, k_norm)
+            return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+        q, k, v = attention_in(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm)
+        return q, torch.stack([k, v])
 
     def first(x, cos, sin, *args_in):
-        q, k, v = attention_in(x, cos, sin, *args_in)
-        return q, torch.stack([k, v])
+        return start(x, cos, sin, *args_in)
 
     def middle(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up, cos, sin, *args_in):
         x = attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)
-        q, k, v = attention_in(x, cos, sin, *args_in)
-        return x, q, torch.stack([k, v])
+        return x, start(x, cos, sin, *args_in)
 
     def last(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up, norm, head_w, head_b, head_up):
         x = attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)
-        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up).float()
+        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up, unrolled).float()
 
     return first, middle, last
 
@@ -331,8 +373,12 @@ class CompactDecoder:
             ))
         self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.attention_in, self.attention_out = layer_functions(self.heads, self.kv_heads, self.head_dim, self.eps)
-        self._first, self._middle, self._last = step_functions(self.heads, self.kv_heads, self.head_dim, self.eps)
         self.compiled = bool(compile_layers and self.fused)
+        # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
+        self.fused_attention = (self.fused and kernels.usable(self.device) and self.head_dim % 32 == 0
+                                and self.head_dim <= 256)
+        self._first, self._middle, self._last = step_functions(self.heads, self.kv_heads, self.head_dim, self.eps,
+                                                               self.fused_attention, unrolled=self.compiled)
         if self.compiled:  # slots and lengths vary: one dynamic-shape compilation serves them all
             self._first = Compiled(self._first, "decode step (first block)")
             self._middle = Compiled(self._middle, "decode step (blocks)")
@@ -407,21 +453,30 @@ class CompactDecoder:
         ``length`` cache entries. Reads nothing back to the host, so a CUDA graph can record it."""
         s, cache_len = tokens.shape[0], cache.shape[4]
         cos_table, sin_table = self.rope_tables(cache_len)
+        x = F.embedding(tokens, self.embed)  # [S, H]
+        args = [self._args(layer) for layer in self.layers]
+        if self.fused_attention:  # one kernel per layer: rotation, cache write, attention over each row's length
+            cos, sin = cos_table[lens], sin_table[lens]  # read by the compiled code only for q/k norms (Qwen3)
+            a = self._first(x, cos, sin, *args[0][:6])
+            for i, layer in enumerate(self.layers):
+                attn = kernels.decode_attention(a, lens, cache[i], cos_table, sin_table, self.heads, self.scaling,
+                                                rotate=layer.q_norm is None)
+                if i + 1 < self.num_layers:
+                    x, a = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
+            return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
         cos, sin = cos_table[lens], sin_table[lens]  # [S, D]
         # additive mask, built once per step for every layer (a boolean one is converted inside each attention)
         visible = torch.arange(length, device=lens.device) <= lens.unsqueeze(1)  # [S, L]
         mask = torch.zeros(s, 1, 1, length, dtype=cache.dtype, device=lens.device).masked_fill(
             ~visible.view(s, 1, 1, length), float("-inf"))
         slots = torch.arange(s, device=lens.device)
-        x = F.embedding(tokens, self.embed)  # [S, H]
-        args = [self._args(layer) for layer in self.layers]
         q, kv = self._first(x, cos, sin, *args[0][:6])
         for i in range(self.num_layers):
             cache[i, :, slots, :, lens] = kv.transpose(0, 1)  # [S, 2, kv, D] at each slot's position
             attn = F.scaled_dot_product_attention(q, cache[i, 0, :, :, :length], cache[i, 1, :, :, :length],
                                                   attn_mask=mask, scale=self.scaling)  # [S, kv, G, D]
             if i + 1 < self.num_layers:
-                x, q, kv = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
+                x, (q, kv) = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
         return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
 
     @torch.no_grad()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -34,15 +35,32 @@ def draw(logits: Tensor, probs: Tensor, lse: Tensor, uniform: Tensor, temperatur
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p * total  # mass before this token exceeds top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    cdf = probs.cumsum(dim=-1)  # [N, V]
-    # a draw of exactly 0 must not land on a leading filtered-out token: aim at least at the smallest mass
-    target = (uniform.to(cdf.dtype) * cdf[:, -1:]).clamp(min=torch.finfo(cdf.dtype).tiny)
-    token = torch.searchsorted(cdf, target).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    token, total = invert_cdf(probs, uniform)
     if filtered:  # renormalised over the tokens kept
-        logprob = probs.gather(1, token.unsqueeze(1)).squeeze(1).log() - cdf[:, -1].log()
+        logprob = probs.gather(1, token.unsqueeze(1)).squeeze(1).log() - total.log()
     else:
         logprob = logits.gather(1, token.unsqueeze(1)).squeeze(1).float() / temperature - lse
     return token, logprob
+
+
+def invert_cdf(probs: Tensor, uniform: Tensor, block: int = 1024) -> tuple[Tensor, Tensor]:
+    """The first index per row of ``probs`` ``[N, V]`` (unnormalised, >= 0) whose cumulative mass reaches
+    ``uniform * total``, and the total ``[N]``: the inverse-CDF draw, in two levels (block sums, then one block's
+    cumulative sum) instead of a scan over the whole vocabulary. The token drawn always has mass > 0: a draw
+    of exactly 0 aims at the smallest mass, one past a block's rounded sum at the block's last token with mass."""
+    n, vocab = probs.shape
+    pad = (-vocab) % block
+    blocks = F.pad(probs, (0, pad)).view(n, -1, block) if pad else probs.view(n, -1, block)  # [N, B, block]
+    sums = blocks.sum(-1)  # [N, B]
+    ends = sums.cumsum(-1)  # [N, B]
+    total = ends[:, -1]
+    target = (uniform.to(probs.dtype).view(n, 1) * total.unsqueeze(1)).clamp(min=torch.finfo(probs.dtype).tiny)
+    which = torch.searchsorted(ends, target).clamp(max=ends.shape[1] - 1)  # [N, 1]: first block reaching it
+    before = torch.where(which > 0, ends.gather(1, (which - 1).clamp(min=0)), torch.zeros_like(target))
+    inside = blocks.gather(1, which.unsqueeze(2).expand(n, 1, block)).squeeze(1).cumsum(-1)  # [N, block]
+    rest = torch.minimum((target - before).clamp(min=torch.finfo(probs.dtype).tiny), inside[:, -1:])
+    token = which.squeeze(1) * block + torch.searchsorted(inside, rest).squeeze(1).clamp(max=block - 1)
+    return token.clamp(max=vocab - 1), total
 
 
 def sample_tokens(

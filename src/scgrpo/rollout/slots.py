@@ -77,9 +77,8 @@ class SlotDecoder:
         self.is_eos[self.eos[self.eos < vocab]] = True
         self.pool = None
         self.stats: dict[str, float] = {}
-        # the softmax and entropy over the vocabulary compiled (fused passes); the draw (a scan) runs eagerly
-        self._distribution = (Compiled(self._distribution_fn, "sampling softmax") if decoder.compiled
-                              else self._distribution_fn)
+        # the softmax, entropy and draw over the vocabulary compiled (fused passes over the logits)
+        self._draw = Compiled(self._draw_fn, "sampling") if decoder.compiled else self._draw_fn
         self.keep_workspace = True
         self._key = None  # (rows, cache length, decoder version) the kept workspaces were built for
         self._out: Optional[Outputs] = None
@@ -93,17 +92,17 @@ class SlotDecoder:
             return logits
         return logits.masked_fill((count < self.min_new).unsqueeze(1) & self.is_eos.unsqueeze(0), float("-inf"))
 
-    def _distribution_fn(self, logits: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _draw_fn(self, logits: Tensor, uniform: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = self._ban_eos(logits, count)
-        return (logits, *sampling_distribution(logits, self.temperature))
+        probs, lse, entropy = sampling_distribution(logits, self.temperature)
+        token, logprob = draw(logits, probs, lse, uniform, self.temperature, self.top_p, self.top_k)
+        return token, logprob, entropy
 
     def _sample(self, logits: Tensor, uniform: Optional[Tensor], count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if uniform is None:  # greedy
             zero = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
             return self._ban_eos(logits, count).argmax(dim=-1), zero, zero
-        logits, probs, lse, entropy = self._distribution(logits, count)
-        token, logprob = draw(logits, probs, lse, uniform, self.temperature, self.top_p, self.top_k)
-        return token, logprob, entropy
+        return self._draw(logits, uniform, count)
 
     def _emit(self, state: SlotState, out: Outputs, logits: Tensor, slots: Optional[Tensor]) -> None:
         """Samples a token for ``slots`` (None: all) from their ``logits`` and books it."""
@@ -256,36 +255,37 @@ class SlotDecoder:
         slots = self._top
         state = self._state(slots, cache_len, n)
         pending = deque(range(n))
-        lengths_host = lengths.tolist()
-        free = list(range(slots))
         steps = prefills = compactions = 0
         slot_steps = 0.0
+
+        def read() -> list[list[int]]:  # one device-to-host read: which slots live, their lengths, token counts
+            return torch.stack([state.live.long(), state.lens, state.count]).tolist()
+
         while True:
-            if pending and free:  # admit waiting rows into free slots
-                take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
-                into, free = free[: len(take)], free[len(take):]
-                self._admit(state, out, right, lengths, take, into)
-                prefills += 1
-            live = state.live.nonzero().squeeze(1)
-            if live.numel() == 0:
+            flags, lens_host, counts_host = read()
+            if pending:  # waiting rows take the free slots
+                free = [i for i, alive in enumerate(flags) if not alive]
+                if free:
+                    take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
+                    self._admit(state, out, right, lengths, take, free[: len(take)])
+                    prefills += 1
+                    flags, lens_host, counts_host = read()
+            live = [i for i, alive in enumerate(flags) if alive]
+            if not live:
                 if pending:
-                    free = list(range(state.slots))
                     continue
                 break
-            if not pending and self.compaction and live.numel() <= state.slots // 2 and state.slots > 8:
-                size = max(8, 1 << (int(live.numel()) - 1).bit_length())
-                state = self._compact(state, live, self._state(size, cache_len, n))
-                live = torch.arange(live.numel(), device=device)
+            lens_host, counts_host = [lens_host[i] for i in live], [counts_host[i] for i in live]
+            if not pending and self.compaction and len(live) <= state.slots // 2 and state.slots > 8:
+                size = max(8, 1 << (len(live) - 1).bit_length())
+                keep = torch.tensor(live, dtype=torch.long, device=device)
+                state = self._compact(state, keep, self._state(size, cache_len, n))
                 compactions += 1
-            longest = int(state.lens[live].max())
-            remaining = self.max_new - int(state.count[live].min())
-            burst = max(1, min(self.check_every, remaining))
-            length = length_bucket(longest + burst, cache_len)
+            burst = max(1, min(self.check_every, self.max_new - min(counts_host)))
+            length = length_bucket(max(lens_host) + burst, cache_len)
             self._run(state, out, length, burst)
             steps += burst
             slot_steps += burst * state.slots
-            live_host = state.live.tolist()
-            free = [i for i, alive in enumerate(live_host) if not alive]
         counts = out.count[:n]
         width = max(int(counts.max()), 1) if n else 1
         self.stats.update({"rollout/decode_steps": float(steps), "rollout/prefills": float(prefills),

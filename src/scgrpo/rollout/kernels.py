@@ -1,0 +1,156 @@
+"""A Triton kernel for the decode step's attention: one new token per slot, grouped key/value heads.
+
+:func:`decode_attention` does, in one launch per layer, what the step otherwise spends five on (rotary
+positions of q and k, the cache write, the mask, attention, the output's layout): each program takes one slot
+and one key/value head, rotates the new q (its G query heads) and k from the projection's raw output, writes
+k and v into the cache at the slot's position, and attends over the slot's own cache entries only (a loop
+bounded by its length, not by a padded length with a mask), with an online softmax in fp32.
+
+The arithmetic follows the eager path: q and k are rotated in fp32 and rounded to the cache dtype (as the
+Hugging Face model rounds them), scores and the softmax are fp32, the probabilities are rounded to the cache
+dtype for the value product (as flash attention does), the output accumulates in fp32.
+
+Available where Triton is (GPUs); :data:`AVAILABLE` says so. ``TRITON_INTERPRET=1`` runs it on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the eager path serves
+    triton = None
+
+AVAILABLE = triton is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def usable(device: torch.device) -> bool:
+    return AVAILABLE and (device.type == "cuda" or INTERPRET)
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _decode_attention_kernel(
+        qkv, stride_qkv,  # [S, (H + 2 KV) D]
+        cos, sin, stride_rope,  # [Lmax, D]
+        lens,  # [S] int64: the new token's position = entries already in the slot's cache
+        cache, stride_ckv, stride_cs, stride_ch, stride_cl,  # one layer: [2, S, KV, Lmax, D], last stride 1
+        out, stride_out,  # [S, H D]
+        scale,
+        G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        ROTATE: tl.constexpr, PRECISION: tl.constexpr, STOP: tl.constexpr,
+    ):
+        s = tl.program_id(0)
+        g = tl.program_id(1)
+        pos = tl.load(lens + s)
+        gi = tl.arange(0, BLOCK_G)
+        d1 = tl.arange(0, HALF)
+        gmask = gi < G
+        heads = g * G + gi  # this kv head's query heads
+        q_col = heads[:, None] * D + d1[None, :]  # [BG, HALF]: first halves
+        k_col = (KV * G + g) * D + d1  # [HALF]
+        v_col = (KV * G + KV + g) * D + d1
+        row = qkv + s * stride_qkv
+        q1 = tl.load(row + q_col, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(row + q_col + HALF, mask=gmask[:, None], other=0.0).to(tl.float32)
+        k1 = tl.load(row + k_col).to(tl.float32)
+        k2 = tl.load(row + k_col + HALF).to(tl.float32)
+        v1 = tl.load(row + v_col).to(tl.float32)
+        v2 = tl.load(row + v_col + HALF).to(tl.float32)
+        dtype = cache.dtype.element_ty
+        # the projection's output is rounded to the model dtype before anything else reads it
+        q1, q2 = q1.to(dtype).to(tl.float32), q2.to(dtype).to(tl.float32)
+        k1, k2 = k1.to(dtype).to(tl.float32), k2.to(dtype).to(tl.float32)
+        if ROTATE:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)
+            c1 = tl.load(cos + pos * stride_rope + d1).to(tl.float32)
+            c2 = tl.load(cos + pos * stride_rope + d1 + HALF).to(tl.float32)
+            s1 = tl.load(sin + pos * stride_rope + d1).to(tl.float32)
+            s2 = tl.load(sin + pos * stride_rope + d1 + HALF).to(tl.float32)
+            q1, q2 = q1 * c1[None, :] - q2 * s1[None, :], q2 * c2[None, :] + q1 * s2[None, :]
+            k1, k2 = k1 * c1 - k2 * s1, k2 * c2 + k1 * s2
+        q1, q2 = q1.to(dtype), q2.to(dtype)
+        k1, k2 = k1.to(dtype), k2.to(dtype)
+        v1, v2 = v1.to(dtype), v2.to(dtype)
+        base_k = cache + s * stride_cs + g * stride_ch
+        base_v = base_k + stride_ckv
+        tl.store(base_k + pos * stride_cl + d1, k1)
+        tl.store(base_k + pos * stride_cl + d1 + HALF, k2)
+        tl.store(base_v + pos * stride_cl + d1, v1)
+        tl.store(base_v + pos * stride_cl + d1 + HALF, v2)
+        # the new token itself, from registers (its cache entry is not read back)
+        m = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], axis=1)
+             + tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], axis=1)) * scale  # [BG]
+        l = tl.full([BLOCK_G], 1.0, tl.float32)
+        acc1 = tl.zeros([BLOCK_G, HALF], tl.float32) + v1.to(tl.float32)[None, :]
+        acc2 = tl.zeros([BLOCK_G, HALF], tl.float32) + v2.to(tl.float32)[None, :]
+        n_off = tl.arange(0, BLOCK_N)
+        # a fixed bound where Triton's CPU interpreter runs it (it cannot loop to a loaded value)
+        for start in range(0, pos if STOP == 0 else STOP, BLOCK_N):
+            n = start + n_off
+            nmask = n < pos
+            at = n[:, None] * stride_cl + d1[None, :]
+            kb1 = tl.load(base_k + at, mask=nmask[:, None], other=0.0)
+            kb2 = tl.load(base_k + at + HALF, mask=nmask[:, None], other=0.0)
+            scores = (tl.dot(q1, tl.trans(kb1), input_precision=PRECISION)
+                      + tl.dot(q2, tl.trans(kb2), input_precision=PRECISION)) * scale  # [BG, BN]
+            scores = tl.where(nmask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            vb1 = tl.load(base_v + at, mask=nmask[:, None], other=0.0)
+            vb2 = tl.load(base_v + at + HALF, mask=nmask[:, None], other=0.0)
+            pd = p.to(dtype)
+            acc1 = acc1 * alpha[:, None] + tl.dot(pd, vb1, input_precision=PRECISION)
+            acc2 = acc2 * alpha[:, None] + tl.dot(pd, vb2, input_precision=PRECISION)
+            m = m_new
+        o_col = heads[:, None] * D + d1[None, :]
+        o_row = out + s * stride_out
+        tl.store(o_row + o_col, (acc1 / l[:, None]).to(out.dtype.element_ty), mask=gmask[:, None])
+        tl.store(o_row + o_col + HALF, (acc2 / l[:, None]).to(out.dtype.element_ty), mask=gmask[:, None])
+
+
+def default_launch(programs: int, cache_len: int) -> dict:
+    """Keys/values per loop iteration, warps per program, pipelining stages: the fastest of
+    ``scripts/tune_decode_attention.py`` on an H100 (many short rows: small blocks and programs; long rows:
+    long blocks)."""
+    if programs >= 1024:
+        return {"block_n": 32, "num_warps": 2, "num_stages": 2}
+    return {"block_n": 128 if cache_len >= 512 else 64, "num_warps": 4, "num_stages": 2}
+
+
+def decode_attention(qkv: Tensor, lens: Tensor, cache: Tensor, cos: Tensor, sin: Tensor, heads: int, scale: float,
+                     rotate: bool = True, launch: Optional[dict] = None) -> Tensor:
+    """Attention of one new token per slot; returns ``[S, heads * D]``.
+
+    ``qkv`` ``[S, (heads + 2 kv) D]``: the projection's output, LoRA's term included (q, k, v; q and k rotated
+    here when ``rotate``, else already rotated; any row stride).
+    ``lens`` ``[S]``: each slot's position (its cache entries before this token). ``cache`` ``[2, S, kv, Lmax, D]``
+    (one layer): k and v are written at ``lens``. ``cos``/``sin`` ``[Lmax, D]``."""
+    s = qkv.shape[0]
+    _, _, kv, _, dim = cache.shape
+    group = heads // kv
+    if cache.stride(-1) != 1 or qkv.stride(-1) != 1 or dim % 32:
+        raise ValueError("decode_attention needs contiguous head dims, a multiple of 32")
+    out = torch.empty(s, heads * dim, dtype=cache.dtype, device=cache.device)
+    launch = {**default_launch(s * kv, cache.shape[3]), **(launch or {})}
+    _decode_attention_kernel[(s, kv)](
+        qkv, qkv.stride(0),
+        cos, sin, cos.stride(0), lens,
+        cache, cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        out, out.stride(0), scale,
+        G=group, KV=kv, D=dim, HALF=dim // 2, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=launch["block_n"],
+        ROTATE=rotate, PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+        STOP=cache.shape[3] if cache.device.type == "cpu" else 0, num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
+    )
+    return out

@@ -1,0 +1,111 @@
+"""The Triton decode-attention kernel (fp32): against PyTorch's attention with the rotation, cache write and LoRA
+term done separately, and inside the compact engine against Hugging Face's ``generate``. Runs on a GPU, or on
+CPU under Triton's interpreter (``TRITON_INTERPRET=1``, which Triton reads at import: the test at the end runs
+this module so in a subprocess wherever Triton is installed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scgrpo.rollout import kernels
+from scgrpo.rollout.compact import CompactDecoder, rotate
+from scgrpo.rollout.slots import SlotDecoder
+from tests.rollout.test_compact import batch, hf_greedy, tiny, tok, with_lora  # noqa: F401
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+runs = pytest.mark.skipif(not kernels.usable(DEVICE), reason="needs Triton on a GPU, or TRITON_INTERPRET=1")
+
+
+def rope(length: int, dim: int):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.arange(length).float()[:, None] * inv
+    emb = torch.cat([angles, angles], -1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+def reference(qkv, lens, cache, cos, sin, heads, rotated=False):
+    """Per row: rotation, cache write at the row's position, attention over its first pos + 1 entries."""
+    cache = cache.clone()
+    _, s, kv, _, dim = cache.shape
+    q, k, v = qkv.split([heads * dim, kv * dim, kv * dim], -1)
+    q, k, v = q.view(s, heads, dim), k.view(s, kv, dim), v.view(s, kv, dim)
+    if not rotated:
+        c, n = cos[lens].unsqueeze(1), sin[lens].unsqueeze(1)
+        q, k = rotate(q, c, n), rotate(k, c, n)
+    rows = []
+    for i in range(s):
+        p = int(lens[i])
+        cache[0, i, :, p], cache[1, i, :, p] = k[i], v[i]
+        keys = cache[0, i, :, : p + 1].repeat_interleave(heads // kv, 0)
+        values = cache[1, i, :, : p + 1].repeat_interleave(heads // kv, 0)
+        rows.append(F.scaled_dot_product_attention(q[i].unsqueeze(1), keys, values, scale=dim ** -0.5).reshape(-1))
+    return torch.stack(rows), cache
+
+
+@runs
+@pytest.mark.parametrize("heads,kv,dim,rotated", [(6, 2, 64, False), (4, 4, 32, False), (8, 2, 32, True)])
+def test_decode_attention_equals_pytorch_attention(heads, kv, dim, rotated):
+    torch.manual_seed(0)
+    slots, length = 5, 150  # rows of 0, 3, 64 (a block boundary), 100, 149 cached entries
+    lens = torch.tensor([0, 3, 64, 100, 149], device=DEVICE)
+    qkv = torch.randn(slots, (heads + 2 * kv) * dim, device=DEVICE)
+    cache = torch.randn(2, slots, kv, length, dim, device=DEVICE)
+    cos, sin = rope(length, dim)
+    expected, expected_cache = reference(qkv, lens, cache, cos, sin, heads, rotated)
+    got = kernels.decode_attention(qkv, lens, cache, cos, sin, heads, dim ** -0.5, rotate=not rotated)
+    assert torch.allclose(got, expected, atol=2e-5, rtol=1e-5), (got - expected).abs().max()
+    assert torch.allclose(cache, expected_cache, atol=1e-6)  # k and v written at each row's position, nothing else
+
+
+@runs
+@pytest.mark.parametrize("launch", [dict(block_n=32, num_warps=2, num_stages=1), dict(block_n=128, num_warps=8)])
+def test_decode_attention_reads_strided_rows_under_any_launch_setting(launch):
+    torch.manual_seed(1)
+    heads, kv, dim = 4, 2, 32
+    out = (heads + 2 * kv) * dim
+    wide = torch.randn(3, out + 40, device=DEVICE)  # rows of a wider tensor: a row stride other than the width
+    lens = torch.tensor([5, 0, 140], device=DEVICE)
+    cache = torch.randn(2, 3, kv, 160, dim, device=DEVICE)
+    cos, sin = rope(160, dim)
+    expected, _ = reference(wide[:, :out].contiguous(), lens, cache, cos, sin, heads)
+    got = kernels.decode_attention(wide[:, :out], lens, cache.clone(), cos, sin, heads, dim ** -0.5, launch=launch)
+    assert torch.allclose(got, expected, atol=2e-5)
+
+
+@runs
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_engine_with_the_kernel_equals_generate(family, tok, batch):
+    model = tiny(family, len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 **({"head_dim": 32} if family == "qwen3" else {})).to(DEVICE)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    decoder = CompactDecoder(model)
+    assert decoder.fused_attention
+    tokens = SlotDecoder(decoder, [], 2, 12, greedy=True)(batch["input_ids"], batch["attention_mask"])[0]
+    assert torch.equal(tokens, hf_greedy(model, batch, 12))
+
+
+@runs
+def test_the_kernel_with_unmerged_lora_equals_the_merged_model(tok, batch):
+    model = with_lora(tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).to(DEVICE)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    decoder = CompactDecoder(model)
+    assert decoder.fused_attention and decoder.layers[0].qkv.up is not None  # LoRA added before the kernel
+    unmerged = SlotDecoder(decoder, [], 2, 12, greedy=True)(batch["input_ids"], batch["attention_mask"])[0]
+    merged = model.merge_and_unload()
+    assert torch.equal(unmerged, hf_greedy(merged, batch, 12))
+
+
+@pytest.mark.skipif(not kernels.AVAILABLE or kernels.INTERPRET or DEVICE.type == "cuda",
+                    reason="Triton not installed, or the tests above already ran the kernel")
+def test_the_kernel_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not interpreter",
+                           __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
