@@ -7,11 +7,14 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
 - the q/k/v projections as one matmul and gate/up as one (the weights concatenated once and kept while the
   base weights do not change),
 - LoRA unmerged, as low-rank adds: the adapters' down-projections ride in the same matmul as the base weight
-  (their rows appended to it), their up-projections are one block-diagonal matmul added on. Sampling thus
-  runs the policy being trained, not a rounded merge of it,
-- its own KV cache ``[layers, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
-  left padding): a row's position is its cache length, and attention reads only the first ``L`` entries
-  (``L`` a bucket of the longest live row), masking each row at its own length.
+  (their rows appended to it), their up-projections are a block-diagonal matmul added on (compiled: as
+  multiply-adds fused into the kernel that reads the projection). Sampling thus runs the policy being trained,
+  not a rounded merge of it,
+- its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
+  left padding): a row's position is its cache length. On a GPU one Triton kernel per layer
+  (:mod:`scgrpo.rollout.kernels`) rotates q and k, writes the cache and attends over each row's own entries;
+  elsewhere PyTorch's attention reads the first ``L`` entries (``L`` a bucket of the longest live row),
+  masking each row at its own length.
 
 Nothing here is tied to a fixed batch or length: :mod:`scgrpo.rollout.engine` records the decode step as a CUDA
 graph per (slots, length bucket). Models it cannot run exactly (another block, sliding windows that a run can
