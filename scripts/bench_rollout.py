@@ -198,7 +198,8 @@ def main() -> None:
         raise SystemExit("bench_rollout.py measures GPU throughput; no CUDA device found")
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"bench_rollout_{card_tag()}.json")
     report = {"card": card_name(), "versions": versions(),
-              "command": " ".join(["python scripts/bench_rollout.py"] + [a for a in sys.argv[1:] if a != args.out and a != "--out"]),
+              "command": " ".join(["python scripts/bench_rollout.py"] + [a for a in sys.argv[1:] if a not in (args.out, "--out")
+                                                                     and not a.startswith("--out=")]),
               "cases": {}}
     for name in args.cases.split(","):
         report["cases"][name] = run_case(name, CASES[name], args.repeats, args.engines.split(","))

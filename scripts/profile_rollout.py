@@ -6,7 +6,8 @@ profiler, grouped by name, as microseconds and launches per decode step.
 
 Same models and settings as ``scripts/bench_rollout.py`` (random weights, bf16, 48-token prompts, 128 new
 tokens forced). The rollout is run once untimed (graphs, compilation), then once under the profiler. LoRA cases
-profile the unmerged adapters. Prints one table per case and writes ``--out`` (JSON) when given.
+profile the unmerged adapters. Prints one table per case (the prefill's kernels counted in, spread over
+the decode steps) and writes ``--out`` (JSON) when given.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def profile_case(name: str, top: int, merged: bool = False) -> dict:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         run()
         torch.cuda.synchronize()
-    steps = max_new
+    steps = sampler.stats.get("rollout/decode_steps", max_new)  # the prefill's kernels are spread over them
     rows = []
     total = 0.0
     for event in prof.key_averages():

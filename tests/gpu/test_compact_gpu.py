@@ -24,6 +24,9 @@ def _report(key: str, value) -> None:
     if not path:
         return
     data = json.load(open(path)) if os.path.exists(path) else {}
+    data["card"] = torch.cuda.get_device_name()
+    data["command"] = (f"SCGRPO_REAL_MODEL={os.environ.get('SCGRPO_REAL_MODEL', '')} SCGRPO_GPU_REPORT={path} "
+                       "python -m pytest -q tests/gpu/test_compact_gpu.py")
     data[key] = value
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

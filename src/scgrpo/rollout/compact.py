@@ -41,13 +41,14 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class Compiled:
-    """``torch.compile(fn)`` that falls back to ``fn`` itself, for good and with one warning, when compilation
-    fails (an unsupported pattern in this torch/Triton version): slower, never wrong. Shapes start static and
-    only the dimensions seen to change (the slot count) become dynamic, so reductions over the hidden size
-    compile to single kernels."""
+    """``torch.compile(fn)`` that falls back to ``fallback`` (default ``fn`` itself: the same computation, written
+    for eager execution where that differs), for good and with one warning, when compilation fails (an
+    unsupported pattern in this torch/Triton version): slower, never wrong. Shapes start static and only the
+    dimensions seen to change (the slot count) become dynamic, so reductions over the hidden size compile to
+    single kernels."""
 
-    def __init__(self, fn, name: str) -> None:
-        self.fn, self.name = fn, name
+    def __init__(self, fn, name: str, fallback=None) -> None:
+        self.fn, self.name = fallback or fn, name
         self.compiled = torch.compile(fn, dynamic=None)
         self.failed = False
 
@@ -378,14 +379,14 @@ class CompactDecoder:
         self.attention_in, self.attention_out = layer_functions(self.heads, self.kv_heads, self.head_dim, self.eps)
         self.compiled = bool(compile_layers and self.fused)
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
-        self.fused_attention = (self.fused and kernels.usable(self.device) and self.head_dim % 32 == 0
-                                and self.head_dim <= 256)
-        self._first, self._middle, self._last = step_functions(self.heads, self.kv_heads, self.head_dim, self.eps,
-                                                               self.fused_attention, unrolled=self.compiled)
-        if self.compiled:  # slots and lengths vary: one dynamic-shape compilation serves them all
-            self._first = Compiled(self._first, "decode step (first block)")
-            self._middle = Compiled(self._middle, "decode step (blocks)")
-            self._last = Compiled(self._last, "decode step (output head)")
+        self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)
+        shapes = (self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_attention)
+        self._first, self._middle, self._last = step_functions(*shapes)
+        if self.compiled:  # LoRA terms unrolled for the compiler to fuse; the eager versions as the fallback
+            first, middle, last = step_functions(*shapes, unrolled=True)
+            self._first = Compiled(first, "decode step (first block)", fallback=self._first)
+            self._middle = Compiled(middle, "decode step (blocks)", fallback=self._middle)
+            self._last = Compiled(last, "decode step (output head)", fallback=self._last)
         self._rope: Optional[tuple[Tensor, Tensor]] = None
         self.version = 0
 

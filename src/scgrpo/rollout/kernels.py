@@ -6,15 +6,17 @@ and one key/value head, rotates the new q (its G query heads) and k from the pro
 k and v into the cache at the slot's position, and attends over the slot's own cache entries only (a loop
 bounded by its length, not by a padded length with a mask), with an online softmax in fp32.
 
-The arithmetic follows the eager path: q and k are rotated in fp32 and rounded to the cache dtype (as the
-Hugging Face model rounds them), scores and the softmax are fp32, the probabilities are rounded to the cache
-dtype for the value product (as flash attention does), the output accumulates in fp32.
+The arithmetic: the projection's output is rounded to the cache dtype, q and k are rotated in fp32 and rounded
+once (the Hugging Face model rounds after each bf16 operation: bf16 greedy decodes agree a little less often,
+fp32 ones token for token), scores and the softmax are fp32, the probabilities are rounded to the cache dtype
+for the value product (as flash attention does), the output accumulates in fp32.
 
 Available where Triton is (GPUs); :data:`AVAILABLE` says so. ``TRITON_INTERPRET=1`` runs it on CPU tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -33,6 +35,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def usable(device: torch.device) -> bool:
     return AVAILABLE and (device.type == "cuda" or INTERPRET)
+
+
+def supports(head_dim: int) -> bool:
+    """Head sizes the kernel takes: powers of two from 32 to 256 (it works on halves of a head)."""
+    return 32 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
 if AVAILABLE:
@@ -135,22 +142,24 @@ def decode_attention(qkv: Tensor, lens: Tensor, cache: Tensor, cos: Tensor, sin:
     ``qkv`` ``[S, (heads + 2 kv) D]``: the projection's output, LoRA's term included (q, k, v; q and k rotated
     here when ``rotate``, else already rotated; any row stride).
     ``lens`` ``[S]``: each slot's position (its cache entries before this token). ``cache`` ``[2, S, kv, Lmax, D]``
-    (one layer): k and v are written at ``lens``. ``cos``/``sin`` ``[Lmax, D]``."""
+    (one layer): k and v are written at ``lens``, which must be below ``Lmax`` (not checked: a GPU-side check
+    would synchronise; the slot decoder clamps). ``cos``/``sin`` ``[Lmax, D]``."""
     s = qkv.shape[0]
     _, _, kv, _, dim = cache.shape
     group = heads // kv
-    if cache.stride(-1) != 1 or qkv.stride(-1) != 1 or dim % 32:
-        raise ValueError("decode_attention needs contiguous head dims, a multiple of 32")
+    if not supports(dim) or cache.stride(-1) != 1 or qkv.stride(-1) != 1:
+        raise ValueError(f"decode_attention needs contiguous head dims, a power of two from 32 to 256 (got {dim})")
     out = torch.empty(s, heads * dim, dtype=cache.dtype, device=cache.device)
     launch = {**default_launch(s * kv, cache.shape[3]), **(launch or {})}
-    _decode_attention_kernel[(s, kv)](
-        qkv, qkv.stride(0),
-        cos, sin, cos.stride(0), lens,
-        cache, cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        out, out.stride(0), scale,
-        G=group, KV=kv, D=dim, HALF=dim // 2, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=launch["block_n"],
-        ROTATE=rotate, PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
-        STOP=cache.shape[3] if cache.device.type == "cpu" else 0, num_warps=launch["num_warps"],
-        num_stages=launch["num_stages"],
-    )
+    with torch.cuda.device(cache.device) if cache.device.type == "cuda" else contextlib.nullcontext():
+        _decode_attention_kernel[(s, kv)](
+            qkv, qkv.stride(0),
+            cos, sin, cos.stride(0), lens,
+            cache, cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            out, out.stride(0), scale,
+            G=group, KV=kv, D=dim, HALF=dim // 2, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=launch["block_n"], ROTATE=rotate, PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+            STOP=cache.shape[3] if cache.device.type == "cpu" else 0, num_warps=launch["num_warps"],
+            num_stages=launch["num_stages"],
+        )
     return out

@@ -282,7 +282,8 @@ class SlotDecoder:
                 state = self._compact(state, keep, self._state(size, cache_len, n))
                 compactions += 1
             burst = max(1, min(self.check_every, self.max_new - min(counts_host)))
-            length = length_bucket(max(lens_host) + burst, cache_len)
+            # the attention kernel reads each row's own length: one graph per slot count serves every length
+            length = cache_len if self.decoder.fused_attention else length_bucket(max(lens_host) + burst, cache_len)
             self._run(state, out, length, burst)
             steps += burst
             slot_steps += burst * state.slots
