@@ -8,7 +8,7 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
   base weights do not change),
 - LoRA unmerged, as low-rank adds: the adapters' down-projections ride in the same matmul as the base weight
   (their rows appended to it), their up-projections are a block-diagonal matmul added on (compiled: as
-  multiply-adds fused into the kernel that reads the projection). Sampling thus runs the policy being trained,
+  multiply-adds, fused into the kernel that reads the projection where the compiler can). Sampling thus runs the policy being trained,
   not a rounded merge of it,
 - its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
   left padding): a row's position is its cache length. On a GPU one Triton kernel per layer
