@@ -205,6 +205,23 @@ def rollout_table(card: str) -> list[str]:
     return lines
 
 
+def lora_gemm_table(card: str) -> list[str]:
+    path = os.path.join(RESULTS, f"bench_lora_gemm_{card}.json")
+    if not os.path.exists(path):
+        return []
+    report = json.load(open(path))
+    lines = ["", f"## LoRA-epilogue matmul ({report['card']})", "",
+             f"`{report['command']}`: microseconds per call (CUDA graph of 30 calls), bf16, SmolLM2-135M's "
+             "projections with r=16 per adapted layer; `scgrpo.rollout.lora_gemm` is not yet used by the engine.", "",
+             "| projection | rows | merged (cuBLAS) | [W; A] matmul + addmm | fused kernel, best setting | fused / merged |",
+             "|---|---|---|---|---|---|"]
+    for name, row in report["shapes"].items():
+        lines.append(f"| {name.rsplit('_', 1)[0]} ({row['n']} x {row['k']}, r {row['r']}) | {row['rows']} | "
+                     f"{row['merged_us']:.2f} | {row['two_kernels_us']:.2f} | {row['best']['us']:.2f} | "
+                     f"{row['best_over_merged']:.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cards", default="h200,h100")
@@ -252,6 +269,7 @@ def main() -> None:
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", ""]
     for card in cards:
         lines += rollout_table(card)
+        lines += lora_gemm_table(card)
     lines.append("")
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
         f.write("\n".join(lines))
