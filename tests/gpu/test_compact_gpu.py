@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def _report(key: str, value) -> None:
     data = json.load(open(path)) if os.path.exists(path) else {}
     data["card"] = torch.cuda.get_device_name()
     data["command"] = (f"SCGRPO_REAL_MODEL={os.environ.get('SCGRPO_REAL_MODEL', '')} SCGRPO_GPU_REPORT={path} "
-                       "python -m pytest -q tests/gpu/test_compact_gpu.py")
+                       "python -m pytest " + " ".join(sys.argv[1:]))
     data[key] = value
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

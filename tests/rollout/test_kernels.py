@@ -113,7 +113,7 @@ def test_head_sizes_the_kernel_cannot_take_decode_through_pytorch_attention(tok,
         kernels.decode_attention(torch.zeros(1, 4 * 96, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE),
                                  torch.zeros(2, 1, 1, 8, 96, device=DEVICE), torch.zeros(8, 96, device=DEVICE),
                                  torch.zeros(8, 96, device=DEVICE), 2, 0.1)
-    model = tiny("llama", len(tok), hidden_size=96, num_attention_heads=2, num_key_value_heads=1).to(DEVICE)  # D 48
+    model = tiny("llama", len(tok), hidden_size=192, num_attention_heads=2, num_key_value_heads=1).to(DEVICE)  # D 96
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
     decoder = CompactDecoder(model)
     assert not decoder.fused_attention

@@ -7,7 +7,7 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
 - the q/k/v projections as one matmul and gate/up as one (the weights concatenated once and kept while the
   base weights do not change),
 - LoRA unmerged, as low-rank adds: the adapters' down-projections ride in the same matmul as the base weight
-  (their rows appended to it), their up-projections are a block-diagonal matmul added on (compiled: as
+  (their rows appended to it), their up-projections are a block-diagonal matmul added on (compiled:
   multiply-adds, fused into the kernel that reads the projection where the compiler can). Sampling thus runs the policy being trained,
   not a rounded merge of it,
 - its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
@@ -16,8 +16,8 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
   elsewhere PyTorch's attention reads the first ``L`` entries (``L`` a bucket of the longest live row),
   masking each row at its own length.
 
-Nothing here is tied to a fixed batch or length: :mod:`scgrpo.rollout.engine` records the decode step as a CUDA
-graph per (slots, length bucket). Models it cannot run exactly (another block, sliding windows that a run can
+Nothing here is tied to a fixed batch or length: :mod:`scgrpo.rollout.slots` records the decode step as a CUDA
+graph per slot count (and, for PyTorch attention, per length bucket). Models it cannot run exactly (another block, sliding windows that a run can
 reach, dynamic RoPE, DoRA, 4-bit linear layers with fused projections unsupported, sharded weights) are
 reported by :func:`unsupported_reason` and decoded through the Hugging Face forward instead.
 """

@@ -2,14 +2,16 @@
 
 Unmerged LoRA otherwise costs a second kernel per projection (the up-projection, or multiply-adds that re-read
 ``up`` for every row); here each program computes its tile of ``x W^T`` and, in the same pass over ``x``, the
-tile's rows of ``z = x A^T`` (A is a few rows: the extra work is r / N of the matmul's), then adds
-``z up`` for its columns before storing. ``z`` is rounded to the input dtype first, as peft's ``lora_A`` output is.
+tile's rows of ``z = x A^T`` (every column block recomputes them: BLOCK_R / BLOCK_N more multiply-adds than the
+matmul's, BLOCK_R = max(16, r rounded up to a power of two)), then adds ``z up`` for its columns before storing.
+``z`` is rounded to ``up``'s dtype first, as peft's ``lora_A`` output is to the model's.
 
 Measured against cuBLAS by ``scripts/bench_lora_gemm.py``; not yet wired into the decode step.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -59,12 +61,24 @@ def lora_gemm(x: Tensor, weight: Tensor, a: Tensor, up: Tensor, bias: Optional[T
               num_stages: int = 3) -> Tensor:
     """``x`` ``[M, K]``, ``weight`` ``[N, K]``, ``a`` ``[R, K]``, ``up`` ``[R, N]`` -> ``[M, N]`` (see the module
     docstring); rows of every operand contiguous."""
+    if not AVAILABLE:
+        raise RuntimeError("lora_gemm needs Triton")
     m, k = x.shape
     n, r = weight.shape[0], a.shape[0]
+    shapes_agree = weight.shape[1] == k and a.shape[1] == k and tuple(up.shape) == (r, n)
+    if not shapes_agree or (bias is not None and tuple(bias.shape) != (n,)):
+        raise ValueError(f"lora_gemm shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, a {tuple(a.shape)}, "
+                         f"up {tuple(up.shape)}, bias {None if bias is None else tuple(bias.shape)}")
     if not (x.stride(1) == weight.stride(1) == a.stride(1) == up.stride(1) == 1):
         raise ValueError("lora_gemm needs operands with contiguous rows")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _launch(grid, x, weight, a, up, bias, out, m, n, r, k, block_m, block_n, block_k, num_warps, num_stages)
+    return out
+
+
+def _launch(grid, x, weight, a, up, bias, out, m, n, r, k, block_m, block_n, block_k, num_warps, num_stages) -> None:
     _lora_gemm_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), a, a.stride(0), up, up.stride(0),
         bias if bias is not None else x, out, out.stride(0), m, n, r, k,
@@ -72,4 +86,3 @@ def lora_gemm(x: Tensor, weight: Tensor, a: Tensor, up: Tensor, bias: Optional[T
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    return out

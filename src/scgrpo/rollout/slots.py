@@ -3,7 +3,7 @@
 ``S`` slots each hold one row being sampled (its own KV cache row, length, token count). One *step* feeds every
 slot's last token through :meth:`CompactDecoder.decode`, samples the next one and does the bookkeeping
 (end-of-sequence, per-row outputs, entropy, the token's log-probability) on the GPU; on a GPU the whole step is
-a CUDA graph, one per (slots, attention-length bucket), replayed ``check_every`` times before the host looks at
+a CUDA graph, one per slot count (and attention-length bucket, for PyTorch attention), replayed ``check_every`` times before the host looks at
 which rows ended. Then:
 
 - **refill**: rows still waiting take the slots of finished ones (their prompts prefilled into those cache
