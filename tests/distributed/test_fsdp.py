@@ -6,9 +6,12 @@ rounding; the GPU variant (2+ GPUs, NCCL, bf16) runs only where the GPUs are.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -82,8 +85,18 @@ def test_sharded_step_equals_single_gpu_step_in_bf16(tiny_model_dir, tmp_path, o
     assert abs(two["loss"] - exact["loss"]) <= 2 * abs(one["loss"] - exact["loss"]) + 1e-3 * abs(exact["loss"]) + 1e-4
 
 
-def _fit(tiny_model_dir, cwd, *extra: str) -> str:
-    """``scgrpo fit`` from the FSDP config on 2 CPU processes; returns the run folder."""
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held open together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def _fit(tiny_model_dir, cwd, *extra: str, port: int | None = None) -> str:
+    """``scgrpo fit`` from the FSDP config on 2 CPU processes (rendezvous on ``port`` when given); returns the
+    run folder."""
     config = os.path.join(ROOT, "configs", "fsdp_scgrpo_arith.yaml")
     before = set(glob.glob(str(cwd / "runs" / "*" / "version_*")))
     result = subprocess.run(
@@ -92,7 +105,8 @@ def _fit(tiny_model_dir, cwd, *extra: str) -> str:
          "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
          "--data.batch_size=2", "--data.max_eval_prompts=4", "--model.verifier=tests.verifiers.helpers.ParityVerifier",
          *extra],
-        cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=cwd, env={**_env(), **({"MASTER_PORT": str(port)} if port else {})}, capture_output=True, text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = set(glob.glob(str(cwd / "runs" / "*" / "version_*"))) - before
@@ -105,8 +119,15 @@ def test_sharded_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tiny_
     every rank's sampling generator and the verified buffer of both ranks come back. The 2-step run's
     checkpoint and exported adapter hold only whole LoRA tensors, and its buffer both ranks' prompts."""
     quiet = ["--model.validate_before_training=false", "--trainer.val_check_interval=2"]  # checkpoint every 2
-    straight = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=4", *quiet)
-    first = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=2", *quiet)
+    (tmp_path / "straight").mkdir()
+    (tmp_path / "first").mkdir()
+    ports = _free_ports(2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two independent runs side by side (startup overlaps)
+        straight_run = pool.submit(_fit, tiny_model_dir, tmp_path / "straight", "--trainer.max_steps=4", *quiet,
+                                   port=ports[0])
+        first_run = pool.submit(_fit, tiny_model_dir, tmp_path / "first", "--trainer.max_steps=2", *quiet,
+                                port=ports[1])
+        straight, first = straight_run.result(), first_run.result()
     (ckpt,) = glob.glob(os.path.join(first, "checkpoints", "*.ckpt"))
     _check_lora_only_checkpoint(tiny_model_dir, first, ckpt)
     resumed = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=4", f"--ckpt_path={ckpt}", *quiet)
