@@ -173,16 +173,22 @@ def rollout_entries(card: str) -> dict[str, dict]:
     return summary
 
 
-def rollout_table(card: str) -> list[str]:
-    path = os.path.join(RESULTS, f"bench_rollout_{card}.json")
+def section(stem: str, card: str, title: str, description: str) -> tuple[dict, list[str]]:
+    """The report ``benchmarks/results/<stem>_<card>.json`` (empty if absent) and its section's heading lines."""
+    path = os.path.join(RESULTS, f"{stem}_{card}.json")
     if not os.path.exists(path):
-        return []
+        return {}, []
     report = json.load(open(path))
-    lines = ["", f"## Rollout engine ({report['card']})", "",
-             f"`{report['command']}`: new tokens per second (ms per decode step), bf16, random weights, 48-token "
-             "prompts, new tokens forced, sampling at T=1; every engine once untimed (graphs, compilation), then the "
-             "median of timed calls.", "",
-             ]
+    return report, ["", f"## {title} ({report['card']})", "", f"`{report['command']}`: {description}", ""]
+
+
+def rollout_table(card: str) -> list[str]:
+    report, lines = section("bench_rollout", card, "Rollout engine",
+                            "new tokens per second (ms per decode step), bf16, random weights, 48-token prompts, new "
+                            "tokens forced, sampling at T=1; every engine once untimed (graphs, compilation), then the "
+                            "median of timed calls.")
+    if not report:
+        return []
     names = {"compact": "compact", "compact_eager": "compact, not compiled", "loop_hf_forward": "decode loop, HF forward",
              "hf_static": "generate, static cache", "hf_dynamic": "generate, dynamic cache"}
     present = [k for k in names if any(k in case["engines"] for case in report["cases"].values())]  # engines run
@@ -206,14 +212,12 @@ def rollout_table(card: str) -> list[str]:
 
 
 def lora_gemm_table(card: str) -> list[str]:
-    path = os.path.join(RESULTS, f"bench_lora_gemm_{card}.json")
-    if not os.path.exists(path):
+    report, lines = section("bench_lora_gemm", card, "LoRA-epilogue matmul",
+                            "microseconds per call (CUDA graph of 30 calls), bf16, SmolLM2-135M's projections with "
+                            "r=16 per adapted layer; `scgrpo.rollout.lora_gemm` is not yet used by the engine.")
+    if not report:
         return []
-    report = json.load(open(path))
-    lines = ["", f"## LoRA-epilogue matmul ({report['card']})", "",
-             f"`{report['command']}`: microseconds per call (CUDA graph of 30 calls), bf16, SmolLM2-135M's "
-             "projections with r=16 per adapted layer; `scgrpo.rollout.lora_gemm` is not yet used by the engine.", "",
-             "| projection | rows | merged (cuBLAS) | [W; A] matmul + addmm | fused kernel, best setting | fused / merged |",
+    lines += ["| projection | rows | merged (cuBLAS) | [W; A] matmul + addmm | fused kernel, best setting | fused / merged |",
              "|---|---|---|---|---|---|"]
     for name, row in report["shapes"].items():
         lines.append(f"| {name.rsplit('_', 1)[0]} ({row['n']} x {row['k']}, r {row['r']}) | {row['rows']} | "

@@ -271,6 +271,7 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unroll
       ``[S, kv, G, D]`` (a kv head's G query heads adjacent), k and v ``[S, kv, D]`` (rotated, normalised);
     - ``attention_out(x, attn [S, kv, G, D], o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)`` -> the
       block's output ``[S, H]``.
+    - ``split_heads(qkv, lead, cos, sin, q_norm, k_norm)``: ``attention_in`` after its projection.
 
     The cache write and the attention itself run between them, outside any compiled code. ``unrolled``: LoRA's
     low-rank terms as multiply-adds (see :func:`low_rank`)."""
@@ -301,8 +302,7 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unroll
         gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up, unrolled).chunk(2, dim=-1)
         return residual(x, linear(F.silu(gate) * up, d_w, d_b, d_up, unrolled))
 
-    attention_in.split_heads = split_heads
-    return attention_in, attention_out
+    return attention_in, attention_out, split_heads
 
 
 def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_attention: bool = False,
@@ -317,8 +317,7 @@ def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_a
     here, after q/k norms: Qwen3). For the
     PyTorch attention: (q, kv), ``kv`` ``[2, S, kv, D]`` written into the cache in one indexed store. The cache
     write and the attention stay outside (a compiled function that writes into its input cache would copy it)."""
-    attention_in, attention_out = layer_functions(heads, kv_heads, head_dim, eps, unrolled)
-    split_heads = attention_in.split_heads
+    attention_in, attention_out, split_heads = layer_functions(heads, kv_heads, head_dim, eps, unrolled)
 
     def start(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
         if fused_attention:
@@ -376,7 +375,8 @@ class CompactDecoder:
                 down=Projection([mlp.down_proj], self.dtype),
             ))
         self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        self.attention_in, self.attention_out = layer_functions(self.heads, self.kv_heads, self.head_dim, self.eps)
+        self.attention_in, self.attention_out, _ = layer_functions(self.heads, self.kv_heads, self.head_dim,
+                                                                   self.eps)
         self.compiled = bool(compile_layers and self.fused)
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
         self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)

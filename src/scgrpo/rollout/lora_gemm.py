@@ -74,15 +74,11 @@ def lora_gemm(x: Tensor, weight: Tensor, a: Tensor, up: Tensor, bias: Optional[T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _launch(grid, x, weight, a, up, bias, out, m, n, r, k, block_m, block_n, block_k, num_warps, num_stages)
+        _lora_gemm_kernel[grid](
+            x, x.stride(0), weight, weight.stride(0), a, a.stride(0), up, up.stride(0),
+            bias if bias is not None else x, out, out.stride(0), m, n, r, k,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(r)),
+            HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return out
-
-
-def _launch(grid, x, weight, a, up, bias, out, m, n, r, k, block_m, block_n, block_k, num_warps, num_stages) -> None:
-    _lora_gemm_kernel[grid](
-        x, x.stride(0), weight, weight.stride(0), a, a.stride(0), up, up.stride(0),
-        bias if bias is not None else x, out, out.stride(0), m, n, r, k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(r)),
-        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
