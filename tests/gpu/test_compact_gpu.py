@@ -67,6 +67,40 @@ def test_graphs_compile_compaction_and_refill_change_no_token(tiny_model_dir):
         assert torch.equal(tokens[:, :width], reference[:, :width]), name
 
 
+def test_lean_workspace_frees_caches_between_graphs_and_keeps_tokens():
+    """Without kept workspaces, compaction drops the bigger cache and its graphs mid-rollout and the next graphs
+    are recorded in a new pool; rollouts in a row give the kept-workspace tokens and hold no more memory."""
+    from tests.conftest import build_tokenizer
+    from tests.rollout.test_compact import tiny
+
+    tok = build_tokenizer()
+    tok.padding_side = "left"
+    model = tiny("llama", len(tok)).cuda()  # varied greedy continuations: rows end at different steps
+    enc = _encode(tok, [f"row {i} " + "ab" * (i % 5) for i in range(16)])
+    decoder = CompactDecoder(model, compile_layers=True)
+
+    def sampler(eos):
+        return SlotDecoder(decoder, eos, 2, 30, greedy=True, check_every=1)
+
+    free = sampler([])(enc["input_ids"], enc["attention_mask"])[0]
+    eos = sorted({int(free[i, 2 + (i % 12)]) for i in range(16)})
+    kept = sampler(eos)
+    expected = kept(enc["input_ids"], enc["attention_mask"])[0]
+    assert kept.stats["rollout/compactions"] >= 1
+    lean = sampler(eos)
+    lean.keep_workspace = False
+    held = []
+    for _ in range(3):
+        tokens = lean(enc["input_ids"], enc["attention_mask"])[0]
+        assert torch.equal(tokens, expected)
+        assert lean.stats["rollout/compactions"] >= 1 and lean.stats["rollout/graphs_recorded"] >= 2
+        assert lean._states == {} and lean.pool is None
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    # recording graphs again leaves nothing behind (one warm-up stream: cuBLAS keeps a workspace per stream)
+    assert held[1] == held[2]
+
+
 def test_sampling_in_graphs_is_reproducible(tiny_model_dir):
     model, tok = _tiny(tiny_model_dir, torch.bfloat16)
     enc = _encode(tok, ["a", "bb", "ccc", "dddd"] * 4)

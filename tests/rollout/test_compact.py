@@ -125,6 +125,16 @@ def test_refill_and_compaction_change_no_row(tok):
     reference = hf_greedy(model, batch, 30, eos)
     assert torch.equal(plain[:, : reference.shape[1]], reference[:, : plain.shape[1]])
 
+    # without kept workspaces a compaction frees the bigger cache at once, and the rollout frees the rest
+    lean = SlotDecoder(CompactDecoder(model), eos, 2, 30, greedy=True)
+    lean.keep_workspace = False
+    held, run = [], lean._run
+    lean._run = lambda state, *args: (held.append((state.slots, sorted(lean._states))), run(state, *args))[1]
+    tokens = lean(batch["input_ids"], batch["attention_mask"])[0]
+    assert torch.equal(tokens[:, :width], plain) and lean.stats["rollout/compactions"] >= 1
+    assert all(sizes == [slots] for slots, sizes in held) and held[0][0] > held[-1][0]
+    assert lean._states == {}
+
 
 def test_eos_ends_a_row_and_pads_after_it(tok, batch):
     model = tiny("llama", len(tok))

@@ -12,6 +12,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from scgrpo.rollout.graphs import warmup_stream
 from scgrpo.rollout.sampling import sample_from_logits, sample_tokens  # noqa: F401 (sample_from_logits: re-exported)
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ class _GraphedStep:
     def __init__(self, step, ids: Tensor, positions: Tensor, cache_position: Tensor, counters: list[Tensor]) -> None:
         self.ids, self.positions, self.cache_position = ids.clone(), positions.clone(), cache_position.clone()
         saved = [c.clone() for c in counters]
-        stream = torch.cuda.Stream()
+        stream = warmup_stream(ids.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (it writes the same cache slot again later)
             for _ in range(2):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from scgrpo.rollout.compact import CompactDecoder, Compiled, length_bucket
+from scgrpo.rollout.graphs import warmup_stream
 from scgrpo.rollout.sampling import draw, sampling_distribution
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class SlotDecoder:
         saved = [t.clone() for t in (state.tokens, state.lens, state.live, state.count, out.tokens, out.logprobs,
                                      out.entropy, out.count)]
         rng = torch.cuda.get_rng_state(self.device)  # recording draws nothing: a seed gives the same tokens either way
-        stream = torch.cuda.Stream()
+        stream = warmup_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._step(state, out, length)
@@ -280,6 +281,9 @@ class SlotDecoder:
                 size = max(8, 1 << (len(live) - 1).bit_length())
                 keep = torch.tensor(live, dtype=torch.long, device=device)
                 state = self._compact(state, keep, self._state(size, cache_len, n))
+                if not self.keep_workspace:  # the bigger cache (and its graphs) go now, not after the rollout
+                    self._states = {k: v for k, v in self._states.items() if k <= size}
+                    self.pool = None  # new graphs take a new pool: the old one dies with its last graph
                 compactions += 1
             burst = max(1, min(self.check_every, self.max_new - min(counts_host)))
             # the attention kernel reads each row's own length: one graph per slot count serves every length
