@@ -1,5 +1,6 @@
 """Launch settings of the decode-attention kernel (``scgrpo.rollout.kernels``): microseconds per call for each
-(block_n, num_warps, num_stages), on the shapes the rollout benchmarks use.
+(block_n, num_warps, num_stages, and for long rows the parts each row is split into), on the shapes the rollout
+benchmarks use.
 
     python scripts/tune_decode_attention.py [--out results.json]
 
@@ -53,10 +54,13 @@ def graph_time(fn, calls: int = 30, replays: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     args = parser.parse_args()
     torch.manual_seed(0)
     report = {"card": torch.cuda.get_device_name(), "shapes": {}}
     for name, shape in SHAPES.items():
+        if name not in args.shapes.split(","):
+            continue
         s, h, kv, d, longest = (shape[k] for k in ("slots", "heads", "kv", "dim", "longest"))
         width = (h + 2 * kv) * d
         qkv = torch.randn(s, width, device="cuda", dtype=torch.bfloat16)
@@ -78,8 +82,9 @@ def main() -> None:
 
         baseline = graph_time(torch_path)
         print(f"{name}: PyTorch write + SDPA {baseline:.2f} us", flush=True)
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2)):
-            launch = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        parts = (1, 2, 4, 8) if longest >= 512 else (1,)  # long rows: also split each row over programs
+        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (1, 2), parts):
+            launch = dict(block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
             row = dict(launch)
             try:
                 row["us"] = graph_time(lambda: kernels.decode_attention(qkv, lens, cache, cos, sin, h, d ** -0.5,

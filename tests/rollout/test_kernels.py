@@ -50,8 +50,9 @@ def reference(qkv, lens, cache, cos, sin, heads, rotated=False):
 
 @runs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv,dim,rotated", [(6, 2, 64, False), (4, 4, 32, False), (8, 2, 32, True)])
-def test_decode_attention_equals_pytorch_attention(heads, kv, dim, rotated, dtype):
+@pytest.mark.parametrize("heads,kv,dim,rotated,splits", [(6, 2, 64, False, 1), (4, 4, 32, False, 1), (8, 2, 32, True, 1),
+                                                          (6, 2, 64, False, 4)])
+def test_decode_attention_equals_pytorch_attention(heads, kv, dim, rotated, splits, dtype):
     if dtype == torch.bfloat16 and DEVICE.type != "cuda":
         pytest.skip("bf16 on a GPU (the interpreter's bf16 products are not exact)")
     torch.manual_seed(0)
@@ -63,14 +64,15 @@ def test_decode_attention_equals_pytorch_attention(heads, kv, dim, rotated, dtyp
     # the reference in fp32 from the same (rounded) inputs; bf16 differs by the kernel's roundings of q, k, p
     expected, expected_cache = reference(qkv.float(), lens, cache.float(), cos, sin, heads, rotated)
     got = kernels.decode_attention(qkv, lens, cache, cos.to(dtype), sin.to(dtype), heads, dim ** -0.5,
-                                   rotate=not rotated)
+                                   rotate=not rotated, launch=dict(splits=splits))
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     assert torch.allclose(got.float(), expected, **tol), (got.float() - expected).abs().max()
     assert torch.allclose(cache.float(), expected_cache, **tol)  # k, v written at each row's position only
 
 
 @runs
-@pytest.mark.parametrize("launch", [dict(block_n=32, num_warps=2, num_stages=1), dict(block_n=128, num_warps=8)])
+@pytest.mark.parametrize("launch", [dict(block_n=32, num_warps=2, num_stages=1), dict(block_n=128, num_warps=8),
+                                    dict(block_n=32, splits=3), dict(block_n=64, num_warps=2, splits=4)])
 def test_decode_attention_reads_strided_rows_under_any_launch_setting(launch):
     torch.manual_seed(1)
     heads, kv, dim = 4, 2, 32
@@ -80,8 +82,10 @@ def test_decode_attention_reads_strided_rows_under_any_launch_setting(launch):
     cache = torch.randn(2, 3, kv, 160, dim, device=DEVICE)
     cos, sin = rope(160, dim)
     expected, _ = reference(wide[:, :out].contiguous(), lens, cache, cos, sin, heads)
-    got = kernels.decode_attention(wide[:, :out], lens, cache.clone(), cos, sin, heads, dim ** -0.5, launch=launch)
-    assert torch.allclose(got, expected, atol=2e-5)
+    for _ in range(2):  # split rows: the merging program leaves the arrival counters at zero for the next launch
+        got = kernels.decode_attention(wide[:, :out], lens, cache.clone(), cos, sin, heads, dim ** -0.5, launch=launch)
+        assert torch.allclose(got, expected, atol=2e-5)
+    assert all(int(counters.abs().sum()) == 0 for _, _, counters in kernels._partials.values())
 
 
 @runs
