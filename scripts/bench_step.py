@@ -99,14 +99,30 @@ class CoinFlipVerifier(Verifier):
 class StepRecorder(Callback):
     """Per step: the module's own phase timings and token counts, wall time and peak GPU memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Optional[str] = None, snapshot_step: int = -1) -> None:
         self.steps: list[dict[str, float]] = []
         self._start: Optional[float] = None
+        # the allocator's trace of every step up to this one, to a file (scripts/memory_peaks.py reads it)
+        self.snapshot, self.snapshot_step = snapshot, snapshot_step
+        self._calls = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.snapshot and torch.cuda.is_available():
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+            self._before = torch.cuda.memory_allocated()
+
+    @staticmethod
+    def step_start_mark() -> None:
+        """An allocation the trace's reader finds by this function's name: where a step starts."""
+        torch.empty(1, device="cuda")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if self.snapshot:
+                self.step_start_mark()
+        self._calls += 1
         now = time.perf_counter()
         if self._start is not None and self.steps:
             self.steps[-1]["wall_s"] = now - self._start  # one step's start to the next one's
@@ -119,6 +135,14 @@ class StepRecorder(Callback):
             phases = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("_peak_gib")]
             record["peak_allocated_gib"] = max([torch.cuda.max_memory_allocated() / 2**30, *phases])
             record["peak_reserved_gib"] = max(torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved()) / 2**30
+            if self.snapshot and self._calls - 1 == self.snapshot_step:  # for scripts/memory_peaks.py
+                import pickle
+
+                trace = torch.cuda.memory._snapshot()
+                trace.update(scgrpo_allocated_before=self._before, scgrpo_device=torch.cuda.current_device())
+                torch.cuda.memory._record_memory_history(enabled=None)
+                with open(self.snapshot, "wb") as f:
+                    pickle.dump(trace, f)
         record["end_s"] = time.perf_counter() - self._start
         self.steps.append(record)
 
@@ -158,7 +182,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              quantization: Optional[str] = None, gradient_checkpointing: bool = False,
              micro_batch_size: Optional[int] = None, steps: int = 5, warmup: int = 2, devices: int = 1,
              cuda_graphs: bool = True, lr: float = 1e-5, coin_flip_rewards: bool = False,
-             decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True) -> dict[str, Any]:
+             decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True,
+             logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -181,12 +206,13 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
         gradient_checkpointing=gradient_checkpointing,
         micro_batch_size=micro_batch_size,
+        logprob_chunk_size=logprob_chunk_size,
         validate_before_training=False,
         log_completions_every_n_steps=0,
         verifier=CoinFlipVerifier() if coin_flip_rewards else None,
     )
     data = PromptDataModule(source="arithmetic", batch_size=prompts, eval_splits=[])
-    recorder = StepRecorder()
+    recorder = StepRecorder(memory_snapshot, warmup + steps - 1)
     root = tempfile.mkdtemp(prefix="scgrpo-bench-")
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
@@ -210,6 +236,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "lora": "r=16 alpha=32 all-linear", "dtype": "bfloat16", "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
         "decode_forward": decode_forward, "max_slots": max_slots, "keep_workspace": keep_workspace,
+        "logprob_chunk_size": logprob_chunk_size,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
     }
@@ -237,6 +264,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--model", default="smollm2", help="the real model (default: the embedded SmolLM2)")
     parser.add_argument("--max-new", type=int, default=None, help="override the suite's completion length")
+    parser.add_argument("--memory-snapshot", default=None,
+                        help="write the allocator's trace of each case's last step to PATH (case name appended), "
+                             "for scripts/memory_peaks.py")
     args = parser.parse_args()
 
     from scgrpo.models import resolve_model
@@ -253,10 +283,12 @@ def main() -> None:
         # as TRL runs by default: gradient checkpointing; rows in micro-batches of 64
         low = dict(common, gradient_checkpointing=True, micro_batch_size=64)
         cases["smollm2_grpo_checkpointing_hf_forward"] = dict(objective="grpo", decode_forward="hf", **low)
-        # memory-lean: 32 decode slots (waiting rows refill them as others end): a KV cache for 32 rows
-        low = dict(low, max_slots=32)
+        # memory-lean: 32 decode slots (waiting rows refill them as others end): a KV cache for 32 rows, freed
+        # with the weight copies after each rollout; fp32 logits in blocks of 256 tokens
+        low = dict(low, max_slots=32, keep_workspace=False, logprob_chunk_size=256)
         cases["smollm2_grpo_checkpointing"] = dict(objective="grpo", **low)
         cases["smollm2_scgrpo_checkpointing"] = dict(objective="scgrpo", **low)
+        cases["smollm2_grpo_checkpointing_mb32"] = dict(objective="grpo", **dict(low, micro_batch_size=32))
         for objective in ("grpo", "scgrpo"):  # 4-bit base (QLoRA), same checkpointing and micro-batches
             cases[f"smollm2_{objective}_qlora"] = dict(objective=objective, quantization="nf4", **low)
     elif args.suite == "qwen1p5b":  # 4 prompts x G=8, 512 completion tokens (forced), checkpointing
@@ -281,7 +313,8 @@ def main() -> None:
         print(f"== {name}", flush=True)
         if args.max_new:
             kwargs.update(max_new=args.max_new, min_new=min(kwargs.get("min_new", 0), args.max_new))
-        result = run_case(name, steps=args.steps, warmup=args.warmup, **kwargs)
+        snapshot = f"{args.memory_snapshot}.{name}.pkl" if args.memory_snapshot else None
+        result = run_case(name, steps=args.steps, warmup=args.warmup, memory_snapshot=snapshot, **kwargs)
         results.append(result)
         brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "steps"}
         print(json.dumps(brief), flush=True)

@@ -127,9 +127,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 logits.div_(temperature)
             logz[rows] = torch.logsumexp(logits, dim=-1)
             logprobs[rows] = logits.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - logz[rows]
-            if want_entropy:
-                probs = logits.sub(logz[rows].unsqueeze(-1)).exp_()  # [n, V]
-                entropy[rows] = logz[rows] - (probs * logits).sum(-1)
+            if want_entropy:  # in place: two [n, V] fp32 blocks at most
+                entropy[rows] = logz[rows] - logits.sub(logz[rows].unsqueeze(-1)).exp_().mul_(logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, logz)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return logprobs, entropy
