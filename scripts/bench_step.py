@@ -284,8 +284,8 @@ def main() -> None:
         low = dict(common, gradient_checkpointing=True, micro_batch_size=64)
         cases["smollm2_grpo_checkpointing_hf_forward"] = dict(objective="grpo", decode_forward="hf", **low)
         # memory-lean: 32 decode slots (waiting rows refill them as others end): a KV cache for 32 rows, freed
-        # with the weight copies after each rollout; micro-batches of 32 rows; fp32 logits in blocks of 256 tokens
-        low = dict(low, max_slots=32, keep_workspace=False, micro_batch_size=32, logprob_chunk_size=256)
+        # with the weight copies after each rollout; micro-batches of 32 rows; fp32 logits in blocks of 128 tokens
+        low = dict(low, max_slots=32, keep_workspace=False, micro_batch_size=32, logprob_chunk_size=128)
         cases["smollm2_grpo_checkpointing"] = dict(objective="grpo", **low)
         cases["smollm2_scgrpo_checkpointing"] = dict(objective="scgrpo", **low)
         for objective in ("grpo", "scgrpo"):  # 4-bit base (QLoRA), same checkpointing and micro-batches

@@ -164,12 +164,17 @@ def rollout_entries(card: str) -> dict[str, dict]:
             summary[key] = entry(
                 key, lean["peak_allocated_gib"] / t_case["peak_allocated_gib"], t["card"],
                 f"{json.load(open(step))['command']} ; {t['command']}",
-                f"checkpointing case (micro-batches of 64, 32 decode slots refilled as rows end): peak "
-                f"max_memory_allocated {lean['peak_allocated_gib']:.2f} GiB vs TRL {t_case['peak_allocated_gib']:.2f} GiB "
-                f"in the same call (each case its own process); with the previous engine "
-                f"{hf['peak_allocated_gib']:.2f} GiB ({hf['peak_allocated_gib'] / t_case['peak_allocated_gib']:.2f}x). "
-                f"Step times: {lean['wall_s']:.2f} s (previous engine {hf['wall_s']:.2f} s, TRL {t_case['wall_s']:.2f} s; "
-                f"default settings, no checkpointing: {by['smollm2_grpo']['wall_s']:.2f} s)" if hf else "")
+                f"checkpointing case (gradient checkpointing, micro-batches of {lean['micro_batch_size']} rows, "
+                f"{lean['max_slots']} decode slots refilled as rows end, rollout workspace "
+                f"{'kept' if lean.get('keep_workspace', True) else 'freed after each rollout'}, fp32 logits in blocks "
+                f"of {lean.get('logprob_chunk_size', 1024)} tokens): peak max_memory_allocated "
+                f"{lean['peak_allocated_gib']:.3f} GiB (rollout phase {lean.get('memory_rollout_peak_gib', 0):.3f}, "
+                f"update {lean.get('memory_update_peak_gib', 0):.3f}) vs TRL {t_case['peak_allocated_gib']:.3f} GiB in the "
+                f"same call"
+                + (f"; with the previous engine {hf['peak_allocated_gib']:.2f} GiB "
+                   f"({hf['peak_allocated_gib'] / t_case['peak_allocated_gib']:.2f}x)" if hf else "")
+                + f". Step times: {lean['wall_s']:.2f} s (TRL {t_case['wall_s']:.2f} s; default settings, no "
+                f"checkpointing: {by['smollm2_grpo']['wall_s']:.2f} s)")
     return summary
 
 
@@ -189,6 +194,8 @@ def rollout_table(card: str) -> list[str]:
                             "median of timed calls.")
     if not report:
         return []
+    if report.get("note"):
+        lines += [report["note"][0].upper() + report["note"][1:] + ".", ""]
     names = {"compact": "compact", "compact_eager": "compact, not compiled", "loop_hf_forward": "decode loop, HF forward",
              "hf_static": "generate, static cache", "hf_dynamic": "generate, dynamic cache"}
     present = [k for k in names if any(k in case["engines"] for case in report["cases"].values())]  # engines run

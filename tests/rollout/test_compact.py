@@ -129,10 +129,12 @@ def test_refill_and_compaction_change_no_row(tok):
     lean = SlotDecoder(CompactDecoder(model), eos, 2, 30, greedy=True)
     lean.keep_workspace = False
     held, run = [], lean._run
-    lean._run = lambda state, *args: (held.append((state.slots, sorted(lean._states))), run(state, *args))[1]
+    lean._run = lambda state, *args: (held.append((state.slots, sorted(lean._states),
+                                                   state.cache.untyped_storage().data_ptr())), run(state, *args))[1]
     tokens = lean(batch["input_ids"], batch["attention_mask"])[0]
     assert torch.equal(tokens[:, :width], plain) and lean.stats["rollout/compactions"] >= 1
-    assert all(sizes == [slots] for slots, sizes in held) and held[0][0] > held[-1][0]
+    assert all(sizes == [slots] for slots, sizes, _ in held) and held[0][0] > held[-1][0]
+    assert len({storage for _, _, storage in held}) == 1  # compaction moves rows within the one cache allocation
     assert lean._states == {}
 
 

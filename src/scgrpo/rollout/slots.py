@@ -193,9 +193,10 @@ class SlotDecoder:
         out.count.zero_()
         return out, cache_len
 
-    def _state(self, slots: int, cache_len: int, scratch: int) -> SlotState:
+    def _state(self, slots: int, cache_len: int, scratch: int, within: Optional[SlotState] = None) -> SlotState:
         """The workspace of ``slots`` slots, emptied (its cache keeps stale entries: nothing reads past a row's
-        length)."""
+        length). ``within``: a bigger workspace whose cache's first slots this one's cache is (compaction moves
+        rows down inside one allocation: no second cache, and a graph of either size keeps fixed addresses)."""
         state = self._states.get(slots)
         if state is None:
             device = self.device
@@ -205,7 +206,7 @@ class SlotDecoder:
                 live=torch.empty(slots, dtype=torch.bool, device=device),
                 row=torch.empty(slots, dtype=torch.long, device=device),
                 count=torch.empty(slots, dtype=torch.long, device=device),
-                cache=self.decoder.new_cache(slots, cache_len),
+                cache=within.cache[:, :, :slots] if within is not None else self.decoder.new_cache(slots, cache_len),
             )
         state.tokens.fill_(self.pad_id)
         state.lens.zero_()
@@ -219,7 +220,8 @@ class SlotDecoder:
         n = keep.numel()
         for name in ("tokens", "lens", "live", "row", "count"):
             getattr(new, name)[:n] = getattr(state, name)[keep]
-        new.cache[:, :, :n] = state.cache[:, :, keep]
+        for layer in range(state.cache.shape[0]):  # gathered (a copy) before written: safe within one allocation
+            new.cache[layer, :, :n] = state.cache[layer, :, keep]
         return new
 
     def slot_budget(self, rows: int, cache_len: int) -> int:
@@ -280,7 +282,7 @@ class SlotDecoder:
             if not pending and self.compaction and len(live) <= state.slots // 2 and state.slots > 8:
                 size = max(8, 1 << (len(live) - 1).bit_length())
                 keep = torch.tensor(live, dtype=torch.long, device=device)
-                state = self._compact(state, keep, self._state(size, cache_len, n))
+                state = self._compact(state, keep, self._state(size, cache_len, n, within=state))
                 if not self.keep_workspace:  # the bigger cache (and its graphs) go now, not after the rollout
                     self._states = {k: v for k, v in self._states.items() if k <= size}
                     self.pool = None  # new graphs take a new pool: the old one dies with its last graph
