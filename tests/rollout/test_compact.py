@@ -138,6 +138,23 @@ def test_refill_and_compaction_change_no_row(tok):
     assert lean._states == {}
 
 
+def test_admissions_wait_for_a_quarter_of_the_slots(tok):
+    """Waiting rows are prefilled in groups (a quarter of the slots, or all that wait): fewer, bigger prefills,
+    and no row's tokens change."""
+    model = tiny("llama", len(tok))
+    batch = tok([f"row {i} " + "ab" * (i % 5) for i in range(32)], return_tensors="pt", padding=True)
+    free_run, _ = compact_greedy(model, batch, 30)
+    eos = sorted({int(free_run[i, 3 + 2 * i]) for i in (0, 5, 9)})  # rows end one or two at a time
+    plain, _ = compact_greedy(model, batch, 30, eos, refill=False, compaction=False)
+    sampler = SlotDecoder(CompactDecoder(model), eos, 2, 30, greedy=True, max_slots=16)
+    sizes, admit = [], sampler._admit
+    sampler._admit = lambda state, out, right, lengths, rows, slots: (sizes.append(len(rows)),
+                                                                      admit(state, out, right, lengths, rows, slots))
+    tokens = sampler(batch["input_ids"], batch["attention_mask"])[0]
+    assert torch.equal(tokens[:, : plain.shape[1]], plain)
+    assert sizes[0] == 16 and sum(sizes) == 32 and len(sizes) > 2 and all(size >= 4 for size in sizes[:-1])
+
+
 def test_eos_ends_a_row_and_pads_after_it(tok, batch):
     model = tiny("llama", len(tok))
     free_run, _ = compact_greedy(model, batch, 12)
