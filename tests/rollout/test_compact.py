@@ -335,3 +335,39 @@ def test_the_two_level_cdf_inversion_equals_a_full_scan():
         assert torch.equal(token, expected)
         assert bool((probs.gather(1, token[:, None]) > 0).all())
         assert torch.allclose(total, probs.sum(-1))
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "gate_proj", "down_proj"]])
+def test_unrolled_low_rank_terms_add_each_layers_own_ranks(tok, targets):
+    """The compiled engine's form of LoRA (multiply-adds over each output block's own ranks) equals the matmul
+    form, whichever layers carry adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    from scgrpo.rollout.compact import step_functions
+
+    model = get_peft_model(tiny("llama", len(tok)), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    torch.manual_seed(3)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    decoder = CompactDecoder(model)
+    spans = decoder._block_layout()
+    qkv = spans["qkv"]  # (start, end, ranks) per q, k, v
+    assert [end - start for start, end, _ in qkv] == [32, 16, 16]
+    assert [len(ranks) for _, _, ranks in qkv] == ([4, 4, 4] if targets == "all-linear" else [4, 0, 4])
+    shapes = (decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.eps)
+    plain, blockwise = step_functions(*shapes), step_functions(*shapes, unrolled=True, blocks=spans)
+    dense = step_functions(*shapes, unrolled=True)  # every rank over every column (zeros off the blocks)
+    x, attn = torch.randn(5, 32), torch.randn(5, 2, 2, 8)
+    cos, sin = decoder.rope_tables(16)
+    cos, sin = cos[:5], sin[:5]
+    args0, args1 = decoder._args(decoder.layers[0]), decoder._args(decoder.layers[1])
+    with torch.no_grad():
+        expected = plain[1](x, attn, *args0[6:], cos, sin, *args1[:6])
+        for funcs in (blockwise, dense):
+            got = funcs[1](x, attn, *args0[6:], cos, sin, *args1[:6])
+            for e, g in zip([expected[0], *expected[1]], [got[0], *got[1]]):
+                assert torch.allclose(g, e, atol=1e-5, rtol=1e-5)
+        logits = plain[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head))
+        assert torch.allclose(blockwise[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head)), logits,
+                              atol=1e-5, rtol=1e-5)

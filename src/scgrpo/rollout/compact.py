@@ -153,6 +153,7 @@ class Projection:
         self.weight: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self.up: Optional[Tensor] = None
+        self.blocks: Optional[tuple] = None  # see :func:`low_rank`
         self._layout = None
         self.refresh()
 
@@ -182,6 +183,13 @@ class Projection:
             self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
             self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
             self._layout = layout
+            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
+            ranks: list[list[int]] = [[] for _ in self.sizes]
+            col = 0
+            for i, a, _, _ in loras:
+                ranks[i] += range(col, col + a.shape[0])
+                col += a.shape[0]
+            self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks)) if rank else None
         if not single:  # one device copy per rollout: in-place `.data` edits leave no version trace to check
             torch.cat([w.detach().to(self.dtype) for w in weights], out=self.weight[: self.out])
         if self.bias is not None:  # cheap, and biases may train while the weights do not
@@ -208,32 +216,39 @@ class Projection:
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor],
-                 unrolled: bool = False) -> Tensor:
+                 unrolled: bool = False, blocks: Optional[tuple] = None) -> Tensor:
     shape = x.shape[:-1]
     y = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)  # [n, out + r]
-    return low_rank(y, up, unrolled).view(*shape, -1)
+    return low_rank(y, up, unrolled, blocks).view(*shape, -1)
 
 
-def low_rank(y: Tensor, up: Optional[Tensor], unrolled: bool = False) -> Tensor:
+def low_rank(y: Tensor, up: Optional[Tensor], unrolled: bool = False, blocks: Optional[tuple] = None) -> Tensor:
     """``y[:, :out] + y[:, out:] up`` for the output ``[n, out + r]`` of a projection with LoRA rows (``up`` ``[r, out]``;
     ``y`` itself without). ``unrolled``: as ``r`` multiply-adds, which a compiler fuses into whatever reads the result (no
-    second matmul, no copies of the slices); a matmul otherwise."""
+    second matmul, no copies of the slices); a matmul otherwise. ``blocks`` (:attr:`Projection.blocks`): each layer's
+    output columns ``[start, end)`` with the ranks of its own adapters, so that an unrolled output column adds its own
+    layer's ranks only (``up`` is block-diagonal: q's columns need q's 16 ranks, not q, k and v's 48)."""
     if up is None:
         return y
     rank, out = up.shape
     if unrolled and isinstance(rank, int) and rank <= 256:
-        result = y[:, :out]
-        for j in range(rank):
-            result = result + y[:, out + j : out + j + 1] * up[j]
-        return result
+        spans = blocks if blocks is not None else ((0, out, tuple(range(rank))),)
+        pieces = []
+        for start, end, ranks in spans:
+            piece = y[:, start:end]
+            for j in ranks:
+                piece = piece + y[:, out + j : out + j + 1] * up[j, start:end]
+            pieces.append(piece)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
     return torch.addmm(y[:, :out], y[:, out:], up)  # base + (x A^T) (s B)^T
 
 
-def linear(x: Tensor, weight, bias: Optional[Tensor], up: Optional[Tensor], unrolled: bool = False) -> Tensor:
+def linear(x: Tensor, weight, bias: Optional[Tensor], up: Optional[Tensor], unrolled: bool = False,
+           blocks: Optional[tuple] = None) -> Tensor:
     """:func:`fused_linear`, or a :class:`Projection` that runs its own layers (passed as ``weight``)."""
     if isinstance(weight, Projection):
         return weight(x)
-    return fused_linear(x, weight, bias, up, unrolled)
+    return fused_linear(x, weight, bias, up, unrolled, blocks)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -263,7 +278,8 @@ class Layer:
     down: Projection
 
 
-def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unrolled: bool = False):
+def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unrolled: bool = False,
+                    blocks: Optional[dict] = None):
     """The two halves of a decoder block for one new token per slot, as functions of plain tensors only (every
     weight an argument, the shapes closed over), so that one compiled version serves every layer:
 
@@ -274,12 +290,14 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unroll
     - ``split_heads(qkv, lead, cos, sin, q_norm, k_norm)``: ``attention_in`` after its projection.
 
     The cache write and the attention itself run between them, outside any compiled code. ``unrolled``: LoRA's
-    low-rank terms as multiply-adds (see :func:`low_rank`)."""
+    low-rank terms as multiply-adds (see :func:`low_rank`), with ``blocks`` (``qkv``, ``o``, ``gate_up``, ``down``,
+    ``head``: :attr:`Projection.blocks`, the same in every layer) when given."""
     group = heads // kv_heads
+    spans = blocks or {}
 
     def attention_in(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
         lead = x.shape[:-1]
-        qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled)
+        qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled, spans.get("qkv"))
         return split_heads(qkv, lead, cos, sin, q_norm, k_norm)
 
     def split_heads(qkv, lead, cos, sin, q_norm, k_norm):
@@ -298,15 +316,16 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unroll
         return x - (-y) if unrolled else x + y
 
     def attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up):
-        x = residual(x, linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up, unrolled))
-        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up, unrolled).chunk(2, dim=-1)
-        return residual(x, linear(F.silu(gate) * up, d_w, d_b, d_up, unrolled))
+        x = residual(x, linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up, unrolled,
+                               spans.get("o")))
+        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up, unrolled, spans.get("gate_up")).chunk(2, dim=-1)
+        return residual(x, linear(F.silu(gate) * up, d_w, d_b, d_up, unrolled, spans.get("down")))
 
     return attention_in, attention_out, split_heads
 
 
 def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_attention: bool = False,
-                   unrolled: bool = False):
+                   unrolled: bool = False, blocks: Optional[dict] = None):
     """The decode step's compute between attentions, as functions of tensors (compiled once, reused by every
     layer): ``first(x, cos, sin, *in_args)`` -> a; ``middle(x, attn, *out_args, cos, sin, *in_args)`` -> (x, a), one
     block's end and the next block's start, so that the residual add fuses into the next norm;
@@ -317,11 +336,12 @@ def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_a
     here, after q/k norms: Qwen3). For the
     PyTorch attention: (q, kv), ``kv`` ``[2, S, kv, D]`` written into the cache in one indexed store. The cache
     write and the attention stay outside (a compiled function that writes into its input cache would copy it)."""
-    attention_in, attention_out, split_heads = layer_functions(heads, kv_heads, head_dim, eps, unrolled)
+    attention_in, attention_out, split_heads = layer_functions(heads, kv_heads, head_dim, eps, unrolled, blocks)
+    spans = blocks or {}
 
     def start(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
         if fused_attention:
-            qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled)  # [S, (heads + 2 kv) D]
+            qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled, spans.get("qkv"))  # [S, (H + 2 kv) D]
             if q_norm is None:
                 return qkv  # rotated in the kernel
             q, k, v = split_heads(qkv, x.shape[:-1], cos, sin, q_norm, k_norm)
@@ -338,7 +358,7 @@ def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_a
 
     def last(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up, norm, head_w, head_b, head_up):
         x = attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)
-        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up, unrolled).float()
+        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up, unrolled, spans.get("head")).float()
 
     return first, middle, last
 
@@ -380,15 +400,31 @@ class CompactDecoder:
         self.compiled = bool(compile_layers and self.fused)
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
         self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)
+        self._spans: Optional[dict] = None
+        self._build_steps()
+        self._rope: Optional[tuple[Tensor, Tensor]] = None
+        self.version = 0
+
+    def _block_layout(self) -> Optional[dict]:
+        """Each projection's :attr:`Projection.blocks`, when every layer has the same (else None: the unrolled
+        terms then run over all ranks)."""
+        spans = {"head": self.head.blocks}
+        for name in ("qkv", "o", "gate_up", "down"):
+            found = {getattr(layer, name).blocks for layer in self.layers}
+            if len(found) != 1:
+                return None
+            spans[name] = found.pop()
+        return spans
+
+    def _build_steps(self) -> None:
         shapes = (self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_attention)
         self._first, self._middle, self._last = step_functions(*shapes)
         if self.compiled:  # LoRA terms unrolled for the compiler to fuse; the eager versions as the fallback
-            first, middle, last = step_functions(*shapes, unrolled=True)
+            self._spans = self._block_layout()
+            first, middle, last = step_functions(*shapes, unrolled=True, blocks=self._spans)
             self._first = Compiled(first, "decode step (first block)", fallback=self._first)
             self._middle = Compiled(middle, "decode step (blocks)", fallback=self._middle)
             self._last = Compiled(last, "decode step (output head)", fallback=self._last)
-        self._rope: Optional[tuple[Tensor, Tensor]] = None
-        self.version = 0
 
     @property
     def device(self) -> torch.device:
@@ -407,6 +443,8 @@ class CompactDecoder:
                 rebuilt |= proj.refresh()
         if rebuilt:
             self.version += 1
+            if self.compiled and self._block_layout() != self._spans:  # other adapters: the unrolled terms change
+                self._build_steps()
 
     def release(self) -> None:
         """Drops the concatenated weight copies until the next :meth:`refresh` (which reallocates them)."""
