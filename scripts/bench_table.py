@@ -233,6 +233,26 @@ def lora_gemm_table(card: str) -> list[str]:
     return lines
 
 
+def verifier_table() -> list[str]:
+    """Programs verified per second by the code sandbox (``scripts/bench_verifier.py``), one row per mode."""
+    path = os.path.join(RESULTS, "bench_verifier_cpu.json")
+    if not os.path.exists(path):
+        return []
+    report = json.load(open(path))
+    lines = ["", "## Code verifier (CPU)", "", f"`{report['command']}`: programs verified per second by `PythonTests` "
+             f"on a {report.get('cores', '?')}-core machine, each program in its own sandbox (a judge and a worker "
+             "interpreter); trivial: one function, three call tests; busy: one test that burns one second of CPU. "
+             f"Load average at the end: {', '.join(f'{x:.1f}' for x in report.get('load_average_at_end', []))}.", "",
+             "| sandbox | workers | trivial programs/s | 1 s busy-loop programs/s |", "|---|---|---|---|"]
+    for row in report["results"]:
+        if "error" in row:
+            lines.append(f"| {row['mode']} | | not available here: {row['error']} | |")
+            continue
+        lines.append(f"| {row['sandbox']} | {row['workers']} | {row['trivial']['programs_per_s']:.2f} | "
+                     f"{row['busy_1s']['programs_per_s']:.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cards", default="h200,h100")
@@ -281,6 +301,7 @@ def main() -> None:
     for card in cards:
         lines += rollout_table(card)
         lines += lora_gemm_table(card)
+    lines += verifier_table()
     lines.append("")
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
         f.write("\n".join(lines))
