@@ -3,6 +3,10 @@
     torchrun --nproc_per_node 2 scripts/fsdp_step_check.py --model DIR --out grads2.pt
     python scripts/fsdp_step_check.py --model DIR --out grads1.pt        # one process, no sharding
 
+``main(argv)`` also runs inside a calling process: as one process without a process group where no
+``WORLD_SIZE`` is set, or as one rank where the caller has set torchrun's variables (the CPU test runs its
+reference so, and forks its ranks).
+
 The global batch (prompts x G completions, rewards) is built from a seed, the same on every rank; rank r
 trains on its share of the prompt groups. With more than one rank the policy is sharded with FSDP2 exactly
 as ``FSDP2Strategy`` shards it. Rank 0 writes the global loss and the whole (gathered) LoRA gradients, so
@@ -46,7 +50,7 @@ def fixed_rollouts(tokenizer, prompts: int, group: int, completion_len: int, voc
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model folder")
     parser.add_argument("--objective", default="scgrpo", help="grpo, scgrpo, or both: grpo,scgrpo (one process)")
@@ -55,8 +59,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--completion-len", type=int, default=12)
     parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from scgrpo.models import LoraSettings
     from scgrpo.module import RLVRModule
@@ -65,7 +70,7 @@ def main() -> None:
     from scgrpo.verifiers import NumericVerifier
 
     distributed = "WORLD_SIZE" in os.environ
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" if args.device else torch.cuda.is_available()
     if distributed:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if cuda:

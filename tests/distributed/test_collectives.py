@@ -40,6 +40,7 @@ def _select(signal: TeacherSignal, rows: slice) -> TeacherSignal:
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
+    torch.set_num_threads(1)  # a forked child starts no thread pool of its own (tiny tensors: none is needed)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -63,7 +64,9 @@ def _free_port() -> int:
 def test_two_ranks_agree_with_one_process_on_the_whole_batch():
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    # forked rather than spawned: the ranks start with this process's imports instead of importing torch and
+    # scgrpo afresh (seconds each)
+    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="fork")
     signal, mask, rewards, entropy = _batch()
     whole = SCGRPO().credit(rewards, mask, 4, signal)
     assert torch.equal(out[0]["gathered"], torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0]))

@@ -6,17 +6,18 @@ rounding; the GPU variant (2+ GPUs, NCCL, bf16) runs only where the GPUs are.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import glob
+import importlib.util
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 CHECK = os.path.join(ROOT, "scripts", "fsdp_step_check.py")
@@ -39,6 +40,40 @@ def _step(tmp_path, model_dir, nproc: int, *args: str) -> dict:
     return torch.load(out)
 
 
+def _step_check():
+    spec = importlib.util.spec_from_file_location("fsdp_step_check", CHECK)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check
+
+
+def _forked_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
+    torch.set_num_threads(1)  # a forked child starts no thread pool of its own (a tiny model: none is needed)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    _step_check().main(argv)
+
+
+def _cpu_step(tmp_path, model_dir, nproc: int, *args: str) -> dict:
+    """The step check on CPU without fresh interpreters (each would spend seconds importing torch, Lightning
+    and Transformers): one process runs here, with no process group; the ranks of several are forked from
+    here and meet over gloo exactly as torchrun's would (the script reads the same variables)."""
+    out = tmp_path / f"grads-{nproc}.pt"
+    argv = [f"--model={model_dir}", f"--out={out}", "--device=cpu", *args]
+    if nproc == 1:
+        _step_check().main(argv)
+    else:
+        ranks = mp.start_processes(_forked_rank, args=(nproc, _free_port(), argv), nprocs=nproc, join=False,
+                                   start_method="fork")
+        deadline = time.monotonic() + 180
+        while not ranks.join(timeout=1):  # raises if a rank fails (the others are ended then)
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                pytest.fail("the ranks did not finish within 180 s")
+    return torch.load(out)
+
+
 def _compare(one: dict, two: dict, rtol: float, atol: float) -> None:
     assert one["world"] == 1 and two["world"] == 2
     assert set(one["grads"]) == set(two["grads"]) and len(one["grads"]) > 0
@@ -54,8 +89,8 @@ def test_sharded_step_equals_single_process_step_on_cpu(tiny_model_dir, tmp_path
     loss denominators must be global; with micro-batches of 3 rows the ranks run different numbers of passes
     and rank 1 pads with zero-weight passes to keep FSDP's collectives paired."""
     args = ("--objective=grpo,scgrpo", "--prompts=6", "--micro-batch-size=3")
-    one = _step(tmp_path, tiny_model_dir, 1, *args)
-    two = _step(tmp_path, tiny_model_dir, 2, *args)
+    one = _cpu_step(tmp_path, tiny_model_dir, 1, *args)
+    two = _cpu_step(tmp_path, tiny_model_dir, 2, *args)
     for name in ("grpo", "scgrpo"):
         _compare({"world": one["world"], **one["results"][name]}, {"world": two["world"], **two["results"][name]},
                  rtol=1e-4, atol=1e-6)
@@ -85,28 +120,26 @@ def test_sharded_step_equals_single_gpu_step_in_bf16(tiny_model_dir, tmp_path, o
     assert abs(two["loss"] - exact["loss"]) <= 2 * abs(one["loss"] - exact["loss"]) + 1e-3 * abs(exact["loss"]) + 1e-4
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held open together while chosen)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def _fit(tiny_model_dir, cwd, *extra: str, port: int | None = None) -> str:
-    """``scgrpo fit`` from the FSDP config on 2 CPU processes (rendezvous on ``port`` when given); returns the
-    run folder."""
+def _fit(tiny_model_dir, cwd, *extra: str, torchrun: bool = False) -> str:
+    """``scgrpo fit`` from the FSDP config on 2 CPU processes, the second started by Lightning, or both by
+    torchrun (importing side by side); returns the run folder."""
     config = os.path.join(ROOT, "configs", "fsdp_scgrpo_arith.yaml")
     before = set(glob.glob(str(cwd / "runs" / "*" / "version_*")))
+    launch = ["scgrpo"] if not torchrun else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "scgrpo.cli"]
     result = subprocess.run(
-        ["scgrpo", "fit", f"--config={config}", f"--model.model={tiny_model_dir}", "--model.dtype=float32",
+        [*launch, "fit", f"--config={config}", f"--model.model={tiny_model_dir}", "--model.dtype=float32",
          "--model.generation.max_new_tokens=6", "--model.generation.num_generations=4", "--model.eval_samples=2",
          "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
          "--data.batch_size=2", "--data.max_eval_prompts=4", "--model.verifier=tests.verifiers.helpers.ParityVerifier",
          *extra],
-        cwd=cwd, env={**_env(), **({"MASTER_PORT": str(port)} if port else {})}, capture_output=True, text=True,
-        timeout=300,
+        cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = set(glob.glob(str(cwd / "runs" / "*" / "version_*"))) - before
@@ -116,24 +149,25 @@ def _fit(tiny_model_dir, cwd, *extra: str, port: int | None = None) -> str:
 @pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
 def test_sharded_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tiny_model_dir, tmp_path):
     """4 steps == 2 steps + checkpoint + 2 resumed steps on 2 ranks: LoRA weights (gathered from shards),
-    every rank's sampling generator and the verified buffer of both ranks come back. The 2-step run's
-    checkpoint and exported adapter hold only whole LoRA tensors, and its buffer both ranks' prompts."""
-    quiet = ["--model.validate_before_training=false", "--trainer.val_check_interval=2"]  # checkpoint every 2
+    every rank's sampling generator and the verified buffer of both ranks come back. The uninterrupted run
+    keeps its step-2 checkpoint too, which is what a run stopped after 2 steps leaves (the same state saved at
+    the same point), and the resumed run starts from it. The checkpoints and the exported adapter hold only
+    whole LoRA tensors, and the buffer both ranks' prompts. The uninterrupted run is launched as
+    ``scgrpo fit`` (Lightning starts rank 1), the resumed one by torchrun, as a cluster job resumes."""
+    quiet = ["--model.validate_before_training=false", "--trainer.val_check_interval=2",  # checkpoint every 2
+             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+             "--trainer.callbacks.save_top_k=-1"]  # ... and keep each one
     (tmp_path / "straight").mkdir()
-    (tmp_path / "first").mkdir()
-    ports = _free_ports(2)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two independent runs side by side (startup overlaps)
-        straight_run = pool.submit(_fit, tiny_model_dir, tmp_path / "straight", "--trainer.max_steps=4", *quiet,
-                                   port=ports[0])
-        first_run = pool.submit(_fit, tiny_model_dir, tmp_path / "first", "--trainer.max_steps=2", *quiet,
-                                port=ports[1])
-        straight, first = straight_run.result(), first_run.result()
-    (ckpt,) = glob.glob(os.path.join(first, "checkpoints", "*.ckpt"))
-    _check_lora_only_checkpoint(tiny_model_dir, first, ckpt)
-    resumed = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=4", f"--ckpt_path={ckpt}", *quiet)
-    (a,) = glob.glob(os.path.join(straight, "checkpoints", "*.ckpt"))
+    (tmp_path / "resumed").mkdir()
+    straight = _fit(tiny_model_dir, tmp_path / "straight", "--trainer.max_steps=4", *quiet)
+    checkpoints = {torch.load(c, weights_only=True)["global_step"]: c
+                   for c in glob.glob(os.path.join(straight, "checkpoints", "*.ckpt"))}
+    assert set(checkpoints) == {2, 4}
+    _check_lora_only_checkpoint(tiny_model_dir, straight, checkpoints[4], checkpoints[2])
+    resumed = _fit(tiny_model_dir, tmp_path / "resumed", "--trainer.max_steps=4",
+                   f"--ckpt_path={checkpoints[2]}", *quiet, torchrun=True)
     (b,) = glob.glob(os.path.join(resumed, "checkpoints", "*.ckpt"))
-    a, b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    a, b = torch.load(checkpoints[4], weights_only=True), torch.load(b, weights_only=True)
     assert a["global_step"] == b["global_step"] == 4
     assert set(a["state_dict"]) == set(b["state_dict"])
     for name, tensor in a["state_dict"].items():
@@ -141,14 +175,15 @@ def test_sharded_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tiny_
     assert a["PromptDataModule"] == b["PromptDataModule"]
 
 
-def _check_lora_only_checkpoint(tiny_model_dir, run: str, ckpt: str) -> None:
+def _check_lora_only_checkpoint(tiny_model_dir, run: str, ckpt: str, ckpt_after_two: str) -> None:
     """Each rank fills the verified buffer from its own prompts and the checkpoint keeps both ranks'; the
-    checkpoint holds exactly the LoRA tensors, whole, equal to the exported adapter."""
-    checkpoint = torch.load(ckpt, weights_only=True)
-    state = checkpoint["state_dict"]
+    checkpoints hold exactly the LoRA tensors, the last one whole and equal to the exported adapter."""
+    after_two = torch.load(ckpt_after_two, weights_only=True)
     # one rank sees 2 steps x 2 prompts; about 94% of prompts get a verified completion (G=4, p=1/2)
-    buffered = {pid for pid, _ in checkpoint["PromptDataModule"]["verified_buffer"]["entries"]}
+    buffered = {pid for pid, _ in after_two["PromptDataModule"]["verified_buffer"]["entries"]}
     assert len(buffered) > 4, buffered
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert {k: v.shape for k, v in after_two["state_dict"].items()} == {k: v.shape for k, v in state.items()}
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
