@@ -170,9 +170,17 @@ class CountdownTask(PromptSource):
         return {"id": f"{split}-{index}", "question": question, "answer": answer}
 
 
+def _answer_column(names: list[str], columns: dict[str, str]) -> str:
+    """The column that holds answers: the one named in ``columns``, else "answer", else "tests" (unit tests)."""
+    if "answer" in columns:
+        return columns["answer"]
+    return "tests" if "answer" not in names and "tests" in names else "answer"
+
+
 def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
     """Map a datasets.Dataset to rows through ``columns`` (our name -> its column), skipping bad rows."""
     names = list(getattr(table, "column_names", []))
+    columns = {**columns, "answer": _answer_column(names, columns)}
     for ours in ("question", "answer"):
         theirs = columns.get(ours, ours)
         if theirs not in names:
@@ -204,8 +212,10 @@ class FileSource(PromptSource):
 
     Args:
         files: one path (the train split) or a mapping split -> path, e.g. ``{train: a.jsonl, test: b.jsonl}``.
-        columns: our field -> the file's column, for "question", "answer" and optionally "id".
-        verifier: the verifier that fits the answers (default: numeric).
+        columns: our field -> the file's column, for "question", "answer" and optionally "id". Without an
+            "answer" column, a "tests" column is read as the answers: unit tests for
+            :class:`scgrpo.verifiers.PythonTests` (LiveCodeBench, MBPP, HumanEval or APPS style).
+        verifier: the verifier that fits the answers (default: ``PythonTests`` for a tests column, else numeric).
     """
 
     def __init__(
@@ -221,13 +231,21 @@ class FileSource(PromptSource):
                 raise ValueError(f"{path}: unknown file type; expected one of {sorted(_FORMATS)}")
         self.columns = dict(columns or {})
         self._verifier = verifier
+        self._answers_are_tests = False
         self._cache: dict[str, list[Row]] = {}
 
     def splits(self) -> list[str]:
         return list(self.files)
 
     def default_verifier(self) -> Verifier:
-        return self._verifier or NumericVerifier()
+        if self._verifier is not None:
+            return self._verifier
+        self.rows("train")
+        if self._answers_are_tests:
+            from scgrpo.verifiers import PythonTests
+
+            return PythonTests()
+        return NumericVerifier()
 
     def rows(self, split: str) -> list[Row]:
         if split not in self.files:
@@ -244,6 +262,7 @@ class FileSource(PromptSource):
                 if "no data" in str(err):
                     raise ValueError(f"{path}: the dataset is empty") from err
                 raise ValueError(f"{path}: could not be read as {_FORMATS[ext]}: {err}") from err
+            self._answers_are_tests = _answer_column(list(table.column_names), self.columns) == "tests"
             self._cache[split] = _table_rows(table, self.columns, path)
         return self._cache[split]
 
