@@ -1,6 +1,6 @@
 """Verifiers: the abstract :class:`Verifier` and the built-ins."""
 
-from scgrpo.verifiers.base import VerificationResult, Verifier
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 from scgrpo.verifiers.code import PythonTests
 from scgrpo.verifiers.combined import WeightedVerifier
 from scgrpo.verifiers.countdown import CountdownVerifier

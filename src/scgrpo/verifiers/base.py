@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+class VerifierSetupError(RuntimeError):
+    """The verifier cannot score anything at all (e.g. its sandbox cannot be set up). Unlike an error on one
+    completion, which scores 0 and is counted, it stops the run."""
+
+
 @dataclass
 class VerificationResult:
     """A verifier's verdict: ``score`` (usually 0 or 1; success means score >= the run's threshold) and

@@ -25,8 +25,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
-from scgrpo.verifiers.base import VerificationResult, Verifier
-from scgrpo.verifiers.sandbox import Limits, Sandbox
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
+from scgrpo.verifiers.sandbox import MODES, Limits, Sandbox
 from scgrpo.verifiers.sandbox_harness import decode, encode
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -42,16 +42,12 @@ def extract_code(completion: str) -> str:
     return (tagged or [body for _, body in blocks])[-1]
 
 
-def _split_statements(source: str) -> list[str]:
+def _from_code(source: str) -> tuple[list[dict[str, Any]], str]:
     """Top-level statements of test code: assertions and calls are tests, the rest (imports, definitions,
     assignments) is set-up that runs before them."""
-    tree = ast.parse(source)
-    return [ast.get_source_segment(source, node) or ast.unparse(node) for node in tree.body]
-
-
-def _from_code(source: str) -> tuple[list[dict[str, Any]], str]:
     tests, setup = [], []
-    for statement, node in zip(_split_statements(source), ast.parse(source).body):
+    for node in ast.parse(source).body:
+        statement = ast.get_source_segment(source, node) or ast.unparse(node)
         if isinstance(node, (ast.Assert, ast.Expr)):
             tests.append({"type": "assert", "code": statement})
         else:
@@ -174,7 +170,8 @@ class PythonTests(Verifier):
     Args:
         all_or_nothing: score 1 only when every test passes (else the share passed).
         isolation: ``auto`` (the strongest that works: ``bwrap``, then ``namespaces``, then ``process``), or
-            one of them (raises where it does not work).
+            one of them. A sandbox that cannot be set up raises
+            :class:`~scgrpo.verifiers.sandbox.SandboxError`, which stops the run.
         workers: programs run at a time (0 = the number of cores).
         timeout_s: wall-clock seconds for one program and all its tests.
         test_timeout_s: wall-clock seconds for one test.
@@ -197,6 +194,8 @@ class PythonTests(Verifier):
         open_files: int = 64,
         output_kb: int = 1024,
     ) -> None:
+        if isolation not in ("auto", *MODES):
+            raise ValueError(f"isolation={isolation!r}: expected one of auto, {', '.join(MODES)}")
         self.all_or_nothing = all_or_nothing
         self.limits = Limits(timeout_s=timeout_s, test_timeout_s=test_timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
                              processes=processes, file_mb=file_mb, disk_mb=disk_mb, open_files=open_files,
@@ -227,7 +226,7 @@ class PythonTests(Verifier):
         self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[str]
     ) -> list[Union[VerificationResult, Exception]]:
         """Scores many completions, ``workers`` sandboxes at a time. A row whose tests cannot be read gives its
-        ValueError in place of a result (the runner counts and logs it)."""
+        ValueError in place of a result (the runner counts and logs it); a sandbox that cannot be set up raises."""
         sandbox = self.sandbox
         with ThreadPoolExecutor(max_workers=min(self.workers, max(len(completions), 1))) as pool:
             futures = [pool.submit(self._one, sandbox, c, a) for c, a in zip(completions, answers)]
@@ -235,6 +234,8 @@ class PythonTests(Verifier):
             for future in futures:
                 try:
                     out.append(future.result())
+                except VerifierSetupError:
+                    raise
                 except Exception as err:
                     out.append(err)
             return out

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from scgrpo.verifiers.base import VerificationResult, Verifier
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _time_limit(seconds: Optional[float]) -> Iterator[None]:
 class VerifierRunner:
     """Applies ``verifier`` to each completion. A verifier that raises, times out or returns something that is
     not a finite score gives score 0; each kind is counted (``errors``, ``timeouts``) and the first of each is
-    logged with the prompt id."""
+    logged with the prompt id. A :class:`VerifierSetupError` (the verifier cannot score anything) stops the run."""
 
     verifier: Verifier
     errors: int = 0
@@ -71,10 +71,14 @@ class VerifierRunner:
             results = list(self.verifier.verify_batch(list(completions), list(answers), list(questions)))
             if len(results) != len(completions):
                 raise ValueError(f"verify_batch gave {len(results)} results for {len(completions)} completions")
+        except VerifierSetupError:
+            raise
         except Exception as err:
             results = [err] * len(completions)
         out = []
         for result, sample_id in zip(results, ids):
+            if isinstance(result, VerifierSetupError):
+                raise result
             try:
                 if isinstance(result, Exception):
                     raise result
@@ -101,6 +105,8 @@ class VerifierRunner:
             with _time_limit(getattr(self.verifier, "timeout_s", None)):
                 result = self.verifier.verify(completion, answer, question)
             return self._checked(result)
+        except VerifierSetupError:
+            raise
         except VerifierTimeout:
             self.timeouts += 1
             self._log_once("timeout", f"{name} ran past {self.verifier.timeout_s}s on prompt {sample_id}; score 0")

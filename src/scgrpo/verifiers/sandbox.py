@@ -11,12 +11,14 @@ Layers, strongest first; ``mode="auto"`` takes the first that passes a probe run
 ``process``
     no namespaces: only the layers below. The program can reach the network and read what the user can.
 
-Every mode also has: resource limits (CPU seconds, address space, file size, open files, no core files), a
-session and process group of its own killed whole at the end, an empty working folder, a scrubbed environment,
-no standard input, captured and capped output, a wall-clock limit, and no new privileges. When the host runs as
-root, the program also gets a uid of its own (so the process limit counts exactly its processes, all of them
-are killed by uid at the end, even a daemon that left the session, and it can neither signal the trainer nor
-read or write root's files).
+Every mode also has: resource limits (CPU seconds per test, address space, file size, open files, no core
+files), a session and process group of its own killed whole at the end, an empty working folder, a scrubbed
+environment, no standard input, captured and capped output, a wall-clock limit, and no new privileges. When the
+host runs as root, the program also gets a uid of its own (so the process limit counts exactly its processes,
+all of them are killed by uid at the end, even a daemon that left the session, and it can neither signal the
+trainer nor read or write root's files). As root, a program never runs as uid 0: where no mode can give it a
+uid of its own, no mode works. In the ``process`` mode as another user, the trainer is made non-dumpable, so
+that the program (same uid) can read neither its memory nor its file descriptors.
 """
 
 from __future__ import annotations
@@ -40,16 +42,21 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from scgrpo.verifiers.base import VerifierSetupError
+
 log = logging.getLogger(__name__)
 
 MODES = ("bwrap", "namespaces", "process")
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
 UID_BASE, UID_SPAN = 1_600_000_000, 1 << 24
 SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+PR_SET_DUMPABLE = 4
+JUDGE_GRACE_S = 1.0
+"""Seconds past ``timeout_s`` the host waits for the judge's results (the judge stops before ``timeout_s``)."""
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the program in it)."""
+class SandboxError(VerifierSetupError):
+    """The sandbox itself failed (not the program in it): the run cannot be scored and stops."""
 
 
 @dataclass
@@ -57,15 +64,15 @@ class Limits:
     """What one program may use."""
 
     timeout_s: float = 10.0
-    """Wall-clock seconds for the whole program, all its tests."""
+    """Wall-clock seconds for the whole program, all its tests; tests it did not reach count as timeouts."""
     test_timeout_s: float = 2.0
     """Wall-clock seconds for one test (and for loading the program)."""
     cpu_s: int = 5
-    """CPU seconds per process."""
+    """CPU seconds per process and test (the program's process is replaced once it has used some)."""
     memory_mb: int = 1024
     """Address space per process."""
     processes: int = 32
-    """Processes and threads (needs a uid of its own, i.e. a root host)."""
+    """Processes and threads (needs a uid of its own, i.e. a root host, or bubblewrap's user namespace)."""
     file_mb: int = 16
     """Largest file it may write."""
     disk_mb: int = 64
@@ -121,7 +128,7 @@ class Sandbox:
 
     Args:
         mode: ``auto`` (the strongest that works here), or one of ``bwrap``, ``namespaces``, ``process``;
-            a mode that does not work here raises.
+            a mode that does not work here raises :class:`SandboxError`.
         limits: see :class:`Limits`.
     """
 
@@ -139,15 +146,22 @@ class Sandbox:
         self._uids: set[int] = set()
         self._uid_lock = threading.Lock()
         self.mode, self.separate_uid = self._choose(mode)
+        if self.mode == "process" and not self.separate_uid:
+            _make_undumpable()
 
     # ------------------------------------------------------------------ choosing a mode
 
     def _choose(self, wanted: str) -> tuple[str, bool]:
         tried = []
         for mode in MODES if wanted == "auto" else (wanted,):
-            for separate_uid in ((True, False) if self.is_root else (False,)):
+            # as root the program always gets a uid of its own: as uid 0 it could read the judge's memory
+            # (and forge its verdict), leave root daemons or kill the trainer
+            for separate_uid in ((True,) if self.is_root else (False,)):
                 if mode == "process" and separate_uid and not self._python_reachable_by_others():
-                    continue  # without a new root, another uid cannot reach this Python
+                    tried.append(f"process: running as root, the program must run as another user, who cannot "
+                                 f"reach {os.path.realpath(sys.executable)} (a folder above it is closed to others); "
+                                 "install bubblewrap or use a Python that all users can run")
+                    continue
                 error = self._probe(mode, separate_uid)
                 if error is None:
                     self._announce(mode, separate_uid, tried)
@@ -187,7 +201,10 @@ class Sandbox:
             log.warning(
                 "code sandbox: process limits only (%s%s). It CANNOT ISOLATE THE NETWORK: programs under test can "
                 "open connections%s. Install bubblewrap (apt-get install bubblewrap) for namespaces.%s",
-                common, uid, "" if separate_uid else ", read and write what this user can, and leave daemons",
+                common, uid, "" if separate_uid else (
+                    ", read and write what this user can, leave daemons, and signal (kill) this user's processes, "
+                    "the trainer included; the trainer is made non-dumpable so that they cannot read its memory "
+                    "or file descriptors (debuggers cannot attach to it either)"),
                 (" Not available: " + "; ".join(tried)) if tried else "")
         else:
             what = "bubblewrap" if mode == "bwrap" else "namespaces (unshare)"
@@ -224,11 +241,13 @@ class Sandbox:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         token = secrets.token_hex(16)
+        deadline = time.monotonic() + lim.timeout_s
         job = {
             "token": token, "code": code, "tests": tests, "setup": setup, "harness": self.harness,
-            "python": sys.executable, "env": env, "limits": asdict(lim),
+            "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
             "layout": {"mode": mode, "uid": uid, "root": folder, "workdir": workdir, "binds": self.binds,
-                       "symlinks": self.links, "disk_mb": lim.disk_mb},
+                       "symlinks": self.links, "disk_mb": lim.disk_mb,
+                       "nproc": uid is not None or (mode == "bwrap" and _nproc_per_user_namespace())},
         }
         job_read, job_write = os.pipe()
         result_read, result_write = os.pipe()
@@ -245,7 +264,7 @@ class Sandbox:
             job_read = result_write = -1
             threading.Thread(target=_write_all, args=(job_write, json.dumps(job).encode()), daemon=True).start()
             job_write = -1
-            return self._collect(process, result_read, token, len(tests), time.monotonic() + lim.timeout_s)
+            return self._collect(process, result_read, token, len(tests), deadline + JUDGE_GRACE_S)
         finally:
             for fd in (job_read, result_write, job_write):
                 if fd >= 0:
@@ -335,6 +354,26 @@ class Sandbox:
         if uid is not None:
             with self._uid_lock:
                 self._uids.discard(uid)
+
+
+def _nproc_per_user_namespace() -> bool:
+    """Since Linux 5.14 RLIMIT_NPROC counts the processes of a uid in its user namespace, so that under bubblewrap
+    (its own user namespace) it limits the sandbox's processes, not all of this user's."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
+
+
+def _make_undumpable() -> None:
+    """The trainer non-dumpable: a program run as the same user can then neither read its memory nor open its
+    file descriptors through /proc."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise SandboxError(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(ctypes.get_errno())}")
 
 
 def _write_all(fd: int, data: bytes) -> None:
