@@ -4,7 +4,7 @@ import json
 
 from scgrpo.data import CodeTask, FileSource, resolve_source
 from scgrpo.data.code import FAMILIES
-from scgrpo.verifiers import PythonTests
+from scgrpo.verifiers import NumericVerifier, PythonTests
 
 
 def test_code_task_splits_hold_out_problems_and_tests():
@@ -60,3 +60,23 @@ def test_file_source_reads_a_tests_column_and_picks_the_code_verifier(tmp_path):
     answers = [loaded[0]["answer"], loaded[1]["answer"]]
     code = ["```python\ndef add(a, b):\n    return a + b\n```", "```python\nprint(sum(map(int, input().split())))\n```"]
     assert [r.score for r in verifier.verify_batch(code, answers, ["q", "q"])] == [1.0, 1.0]
+
+
+def test_file_source_finds_mbpp_and_humaneval_test_columns_and_decides_by_the_train_split(tmp_path):
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text(json.dumps({"text": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"],
+                                "test_setup_code": "import math"}) + "\n")
+    humaneval = tmp_path / "humaneval.jsonl"
+    humaneval.write_text(json.dumps({"prompt": "def add(a, b):", "entry_point": "add",
+                                     "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}) + "\n")
+    numeric = tmp_path / "numeric.jsonl"
+    numeric.write_text(json.dumps({"prompt": "1 + 1?", "answer": "2"}) + "\n")
+    by_name = FileSource(str(mbpp), columns={"question": "text", "answer": "test_list"})
+    found = FileSource({"train": str(humaneval), "test": str(numeric)}, columns={"question": "prompt"})
+    found.rows("test")  # read last, yet the train split decides
+    assert isinstance(by_name.default_verifier(), PythonTests) and isinstance(found.default_verifier(), PythonTests)
+    assert isinstance(FileSource(str(numeric), columns={"question": "prompt"}).default_verifier(), NumericVerifier)
+    answers = [by_name.rows("train")[0]["answer"], found.rows("train")[0]["answer"]]
+    assert answers[0]["test_setup_code"] == "import math" and answers[1]["entry_point"] == "add"
+    add = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert [r.score for r in PythonTests(test_timeout_s=1.0).verify_batch([add, add], answers, ["q", "q"])] == [1.0, 1.0]

@@ -170,11 +170,20 @@ class CountdownTask(PromptSource):
         return {"id": f"{split}-{index}", "question": question, "answer": answer}
 
 
+TEST_COLUMNS = ("tests", "test_list", "test", "input_output")
+"""Columns of unit tests (ours, MBPP, HumanEval, APPS): read with :class:`scgrpo.verifiers.PythonTests`."""
+TEST_CONTEXT = ("entry_point", "fn_name", "test_setup_code")
+"""Columns beside the tests that say how to run them (HumanEval, LiveCodeBench, MBPP)."""
+
+
 def _answer_column(names: list[str], columns: dict[str, str]) -> str:
-    """The column that holds answers: the one named in ``columns``, else "answer", else "tests" (unit tests)."""
+    """The column that holds answers: the one named in ``columns``, else "answer", else a column of unit tests
+    (:data:`TEST_COLUMNS`)."""
     if "answer" in columns:
         return columns["answer"]
-    return "tests" if "answer" not in names and "tests" in names else "answer"
+    if "answer" in names:
+        return "answer"
+    return next((name for name in TEST_COLUMNS if name in names), "answer")
 
 
 def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
@@ -190,12 +199,16 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
     if len(table) == 0:
         raise ValueError(f"{where}: the dataset is empty")
     qcol, acol, icol = columns.get("question", "question"), columns.get("answer", "answer"), columns.get("id", "id")
+    # the function the tests call travels with them (APPS keeps its fn_name inside input_output)
+    context = [c for c in TEST_CONTEXT if c in names] if acol in TEST_COLUMNS and acol != "input_output" else []
     rows, skipped = [], 0
     for i, record in enumerate(table):
         question, answer = record.get(qcol), record.get(acol)
         if not isinstance(question, str) or not question.strip() or answer is None:
             skipped += 1
             continue
+        if context:
+            answer = {acol: answer, **{c: record[c] for c in context if record.get(c) is not None}}
         rows.append({"id": str(record.get(icol, i)) if icol in names else str(i), "question": question, "answer": answer})
     if skipped:
         log.warning("%s: skipped %d of %d rows with a missing or empty question/answer", where, skipped, len(table))
@@ -213,9 +226,11 @@ class FileSource(PromptSource):
     Args:
         files: one path (the train split) or a mapping split -> path, e.g. ``{train: a.jsonl, test: b.jsonl}``.
         columns: our field -> the file's column, for "question", "answer" and optionally "id". Without an
-            "answer" column, a "tests" column is read as the answers: unit tests for
+            "answer" column, a column of unit tests (``tests``, ``test_list``, ``test``, ``input_output``) is read
+            as the answers, with ``entry_point``, ``fn_name`` and ``test_setup_code`` beside them, for
             :class:`scgrpo.verifiers.PythonTests` (LiveCodeBench, MBPP, HumanEval or APPS style).
-        verifier: the verifier that fits the answers (default: ``PythonTests`` for a tests column, else numeric).
+        verifier: the verifier that fits the answers (default: ``PythonTests`` when the train split's answers
+            are a column of unit tests, else numeric).
     """
 
     def __init__(
@@ -262,7 +277,8 @@ class FileSource(PromptSource):
                 if "no data" in str(err):
                     raise ValueError(f"{path}: the dataset is empty") from err
                 raise ValueError(f"{path}: could not be read as {_FORMATS[ext]}: {err}") from err
-            self._answers_are_tests = _answer_column(list(table.column_names), self.columns) == "tests"
+            if split == "train":  # the default verifier follows the train split's answers
+                self._answers_are_tests = _answer_column(list(table.column_names), self.columns) in TEST_COLUMNS
             self._cache[split] = _table_rows(table, self.columns, path)
         return self._cache[split]
 
