@@ -17,6 +17,8 @@ def test_code_task_splits_hold_out_problems_and_tests():
         tests = row["answer"]["tests"]
         assert len(tests) == 3 and all(t["type"] == "call" for t in tests)
         assert tests[0]["fn"] in row["question"] and "```python" in row["question"]
+        calls = [f"`{t['fn']}({', '.join(map(repr, t['args']))})`" for t in tests]
+        assert not any(call in row["question"] for call in calls)  # the example is not a reward test
     assert CodeTask(num_train=40, num_test=10, seed=3).rows("train")[5] == CodeTask(num_train=40, num_test=10, seed=3).rows("train")[5]
     assert isinstance(resolve_source("code"), CodeTask) and isinstance(task.default_verifier(), PythonTests)
 

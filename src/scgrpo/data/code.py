@@ -2,8 +2,8 @@
 
 Each problem is a family (e.g. "the sum of the elements divisible by k") with its own parameters, a function
 name, and ``tests_per_problem`` call tests computed by a reference solution on seeded random inputs. The first
-half of the tests is the problem's visible set (one of them is shown in the prompt as an example); the other
-half is held out. Splits: ``train`` (most problems, rewarded on their visible tests) and ``test`` (problems
+half of the tests is the problem's visible set, the other half is held out; the example in the prompt is one
+more input, in neither. Splits: ``train`` (most problems, rewarded on their visible tests) and ``test`` (problems
 not in train, scored on their held-out tests only), as the paper holds out half of LiveCodeBench's tests.
 """
 
@@ -137,16 +137,16 @@ class CodeTask(PromptSource):
         rng = random.Random(f"{self.seed}-{name}")
         tests, inputs_seen = [], set()
         for _ in range(self.tests_per_problem * 20):
-            if len(tests) == self.tests_per_problem:
+            if len(tests) == self.tests_per_problem + 1:  # the last one is the prompt's example
                 break
             args = family.inputs(rng)
             key = repr(args)
             if key not in inputs_seen:
                 inputs_seen.add(key)
                 tests.append({"type": "call", "fn": name, "args": args, "expected": family.solve(params, *args)})
+        example, tests = tests[-1], tests[:-1]
         half = len(tests) // 2
         visible, held_out = tests[:half], tests[half:]
-        example = visible[0]
         question = self.template.format(
             name=name, signature=family.signature, description=family.describe.format(**params),
             example_call=f"{name}({', '.join(map(repr, example['args']))})", example_result=repr(example["expected"]))
