@@ -47,6 +47,8 @@ SINGLE_PROCESS = [c for c in CONFIGS if not os.path.basename(c).startswith("fsdp
 def test_config_runs_two_steps_with_the_tiny_model(config, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     extra = ["--model.quantization=null"] if os.path.basename(config).startswith("qlora_") else []  # 4-bit: GPU only
+    if os.path.basename(config).endswith("_code.yaml"):  # each completion is a sandboxed program: one evaluation
+        extra += ["--model.validate_before_training=false", "--model.eval_samples=2"]
     main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir), *extra])
     versions = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
     assert versions, "no run folder written"

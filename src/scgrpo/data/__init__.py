@@ -1,11 +1,15 @@
 """Prompt sources and the data module."""
 
+from scgrpo.data.code import CodeTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
 from scgrpo.data.sources import TASKS, ArithmeticTask, CountdownTask, FileSource, HubDataset, PromptSource, resolve_source
+
+TASKS["code"] = CodeTask
 
 __all__ = [
     "TASKS",
     "ArithmeticTask",
+    "CodeTask",
     "CountdownTask",
     "FileSource",
     "HubDataset",

@@ -170,9 +170,26 @@ class CountdownTask(PromptSource):
         return {"id": f"{split}-{index}", "question": question, "answer": answer}
 
 
+TEST_COLUMNS = ("tests", "test_list", "test", "input_output")
+"""Columns of unit tests (ours, MBPP, HumanEval, APPS): read with :class:`scgrpo.verifiers.PythonTests`."""
+TEST_CONTEXT = ("entry_point", "fn_name", "test_setup_code")
+"""Columns beside the tests that say how to run them (HumanEval, LiveCodeBench, MBPP)."""
+
+
+def _answer_column(names: list[str], columns: dict[str, str]) -> str:
+    """The column that holds answers: the one named in ``columns``, else "answer", else a column of unit tests
+    (:data:`TEST_COLUMNS`)."""
+    if "answer" in columns:
+        return columns["answer"]
+    if "answer" in names:
+        return "answer"
+    return next((name for name in TEST_COLUMNS if name in names), "answer")
+
+
 def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
     """Map a datasets.Dataset to rows through ``columns`` (our name -> its column), skipping bad rows."""
     names = list(getattr(table, "column_names", []))
+    columns = {**columns, "answer": _answer_column(names, columns)}
     for ours in ("question", "answer"):
         theirs = columns.get(ours, ours)
         if theirs not in names:
@@ -182,12 +199,16 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
     if len(table) == 0:
         raise ValueError(f"{where}: the dataset is empty")
     qcol, acol, icol = columns.get("question", "question"), columns.get("answer", "answer"), columns.get("id", "id")
+    # the function the tests call travels with them (APPS keeps its fn_name inside input_output)
+    context = [c for c in TEST_CONTEXT if c in names] if acol in TEST_COLUMNS and acol != "input_output" else []
     rows, skipped = [], 0
     for i, record in enumerate(table):
         question, answer = record.get(qcol), record.get(acol)
         if not isinstance(question, str) or not question.strip() or answer is None:
             skipped += 1
             continue
+        if context:
+            answer = {acol: answer, **{c: record[c] for c in context if record.get(c) is not None}}
         rows.append({"id": str(record.get(icol, i)) if icol in names else str(i), "question": question, "answer": answer})
     if skipped:
         log.warning("%s: skipped %d of %d rows with a missing or empty question/answer", where, skipped, len(table))
@@ -204,8 +225,12 @@ class FileSource(PromptSource):
 
     Args:
         files: one path (the train split) or a mapping split -> path, e.g. ``{train: a.jsonl, test: b.jsonl}``.
-        columns: our field -> the file's column, for "question", "answer" and optionally "id".
-        verifier: the verifier that fits the answers (default: numeric).
+        columns: our field -> the file's column, for "question", "answer" and optionally "id". Without an
+            "answer" column, a column of unit tests (``tests``, ``test_list``, ``test``, ``input_output``) is read
+            as the answers, with ``entry_point``, ``fn_name`` and ``test_setup_code`` beside them, for
+            :class:`scgrpo.verifiers.PythonTests` (LiveCodeBench, MBPP, HumanEval or APPS style).
+        verifier: the verifier that fits the answers (default: ``PythonTests`` when the train split's answers
+            are a column of unit tests, else numeric).
     """
 
     def __init__(
@@ -221,13 +246,21 @@ class FileSource(PromptSource):
                 raise ValueError(f"{path}: unknown file type; expected one of {sorted(_FORMATS)}")
         self.columns = dict(columns or {})
         self._verifier = verifier
+        self._answers_are_tests = False
         self._cache: dict[str, list[Row]] = {}
 
     def splits(self) -> list[str]:
         return list(self.files)
 
     def default_verifier(self) -> Verifier:
-        return self._verifier or NumericVerifier()
+        if self._verifier is not None:
+            return self._verifier
+        self.rows("train")
+        if self._answers_are_tests:
+            from scgrpo.verifiers import PythonTests
+
+            return PythonTests()
+        return NumericVerifier()
 
     def rows(self, split: str) -> list[Row]:
         if split not in self.files:
@@ -244,6 +277,8 @@ class FileSource(PromptSource):
                 if "no data" in str(err):
                     raise ValueError(f"{path}: the dataset is empty") from err
                 raise ValueError(f"{path}: could not be read as {_FORMATS[ext]}: {err}") from err
+            if split == "train":  # the default verifier follows the train split's answers
+                self._answers_are_tests = _answer_column(list(table.column_names), self.columns) in TEST_COLUMNS
             self._cache[split] = _table_rows(table, self.columns, path)
         return self._cache[split]
 

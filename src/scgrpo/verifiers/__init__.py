@@ -1,6 +1,7 @@
 """Verifiers: the abstract :class:`Verifier` and the built-ins."""
 
-from scgrpo.verifiers.base import VerificationResult, Verifier
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
+from scgrpo.verifiers.code import PythonTests
 from scgrpo.verifiers.combined import WeightedVerifier
 from scgrpo.verifiers.countdown import CountdownVerifier
 from scgrpo.verifiers.math import MathVerifier
@@ -11,6 +12,7 @@ __all__ = [
     "CountdownVerifier",
     "MathVerifier",
     "NumericVerifier",
+    "PythonTests",
     "VerificationResult",
     "Verifier",
     "VerifierRunner",

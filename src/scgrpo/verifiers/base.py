@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+class VerifierSetupError(RuntimeError):
+    """The verifier cannot score anything at all (e.g. its sandbox cannot be set up). Unlike an error on one
+    completion, which scores 0 and is counted, it stops the run."""
+
+
 @dataclass
 class VerificationResult:
     """A verifier's verdict: ``score`` (usually 0 or 1; success means score >= the run's threshold) and
@@ -22,6 +27,10 @@ class Verifier(ABC):
     Subclass it and implement :meth:`verify`; pick it in YAML with
     ``verifier: {class_path: my_pkg.MyVerifier, init_args: {...}}``. A verifier that raises or runs longer than
     ``timeout_s`` gives score 0 for that completion; the run counts it and goes on.
+
+    A verifier may also define ``verify_batch(completions, answers, questions)`` returning one result (or
+    exception) per completion, to score a whole batch at once (e.g. in parallel, as :class:`PythonTests`
+    does); it then enforces its own time limits.
     """
 
     timeout_s: Optional[float] = 5.0

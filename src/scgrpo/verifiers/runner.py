@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from scgrpo.verifiers.base import VerificationResult, Verifier
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _time_limit(seconds: Optional[float]) -> Iterator[None]:
 class VerifierRunner:
     """Applies ``verifier`` to each completion. A verifier that raises, times out or returns something that is
     not a finite score gives score 0; each kind is counted (``errors``, ``timeouts``) and the first of each is
-    logged with the prompt id."""
+    logged with the prompt id. A :class:`VerifierSetupError` (the verifier cannot score anything) stops the run."""
 
     verifier: Verifier
     errors: int = 0
@@ -57,20 +57,56 @@ class VerifierRunner:
     def __call__(
         self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[str], ids: Sequence[str]
     ) -> list[VerificationResult]:
+        if callable(getattr(self.verifier, "verify_batch", None)):
+            return self.batch(completions, answers, questions, ids)
         return [self.one(c, a, q, i) for c, a, q, i in zip(completions, answers, questions, ids)]
+
+    def batch(
+        self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[str], ids: Sequence[str]
+    ) -> list[VerificationResult]:
+        """A verifier with ``verify_batch`` scores the whole batch itself (in parallel, under its own time
+        limits); an exception in place of a row's result, or the whole call raising, scores 0 and is counted."""
+        name = type(self.verifier).__name__
+        try:
+            results = list(self.verifier.verify_batch(list(completions), list(answers), list(questions)))
+            if len(results) != len(completions):
+                raise ValueError(f"verify_batch gave {len(results)} results for {len(completions)} completions")
+        except VerifierSetupError:
+            raise
+        except Exception as err:
+            results = [err] * len(completions)
+        out = []
+        for result, sample_id in zip(results, ids):
+            if isinstance(result, VerifierSetupError):
+                raise result
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                out.append(self._checked(result))
+            except Exception as err:
+                self.errors += 1
+                self._log_once("error", f"{name} raised {type(err).__name__}: {err} on prompt {sample_id}; score 0")
+                out.append(VerificationResult(0.0, {"error": f"{type(err).__name__}: {err}"}))
+        return out
+
+    @staticmethod
+    def _checked(result: Any) -> VerificationResult:
+        if not isinstance(result, VerificationResult):
+            result = VerificationResult(float(result))
+        score = float(result.score)
+        if score != score or score in (float("inf"), float("-inf")):
+            raise ValueError(f"non-finite score {score}")
+        result.score = score
+        return result
 
     def one(self, completion: str, answer: Any, question: str, sample_id: str) -> VerificationResult:
         name = type(self.verifier).__name__
         try:
             with _time_limit(getattr(self.verifier, "timeout_s", None)):
                 result = self.verifier.verify(completion, answer, question)
-            if not isinstance(result, VerificationResult):
-                result = VerificationResult(float(result))
-            score = float(result.score)
-            if score != score or score in (float("inf"), float("-inf")):
-                raise ValueError(f"non-finite score {score}")
-            result.score = score
-            return result
+            return self._checked(result)
+        except VerifierSetupError:
+            raise
         except VerifierTimeout:
             self.timeouts += 1
             self._log_once("timeout", f"{name} ran past {self.verifier.timeout_s}s on prompt {sample_id}; score 0")

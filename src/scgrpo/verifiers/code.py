@@ -1,0 +1,278 @@
+"""Code rewards: a completion's Python program run against its row's unit tests, in a sandbox.
+
+The row's answer holds the tests, in any of these forms (a JSON string of them is read too):
+
+* ``{"tests": [test, ...], "setup": "import math"}`` or a bare list of tests, each one of
+  ``{"type": "call", "fn": "add", "args": [1, 2], "expected": 3}`` (function call with an expected value),
+  ``{"type": "stdio", "input": "1 2\\n", "output": "3\\n"}`` (standard input and output, LiveCodeBench/APPS),
+  ``{"type": "assert", "code": "assert add(1, 2) == 3"}``;
+* a list of assert strings (MBPP's ``test_list``), or one string of test code (HumanEval's
+  ``def check(candidate): ...`` followed by ``check(entry_point)``): each top-level statement is one test;
+* APPS' ``{"inputs": [...], "outputs": [...], "fn_name": ...}``; LiveCodeBench's
+  ``[{"input": ..., "output": ..., "testtype": "stdin" | "functional"}]`` with ``fn_name`` beside them.
+
+Expected values never enter the sandbox: the host compares what the program returned or printed. Assertions
+run in the sandbox's judge process, never in the program's, with the program's functions as proxies.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Sequence, Union
+
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
+from scgrpo.verifiers.sandbox import MODES, Limits, Sandbox
+from scgrpo.verifiers.sandbox_harness import decode, encode
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    """The last fenced block tagged python (or py), else the last fenced block, else the whole text. A block
+    left open (a truncated completion) runs to the end of the text."""
+    blocks = _FENCE.findall(completion)
+    if not blocks:
+        return completion
+    tagged = [body for tag, body in blocks if tag.lower() in ("python", "py", "python3")]
+    return (tagged or [body for _, body in blocks])[-1]
+
+
+def _from_code(source: str) -> tuple[list[dict[str, Any]], str]:
+    """Top-level statements of test code: assertions and calls are tests, the rest (imports, definitions,
+    assignments) is set-up that runs before them."""
+    tests, setup = [], []
+    for node in ast.parse(source).body:
+        statement = ast.get_source_segment(source, node) or ast.unparse(node)
+        if isinstance(node, (ast.Assert, ast.Expr)):
+            tests.append({"type": "assert", "code": statement})
+        else:
+            setup.append(statement)
+    return tests, "\n".join(setup)
+
+
+def _one_test(test: Any, fn_name: Optional[str]) -> dict[str, Any]:
+    if isinstance(test, str):
+        return {"type": "assert", "code": test}
+    if not isinstance(test, dict):
+        raise ValueError(f"a test must be a dict or an assert string, got {type(test).__name__}")
+    kind = test.get("type") or test.get("testtype")
+    if kind in ("stdin", "stdio") or (kind is None and "input" in test and "output" in test and not fn_name):
+        if not isinstance(test.get("input"), str) or not isinstance(test.get("output"), str):
+            raise ValueError("a stdio test needs string 'input' and 'output'")
+        return {"type": "stdio", "input": test["input"], "output": test["output"]}
+    if kind == "functional":  # LiveCodeBench: one JSON value per line of input
+        if not fn_name:
+            raise ValueError("a functional test needs fn_name")
+        args = [json.loads(line) for line in test["input"].splitlines() if line.strip()]
+        return {"type": "call", "fn": fn_name, "args": args, "expected": json.loads(test["output"])}
+    if kind == "call" or (kind is None and "expected" in test):
+        fn = test.get("fn") or fn_name
+        if not fn or "expected" not in test:
+            raise ValueError("a call test needs 'fn' and 'expected'")
+        args = test.get("args") or []
+        return {"type": "call", "fn": fn, "args": list(args), "kwargs": dict(test.get("kwargs") or {}),
+                "expected": test["expected"]}
+    if kind == "assert" or (kind is None and "code" in test):
+        if not isinstance(test.get("code"), str):
+            raise ValueError("an assert test needs a string 'code'")
+        return {"type": "assert", "code": test["code"]}
+    raise ValueError(f"unknown test {sorted(test)}; expected a call, stdio or assert test")
+
+
+def parse_tests(answer: Any) -> tuple[list[dict[str, Any]], str]:
+    """``(tests, setup)`` from a row's answer in any of the module's forms; raises ValueError naming the
+    problem for anything else."""
+    if isinstance(answer, str):
+        text = answer.strip()
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                tests, setup = _from_code(text)
+            except SyntaxError as err:
+                raise ValueError(f"the tests are neither JSON nor Python: {err}") from None
+            if not tests:
+                raise ValueError("the test code has no assert or call statement")
+            return tests, setup
+    setup, fn_name = "", None
+    if isinstance(answer, dict):
+        setup = answer.get("setup") or answer.get("test_setup_code") or ""
+        fn_name = answer.get("fn_name") or answer.get("entry_point")
+        if "inputs" in answer and "outputs" in answer:  # APPS
+            inputs, outputs = answer["inputs"], answer["outputs"]
+            if fn_name:
+                answer = [{"type": "call", "fn": fn_name, "args": i, "expected": o[0] if isinstance(o, list) and len(o) == 1
+                           else o} for i, o in zip(inputs, outputs)]
+            else:
+                answer = [{"type": "stdio", "input": _text(i), "output": _text(o)} for i, o in zip(inputs, outputs)]
+        elif "tests" in answer or "test_list" in answer or "test" in answer:
+            inner = answer.get("tests", answer.get("test_list", answer.get("test")))
+            if isinstance(inner, str) and not inner.lstrip().startswith("["):
+                tests, more = _from_code(inner if not fn_name or "check(" not in inner or f"check({fn_name})" in inner
+                                         else inner + f"\ncheck({fn_name})")
+                return tests, "\n".join(s for s in (setup, more) if s)
+            answer = json.loads(inner) if isinstance(inner, str) else inner
+        else:
+            answer = [answer]
+    if not isinstance(answer, list) or not answer:
+        raise ValueError(f"no tests found in {str(answer)[:80]!r}")
+    return [_one_test(t, fn_name) for t in answer], setup
+
+
+def _text(value: Any) -> str:
+    return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v) for v in value]
+    if isinstance(value, dict):
+        return {_normalise_key(k): _normalise(v) for k, v in value.items()}
+    return value
+
+
+def _normalise_key(key: Any) -> Any:
+    return tuple(_normalise(key)) if isinstance(key, (list, tuple)) else key
+
+
+def values_equal(got: Any, expected: Any) -> bool:
+    """Equality of plain values: tuples and lists alike (JSON has no tuples), floats within 1e-6 relative."""
+    got, expected = _normalise(got), _normalise(expected)
+    if isinstance(got, float) or isinstance(expected, float):
+        if isinstance(got, (int, float)) and isinstance(expected, (int, float)) and not isinstance(got, bool):
+            return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-9)
+        return False
+    if isinstance(got, list) and isinstance(expected, list):
+        return len(got) == len(expected) and all(values_equal(g, e) for g, e in zip(got, expected))
+    return type(got) is type(expected) and got == expected or (
+        isinstance(got, (int, bool)) and isinstance(expected, (int, bool)) and got == expected)
+
+
+def output_equal(got: str, expected: str) -> bool:
+    """Standard output compared line by line, trailing spaces and trailing empty lines ignored."""
+    lines = lambda text: [line.rstrip() for line in text.strip("\n").splitlines()]  # noqa: E731
+    return lines(got) == lines(expected)
+
+
+class PythonTests(Verifier):
+    """Runs the completion's Python code against the row's unit tests and scores the share that pass.
+
+    The code is the completion's last fenced block (or the whole text). Each program runs in its own sandbox
+    (see :mod:`scgrpo.verifiers.sandbox`; the one chosen is logged once); ``workers`` programs run at a time.
+    A program that hangs, crashes, or exits early fails the tests it did not finish; its ``info`` lists each
+    test's outcome (``pass``, ``wrong``, ``timeout``, ``error: ...``).
+
+    Args:
+        all_or_nothing: score 1 only when every test passes (else the share passed).
+        isolation: ``auto`` (the strongest that works: ``bwrap``, then ``namespaces``, then ``process``), or
+            one of them. A sandbox that cannot be set up raises
+            :class:`~scgrpo.verifiers.sandbox.SandboxError`, which stops the run.
+        workers: programs run at a time (0 = the number of cores).
+        timeout_s: wall-clock seconds for one program and all its tests.
+        test_timeout_s: wall-clock seconds for one test.
+        cpu_s / memory_mb / processes / file_mb / disk_mb / open_files / output_kb: see
+            :class:`scgrpo.verifiers.sandbox.Limits`.
+    """
+
+    def __init__(
+        self,
+        all_or_nothing: bool = False,
+        isolation: str = "auto",
+        workers: int = 0,
+        timeout_s: float = 10.0,
+        test_timeout_s: float = 2.0,
+        cpu_s: int = 5,
+        memory_mb: int = 1024,
+        processes: int = 32,
+        file_mb: int = 16,
+        disk_mb: int = 64,
+        open_files: int = 64,
+        output_kb: int = 1024,
+    ) -> None:
+        if isolation not in ("auto", *MODES):
+            raise ValueError(f"isolation={isolation!r}: expected one of auto, {', '.join(MODES)}")
+        self.all_or_nothing = all_or_nothing
+        self.limits = Limits(timeout_s=timeout_s, test_timeout_s=test_timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                             processes=processes, file_mb=file_mb, disk_mb=disk_mb, open_files=open_files,
+                             output_kb=output_kb)
+        self.isolation = isolation
+        self.workers = workers or os.cpu_count() or 1
+        self.timeout_s = None  # the sandbox enforces its own limits; the runner's alarm would not kill programs
+        self._sandbox: Optional[Sandbox] = None
+
+    @property
+    def sandbox(self) -> Sandbox:
+        if self._sandbox is None:
+            self._sandbox = Sandbox(self.isolation, self.limits)
+        return self._sandbox
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_sandbox"] = None
+        return state
+
+    def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
+        (result,) = self.verify_batch([completion], [answer], [question])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def verify_batch(
+        self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[str]
+    ) -> list[Union[VerificationResult, Exception]]:
+        """Scores many completions, ``workers`` sandboxes at a time. A row whose tests cannot be read gives its
+        ValueError in place of a result (the runner counts and logs it); a sandbox that cannot be set up raises."""
+        sandbox = self.sandbox
+        with ThreadPoolExecutor(max_workers=min(self.workers, max(len(completions), 1))) as pool:
+            futures = [pool.submit(self._one, sandbox, c, a) for c, a in zip(completions, answers)]
+            out: list[Union[VerificationResult, Exception]] = []
+            for future in futures:
+                try:
+                    out.append(future.result())
+                except VerifierSetupError:
+                    raise
+                except Exception as err:
+                    out.append(err)
+            return out
+
+    def _one(self, sandbox: Sandbox, completion: str, answer: Any) -> VerificationResult:
+        tests, setup = parse_tests(answer)
+        code = extract_code(completion)
+        sent = []
+        for test in tests:  # what the sandbox sees: no expected values
+            if test["type"] == "call":
+                sent.append({"type": "call", "fn": test["fn"], "args": encode(list(test["args"])),
+                             "kwargs": encode(dict(test.get("kwargs") or {}))})
+            elif test["type"] == "stdio":
+                sent.append({"type": "stdio", "input": test["input"]})
+            else:
+                sent.append(test)
+        outcome = sandbox.run(code, sent, setup)
+        if outcome.results is None:
+            outcomes = [outcome.failure or "no verdict"] * len(tests)
+        else:
+            outcomes = [self._judge(test, result) for test, result in zip(tests, outcome.results)]
+        passed = sum(o == "pass" for o in outcomes)
+        score = float(passed == len(tests)) if self.all_or_nothing else passed / len(tests)
+        return VerificationResult(score, {"passed": passed, "total": len(tests), "tests": outcomes,
+                                          "sandbox": sandbox.describe()})
+
+    @staticmethod
+    def _judge(test: dict[str, Any], result: dict[str, Any]) -> str:
+        if "passed" in result:  # an assert: the judge's verdict
+            return "pass" if result["passed"] is True else "wrong"
+        if result.get("error"):
+            return "timeout" if result["error"] == "timeout" else f"error: {result['error']}"[:120]
+        if test["type"] == "call":
+            try:
+                return "pass" if values_equal(decode(result["value"]), test["expected"]) else "wrong"
+            except (KeyError, TypeError, ValueError):
+                return "error: unreadable value"
+        if result.get("truncated"):
+            return "error: output too long"
+        return "pass" if output_equal(result.get("stdout", ""), test["output"]) else "wrong"

@@ -1,0 +1,387 @@
+"""The host side of the code sandbox: picks the strongest isolation this machine allows, runs one program's
+tests in it (``sandbox_harness.py`` runs inside) and leaves nothing behind.
+
+Layers, strongest first; ``mode="auto"`` takes the first that passes a probe run and logs which:
+
+``bwrap``
+    bubblewrap: new network, pid, ipc and uts namespaces; a new root holding only the system and Python
+    folders, read-only; a sized tmpfs on /tmp as the only writable place; a pid namespace that dies with it.
+``namespaces``
+    the same built with ``unshare(2)`` and ``mount(2)`` by the judge itself, where the host lets it (root).
+``process``
+    no namespaces: only the layers below. The program can reach the network and read what the user can.
+
+Every mode also has: resource limits (CPU seconds per test, address space, file size, open files, no core
+files), a session and process group of its own killed whole at the end, an empty working folder, a scrubbed
+environment, no standard input, captured and capped output, a wall-clock limit, and no new privileges. When the
+host runs as root, the program also gets a uid of its own (so the process limit counts exactly its processes,
+all of them are killed by uid at the end, even a daemon that left the session, and it can neither signal the
+trainer nor read or write root's files). As root, a program never runs as uid 0: where no mode can give it a
+uid of its own, no mode works. In the ``process`` mode as another user, the trainer is made non-dumpable, so
+that the program (same uid) can read neither its memory nor its file descriptors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import secrets
+import select
+import shutil
+import site
+import signal
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from scgrpo.verifiers.base import VerifierSetupError
+
+log = logging.getLogger(__name__)
+
+MODES = ("bwrap", "namespaces", "process")
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
+UID_BASE, UID_SPAN = 1_600_000_000, 1 << 24
+SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+PR_SET_DUMPABLE = 4
+JUDGE_GRACE_S = 1.0
+"""Seconds past ``timeout_s`` the host waits for the judge's results (the judge stops before ``timeout_s``)."""
+
+
+class SandboxError(VerifierSetupError):
+    """The sandbox itself failed (not the program in it): the run cannot be scored and stops."""
+
+
+@dataclass
+class Limits:
+    """What one program may use."""
+
+    timeout_s: float = 10.0
+    """Wall-clock seconds for the whole program, all its tests; tests it did not reach count as timeouts."""
+    test_timeout_s: float = 2.0
+    """Wall-clock seconds for one test (and for loading the program)."""
+    cpu_s: int = 5
+    """CPU seconds per process and test (the program's process is replaced once it has used some)."""
+    memory_mb: int = 1024
+    """Address space per process."""
+    processes: int = 32
+    """Processes and threads (needs a uid of its own, i.e. a root host, or bubblewrap's user namespace)."""
+    file_mb: int = 16
+    """Largest file it may write."""
+    disk_mb: int = 64
+    """Size of its writable /tmp (namespaced modes)."""
+    open_files: int = 64
+    """Open file descriptors per process."""
+    output_kb: int = 1024
+    """Standard output kept per test; more fails the test."""
+
+
+@dataclass
+class Outcome:
+    """What came back from one run: ``results`` (one dict per test, from the judge) or ``failure`` (why there is
+    no verdict: a timeout, or the program killed the judge)."""
+
+    results: Optional[list[dict[str, Any]]]
+    failure: Optional[str] = None
+
+
+def _python_folders() -> list[str]:
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    for getter in (site.getsitepackages, lambda: [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]):
+        try:
+            paths.update(getter())
+        except Exception:  # some embedded interpreters lack site's helpers
+            pass
+    return [os.path.realpath(p) for p in paths if os.path.isdir(p)]
+
+
+def _layout_paths() -> tuple[list[str], list[tuple[str, str]]]:
+    """Folders to bind read-only into the new root and the system symlinks (/bin -> usr/bin) to recreate."""
+    binds, links = [], []
+    for path in SYSTEM:
+        if os.path.islink(path):
+            links.append((path, os.readlink(path)))
+        elif os.path.isdir(path):
+            binds.append(path)
+    for path in sorted(_python_folders()):
+        if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in binds):
+            binds = [b for b in binds if not b.startswith(path.rstrip("/") + "/")] + [path]
+    return binds, links
+
+
+def _ancestors(path: str) -> list[str]:
+    parts, out = path.strip("/").split("/"), []
+    for i in range(1, len(parts)):
+        out.append("/" + "/".join(parts[:i]))
+    return out
+
+
+class Sandbox:
+    """Runs programs against tests, one sandbox each. Thread-safe: call :meth:`run` from many threads.
+
+    Args:
+        mode: ``auto`` (the strongest that works here), or one of ``bwrap``, ``namespaces``, ``process``;
+            a mode that does not work here raises :class:`SandboxError`.
+        limits: see :class:`Limits`.
+    """
+
+    _probed: dict[tuple[str, bool], Optional[str]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, mode: str = "auto", limits: Optional[Limits] = None) -> None:
+        if mode not in ("auto", *MODES):
+            raise ValueError(f"isolation={mode!r}: expected auto, {', '.join(MODES)}")
+        self.limits = limits or Limits()
+        with open(HARNESS) as f:
+            self.harness = f.read()
+        self.binds, self.links = _layout_paths()
+        self.is_root = os.geteuid() == 0
+        self._uids: set[int] = set()
+        self._uid_lock = threading.Lock()
+        self.mode, self.separate_uid = self._choose(mode)
+        if self.mode == "process" and not self.separate_uid:
+            _make_undumpable()
+
+    # ------------------------------------------------------------------ choosing a mode
+
+    def _choose(self, wanted: str) -> tuple[str, bool]:
+        tried = []
+        for mode in MODES if wanted == "auto" else (wanted,):
+            # as root the program always gets a uid of its own: as uid 0 it could read the judge's memory
+            # (and forge its verdict), leave root daemons or kill the trainer
+            for separate_uid in ((True,) if self.is_root else (False,)):
+                if mode == "process" and separate_uid and not self._python_reachable_by_others():
+                    tried.append(f"process: running as root, the program must run as another user, who cannot "
+                                 f"reach {os.path.realpath(sys.executable)} (a folder above it is closed to others); "
+                                 "install bubblewrap or use a Python that all users can run")
+                    continue
+                error = self._probe(mode, separate_uid)
+                if error is None:
+                    self._announce(mode, separate_uid, tried)
+                    return mode, separate_uid
+                tried.append(f"{mode}{' (own uid)' if separate_uid else ''}: {error}")
+        raise SandboxError("no sandbox works here: " + "; ".join(tried))
+
+    def _python_reachable_by_others(self) -> bool:
+        path = os.path.realpath(sys.executable)
+        return all(os.stat(p).st_mode & 0o001 for p in _ancestors(path)) and bool(os.stat(path).st_mode & 0o001)
+
+    def _probe(self, mode: str, separate_uid: bool) -> Optional[str]:
+        key = (mode, separate_uid)
+        with Sandbox._lock:
+            if key not in Sandbox._probed:
+                if mode == "bwrap" and shutil.which("bwrap") is None:
+                    Sandbox._probed[key] = "bubblewrap (bwrap) is not installed"
+                elif mode == "namespaces" and not self.is_root:
+                    Sandbox._probed[key] = "needs root"
+                else:
+                    try:
+                        out = self._run(mode, separate_uid, "def f(x):\n    return x + 1\n",
+                                        [{"type": "call", "fn": "f", "args": [1]}], "")
+                        ok = out.results is not None and out.results[0].get("value") == 2
+                        Sandbox._probed[key] = None if ok else f"probe program failed: {out.failure or out.results}"
+                    except SandboxError as err:
+                        Sandbox._probed[key] = str(err)
+            return Sandbox._probed[key]
+
+    def _announce(self, mode: str, separate_uid: bool, tried: list[str]) -> None:
+        lim = self.limits
+        common = (f"limits: {lim.cpu_s} s CPU, {lim.memory_mb} MiB memory, {lim.file_mb} MiB files, "
+                  f"{lim.open_files} open files, {lim.test_timeout_s} s a test, {lim.timeout_s} s a program; own "
+                  "session killed whole, empty folder, scrubbed environment, no stdin, capped output")
+        uid = f"; a uid of its own, at most {lim.processes} processes" if separate_uid else ""
+        if mode == "process":
+            log.warning(
+                "code sandbox: process limits only (%s%s). It CANNOT ISOLATE THE NETWORK: programs under test can "
+                "open connections%s. Install bubblewrap (apt-get install bubblewrap) for namespaces.%s",
+                common, uid, "" if separate_uid else (
+                    ", read and write what this user can, leave daemons, and signal (kill) this user's processes, "
+                    "the trainer included; the trainer is made non-dumpable so that they cannot read its memory "
+                    "or file descriptors (debuggers cannot attach to it either)"),
+                (" Not available: " + "; ".join(tried)) if tried else "")
+        else:
+            what = "bubblewrap" if mode == "bwrap" else "namespaces (unshare)"
+            log.info("code sandbox: %s: no network, own pid/ipc/uts namespaces, a new root with the system and "
+                     "Python read-only, only a %d MiB /tmp writable%s; %s", what, lim.disk_mb, uid, common)
+            if tried:
+                log.info("code sandbox: not used: %s", "; ".join(tried))
+
+    def describe(self) -> str:
+        return self.mode + ("+uid" if self.separate_uid else "")
+
+    # ------------------------------------------------------------------ running one program
+
+    def run(self, code: str, tests: list[dict[str, Any]], setup: str = "") -> Outcome:
+        """Runs ``code`` against ``tests`` (as the judge expects them: no expected outputs for call and stdio
+        tests). Raises :class:`SandboxError` only when the sandbox itself could not be set up."""
+        return self._run(self.mode, self.separate_uid, code, tests, setup)
+
+    def _new_uid(self) -> int:
+        with self._uid_lock:
+            while True:
+                uid = UID_BASE + random.randrange(UID_SPAN)
+                if uid not in self._uids:
+                    self._uids.add(uid)
+                    return uid
+
+    def _run(self, mode: str, separate_uid: bool, code: str, tests: list[dict[str, Any]], setup: str) -> Outcome:
+        lim = self.limits
+        uid = self._new_uid() if separate_uid else None
+        folder = tempfile.mkdtemp(prefix="scgrpo-sandbox-")
+        workdir = "/tmp" if mode != "process" else folder
+        if mode == "process" and uid is not None:
+            os.chown(folder, uid, uid)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+               "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        token = secrets.token_hex(16)
+        deadline = time.monotonic() + lim.timeout_s
+        job = {
+            "token": token, "code": code, "tests": tests, "setup": setup, "harness": self.harness,
+            "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
+            "layout": {"mode": mode, "uid": uid, "root": folder, "workdir": workdir, "binds": self.binds,
+                       "symlinks": self.links, "disk_mb": lim.disk_mb,
+                       "nproc": uid is not None or (mode == "bwrap" and _nproc_per_user_namespace())},
+        }
+        job_read, job_write = os.pipe()
+        result_read, result_write = os.pipe()
+        python = [sys.executable, "-I", "-S", "-B", "-c", self.harness, "judge", str(job_read), str(result_write)]
+        command = self._bwrap(env) + python if mode == "bwrap" else python
+        process = None
+        try:
+            process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                env=env, start_new_session=True, close_fds=True, pass_fds=(job_read, result_write),
+            )
+            os.close(job_read)
+            os.close(result_write)
+            job_read = result_write = -1
+            threading.Thread(target=_write_all, args=(job_write, json.dumps(job).encode()), daemon=True).start()
+            job_write = -1
+            return self._collect(process, result_read, token, len(tests), deadline + JUDGE_GRACE_S)
+        finally:
+            for fd in (job_read, result_write, job_write):
+                if fd >= 0:
+                    os.close(fd)
+            os.close(result_read)
+            self._clean(process, uid, folder)
+
+    def _bwrap(self, env: dict[str, str]) -> list[str]:
+        lim = self.limits
+        command = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                   "--die-with-parent", "--new-session"]
+        if self.is_root:
+            command += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        else:
+            command += ["--unshare-user"]
+        made = set()
+        for path in self.binds:
+            for parent in _ancestors(path):
+                if parent not in made and not any(parent == b for b in self.binds):
+                    made.add(parent)
+                    command += ["--perms", "0755", "--dir", parent]
+            command += ["--ro-bind", path, path]
+        for link, target in self.links:
+            command += ["--symlink", target, link]
+        command += ["--dev", "/dev", "--size", str(1 << 20), "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
+                    "--size", str(lim.disk_mb << 20), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp",
+                    "--clearenv"]
+        for key, value in env.items():
+            command += ["--setenv", key, value]
+        return command
+
+    def _collect(self, process, fd: int, token: str, count: int, deadline: float) -> Outcome:
+        buffer, messages, confined = b"", [], False
+        while True:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return Outcome(None, "timeout: the program ran past its wall-clock limit")
+            ready, _, _ = select.select([fd], [], [], wait)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            buffer += chunk
+            if len(buffer) > 64 << 20:
+                return Outcome(None, "the judge's answer is too long")
+            while len(buffer) >= 4:
+                (size,) = struct.unpack(">I", buffer[:4])
+                if len(buffer) < 4 + size:
+                    break
+                messages.append(json.loads(buffer[4 : 4 + size]))
+                buffer = buffer[4 + size :]
+            for message in messages:
+                confined = confined or message.get("confined", False)
+                if "results" in message:
+                    if message.get("token") != token or len(message["results"]) != count:
+                        return Outcome(None, "a verdict without the run's token")
+                    return Outcome(message["results"])
+            messages = []
+        if not confined:
+            process.wait(timeout=5)
+            stderr = process.stderr.read(4000).decode("utf-8", "replace").strip() if process.stderr else ""
+            raise SandboxError(f"the sandbox did not start (exit {process.returncode}): {stderr[-800:]}")
+        return Outcome(None, "no verdict: the judge ended before the last test")
+
+    def _clean(self, process, uid: Optional[int], folder: str) -> None:
+        """Kills the session, then (with a uid of its own) every process of that uid, then removes the folder."""
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if uid is not None:
+            for _ in range(50):  # kill -9 -1 as that uid: all its processes; repeat until there are none
+                done = subprocess.run(["kill", "-9", "-1"], user=uid, group=uid, extra_groups=[],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+                if done.returncode != 0:
+                    break
+        if process is not None:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("code sandbox: process %d did not end after SIGKILL", process.pid)
+            if process.stderr:
+                process.stderr.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        if uid is not None:
+            with self._uid_lock:
+                self._uids.discard(uid)
+
+
+def _nproc_per_user_namespace() -> bool:
+    """Since Linux 5.14 RLIMIT_NPROC counts the processes of a uid in its user namespace, so that under bubblewrap
+    (its own user namespace) it limits the sandbox's processes, not all of this user's."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
+
+
+def _make_undumpable() -> None:
+    """The trainer non-dumpable: a program run as the same user can then neither read its memory nor open its
+    file descriptors through /proc."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise SandboxError(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:  # the judge died before reading its job
+        pass
+    finally:
+        os.close(fd)

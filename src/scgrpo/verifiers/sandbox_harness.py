@@ -1,0 +1,533 @@
+"""The two processes inside the code sandbox. Standard library only: the file's text is run with ``python -c``.
+
+``judge`` (started by :mod:`scgrpo.verifiers.sandbox`, as root when the host is): reads the whole job from a pipe
+(the program, its tests without expected outputs, the sandbox layout, the limits and a per-run token), sets up
+the sandbox (in the "namespaces" mode: new namespaces, then a fork so that the judge is pid 1 of its pid
+namespace, a new root and /proc; then a fresh uid, no new privileges, not dumpable), then starts the ``worker``
+with ``execve`` -- a fresh address space that never held the job, under the resource limits -- and sends it
+the program. For each test it asks the worker for an observation (a function's return
+value, a program's standard output) or, for an ``assert`` test, runs the assertion itself over proxies whose
+calls go to the worker. Only after the last test (or at the program's deadline, the unfinished tests
+counted as timeouts) does it write ``{"token": ..., "results": [...]}`` to another pipe. A worker that timed
+out, crashed or used up its CPU time is replaced by a fresh one for the next test.
+
+The worker runs the program under test. It holds neither pipe, nor the token, nor any expected value,
+and it cannot read the judge's memory or file descriptors (the judge is not dumpable): all it can do is answer
+each question, and a wrong answer fails the test. Values cross as tagged JSON (plain data only), so an object
+whose ``__eq__`` always returns True cannot reach a comparison.
+"""
+
+import ast
+import builtins
+import ctypes
+import json
+import os
+import select
+import signal
+import struct
+import sys
+import time
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
+MAX_MESSAGE = 8 << 20
+FRESH_CPU_S = 0.2  # a worker that has used more CPU time than this is replaced before the next test
+
+
+# ---------------------------------------------------------------- plain values as tagged JSON
+
+
+def encode(value, depth=0):
+    """Plain data (None, bool, int, float, str, bytes, list, tuple, set, frozenset, dict) as JSON-able values;
+    anything else raises TypeError."""
+    if depth > 50:
+        raise TypeError("nested too deeply")
+    kind = type(value)
+    if value is None or kind in (bool, str):
+        return value
+    if kind is int:
+        return value if abs(value) < 2**53 else {"int": str(value)}
+    if kind is float:
+        return {"float": repr(value)}
+    if kind is bytes:
+        return {"bytes": value.hex()}
+    if kind is list:
+        return [encode(v, depth + 1) for v in value]
+    if kind is tuple:
+        return {"tuple": [encode(v, depth + 1) for v in value]}
+    if kind in (set, frozenset):
+        return {kind.__name__: [encode(v, depth + 1) for v in value]}
+    if kind is dict:
+        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    raise TypeError(f"a value of type {kind.__name__} is not plain data")
+
+
+def decode(data):
+    if isinstance(data, list):
+        return [decode(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    ((tag, inner),) = data.items()
+    if tag == "int":
+        return int(inner)
+    if tag == "float":
+        return float(inner)
+    if tag == "bytes":
+        return bytes.fromhex(inner)
+    if tag == "tuple":
+        return tuple(decode(v) for v in inner)
+    if tag == "set":
+        return {decode(v) for v in inner}
+    if tag == "frozenset":
+        return frozenset(decode(v) for v in inner)
+    if tag == "dict":
+        return {decode(k): decode(v) for k, v in inner}
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+# ---------------------------------------------------------------- framing
+
+
+def send(fd, message):
+    data = json.dumps(message).encode()
+    view = memoryview(struct.pack(">I", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd, n, deadline):
+    chunks, left = [], n
+    while left:
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and wait <= 0:
+            raise TimeoutError
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def receive(fd, deadline=None):
+    (size,) = struct.unpack(">I", _read_exact(fd, 4, deadline))
+    if size > MAX_MESSAGE:
+        raise ValueError(f"a message of {size} bytes")
+    return json.loads(_read_exact(fd, size, deadline))
+
+
+# ---------------------------------------------------------------- judge: sandbox set-up
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    return libc
+
+
+def _check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(libc, source, target, fstype, flags, data=None):
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def _build_root(libc, root, layout):
+    """A new root in the private mount namespace: the system and Python folders bound read-only, a sized tmpfs
+    on /tmp (the only writable place), a few device nodes, /proc; everything else (home folders, the run's
+    folder, data files) is absent."""
+    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for link, target in layout["symlinks"]:
+        os.symlink(target, root + link)
+    for path in layout["binds"]:
+        target = root + path
+        os.makedirs(target, mode=0o755, exist_ok=True)
+        _mount(libc, path, target, None, MS_BIND | MS_REC)
+        _mount(libc, None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.makedirs(root + "/tmp", mode=0o755, exist_ok=True)
+    _mount(libc, "tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={layout['disk_mb']}m,mode=1777")
+    os.makedirs(root + "/dev", mode=0o755)
+    for name in ("null", "zero", "full", "random", "urandom"):
+        open(root + "/dev/" + name, "w").close()
+        _mount(libc, "/dev/" + name, root + "/dev/" + name, None, MS_BIND)
+    os.makedirs(root + "/dev/shm", mode=0o755)
+    _mount(libc, "tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + name)
+    os.makedirs(root + "/proc", mode=0o755)
+    _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount(libc, None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chroot(root)
+    os.chdir("/tmp")
+
+
+def _confine(job, result_fd):
+    """Everything that happens before the worker starts, in this order: namespaces, a fork (the judge becomes
+    pid 1 of the new pid namespace, so that the namespace lives as long as the judge, not as long as its first
+    worker) and the new root with that namespace's /proc (as root); the fresh uid, no new privileges, not
+    dumpable. The resource limits are the worker's alone (:func:`_limit_worker`)."""
+    layout = job["layout"]
+    libc = _libc()
+    if layout["mode"] == "namespaces":
+        _check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID), "unshare")
+        _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
+        child = os.fork()
+        if child:  # outside the new pid namespace: wait for the judge, then end as it did
+            os.close(result_fd)
+            libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+            _, status = os.waitpid(child, 0)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        _build_root(libc, layout["root"], layout)
+    else:
+        os.chdir(layout["workdir"])
+    uid = layout.get("uid")
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
+
+
+def _limit_worker(limits, nproc):
+    """Run in the worker's process before ``execve``: its resource limits, fresh for each worker."""
+    import resource
+
+    mb = 1 << 20
+    for name, soft, hard in (
+        ("RLIMIT_CPU", limits["cpu_s"], limits["cpu_s"] + 1),  # SIGXCPU, then SIGKILL a second later
+        ("RLIMIT_AS", limits["memory_mb"] * mb, limits["memory_mb"] * mb),
+        ("RLIMIT_FSIZE", limits["file_mb"] * mb, limits["file_mb"] * mb),
+        ("RLIMIT_NOFILE", limits["open_files"], limits["open_files"]),
+        ("RLIMIT_CORE", 0, 0),
+    ):
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    if nproc:  # per uid (or per user namespace): counts exactly the sandbox's processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
+    os.setsid()
+
+
+# ---------------------------------------------------------------- judge: running the tests
+
+
+class WorkerGone(Exception):
+    pass
+
+
+class Worker:
+    """The program's process, spoken to over two pipes. ``deadline`` (monotonic seconds) is the program's: no
+    question waits past it."""
+
+    def __init__(self, job, deadline):
+        self.job = job
+        self.deadline = deadline
+        self.process = None
+        self.loaded = None
+        self.names = []
+        self.failed = {}  # name -> why loading the program failed: later tests fail at once
+        self.cpu_at_stop = 0.0
+        # kill(-1) reaches only the sandbox's processes: those of its pid namespace, or of its own uid
+        self.isolated = job["layout"]["mode"] != "process" or job["layout"].get("uid") is not None
+
+    def until(self, seconds):
+        return min(time.monotonic() + seconds, self.deadline)
+
+    def start(self, name):
+        import subprocess
+
+        worker_reads, judge_writes = os.pipe()
+        judge_reads, worker_writes = os.pipe()
+        limits, nproc = self.job["limits"], self.job["layout"]["nproc"]
+        self.process = subprocess.Popen(
+            [self.job["python"], "-I", "-B", "-c", self.job["harness"], "worker", str(worker_reads), str(worker_writes)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=(worker_reads, worker_writes), env=self.job["env"], close_fds=True,
+            preexec_fn=lambda: _limit_worker(limits, nproc),
+        )
+        os.close(worker_reads)
+        os.close(worker_writes)
+        self.send_fd, self.recv_fd = judge_writes, judge_reads
+        try:
+            reply = self.ask({"op": "load", "code": self.job["code"], "name": name,
+                              "output_cap": limits["output_kb"] * 1024}, self.until(limits["test_timeout_s"]))
+        except TimeoutError:
+            self.failed[name] = "timeout"
+            raise
+        except WorkerGone as err:
+            self.failed[name] = str(err)
+            raise
+        if "error" in reply:
+            self.failed[name] = reply["error"]
+            self.stop()
+            raise WorkerGone(reply["error"])
+        self.loaded, self.names = name, reply.get("names", [])
+        return reply
+
+    def ask(self, message, deadline):
+        try:
+            send(self.send_fd, message)
+            return receive(self.recv_fd, deadline)
+        except TimeoutError:
+            self.stop()
+            raise
+        except (EOFError, OSError, ValueError, struct.error) as err:
+            status = self.stop()
+            if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self.cpu_at_stop >= self.job["limits"]["cpu_s"]):
+                raise WorkerGone(f"CPU time limit ({self.job['limits']['cpu_s']} s) exceeded") from None
+            raise WorkerGone(f"the program's process ended ({type(err).__name__}: {err})") from None
+
+    def cpu_used(self):
+        """CPU seconds the worker has used (0 when unreadable)."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    def stop(self):
+        """Kills the worker, its process group and (in a namespaced sandbox) every other process in it; returns
+        the worker's exit status."""
+        if self.process is None:
+            return None
+        self.cpu_at_stop = self.cpu_used()
+        for kill in (lambda: os.killpg(self.process.pid, signal.SIGKILL), self.process.kill,
+                     lambda: os.kill(-1, signal.SIGKILL) if self.isolated else None):
+            try:
+                kill()
+            except OSError:
+                pass
+        status = self.process.wait()
+        _reap()
+        os.close(self.send_fd)
+        os.close(self.recv_fd)
+        self.process, self.loaded = None, None
+        return status
+
+    def ensure(self, name):
+        if name in self.failed:
+            if self.failed[name] == "timeout":
+                raise TimeoutError
+            raise WorkerGone(self.failed[name])
+        if self.process is not None and self.cpu_used() > FRESH_CPU_S:
+            self.stop()  # each test starts with (nearly) the whole CPU limit, whatever ran before it
+        if self.process is None or self.loaded != name:
+            self.stop()
+            self.start(name)
+
+
+def _reap():
+    """As pid 1 of its namespace the judge inherits the orphans of the program: collect the dead ones."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _proxy(worker, name, timeout):
+    def call(*args, **kwargs):
+        reply = worker.ask({"op": "call", "fn": name, "args": encode(list(args)), "kwargs": encode(kwargs)},
+                           worker.until(timeout))
+        if "error" in reply:
+            raise RuntimeError(f"{name} raised {reply['error']}")
+        return decode(reply["value"])
+
+    call.__name__ = name
+    return call
+
+
+def referenced_names(job):
+    """Names the assertion tests and their set-up read that are not builtins: the only names a program's
+    function may stand in for (a program defining ``set`` or ``abs`` must not replace the test's own)."""
+    names = set()
+    for source in [job.get("setup") or ""] + [t["code"] for t in job["tests"] if t["type"] == "assert"]:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+    return names - set(dir(builtins))
+
+
+def _run_test(worker, test, job, namespace_box):
+    """One test's outcome: an observation for the host to compare (call, stdio) or a verdict (assert)."""
+    timeout = job["limits"]["test_timeout_s"]
+    kind = test["type"]
+    if kind == "stdio":
+        worker.ensure("__main__")
+        reply = worker.ask({"op": "stdio", "input": test["input"]}, worker.until(timeout))
+        return {"stdout": reply.get("stdout", ""), "error": reply.get("error"), "truncated": reply.get("truncated", False)}
+    worker.ensure("solution")
+    if kind == "call":
+        reply = worker.ask({"op": "call", "fn": test["fn"], "args": test["args"], "kwargs": test.get("kwargs", {"dict": []})},
+                           worker.until(timeout))
+        return {"value": reply["value"]} if "value" in reply else {"error": reply.get("error", "no value")}
+    if namespace_box.get("names") != worker.names:  # an assert: run here, the program's functions as proxies
+        namespace = {"__name__": "tests"}
+        for name in set(worker.names) & namespace_box["referenced"]:
+            namespace[name] = _proxy(worker, name, timeout)
+        exec(compile(job.get("setup") or "", "<setup>", "exec"), namespace)  # after the proxies: its names win
+        namespace_box.update(names=worker.names, namespace=namespace)
+    signal.setitimer(signal.ITIMER_REAL, max(worker.until(timeout) - time.monotonic(), 0.001))
+    try:
+        exec(compile(test["code"], "<test>", "exec"), namespace_box["namespace"])
+        return {"passed": True}
+    except AssertionError as err:
+        return {"passed": False, "error": f"AssertionError: {err}"[:300]}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def judge(job_fd, result_fd):
+    job = json.loads(_read_all(job_fd))
+    os.close(job_fd)
+    token = job.pop("token")
+    deadline = job["deadline"]  # the host's, on the shared monotonic clock
+    _confine(job, result_fd)
+    send(result_fd, {"confined": True})
+
+    def _alarm(signum, frame):
+        raise TimeoutError
+
+    signal.signal(signal.SIGALRM, _alarm)
+    # stop early enough that the results reach the host before its own deadline
+    worker, results = Worker(job, deadline - min(0.5, job["limits"]["timeout_s"] / 10)), []
+    try:
+        box = {"referenced": referenced_names(job)}
+    except SyntaxError as err:
+        box = {"referenced": set(), "broken": f"the tests do not parse: {err}"}
+    for test in job["tests"]:
+        if time.monotonic() >= worker.deadline:
+            results.append({"error": "timeout"})
+            continue
+        try:
+            if "broken" in box:
+                raise JudgeError(box["broken"])
+            results.append(_run_test(worker, test, job, box))
+        except TimeoutError:
+            worker.stop()
+            results.append({"error": "timeout"})
+        except WorkerGone as err:
+            results.append({"error": str(err)[:300]})
+        except JudgeError as err:
+            results.append({"error": f"judge: {err}"[:300]})
+        except Exception as err:  # a test's own code failed, or a proxy call raised
+            results.append({"passed": False, "error": f"{type(err).__name__}: {err}"[:300]})
+    worker.stop()
+    send(result_fd, {"token": token, "results": results})
+
+
+class JudgeError(Exception):
+    """The judge itself could not run a test (not the program's fault)."""
+
+
+def _read_all(fd):
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+# ---------------------------------------------------------------- worker: the program under test
+
+
+def worker(recv_fd, send_fd):
+    import io
+
+    namespace = {}
+    output_cap = 1 << 20
+    while True:
+        try:
+            request = receive(recv_fd)
+        except EOFError:
+            os._exit(0)
+        op = request["op"]
+        try:
+            if op == "load":
+                output_cap = request.get("output_cap", output_cap)
+                compiled = compile(request["code"], "<solution>", "exec")
+                namespace = {"__name__": request["name"], "__builtins__": __builtins__}
+                if request["name"] != "__main__":
+                    exec(compiled, namespace)
+                names = [k for k, v in namespace.items() if callable(v) and not k.startswith("__")]
+                reply = {"names": names}
+            elif op == "call":
+                args, kwargs = decode(request["args"]), decode(request["kwargs"])
+                fn = _function(namespace, request["fn"])
+                if fn is None:
+                    reply = {"error": f"NameError: the program defines no {request['fn']!r}"}
+                else:
+                    reply = {"value": encode(fn(*args, **kwargs))}
+            elif op == "stdio":
+                reply = _stdio(compiled, request["input"], output_cap, io)
+            else:
+                reply = {"error": f"unknown request {op!r}"}
+        except BaseException as err:  # noqa: B036 - the program's exceptions (SystemExit included) are its answer
+            reply = {"error": f"{type(err).__name__}: {err}"[:300]}
+        send(send_fd, reply)
+
+
+def _function(namespace, name):
+    """A top-level function, else a method of ``Solution()`` (LeetCode-style problems, as in LiveCodeBench)."""
+    fn = namespace.get(name)
+    if callable(fn):
+        return fn
+    solution = namespace.get("Solution")
+    if isinstance(solution, type) and callable(getattr(solution, name, None)):
+        return getattr(solution(), name)
+    return None
+
+
+def _stdio(compiled, text, cap, io):
+    """Runs the program as a script with ``text`` on fd 0 and fd 1 captured in a file of the sandbox's /tmp."""
+    with open(".stdin", "w") as f:
+        f.write(text)
+    saved_in, saved_out = os.dup(0), os.dup(1)
+    inp, out = os.open(".stdin", os.O_RDONLY), os.open(".stdout", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(inp, 0)
+    os.dup2(out, 1)
+    old = sys.stdin, sys.stdout
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    error = None
+    try:
+        exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as err:
+        if err.code not in (None, 0):
+            error = f"SystemExit: {err.code}"
+    except BaseException as err:  # noqa: B036
+        error = f"{type(err).__name__}: {err}"[:300]
+    finally:
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        sys.stdin, sys.stdout = old
+        os.dup2(saved_in, 0)
+        os.dup2(saved_out, 1)
+        for fd in (saved_in, saved_out, inp):
+            os.close(fd)
+    os.lseek(out, 0, 0)
+    data = os.read(out, cap + 1)
+    os.close(out)
+    return {"stdout": data[:cap].decode("utf-8", "replace"), "truncated": len(data) > cap, "error": error}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "judge":
+        judge(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past its size limit: an error, not a kill
+        worker(int(sys.argv[2]), int(sys.argv[3]))

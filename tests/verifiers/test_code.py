@@ -1,0 +1,149 @@
+"""PythonTests: code extraction, the test formats it reads, scoring, and the parallel batch path."""
+
+import json
+import os
+
+import pytest
+
+from scgrpo.verifiers import PythonTests, VerifierRunner
+from scgrpo.verifiers.code import extract_code, output_equal, parse_tests, values_equal
+from scgrpo.verifiers.sandbox import Sandbox, SandboxError
+
+ADD = "```python\ndef add(a, b):\n    return a + b\n```"
+CALLS = {"tests": [{"type": "call", "fn": "add", "args": [1, 2], "expected": 3},
+                   {"type": "call", "fn": "add", "args": [[1], [2]], "expected": [1, 2]},
+                   {"type": "call", "fn": "add", "args": [-1, 1], "expected": 0}]}
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return PythonTests(test_timeout_s=1.0, timeout_s=6.0, cpu_s=2, memory_mb=512)
+
+
+def test_extract_code_prefers_the_last_python_block():
+    text = "Idea:\n```\nnot this\n```\n```python\nfirst = 1\n```\nthen\n```py\nsecond = 2\n```\n"
+    assert extract_code(text).strip() == "second = 2"
+    assert extract_code("```python\ndef f():\n    return 1").strip() == "def f():\n    return 1"  # left open
+    assert extract_code("def f(): return 1") == "def f(): return 1"
+    assert extract_code("```\nx = 1\n```").strip() == "x = 1"
+
+
+def test_parse_tests_reads_every_format():
+    tests, setup = parse_tests(json.dumps(CALLS))
+    assert [t["type"] for t in tests] == ["call"] * 3 and tests[0]["expected"] == 3 and setup == ""
+    mbpp, _ = parse_tests(["assert add(1, 2) == 3", "assert add(0, 0) == 0"])
+    assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
+    human, setup = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "entry_point": "add"})
+    assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check")
+    apps, _ = parse_tests({"inputs": ["1 2\n"], "outputs": ["3\n"]})
+    assert apps == [{"type": "stdio", "input": "1 2\n", "output": "3\n"}]
+    apps_fn, _ = parse_tests({"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"})
+    assert apps_fn[0]["expected"] == 3 and apps_fn[0]["fn"] == "add"
+    lcb, _ = parse_tests({"tests": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"},
+                                               {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
+                          "fn_name": "add"})
+    assert lcb[0] == {"type": "call", "fn": "add", "args": [1, 2], "expected": 3}
+    assert lcb[1]["type"] == "stdio"
+    code, setup = parse_tests("import math\nassert add(1, 1) == 2\nassert add(2, 2) == 4\n")
+    assert len(code) == 2 and setup == "import math"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("", "no assert"), ("[]", "no tests"), ("def (:", "neither JSON nor Python"), ([{"type": "call", "fn": "f"}], "expected"),
+    ([{"type": "stdio", "input": 1, "output": "x"}], "string"), ([{"what": 1}], "unknown test"), ("x = 1", "no assert"),
+    ([3], "dict or an assert string"),
+])
+def test_malformed_tests_name_the_problem(bad, message):
+    with pytest.raises(ValueError, match=message):
+        parse_tests(bad)
+
+
+def test_value_comparison_is_strict_about_types_but_not_tuples():
+    assert values_equal((1, 2), [1, 2]) and values_equal(0.1 + 0.2, 0.3) and not values_equal("1", 1)
+    assert not values_equal([1, 2], [1, 2, 3]) and not values_equal(None, 0) and values_equal({"a": (1,)}, {"a": [1]})
+    assert output_equal("3  \n4\n\n", "3\n4") and not output_equal("3 4", "3\n4")
+
+
+def test_scores_the_share_of_tests_passed_and_lists_outcomes(verifier):
+    half = "```python\ndef add(a, b):\n    return a + b if a != -1 else 7\n```"
+    results = verifier.verify_batch([ADD, half, "no code at all"], [CALLS] * 3, ["q"] * 3)
+    assert results[0].score == 1.0 and results[0].info["tests"] == ["pass", "pass", "pass"]
+    assert results[1].score == pytest.approx(2 / 3) and results[1].info["tests"][2] == "wrong"
+    assert results[2].score == 0.0 and results[2].info["tests"][0].startswith("error: ")
+    strict = PythonTests(all_or_nothing=True, test_timeout_s=1.0)
+    assert strict.verify(half, CALLS).score == 0.0 and strict.verify(ADD, CALLS).score == 1.0
+
+
+def test_stdio_and_assert_tests(verifier):
+    stdio = [{"type": "stdio", "input": "1 2\n", "output": "3\n"}, {"type": "stdio", "input": "10 5\n", "output": "15"}]
+    program = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n```"
+    via_open = "```python\na, b = map(int, open(0).read().split())\nprint(a + b)\nraise SystemExit\n```"
+    asserts = "def check(candidate):\n    assert candidate(2, 2) == 4\n    assert candidate(-1, 1) == 0\n"
+    results = verifier.verify_batch(
+        [program, via_open, ADD, "```python\ndef add(a, b):\n    return 4\n```"],
+        [stdio, stdio, {"test": asserts, "entry_point": "add"}, {"test": asserts, "entry_point": "add"}], ["q"] * 4)
+    assert [r.score for r in results] == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_a_slow_test_times_out_and_the_others_still_count(verifier):
+    code = "```python\ndef add(a, b):\n    while a == 5:\n        pass\n    return a + b\n```"
+    tests = [{"type": "call", "fn": "add", "args": [5, 1], "expected": 6}, {"type": "call", "fn": "add", "args": [1, 1], "expected": 2}]
+    result = verifier.verify(code, tests)
+    assert result.info["tests"] == ["timeout", "pass"] and result.score == 0.5
+
+
+def test_runner_counts_malformed_rows_as_errors_and_scores_the_rest(verifier, caplog):
+    runner = VerifierRunner(verifier)
+    results = runner([ADD, ADD], [CALLS, "not tests ((("], ["q", "q"], ["good", "bad-row"])
+    assert [r.score for r in results] == [1.0, 0.0] and runner.errors == 1
+    assert "bad-row" in caplog.text and "neither JSON nor Python" in caplog.text
+
+
+def test_leetcode_style_solution_classes_are_called_like_functions(verifier):
+    """LiveCodeBench and APPS write function problems as ``class Solution`` methods."""
+    program = ("```python\nclass Solution:\n    def maxSum(self, nums, k):\n        return sum(sorted(nums)[-k:])\n"
+               "    def helper(self):\n        return None\n```")
+    wrong = "```python\nclass Solution:\n    def maxSum(self, nums, k):\n        return 0\n```"
+    livecodebench = {"tests": json.dumps([{"input": "[1, 5, 3]\n2", "output": "8", "testtype": "functional"},
+                                          {"input": "[4]\n1", "output": "4", "testtype": "functional"}]),
+                     "testtype": "functional", "fn_name": "maxSum"}
+    apps = {"inputs": [[[1, 5, 3], 2], [[2, 2], 1]], "outputs": [[8], [2]], "fn_name": "maxSum"}
+    results = verifier.verify_batch([program, program, wrong], [livecodebench, apps, apps], ["q"] * 3)
+    assert [r.info["tests"] for r in results] == [["pass", "pass"], ["pass", "pass"], ["wrong", "wrong"]]
+
+
+def test_a_misspelt_isolation_fails_at_once_and_a_broken_sandbox_stops_the_run():
+    with pytest.raises(ValueError, match="isolation='bwarp': expected one of auto, bwrap, namespaces, process"):
+        PythonTests(isolation="bwarp")
+
+    class Broken(PythonTests):
+        def verify_batch(self, completions, answers, questions):
+            raise SandboxError("no sandbox works here: bwrap: not installed")
+
+    with pytest.raises(SandboxError, match="no sandbox works here"):
+        VerifierRunner(Broken())([ADD], [CALLS], ["q"], ["id"])
+
+
+def test_as_root_the_program_never_runs_as_root(monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("runs as root only")
+    monkeypatch.setattr(Sandbox, "_python_reachable_by_others", lambda self: False)
+    monkeypatch.setattr(Sandbox, "_probed", {})  # probe again, under the patch
+    with pytest.raises(SandboxError, match="no sandbox works here: process: running as root, the program must run "
+                                           "as another user"):
+        Sandbox("process")
+
+
+def test_the_process_mode_makes_the_trainer_undumpable():
+    import ctypes
+
+    from scgrpo.verifiers.sandbox import _make_undumpable
+
+    pid = os.fork()
+    if pid == 0:  # in a child, so that this process stays as it was
+        libc = ctypes.CDLL(None)
+        before = libc.prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+        _make_undumpable()
+        os._exit(10 * before + libc.prctl(3, 0, 0, 0, 0))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 10  # dumpable before, not after

@@ -1,0 +1,270 @@
+"""Programs that attack the code sandbox. Each must end with reward 0, leave no process running and nothing
+written outside the sandbox, and leave this (the training) process unharmed.
+
+Every attack program first attacks, then defines the right answer: were the attack not stopped, it would score
+1 (the controls, right answers alone, do score 1). All programs of one isolation mode run as one parallel batch
+(a module fixture); each test checks one of them. The modes run are those that work here: ``bwrap`` where
+bubblewrap is installed, ``namespaces`` where this runs as root. The ``process`` mode, run with
+SCGRPO_SLOW_TESTS=1, skips the attacks that only namespaces (or a uid of its own) stop.
+"""
+
+import functools
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+
+import pytest
+
+from scgrpo.verifiers import PythonTests
+from scgrpo.verifiers.sandbox import HARNESS, UID_BASE, UID_SPAN, Sandbox, SandboxError
+
+MARK = "The two processes inside the code sandbox"  # in every judge's and worker's command line
+TOKEN = "hf_FAKEtokenForTheSandboxTest0123456789"
+NEEDS_NAMESPACES = {"home_file", "network", "hidden_tests_on_disk", "write_tmp", "write_home", "write_run_folder",
+                    "kill_parent", "fork_bomb", "disk_fill", "daemon"}
+SOLVE = "def solve():\n    return 1\n"
+
+# MBPP task 2 and HumanEval/2, verbatim tests: a program that redefines a builtin the tests use must not pass
+MBPP_2 = ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+          "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+          "assert set(similar_elements((11, 12, 14, 13),(17, 15, 14, 13))) == set((13, 14))"]
+HUMANEVAL_2 = {"test": "\n\nMETADATA = {\n    'author': 'jt',\n    'dataset': 'test'\n}\n\n\ndef check(candidate):\n"
+                       "    assert candidate(3.5) == 0.5\n    assert abs(candidate(1.33) - 0.33) < 1e-6\n"
+                       "    assert abs(candidate(123.456) - 0.456) < 1e-6\n",
+               "entry_point": "truncate_number"}
+
+
+@functools.lru_cache(maxsize=None)
+def mode_unavailable(mode):
+    """Why ``mode`` does not work here (None when it does); probed once, when a test first needs it."""
+    if mode == "process" and not os.environ.get("SCGRPO_SLOW_TESTS"):
+        return "set SCGRPO_SLOW_TESTS=1"
+    try:
+        Sandbox(mode)
+        return None
+    except SandboxError as err:
+        return f"{mode} sandbox unavailable here: {err}"
+
+
+def sandbox_processes(before=()):
+    """Live processes (zombies aside, and those in ``before``) that belong to a sandbox: run under a sandbox
+    uid (whatever binary they became) or with the harness on their command line."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) in before:
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        uids = [int(u) for u in status["Uid"].split()]
+        ours = any(UID_BASE <= u < UID_BASE + UID_SPAN for u in uids) or MARK.encode() in cmdline
+        if ours and not status["State"].strip().startswith("Z"):
+            found.append((int(pid), cmdline[:80]))
+    return found
+
+
+def _call(expected, fn="solve"):
+    return [{"type": "call", "fn": fn, "args": [], "expected": expected}]
+
+
+@pytest.fixture(scope="module", params=["bwrap", "namespaces", "process"])
+def attacked(request, tmp_path_factory):
+    """Runs every attack and control once in the mode; returns what the tests check."""
+    mode = request.param
+    if mode_unavailable(mode):
+        pytest.skip(mode_unavailable(mode))
+    run_dir = tmp_path_factory.mktemp("run")
+    home = tempfile.mkdtemp(prefix="scgrpo-attack-home-")  # this process's $HOME for the batch
+    os.chmod(home, 0o755)  # readable by all, like a home or a data folder
+    secret_file = os.path.join(home, "secret.txt")
+    with open(secret_file, "w") as f:
+        f.write("home-secret")
+    hidden = os.path.join(home, "tests.jsonl")
+    with open(hidden, "w") as f:
+        f.write('{"expected": 987654321}\n')
+    for path in (secret_file, hidden):
+        os.chmod(path, 0o644)
+    stray_tmp = os.path.join(tempfile.gettempdir(), f"scgrpo-attack-stray-{os.getpid()}")
+    home_target = os.path.join(home, ".written-by-the-program")
+    daemon_mark = str(run_dir / "daemon-was-here")
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    port, connections, stop = server.getsockname()[1], [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            connections.append(1)
+            conn.sendall(b"net-secret")
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    saved = {k: os.environ.get(k) for k in ("HF_TOKEN", "HOME")}
+    os.environ.update(HF_TOKEN=TOKEN, HOME=home)
+    me = os.getpid()
+
+    attacks = {  # name: (program, tests); the attack comes first, then the right answer
+        "infinite_loop": ("while True:\n    pass\n" + SOLVE, _call(1)),
+        "fork_bomb": ("import os, time\nfor _ in range(200):\n    if os.fork() == 0:\n        time.sleep(30)\n"
+                      "        os._exit(0)\n" + SOLVE, _call(1)),
+        "memory_bomb": ("chunk = bytearray(2 << 30)\n" + SOLVE, _call(1)),
+        "disk_fill": ("import os\nfor i in range(40):\n    with open(f'f{i}', 'wb') as f:\n"
+                      "        f.write(b'x' * (1 << 20))\n" + SOLVE, _call(1)),
+        # a daemon that leaves the session and becomes another binary; were it alive after the run it would
+        # write its mark (checked later) and be seen by its uid
+        "daemon": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(0.5)\n"
+                   f"        open({daemon_mark!r}, 'w').write('x')\n        os.execv('/bin/sleep', ['sleep', '30'])\n"
+                   "    os._exit(0)\ntime.sleep(1.5)\n" + SOLVE, _call(1)),
+        "write_run_folder": (f"open({str(run_dir / 'pwned')!r}, 'w').write('x')\n" + SOLVE, _call(1)),
+        "write_home": (f"open({home_target!r}, 'w').write('x')\n" + SOLVE, _call(1)),
+        # lands in the sandbox's own /tmp, so the program may well pass: what counts is that the host's /tmp
+        # holds nothing (test_nothing_left_running_nothing_written_outside)
+        "write_tmp": (f"open({stray_tmp!r}, 'w').write('x')\n" + SOLVE, _call(1)),
+        "env_secret": ("import os\ndef solve():\n    return os.environ.get('HF_TOKEN')\n", _call(TOKEN)),
+        "env_of_trainer": (f"def solve():\n    data = open('/proc/{me}/environ', 'rb').read().split(b'\\0')\n"
+                           "    return [v.split(b'=', 1)[1].decode() for v in data if v.startswith(b'HF_TOKEN=')][0]\n",
+                           _call(TOKEN)),
+        "home_file": (f"def solve():\n    return open({secret_file!r}).read()\n", _call("home-secret")),
+        "network": (f"import socket\ndef solve():\n    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                    "    return s.recv(100).decode()\n", _call("net-secret")),
+        "kill_parent": (f"import os, signal\nos.kill({me}, signal.SIGKILL)\nos.killpg({os.getpgid(me)}, signal.SIGKILL)\n"
+                        "os.kill(os.getppid(), signal.SIGKILL)\n" + SOLVE, _call(1)),
+        "output_100mb": ("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\nprint(3)\n",
+                         [{"type": "stdio", "input": "", "output": "3"}]),
+        "sys_exit": (SOLVE + "import sys\nsys.exit(0)\n", _call(1)),
+        "os_exit": (SOLVE + "import os\nos._exit(0)\n", _call(1)),
+        "print_passed": (SOLVE + "import os, json, struct\nprint('ALL TESTS PASSED')\n"
+                         "msg = json.dumps({'token': '0' * 32, 'results': [{'value': 1}]}).encode()\n"
+                         "for fd in range(3, 64):\n    try:\n        os.write(fd, struct.pack('>I', len(msg)) + msg)\n"
+                         "    except OSError:\n        pass\nos._exit(0)\n", _call(1)),
+        "patch_assert": ("import builtins, unittest\nclass AlwaysEqual:\n    def __eq__(self, other):\n        return True\n"
+                         "    __hash__ = object.__hash__\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"
+                         "unittest.TestCase.assertEqual = lambda *a, **k: None\ndef add(a, b):\n    return AlwaysEqual()\n",
+                         [{"type": "assert", "code": "assert add(1, 2) == 3"}, {"type": "assert", "code": "assert add(2, 2) == 5"}]),
+        "shadow_set": ("def set(*args):\n    return 0\ndef similar_elements(a, b):\n    return None\n", MBPP_2),
+        "shadow_abs": ("def abs(x):\n    return 0\ndef truncate_number(number):\n    return 0.5\n", HUMANEVAL_2),
+        "hidden_tests_on_disk": ("import json\ndef solve():\n"
+                                 f"    return json.loads(open({hidden!r}).readline())['expected']\n", _call(987654321)),
+    }
+    controls = {  # right answers alone: these score 1, so the attacks' 0 is the defence's doing
+        "solve": (SOLVE, _call(1)),
+        "mbpp_2": ("def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n", MBPP_2),
+        "humaneval_2": ("def truncate_number(number):\n    return number % 1.0\n", HUMANEVAL_2),
+        # a test that hangs, then one that passes: the program is restarted (and its pid namespace survives)
+        "hang_then_pass": ("import time\ndef f(x):\n    if x == 1:\n        time.sleep(30)\n    return x\n",
+                           [{"type": "call", "fn": "f", "args": [1], "expected": 1},
+                            {"type": "call", "fn": "f", "args": [2], "expected": 2}]),
+        # 0.35 s of CPU time a test with a 1 s CPU limit: each test gets its own budget
+        "cpu_each_test": ("import time\ndef f(x):\n    t = time.process_time()\n    while time.process_time() - t < 0.35:\n"
+                          "        pass\n    return x\n", [{"type": "call", "fn": "f", "args": [i], "expected": i} for i in range(3)]),
+        # 0.4 s a test, 12 tests, a 4 s program limit: the tests reached count, the rest are timeouts
+        "past_the_program_limit": ("import time\ndef f(x):\n    time.sleep(0.4)\n    return x\n",
+                                   [{"type": "call", "fn": "f", "args": [i], "expected": i} for i in range(12)]),
+    }
+    programs = {**attacks, **controls}
+    verifier = PythonTests(isolation=mode, workers=2, timeout_s=4.0, test_timeout_s=1.0, cpu_s=1, memory_mb=256,
+                           processes=16, file_mb=4, disk_mb=16, open_files=32, output_kb=64)
+    names = list(programs)
+    before = {pid for pid, _ in sandbox_processes()}
+    start = time.monotonic()
+    try:
+        scored = verifier.verify_batch([f"```python\n{programs[n][0]}```" for n in names],
+                                       [programs[n][1] for n in names], ["q"] * len(names))
+        elapsed = time.monotonic() - start
+        left_running = sandbox_processes(before)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    places = {"run_dir": run_dir, "stray_tmp": stray_tmp, "home": home, "home_target": home_target,
+              "home_files": sorted(os.listdir(home))}
+    yield mode, dict(zip(names, scored)), places, left_running, connections, elapsed
+    if os.path.exists(stray_tmp):
+        os.remove(stray_tmp)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "write_run_folder", "write_home",
+           "env_secret", "env_of_trainer", "home_file", "network", "kill_parent", "output_100mb",
+           "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "hidden_tests_on_disk"]
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_attack_gets_no_reward(attacked, attack):
+    mode, results, *_ = attacked
+    if mode == "process" and attack in NEEDS_NAMESPACES:
+        pytest.skip(f"{attack}: only namespaces (bubblewrap or unshare) stop it")
+    result = results[attack]
+    assert not isinstance(result, Exception), result
+    assert result.score == 0.0, (attack, result.info)
+
+
+def test_right_answers_alone_score_and_are_scored_test_by_test(attacked):
+    mode, results, *_ = attacked
+    for name in ("solve", "mbpp_2", "humaneval_2", "cpu_each_test"):
+        assert results[name].score == 1.0, (name, results[name].info)
+    assert results["hang_then_pass"].info["tests"] == ["timeout", "pass"]
+    reached = results["past_the_program_limit"].info["tests"]
+    passed = reached.count("pass")
+    assert 1 <= passed < 12 and reached == ["pass"] * passed + ["timeout"] * (12 - passed), reached
+
+
+def test_nothing_left_running_nothing_written_outside(attacked):
+    mode, results, places, left_running, connections, elapsed = attacked
+    assert left_running == []
+    time.sleep(0.7)  # past the daemon's sleep: had it survived, it would have written its mark by now
+    assert sorted(p.name for p in places["run_dir"].iterdir()) == []
+    assert places["home_files"] == ["secret.txt", "tests.jsonl"]
+    if mode != "process":
+        assert results["write_tmp"].score == 1.0 and not os.path.exists(places["stray_tmp"])  # its own /tmp
+        assert connections == []
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("scgrpo-sandbox-")]
+    assert elapsed < 40
+
+
+def test_the_attacks_fail_for_the_reason_expected(attacked):
+    mode, results, *_ = attacked
+    outcome = lambda name: results[name].info["tests"][0]  # noqa: E731
+    assert outcome("infinite_loop") in ("timeout", "error: CPU time limit (1 s) exceeded")
+    assert "MemoryError" in outcome("memory_bomb")
+    assert outcome("output_100mb").startswith("error")
+    assert outcome("sys_exit").startswith("error: SystemExit")
+    assert results["patch_assert"].info["tests"] == ["wrong", "wrong"]
+    assert results["shadow_set"].info["tests"] == ["wrong"] * 3 and results["shadow_abs"].info["tests"] == ["wrong"]
+    if mode != "process":
+        assert outcome("network").startswith("error: ")
+        assert "BlockingIOError" in outcome("fork_bomb")  # the process limit, reached
+        assert "No space left on device" in outcome("disk_fill")  # the sized /tmp, full
+        assert "ProcessLookupError" in outcome("kill_parent")  # the trainer is not even visible
+
+
+def test_the_harness_file_is_standard_library_only():
+    import ast
+
+    tree = ast.parse(open(HARNESS).read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "scgrpo" not in imported and imported <= {"ast", "builtins", "ctypes", "json", "os", "select", "signal",
+                                                      "struct", "sys", "time", "resource", "subprocess", "io"}
+    assert stat.S_ISREG(os.stat(HARNESS).st_mode)
