@@ -29,22 +29,25 @@ def test_extract_code_prefers_the_last_python_block():
 
 
 def test_parse_tests_reads_every_format():
-    tests, setup = parse_tests(json.dumps(CALLS))
-    assert [t["type"] for t in tests] == ["call"] * 3 and tests[0]["expected"] == 3 and setup == ""
-    mbpp, _ = parse_tests(["assert add(1, 2) == 3", "assert add(0, 0) == 0"])
-    assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
-    human, setup = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "entry_point": "add"})
-    assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check")
-    apps, _ = parse_tests({"inputs": ["1 2\n"], "outputs": ["3\n"]})
+    tests, setup, entry = parse_tests(json.dumps(CALLS))
+    assert [t["type"] for t in tests] == ["call"] * 3 and tests[0]["expected"] == 3 and setup == "" and entry is None
+    mbpp, _, entry = parse_tests(["assert add(1, 2) == 3", "assert add(0, 0) == 0"])
+    assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"] and entry is None
+    assert parse_tests(["assert max([1, 5]) == 5", "assert len([max([0])]) == 1"]).entry_point == "max"
+    assert parse_tests(["assert set(common([1], [1])) == {1}"]).entry_point is None  # common is the one tested
+    human, setup, entry = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
+                                       "entry_point": "add"})
+    assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check") and entry == "add"
+    apps, *_ = parse_tests({"inputs": ["1 2\n"], "outputs": ["3\n"]})
     assert apps == [{"type": "stdio", "input": "1 2\n", "output": "3\n"}]
-    apps_fn, _ = parse_tests({"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"})
+    apps_fn, *_ = parse_tests({"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"})
     assert apps_fn[0]["expected"] == 3 and apps_fn[0]["fn"] == "add"
-    lcb, _ = parse_tests({"tests": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"},
-                                               {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
-                          "fn_name": "add"})
+    lcb, _, entry = parse_tests({"tests": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"},
+                                                      {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
+                                 "fn_name": "add"})
     assert lcb[0] == {"type": "call", "fn": "add", "args": [1, 2], "expected": 3}
-    assert lcb[1]["type"] == "stdio"
-    code, setup = parse_tests("import math\nassert add(1, 1) == 2\nassert add(2, 2) == 4\n")
+    assert lcb[1]["type"] == "stdio" and entry == "add"
+    code, setup, _ = parse_tests("import math\nassert add(1, 1) == 2\nassert add(2, 2) == 4\n")
     assert len(code) == 2 and setup == "import math"
 
 

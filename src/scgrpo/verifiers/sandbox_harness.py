@@ -348,15 +348,22 @@ def _proxy(worker, name, timeout):
     return call
 
 
+def entry_point(job):
+    """The function the assert tests test (named by the row, even like a builtin), or None."""
+    name = job.get("entry_point")
+    return name if isinstance(name, str) and name.isidentifier() else None
+
+
 def referenced_names(job):
-    """Names the assertion tests and their set-up read that are not builtins: the only names a program's
-    function may stand in for (a program defining ``set`` or ``abs`` must not replace the test's own)."""
+    """Names the assertion tests and their set-up read that are not builtins, and the entry point: the only
+    names a program's function may stand in for (a program defining ``set`` or ``abs`` must not replace the
+    test's own, but a program's ``max`` is what tests with the entry point ``max`` test)."""
     names = set()
     for source in [job.get("setup") or ""] + [t["code"] for t in job["tests"] if t["type"] == "assert"]:
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Name):
                 names.add(node.id)
-    return names - set(dir(builtins))
+    return names - set(dir(builtins)) | {entry_point(job)} - {None}
 
 
 def _run_test(worker, test, job, namespace_box):
@@ -372,6 +379,9 @@ def _run_test(worker, test, job, namespace_box):
         reply = worker.ask({"op": "call", "fn": test["fn"], "args": test["args"], "kwargs": test.get("kwargs", {"dict": []})},
                            worker.until(timeout))
         return {"value": reply["value"]} if "value" in reply else {"error": reply.get("error", "no value")}
+    entry = entry_point(job)
+    if entry is not None and entry not in worker.names:  # else a builtin (or the set-up) would stand in for it
+        return {"passed": False, "error": f"NameError: the program defines no {entry!r}"}
     if namespace_box.get("names") != worker.names:  # an assert: run here, the program's functions as proxies
         namespace = {"__name__": "tests"}
         for name in set(worker.names) & namespace_box["referenced"]:
