@@ -14,6 +14,8 @@ CALLS = {"tests": [{"type": "call", "fn": "add", "args": [1, 2], "expected": 3},
                    {"type": "call", "fn": "add", "args": [[1], [2]], "expected": [1, 2]},
                    {"type": "call", "fn": "add", "args": [-1, 1], "expected": 0}]}
 
+SETUP_STATEMENTS = '"""hidden tests"""\nimport random\nrandom.seed(0)\nprint("checking")\nassert add(1, 2) == 3\n'
+
 
 @pytest.fixture(scope="module")
 def verifier():
@@ -49,6 +51,8 @@ def test_parse_tests_reads_every_format():
     assert lcb[1]["type"] == "stdio" and entry == "add"
     code, setup, _ = parse_tests("import math\nassert add(1, 1) == 2\nassert add(2, 2) == 4\n")
     assert len(code) == 2 and setup == "import math"
+    code, setup, _ = parse_tests(SETUP_STATEMENTS)  # a docstring, print(...), random.seed(0) are not tests
+    assert [t["code"] for t in code] == ["assert add(1, 2) == 3"] and setup == SETUP_STATEMENTS.rsplit("\nassert", 1)[0]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -82,10 +86,12 @@ def test_stdio_and_assert_tests(verifier):
     program = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n```"
     via_open = "```python\na, b = map(int, open(0).read().split())\nprint(a + b)\nraise SystemExit\n```"
     asserts = "def check(candidate):\n    assert candidate(2, 2) == 4\n    assert candidate(-1, 1) == 0\n"
+    zero = "```python\ndef add(a, b):\n    return 0\n```"
     results = verifier.verify_batch(
-        [program, via_open, ADD, "```python\ndef add(a, b):\n    return 4\n```"],
-        [stdio, stdio, {"test": asserts, "entry_point": "add"}, {"test": asserts, "entry_point": "add"}], ["q"] * 4)
-    assert [r.score for r in results] == [1.0, 1.0, 1.0, 0.0]
+        [program, via_open, ADD, "```python\ndef add(a, b):\n    return 4\n```", ADD, zero],
+        [stdio, stdio, {"test": asserts, "entry_point": "add"}, {"test": asserts, "entry_point": "add"},
+         SETUP_STATEMENTS, SETUP_STATEMENTS], ["q"] * 6)
+    assert [r.score for r in results] == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # set-up statements count as no test
 
 
 def test_a_slow_test_times_out_and_the_others_still_count(verifier):

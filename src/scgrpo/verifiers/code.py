@@ -7,7 +7,8 @@ The row's answer holds the tests, in any of these forms (a JSON string of them i
   ``{"type": "stdio", "input": "1 2\\n", "output": "3\\n"}`` (standard input and output, LiveCodeBench/APPS),
   ``{"type": "assert", "code": "assert add(1, 2) == 3"}``;
 * a list of assert strings (MBPP's ``test_list``), or one string of test code (HumanEval's
-  ``def check(candidate): ...`` followed by ``check(entry_point)``): each top-level statement is one test;
+  ``def check(candidate): ...`` followed by ``check(entry_point)``): each top-level ``assert`` and each call
+  of a name that is not a builtin is one test, the rest is set-up;
 * APPS' ``{"inputs": [...], "outputs": [...], "fn_name": ...}``; LiveCodeBench's
   ``[{"input": ..., "output": ..., "testtype": "stdin" | "functional"}]`` with ``fn_name`` beside them.
 
@@ -43,13 +44,22 @@ def extract_code(completion: str) -> str:
     return (tagged or [body for _, body in blocks])[-1]
 
 
+def _is_test(node: ast.stmt) -> bool:
+    """An assertion, or a call of a name that is not a builtin (``check(candidate)``); docstrings,
+    ``print(...)`` and ``random.seed(0)`` are not tests."""
+    if isinstance(node, ast.Assert):
+        return True
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+            and not hasattr(builtins, node.value.func.id))
+
+
 def _from_code(source: str) -> tuple[list[dict[str, Any]], str]:
-    """Top-level statements of test code: assertions and calls are tests, the rest (imports, definitions,
-    assignments) is set-up that runs before them."""
+    """Top-level statements of test code: assertions and calls of the tests' own functions are tests, the
+    rest (imports, definitions, assignments, other expressions) is set-up that runs before them."""
     tests, setup = [], []
     for node in ast.parse(source).body:
         statement = ast.get_source_segment(source, node) or ast.unparse(node)
-        if isinstance(node, (ast.Assert, ast.Expr)):
+        if _is_test(node):
             tests.append({"type": "assert", "code": statement})
         else:
             setup.append(statement)
