@@ -219,8 +219,13 @@ def _limit_worker(limits, nproc):
 # ---------------------------------------------------------------- judge: running the tests
 
 
-class WorkerGone(Exception):
-    pass
+class JudgeTimeout(BaseException):
+    """A test ran past its time. A BaseException, like :class:`WorkerGone`: the judge's own, which a test's
+    ``except Exception`` does not catch (and were it caught, the judge still records it: ``Worker.fault``)."""
+
+
+class WorkerGone(BaseException):
+    """The program's process ended (crash, exit, CPU limit) or failed to load the program."""
 
 
 class Worker:
@@ -235,6 +240,8 @@ class Worker:
         self.names = []
         self.failed = {}  # name -> why loading the program failed: later tests fail at once
         self.cpu_at_stop = 0.0
+        self.alarm_at = None  # the deadline of the assert test running in the judge
+        self.fault = None  # the JudgeTimeout or WorkerGone of the test running now, caught or not
         # kill(-1) reaches only the sandbox's processes: those of its pid namespace, or of its own uid
         self.isolated = job["layout"]["mode"] != "process" or job["layout"].get("uid") is not None
 
@@ -259,7 +266,7 @@ class Worker:
         try:
             reply = self.ask({"op": "load", "code": self.job["code"], "name": name,
                               "output_cap": limits["output_kb"] * 1024}, self.until(limits["test_timeout_s"]))
-        except TimeoutError:
+        except JudgeTimeout:
             self.failed[name] = "timeout"
             raise
         except WorkerGone as err:
@@ -268,22 +275,32 @@ class Worker:
         if "error" in reply:
             self.failed[name] = reply["error"]
             self.stop()
-            raise WorkerGone(reply["error"])
+            raise self.gone(reply["error"])
         self.loaded, self.names = name, reply.get("names", [])
         return reply
 
+    def gone(self, why):
+        self.fault = WorkerGone(why)
+        return self.fault
+
+    def timed_out(self):
+        self.fault = JudgeTimeout()
+        return self.fault
+
     def ask(self, message, deadline):
+        if self.process is None:  # stopped during this test (its pipes are closed)
+            raise self.fault or self.gone("the program's process ended")
         try:
             send(self.send_fd, message)
             return receive(self.recv_fd, deadline)
         except TimeoutError:
             self.stop()
-            raise
+            raise self.timed_out() from None
         except (EOFError, OSError, ValueError, struct.error) as err:
             status = self.stop()
             if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self.cpu_at_stop >= self.job["limits"]["cpu_s"]):
-                raise WorkerGone(f"CPU time limit ({self.job['limits']['cpu_s']} s) exceeded") from None
-            raise WorkerGone(f"the program's process ended ({type(err).__name__}: {err})") from None
+                raise self.gone(f"CPU time limit ({self.job['limits']['cpu_s']} s) exceeded") from None
+            raise self.gone(f"the program's process ended ({type(err).__name__}: {err})") from None
 
     def cpu_used(self):
         """CPU seconds the worker has used (0 when unreadable)."""
@@ -316,8 +333,8 @@ class Worker:
     def ensure(self, name):
         if name in self.failed:
             if self.failed[name] == "timeout":
-                raise TimeoutError
-            raise WorkerGone(self.failed[name])
+                raise self.timed_out()
+            raise self.gone(self.failed[name])
         if self.process is not None and self.cpu_used() > FRESH_CPU_S:
             self.stop()  # each test starts with (nearly) the whole CPU limit, whatever ran before it
         if self.process is None or self.loaded != name:
@@ -341,7 +358,7 @@ def _proxy(worker, name, timeout):
         reply = worker.ask({"op": "call", "fn": name, "args": encode(list(args)), "kwargs": encode(kwargs)},
                            worker.until(timeout))
         if "error" in reply:
-            raise RuntimeError(f"{name} raised {reply['error']}")
+            raise _program_error(name, reply)
         return decode(reply["value"])
 
     call.__name__ = name
@@ -352,6 +369,18 @@ def entry_point(job):
     """The function the assert tests test (named by the row, even like a builtin), or None."""
     name = job.get("entry_point")
     return name if isinstance(name, str) and name.isidentifier() else None
+
+
+def _program_error(name, reply):
+    """The program's exception, as the builtin exception of its class's name (so that a test's
+    ``except TypeError`` sees a TypeError), else a RuntimeError; the message kept."""
+    kind = getattr(builtins, reply.get("type") or "", None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            return kind(reply.get("message", ""))
+        except Exception:  # a class that wants other arguments (UnicodeDecodeError)
+            pass
+    return RuntimeError(f"{name} raised {reply['error']}")
 
 
 def referenced_names(job):
@@ -388,14 +417,21 @@ def _run_test(worker, test, job, namespace_box):
             namespace[name] = _proxy(worker, name, timeout)
         exec(compile(job.get("setup") or "", "<setup>", "exec"), namespace)  # after the proxies: its names win
         namespace_box.update(names=worker.names, namespace=namespace)
-    signal.setitimer(signal.ITIMER_REAL, max(worker.until(timeout) - time.monotonic(), 0.001))
+    worker.fault, worker.alarm_at = None, worker.until(timeout)
+    signal.setitimer(signal.ITIMER_REAL, max(worker.alarm_at - time.monotonic(), 0.001))
     try:
         exec(compile(test["code"], "<test>", "exec"), namespace_box["namespace"])
-        return {"passed": True}
+        verdict = {"passed": True}
     except AssertionError as err:
-        return {"passed": False, "error": f"AssertionError: {err}"[:300]}
+        verdict = {"passed": False, "error": f"AssertionError: {err}"[:300]}
+    except Exception as err:  # the test's own code failed, or a program's exception it did not expect
+        verdict = {"passed": False, "error": f"{type(err).__name__}: {err}"[:300]}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        worker.alarm_at = None
+    if worker.fault is not None:  # a timeout or a dead worker that the test's code swallowed
+        raise worker.fault
+    return verdict
 
 
 def judge(job_fd, result_fd):
@@ -406,12 +442,20 @@ def judge(job_fd, result_fd):
     _confine(job, result_fd)
     send(result_fd, {"confined": True})
 
-    def _alarm(signum, frame):
-        raise TimeoutError
-
-    signal.signal(signal.SIGALRM, _alarm)
     # stop early enough that the results reach the host before its own deadline
     worker, results = Worker(job, deadline - min(0.5, job["limits"]["timeout_s"] / 10)), []
+
+    def _alarm(signum, frame):
+        """The test's own deadline only: a SIGALRM that the program (same uid) sends early is ignored."""
+        if worker.alarm_at is None:
+            return
+        left = worker.alarm_at - time.monotonic()
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            return
+        raise worker.timed_out()
+
+    signal.signal(signal.SIGALRM, _alarm)
     try:
         box = {"referenced": referenced_names(job)}
     except SyntaxError as err:
@@ -424,14 +468,14 @@ def judge(job_fd, result_fd):
             if "broken" in box:
                 raise JudgeError(box["broken"])
             results.append(_run_test(worker, test, job, box))
-        except TimeoutError:
+        except JudgeTimeout:
             worker.stop()
             results.append({"error": "timeout"})
         except WorkerGone as err:
             results.append({"error": str(err)[:300]})
         except JudgeError as err:
             results.append({"error": f"judge: {err}"[:300]})
-        except Exception as err:  # a test's own code failed, or a proxy call raised
+        except Exception as err:  # the tests' set-up failed
             results.append({"passed": False, "error": f"{type(err).__name__}: {err}"[:300]})
     worker.stop()
     send(result_fd, {"token": token, "results": results})
@@ -485,7 +529,7 @@ def worker(recv_fd, send_fd):
             else:
                 reply = {"error": f"unknown request {op!r}"}
         except BaseException as err:  # noqa: B036 - the program's exceptions (SystemExit included) are its answer
-            reply = {"error": f"{type(err).__name__}: {err}"[:300]}
+            reply = {"error": f"{type(err).__name__}: {err}"[:300], "type": type(err).__name__, "message": str(err)[:300]}
         send(send_fd, reply)
 
 
