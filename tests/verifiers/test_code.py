@@ -156,3 +156,20 @@ def test_the_process_mode_makes_the_trainer_undumpable():
         os._exit(10 * before + libc.prctl(3, 0, 0, 0, 0))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 10  # dumpable before, not after
+
+
+def test_subclasses_of_plain_types_cross_as_plain_data(verifier):
+    """A Counter, a namedtuple or a numpy integer is the right answer's value, not a foreign object."""
+    tests = [{"type": "call", "fn": "counts", "args": ["aab"], "expected": {"a": 2, "b": 1}},
+             {"type": "call", "fn": "point", "args": [], "expected": [1, 2]},
+             {"type": "call", "fn": "total", "args": [[1, 2]], "expected": 3},
+             {"type": "assert", "code": "assert point().x == 1"},
+             {"type": "assert", "code": "assert counts('aab') == {'a': 2, 'b': 1} and point() == (1, 2)"}]
+    program = ("```python\nimport collections\nimport numpy\nPoint = collections.namedtuple('Point', 'x y')\n"
+               "def counts(s):\n    return collections.Counter(s)\ndef point():\n    return Point({}, 2)\n"
+               "def total(xs):\n    return numpy.array(xs).sum() + {}\n```")
+    right, wrong = program.format(1, 0), program.format(2, 1)
+    results = verifier.verify_batch([right, wrong], [tests, tests], ["q"] * 2)
+    # a namedtuple crosses as a tuple: its field names stay in the program
+    assert results[0].info["tests"] == ["pass", "pass", "pass", "wrong", "pass"], results[0].info
+    assert results[1].info["tests"] == ["pass", "wrong", "wrong", "wrong", "wrong"], results[1].info

@@ -63,6 +63,30 @@ def encode(value, depth=0):
     raise TypeError(f"a value of type {kind.__name__} is not plain data")
 
 
+def plain(value, depth=0):
+    """``value`` with subclasses of plain types made plain (a ``Counter`` a dict, a ``namedtuple`` a tuple,
+    ``numpy.int64`` an int, an array a list), run in the worker before :func:`encode`, which still checks
+    what comes out."""
+    if depth > 50:
+        raise TypeError("nested too deeply")
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str, bytes):
+        return value
+    if (getattr(kind, "__module__", None) or "").split(".")[0] == "numpy":
+        for method in ("tolist", "item"):
+            if callable(getattr(value, method, None)):
+                return plain(getattr(value, method)(), depth + 1)
+    for base in (bool, int, float, str, bytes):
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, dict):
+        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in dict.items(value)}
+    for base in (list, tuple, set, frozenset):
+        if isinstance(value, base):
+            return base(plain(v, depth + 1) for v in base.__iter__(value))
+    return value
+
+
 def decode(data):
     if isinstance(data, list):
         return [decode(v) for v in data]
@@ -523,7 +547,7 @@ def worker(recv_fd, send_fd):
                 if fn is None:
                     reply = {"error": f"NameError: the program defines no {request['fn']!r}"}
                 else:
-                    reply = {"value": encode(fn(*args, **kwargs))}
+                    reply = {"value": encode(plain(fn(*args, **kwargs)))}
             elif op == "stdio":
                 reply = _stdio(compiled, request["input"], output_cap, io)
             else:
