@@ -272,7 +272,8 @@ def test_the_attacks_fail_for_the_reason_expected(attacked):
     assert results["shadow_set"].info["tests"] == ["wrong"] * 3 and results["shadow_abs"].info["tests"] == ["wrong"]
     assert results["builtin_named_missing"].info["tests"] == ["wrong"] * 2
     assert results["builtin_named_wrong"].info["tests"] == ["wrong"]
-    assert all(o == "timeout" or o.startswith("error: CPU time") for o in results["swallowed_timeout"].info["tests"])
+    # the judge's timeout (or the CPU limit, or a killed worker on a loaded machine), never the test's own verdict
+    assert all(o == "timeout" or o.startswith("error: ") for o in results["swallowed_timeout"].info["tests"])
     assert results["alarm_the_judge"].info["tests"] == ["wrong"] * 2
     if mode != "process":
         assert outcome("network").startswith("error: ")
