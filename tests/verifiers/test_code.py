@@ -14,6 +14,8 @@ CALLS = {"tests": [{"type": "call", "fn": "add", "args": [1, 2], "expected": 3},
                    {"type": "call", "fn": "add", "args": [[1], [2]], "expected": [1, 2]},
                    {"type": "call", "fn": "add", "args": [-1, 1], "expected": 0}]}
 
+SETUP_STATEMENTS = '"""hidden tests"""\nimport random\nrandom.seed(0)\nprint("checking")\nassert add(1, 2) == 3\n'
+
 
 @pytest.fixture(scope="module")
 def verifier():
@@ -29,23 +31,28 @@ def test_extract_code_prefers_the_last_python_block():
 
 
 def test_parse_tests_reads_every_format():
-    tests, setup = parse_tests(json.dumps(CALLS))
-    assert [t["type"] for t in tests] == ["call"] * 3 and tests[0]["expected"] == 3 and setup == ""
-    mbpp, _ = parse_tests(["assert add(1, 2) == 3", "assert add(0, 0) == 0"])
-    assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
-    human, setup = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "entry_point": "add"})
-    assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check")
-    apps, _ = parse_tests({"inputs": ["1 2\n"], "outputs": ["3\n"]})
+    tests, setup, entry = parse_tests(json.dumps(CALLS))
+    assert [t["type"] for t in tests] == ["call"] * 3 and tests[0]["expected"] == 3 and setup == "" and entry is None
+    mbpp, _, entry = parse_tests(["assert add(1, 2) == 3", "assert add(0, 0) == 0"])
+    assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"] and entry is None
+    assert parse_tests(["assert max([1, 5]) == 5", "assert len([max([0])]) == 1"]).entry_point == "max"
+    assert parse_tests(["assert set(common([1], [1])) == {1}"]).entry_point is None  # common is the one tested
+    human, setup, entry = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
+                                       "entry_point": "add"})
+    assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check") and entry == "add"
+    apps, *_ = parse_tests({"inputs": ["1 2\n"], "outputs": ["3\n"]})
     assert apps == [{"type": "stdio", "input": "1 2\n", "output": "3\n"}]
-    apps_fn, _ = parse_tests({"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"})
+    apps_fn, *_ = parse_tests({"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"})
     assert apps_fn[0]["expected"] == 3 and apps_fn[0]["fn"] == "add"
-    lcb, _ = parse_tests({"tests": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"},
-                                               {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
-                          "fn_name": "add"})
+    lcb, _, entry = parse_tests({"tests": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"},
+                                                      {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
+                                 "fn_name": "add"})
     assert lcb[0] == {"type": "call", "fn": "add", "args": [1, 2], "expected": 3}
-    assert lcb[1]["type"] == "stdio"
-    code, setup = parse_tests("import math\nassert add(1, 1) == 2\nassert add(2, 2) == 4\n")
+    assert lcb[1]["type"] == "stdio" and entry == "add"
+    code, setup, _ = parse_tests("import math\nassert add(1, 1) == 2\nassert add(2, 2) == 4\n")
     assert len(code) == 2 and setup == "import math"
+    code, setup, _ = parse_tests(SETUP_STATEMENTS)  # a docstring, print(...), random.seed(0) are not tests
+    assert [t["code"] for t in code] == ["assert add(1, 2) == 3"] and setup == SETUP_STATEMENTS.rsplit("\nassert", 1)[0]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -79,10 +86,12 @@ def test_stdio_and_assert_tests(verifier):
     program = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n```"
     via_open = "```python\na, b = map(int, open(0).read().split())\nprint(a + b)\nraise SystemExit\n```"
     asserts = "def check(candidate):\n    assert candidate(2, 2) == 4\n    assert candidate(-1, 1) == 0\n"
+    zero = "```python\ndef add(a, b):\n    return 0\n```"
     results = verifier.verify_batch(
-        [program, via_open, ADD, "```python\ndef add(a, b):\n    return 4\n```"],
-        [stdio, stdio, {"test": asserts, "entry_point": "add"}, {"test": asserts, "entry_point": "add"}], ["q"] * 4)
-    assert [r.score for r in results] == [1.0, 1.0, 1.0, 0.0]
+        [program, via_open, ADD, "```python\ndef add(a, b):\n    return 4\n```", ADD, zero],
+        [stdio, stdio, {"test": asserts, "entry_point": "add"}, {"test": asserts, "entry_point": "add"},
+         SETUP_STATEMENTS, SETUP_STATEMENTS], ["q"] * 6)
+    assert [r.score for r in results] == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # set-up statements count as no test
 
 
 def test_a_slow_test_times_out_and_the_others_still_count(verifier):
@@ -147,3 +156,20 @@ def test_the_process_mode_makes_the_trainer_undumpable():
         os._exit(10 * before + libc.prctl(3, 0, 0, 0, 0))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 10  # dumpable before, not after
+
+
+def test_subclasses_of_plain_types_cross_as_plain_data(verifier):
+    """A Counter, a namedtuple or a numpy integer is the right answer's value, not a foreign object."""
+    tests = [{"type": "call", "fn": "counts", "args": ["aab"], "expected": {"a": 2, "b": 1}},
+             {"type": "call", "fn": "point", "args": [], "expected": [1, 2]},
+             {"type": "call", "fn": "total", "args": [[1, 2]], "expected": 3},
+             {"type": "assert", "code": "assert point().x == 1"},
+             {"type": "assert", "code": "assert counts('aab') == {'a': 2, 'b': 1} and point() == (1, 2)"}]
+    program = ("```python\nimport collections\nimport numpy\nPoint = collections.namedtuple('Point', 'x y')\n"
+               "def counts(s):\n    return collections.Counter(s)\ndef point():\n    return Point({}, 2)\n"
+               "def total(xs):\n    return numpy.array(xs).sum() + {}\n```")
+    right, wrong = program.format(1, 0), program.format(2, 1)
+    results = verifier.verify_batch([right, wrong], [tests, tests], ["q"] * 2)
+    # a namedtuple crosses as a tuple: its field names stay in the program
+    assert results[0].info["tests"] == ["pass", "pass", "pass", "wrong", "pass"], results[0].info
+    assert results[1].info["tests"] == ["pass", "wrong", "wrong", "wrong", "wrong"], results[1].info

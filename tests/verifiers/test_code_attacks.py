@@ -28,6 +28,9 @@ TOKEN = "hf_FAKEtokenForTheSandboxTest0123456789"
 NEEDS_NAMESPACES = {"home_file", "network", "hidden_tests_on_disk", "write_tmp", "write_home", "write_run_folder",
                     "kill_parent", "fork_bomb", "disk_fill", "daemon"}
 SOLVE = "def solve():\n    return 1\n"
+# the test expects add('x', 1) to raise: it must not take the judge's own timeout for the program's exception
+EXPECTS_RAISE = ["try:\n    add('x', 1)\n    ok = False\nexcept Exception:\n    ok = True\nassert ok",
+                 "try:\n    add('x', 1)\n    ok = False\nexcept:\n    ok = True\nassert ok"]
 
 # MBPP task 2 and HumanEval/2, verbatim tests: a program that redefines a builtin the tests use must not pass
 MBPP_2 = ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
@@ -37,6 +40,9 @@ HUMANEVAL_2 = {"test": "\n\nMETADATA = {\n    'author': 'jt',\n    'dataset': 't
                        "    assert candidate(3.5) == 0.5\n    assert abs(candidate(1.33) - 0.33) < 1e-6\n"
                        "    assert abs(candidate(123.456) - 0.456) < 1e-6\n",
                "entry_point": "truncate_number"}
+# a function named like a builtin is what these test: the builtin must not stand in for a program without it
+MAX_MBPP = ["assert max([1, 5, 2]) == 5", "assert max([0]) == 0"]
+MAX_HUMANEVAL = {"test": "def check(candidate):\n    assert candidate([1, 5, 2]) == 5\n", "entry_point": "max"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,6 +165,13 @@ def attacked(request, tmp_path_factory):
                          [{"type": "assert", "code": "assert add(1, 2) == 3"}, {"type": "assert", "code": "assert add(2, 2) == 5"}]),
         "shadow_set": ("def set(*args):\n    return 0\ndef similar_elements(a, b):\n    return None\n", MBPP_2),
         "shadow_abs": ("def abs(x):\n    return 0\ndef truncate_number(number):\n    return 0.5\n", HUMANEVAL_2),
+        "builtin_named_missing": ("pass\n", MAX_MBPP),
+        "builtin_named_missing_check": ("pass\n", MAX_HUMANEVAL),
+        "builtin_named_wrong": ("def max(xs):\n    return 0\n", MAX_HUMANEVAL),
+        "swallowed_timeout": ("def add(a, b):\n    while True:\n        pass\n", EXPECTS_RAISE),
+        # SIGALRM to the judge (its parent, of the same uid) while it waits for the answer
+        "alarm_the_judge": ("import os, signal, time\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGALRM)\n"
+                            "    time.sleep(0.1)\n    return 0\n", EXPECTS_RAISE),
         "hidden_tests_on_disk": ("import json\ndef solve():\n"
                                  f"    return json.loads(open({hidden!r}).readline())['expected']\n", _call(987654321)),
     }
@@ -166,6 +179,10 @@ def attacked(request, tmp_path_factory):
         "solve": (SOLVE, _call(1)),
         "mbpp_2": ("def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n", MBPP_2),
         "humaneval_2": ("def truncate_number(number):\n    return number % 1.0\n", HUMANEVAL_2),
+        "max_mbpp": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_MBPP),
+        "raises_type_error": ("def add(a, b):\n    return a + b\n",
+                              [EXPECTS_RAISE[0].replace("except Exception", "except TypeError"), "assert add(1, 2) == 3"]),
+        "max_humaneval": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_HUMANEVAL),
         # a test that hangs, then one that passes: the program is restarted (and its pid namespace survives)
         "hang_then_pass": ("import time\ndef f(x):\n    if x == 1:\n        time.sleep(30)\n    return x\n",
                            [{"type": "call", "fn": "f", "args": [1], "expected": 1},
@@ -207,7 +224,8 @@ def attacked(request, tmp_path_factory):
 
 ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "write_run_folder", "write_home",
            "env_secret", "env_of_trainer", "home_file", "network", "kill_parent", "output_100mb",
-           "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "hidden_tests_on_disk"]
+           "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
+           "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk"]
 
 
 @pytest.mark.parametrize("attack", ATTACKS)
@@ -222,7 +240,7 @@ def test_attack_gets_no_reward(attacked, attack):
 
 def test_right_answers_alone_score_and_are_scored_test_by_test(attacked):
     mode, results, *_ = attacked
-    for name in ("solve", "mbpp_2", "humaneval_2", "cpu_each_test"):
+    for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "raises_type_error", "cpu_each_test"):
         assert results[name].score == 1.0, (name, results[name].info)
     assert results["hang_then_pass"].info["tests"] == ["timeout", "pass"]
     reached = results["past_the_program_limit"].info["tests"]
@@ -252,6 +270,11 @@ def test_the_attacks_fail_for_the_reason_expected(attacked):
     assert outcome("sys_exit").startswith("error: SystemExit")
     assert results["patch_assert"].info["tests"] == ["wrong", "wrong"]
     assert results["shadow_set"].info["tests"] == ["wrong"] * 3 and results["shadow_abs"].info["tests"] == ["wrong"]
+    assert results["builtin_named_missing"].info["tests"] == ["wrong"] * 2
+    assert results["builtin_named_wrong"].info["tests"] == ["wrong"]
+    # the judge's timeout (or the CPU limit, or a killed worker on a loaded machine), never the test's own verdict
+    assert all(o == "timeout" or o.startswith("error: ") for o in results["swallowed_timeout"].info["tests"])
+    assert results["alarm_the_judge"].info["tests"] == ["wrong"] * 2
     if mode != "process":
         assert outcome("network").startswith("error: ")
         assert "BlockingIOError" in outcome("fork_bomb")  # the process limit, reached

@@ -7,7 +7,8 @@ The row's answer holds the tests, in any of these forms (a JSON string of them i
   ``{"type": "stdio", "input": "1 2\\n", "output": "3\\n"}`` (standard input and output, LiveCodeBench/APPS),
   ``{"type": "assert", "code": "assert add(1, 2) == 3"}``;
 * a list of assert strings (MBPP's ``test_list``), or one string of test code (HumanEval's
-  ``def check(candidate): ...`` followed by ``check(entry_point)``): each top-level statement is one test;
+  ``def check(candidate): ...`` followed by ``check(entry_point)``): each top-level ``assert`` and each call
+  of a name that is not a builtin is one test, the rest is set-up;
 * APPS' ``{"inputs": [...], "outputs": [...], "fn_name": ...}``; LiveCodeBench's
   ``[{"input": ..., "output": ..., "testtype": "stdin" | "functional"}]`` with ``fn_name`` beside them.
 
@@ -21,9 +22,10 @@ import ast
 import json
 import math
 import os
+import builtins
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 from scgrpo.verifiers.sandbox import MODES, Limits, Sandbox
@@ -42,13 +44,22 @@ def extract_code(completion: str) -> str:
     return (tagged or [body for _, body in blocks])[-1]
 
 
+def _is_test(node: ast.stmt) -> bool:
+    """An assertion, or a call of a name that is not a builtin (``check(candidate)``); docstrings,
+    ``print(...)`` and ``random.seed(0)`` are not tests."""
+    if isinstance(node, ast.Assert):
+        return True
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+            and not hasattr(builtins, node.value.func.id))
+
+
 def _from_code(source: str) -> tuple[list[dict[str, Any]], str]:
-    """Top-level statements of test code: assertions and calls are tests, the rest (imports, definitions,
-    assignments) is set-up that runs before them."""
+    """Top-level statements of test code: assertions and calls of the tests' own functions are tests, the
+    rest (imports, definitions, assignments, other expressions) is set-up that runs before them."""
     tests, setup = [], []
     for node in ast.parse(source).body:
         statement = ast.get_source_segment(source, node) or ast.unparse(node)
-        if isinstance(node, (ast.Assert, ast.Expr)):
+        if _is_test(node):
             tests.append({"type": "assert", "code": statement})
         else:
             setup.append(statement)
@@ -84,9 +95,40 @@ def _one_test(test: Any, fn_name: Optional[str]) -> dict[str, Any]:
     raise ValueError(f"unknown test {sorted(test)}; expected a call, stdio or assert test")
 
 
-def parse_tests(answer: Any) -> tuple[list[dict[str, Any]], str]:
-    """``(tests, setup)`` from a row's answer in any of the module's forms; raises ValueError naming the
-    problem for anything else."""
+class ParsedTests(NamedTuple):
+    """A row's tests as the verifier runs them."""
+
+    tests: list[dict[str, Any]]
+    """call, stdio and assert tests, expected values included"""
+    setup: str
+    """code the assert tests' namespace runs first (imports, ``def check``)"""
+    entry_point: Optional[str]
+    """the function under test: the row's ``entry_point``/``fn_name``, else, when the assert tests call no
+    name but builtins (``assert max([1, 5, 2]) == 5``), the first one called; None when unknown"""
+
+
+def parse_tests(answer: Any) -> ParsedTests:
+    """The tests, set-up and entry point from a row's answer in any of the module's forms; raises ValueError
+    naming the problem for anything else."""
+    tests, setup, fn_name = _parse(answer)
+    return ParsedTests(tests, setup, fn_name or _called_builtin(tests))
+
+
+def _called_builtin(tests: list[dict[str, Any]]) -> Optional[str]:
+    """The first name the assert tests call, when every name they call is a builtin: a program's function
+    named like a builtin is then what they test."""
+    called = []
+    for test in tests:
+        if test["type"] == "assert":
+            try:
+                tree = ast.parse(test["code"])
+            except SyntaxError:
+                return None
+            called += [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    return called[0] if called and all(hasattr(builtins, name) for name in called) else None
+
+
+def _parse(answer: Any) -> tuple[list[dict[str, Any]], str, Optional[str]]:
     if isinstance(answer, str):
         text = answer.strip()
         try:
@@ -98,7 +140,7 @@ def parse_tests(answer: Any) -> tuple[list[dict[str, Any]], str]:
                 raise ValueError(f"the tests are neither JSON nor Python: {err}") from None
             if not tests:
                 raise ValueError("the test code has no assert or call statement")
-            return tests, setup
+            return tests, setup, None
     setup, fn_name = "", None
     if isinstance(answer, dict):
         setup = answer.get("setup") or answer.get("test_setup_code") or ""
@@ -115,13 +157,13 @@ def parse_tests(answer: Any) -> tuple[list[dict[str, Any]], str]:
             if isinstance(inner, str) and not inner.lstrip().startswith("["):
                 tests, more = _from_code(inner if not fn_name or "check(" not in inner or f"check({fn_name})" in inner
                                          else inner + f"\ncheck({fn_name})")
-                return tests, "\n".join(s for s in (setup, more) if s)
+                return tests, "\n".join(s for s in (setup, more) if s), fn_name
             answer = json.loads(inner) if isinstance(inner, str) else inner
         else:
             answer = [answer]
     if not isinstance(answer, list) or not answer:
         raise ValueError(f"no tests found in {str(answer)[:80]!r}")
-    return [_one_test(t, fn_name) for t in answer], setup
+    return [_one_test(t, fn_name) for t in answer], setup, fn_name
 
 
 def _text(value: Any) -> str:
@@ -241,7 +283,7 @@ class PythonTests(Verifier):
             return out
 
     def _one(self, sandbox: Sandbox, completion: str, answer: Any) -> VerificationResult:
-        tests, setup = parse_tests(answer)
+        tests, setup, entry_point = parse_tests(answer)
         code = extract_code(completion)
         sent = []
         for test in tests:  # what the sandbox sees: no expected values
@@ -252,7 +294,7 @@ class PythonTests(Verifier):
                 sent.append({"type": "stdio", "input": test["input"]})
             else:
                 sent.append(test)
-        outcome = sandbox.run(code, sent, setup)
+        outcome = sandbox.run(code, sent, setup, entry_point)
         if outcome.results is None:
             outcomes = [outcome.failure or "no verdict"] * len(tests)
         else:

@@ -218,10 +218,11 @@ class Sandbox:
 
     # ------------------------------------------------------------------ running one program
 
-    def run(self, code: str, tests: list[dict[str, Any]], setup: str = "") -> Outcome:
+    def run(self, code: str, tests: list[dict[str, Any]], setup: str = "", entry_point: Optional[str] = None) -> Outcome:
         """Runs ``code`` against ``tests`` (as the judge expects them: no expected outputs for call and stdio
-        tests). Raises :class:`SandboxError` only when the sandbox itself could not be set up."""
-        return self._run(self.mode, self.separate_uid, code, tests, setup)
+        tests). ``entry_point`` names the function the assert tests test, even when it is named like a builtin.
+        Raises :class:`SandboxError` only when the sandbox itself could not be set up."""
+        return self._run(self.mode, self.separate_uid, code, tests, setup, entry_point)
 
     def _new_uid(self) -> int:
         with self._uid_lock:
@@ -231,7 +232,8 @@ class Sandbox:
                     self._uids.add(uid)
                     return uid
 
-    def _run(self, mode: str, separate_uid: bool, code: str, tests: list[dict[str, Any]], setup: str) -> Outcome:
+    def _run(self, mode: str, separate_uid: bool, code: str, tests: list[dict[str, Any]], setup: str,
+             entry_point: Optional[str] = None) -> Outcome:
         lim = self.limits
         uid = self._new_uid() if separate_uid else None
         folder = tempfile.mkdtemp(prefix="scgrpo-sandbox-")
@@ -243,8 +245,8 @@ class Sandbox:
         token = secrets.token_hex(16)
         deadline = time.monotonic() + lim.timeout_s
         job = {
-            "token": token, "code": code, "tests": tests, "setup": setup, "harness": self.harness,
-            "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
+            "token": token, "code": code, "tests": tests, "setup": setup, "entry_point": entry_point,
+            "harness": self.harness, "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
             "layout": {"mode": mode, "uid": uid, "root": folder, "workdir": workdir, "binds": self.binds,
                        "symlinks": self.links, "disk_mb": lim.disk_mb,
                        "nproc": uid is not None or (mode == "bwrap" and _nproc_per_user_namespace())},

@@ -63,6 +63,30 @@ def encode(value, depth=0):
     raise TypeError(f"a value of type {kind.__name__} is not plain data")
 
 
+def plain(value, depth=0):
+    """``value`` with subclasses of plain types made plain (a ``Counter`` a dict, a ``namedtuple`` a tuple,
+    ``numpy.int64`` an int, an array a list), run in the worker before :func:`encode`, which still checks
+    what comes out."""
+    if depth > 50:
+        raise TypeError("nested too deeply")
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str, bytes):
+        return value
+    if (getattr(kind, "__module__", None) or "").split(".")[0] == "numpy":
+        for method in ("tolist", "item"):
+            if callable(getattr(value, method, None)):
+                return plain(getattr(value, method)(), depth + 1)
+    for base in (bool, int, float, str, bytes):
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, dict):
+        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in dict.items(value)}
+    for base in (list, tuple, set, frozenset):
+        if isinstance(value, base):
+            return base(plain(v, depth + 1) for v in base.__iter__(value))
+    return value
+
+
 def decode(data):
     if isinstance(data, list):
         return [decode(v) for v in data]
@@ -219,8 +243,13 @@ def _limit_worker(limits, nproc):
 # ---------------------------------------------------------------- judge: running the tests
 
 
-class WorkerGone(Exception):
-    pass
+class JudgeTimeout(BaseException):
+    """A test ran past its time. A BaseException, like :class:`WorkerGone`: the judge's own, which a test's
+    ``except Exception`` does not catch (and were it caught, the judge still records it: ``Worker.fault``)."""
+
+
+class WorkerGone(BaseException):
+    """The program's process ended (crash, exit, CPU limit) or failed to load the program."""
 
 
 class Worker:
@@ -235,6 +264,8 @@ class Worker:
         self.names = []
         self.failed = {}  # name -> why loading the program failed: later tests fail at once
         self.cpu_at_stop = 0.0
+        self.alarm_at = None  # the deadline of the assert test running in the judge
+        self.fault = None  # the JudgeTimeout or WorkerGone of the test running now, caught or not
         # kill(-1) reaches only the sandbox's processes: those of its pid namespace, or of its own uid
         self.isolated = job["layout"]["mode"] != "process" or job["layout"].get("uid") is not None
 
@@ -259,7 +290,7 @@ class Worker:
         try:
             reply = self.ask({"op": "load", "code": self.job["code"], "name": name,
                               "output_cap": limits["output_kb"] * 1024}, self.until(limits["test_timeout_s"]))
-        except TimeoutError:
+        except JudgeTimeout:
             self.failed[name] = "timeout"
             raise
         except WorkerGone as err:
@@ -268,22 +299,32 @@ class Worker:
         if "error" in reply:
             self.failed[name] = reply["error"]
             self.stop()
-            raise WorkerGone(reply["error"])
+            raise self.gone(reply["error"])
         self.loaded, self.names = name, reply.get("names", [])
         return reply
 
+    def gone(self, why):
+        self.fault = WorkerGone(why)
+        return self.fault
+
+    def timed_out(self):
+        self.fault = JudgeTimeout()
+        return self.fault
+
     def ask(self, message, deadline):
+        if self.process is None:  # stopped during this test (its pipes are closed)
+            raise self.fault or self.gone("the program's process ended")
         try:
             send(self.send_fd, message)
             return receive(self.recv_fd, deadline)
         except TimeoutError:
             self.stop()
-            raise
+            raise self.timed_out() from None
         except (EOFError, OSError, ValueError, struct.error) as err:
             status = self.stop()
             if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self.cpu_at_stop >= self.job["limits"]["cpu_s"]):
-                raise WorkerGone(f"CPU time limit ({self.job['limits']['cpu_s']} s) exceeded") from None
-            raise WorkerGone(f"the program's process ended ({type(err).__name__}: {err})") from None
+                raise self.gone(f"CPU time limit ({self.job['limits']['cpu_s']} s) exceeded") from None
+            raise self.gone(f"the program's process ended ({type(err).__name__}: {err})") from None
 
     def cpu_used(self):
         """CPU seconds the worker has used (0 when unreadable)."""
@@ -316,8 +357,8 @@ class Worker:
     def ensure(self, name):
         if name in self.failed:
             if self.failed[name] == "timeout":
-                raise TimeoutError
-            raise WorkerGone(self.failed[name])
+                raise self.timed_out()
+            raise self.gone(self.failed[name])
         if self.process is not None and self.cpu_used() > FRESH_CPU_S:
             self.stop()  # each test starts with (nearly) the whole CPU limit, whatever ran before it
         if self.process is None or self.loaded != name:
@@ -341,22 +382,41 @@ def _proxy(worker, name, timeout):
         reply = worker.ask({"op": "call", "fn": name, "args": encode(list(args)), "kwargs": encode(kwargs)},
                            worker.until(timeout))
         if "error" in reply:
-            raise RuntimeError(f"{name} raised {reply['error']}")
+            raise _program_error(name, reply)
         return decode(reply["value"])
 
     call.__name__ = name
     return call
 
 
+def entry_point(job):
+    """The function the assert tests test (named by the row, even like a builtin), or None."""
+    name = job.get("entry_point")
+    return name if isinstance(name, str) and name.isidentifier() else None
+
+
+def _program_error(name, reply):
+    """The program's exception, as the builtin exception of its class's name (so that a test's
+    ``except TypeError`` sees a TypeError), else a RuntimeError; the message kept."""
+    kind = getattr(builtins, reply.get("type") or "", None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            return kind(reply.get("message", ""))
+        except Exception:  # a class that wants other arguments (UnicodeDecodeError)
+            pass
+    return RuntimeError(f"{name} raised {reply['error']}")
+
+
 def referenced_names(job):
-    """Names the assertion tests and their set-up read that are not builtins: the only names a program's
-    function may stand in for (a program defining ``set`` or ``abs`` must not replace the test's own)."""
+    """Names the assertion tests and their set-up read that are not builtins, and the entry point: the only
+    names a program's function may stand in for (a program defining ``set`` or ``abs`` must not replace the
+    test's own, but a program's ``max`` is what tests with the entry point ``max`` test)."""
     names = set()
     for source in [job.get("setup") or ""] + [t["code"] for t in job["tests"] if t["type"] == "assert"]:
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Name):
                 names.add(node.id)
-    return names - set(dir(builtins))
+    return names - set(dir(builtins)) | {entry_point(job)} - {None}
 
 
 def _run_test(worker, test, job, namespace_box):
@@ -372,20 +432,30 @@ def _run_test(worker, test, job, namespace_box):
         reply = worker.ask({"op": "call", "fn": test["fn"], "args": test["args"], "kwargs": test.get("kwargs", {"dict": []})},
                            worker.until(timeout))
         return {"value": reply["value"]} if "value" in reply else {"error": reply.get("error", "no value")}
+    entry = entry_point(job)
+    if entry is not None and entry not in worker.names:  # else a builtin (or the set-up) would stand in for it
+        return {"passed": False, "error": f"NameError: the program defines no {entry!r}"}
     if namespace_box.get("names") != worker.names:  # an assert: run here, the program's functions as proxies
         namespace = {"__name__": "tests"}
         for name in set(worker.names) & namespace_box["referenced"]:
             namespace[name] = _proxy(worker, name, timeout)
         exec(compile(job.get("setup") or "", "<setup>", "exec"), namespace)  # after the proxies: its names win
         namespace_box.update(names=worker.names, namespace=namespace)
-    signal.setitimer(signal.ITIMER_REAL, max(worker.until(timeout) - time.monotonic(), 0.001))
+    worker.fault, worker.alarm_at = None, worker.until(timeout)
+    signal.setitimer(signal.ITIMER_REAL, max(worker.alarm_at - time.monotonic(), 0.001))
     try:
         exec(compile(test["code"], "<test>", "exec"), namespace_box["namespace"])
-        return {"passed": True}
+        verdict = {"passed": True}
     except AssertionError as err:
-        return {"passed": False, "error": f"AssertionError: {err}"[:300]}
+        verdict = {"passed": False, "error": f"AssertionError: {err}"[:300]}
+    except Exception as err:  # the test's own code failed, or a program's exception it did not expect
+        verdict = {"passed": False, "error": f"{type(err).__name__}: {err}"[:300]}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        worker.alarm_at = None
+    if worker.fault is not None:  # a timeout or a dead worker that the test's code swallowed
+        raise worker.fault
+    return verdict
 
 
 def judge(job_fd, result_fd):
@@ -396,12 +466,20 @@ def judge(job_fd, result_fd):
     _confine(job, result_fd)
     send(result_fd, {"confined": True})
 
-    def _alarm(signum, frame):
-        raise TimeoutError
-
-    signal.signal(signal.SIGALRM, _alarm)
     # stop early enough that the results reach the host before its own deadline
     worker, results = Worker(job, deadline - min(0.5, job["limits"]["timeout_s"] / 10)), []
+
+    def _alarm(signum, frame):
+        """The test's own deadline only: a SIGALRM that the program (same uid) sends early is ignored."""
+        if worker.alarm_at is None:
+            return
+        left = worker.alarm_at - time.monotonic()
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            return
+        raise worker.timed_out()
+
+    signal.signal(signal.SIGALRM, _alarm)
     try:
         box = {"referenced": referenced_names(job)}
     except SyntaxError as err:
@@ -414,14 +492,14 @@ def judge(job_fd, result_fd):
             if "broken" in box:
                 raise JudgeError(box["broken"])
             results.append(_run_test(worker, test, job, box))
-        except TimeoutError:
+        except JudgeTimeout:
             worker.stop()
             results.append({"error": "timeout"})
         except WorkerGone as err:
             results.append({"error": str(err)[:300]})
         except JudgeError as err:
             results.append({"error": f"judge: {err}"[:300]})
-        except Exception as err:  # a test's own code failed, or a proxy call raised
+        except Exception as err:  # the tests' set-up failed
             results.append({"passed": False, "error": f"{type(err).__name__}: {err}"[:300]})
     worker.stop()
     send(result_fd, {"token": token, "results": results})
@@ -469,13 +547,13 @@ def worker(recv_fd, send_fd):
                 if fn is None:
                     reply = {"error": f"NameError: the program defines no {request['fn']!r}"}
                 else:
-                    reply = {"value": encode(fn(*args, **kwargs))}
+                    reply = {"value": encode(plain(fn(*args, **kwargs)))}
             elif op == "stdio":
                 reply = _stdio(compiled, request["input"], output_cap, io)
             else:
                 reply = {"error": f"unknown request {op!r}"}
         except BaseException as err:  # noqa: B036 - the program's exceptions (SystemExit included) are its answer
-            reply = {"error": f"{type(err).__name__}: {err}"[:300]}
+            reply = {"error": f"{type(err).__name__}: {err}"[:300], "type": type(err).__name__, "message": str(err)[:300]}
         send(send_fd, reply)
 
 
