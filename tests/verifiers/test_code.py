@@ -173,3 +173,18 @@ def test_subclasses_of_plain_types_cross_as_plain_data(verifier):
     # a namedtuple crosses as a tuple: its field names stay in the program
     assert results[0].info["tests"] == ["pass", "pass", "pass", "wrong", "pass"], results[0].info
     assert results[1].info["tests"] == ["pass", "wrong", "wrong", "wrong", "wrong"], results[1].info
+
+
+def test_program_exceptions_reach_tests_as_their_nearest_builtin_class(verifier):
+    """A subclass of ValueError satisfies ``except ValueError``; StopIteration never silently ends a map() in a
+    test (it arrives as a RuntimeError)."""
+    tests = {"tests": ["assert all(map(is_even, [2, 4, 6]))", "assert not any(map(is_even, [1, 3]))",
+                       "assert list(filter(is_even, [1, 3, 5])) == []"], "fn_name": "is_even"}
+    raising = "```python\ndef is_even(x):\n    raise StopIteration\n```"
+    right = "```python\ndef is_even(x):\n    return x % 2 == 0\n```"
+    expects = {"tests": ["try:\n    parse('x')\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok"],
+               "fn_name": "parse"}
+    subclass = "```python\nclass Bad(ValueError):\n    pass\ndef parse(s):\n    raise Bad(s)\n```"
+    own = "```python\nclass ValueError(Exception):\n    pass\ndef parse(s):\n    raise ValueError(s)\n```"
+    results = verifier.verify_batch([raising, right, subclass, own], [tests, tests, expects, expects], ["q"] * 4)
+    assert [r.score for r in results] == [0.0, 1.0, 1.0, 0.0]

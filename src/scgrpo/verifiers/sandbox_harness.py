@@ -399,7 +399,9 @@ def _program_error(name, reply):
     """The program's exception, as the builtin exception of its class's name (so that a test's
     ``except TypeError`` sees a TypeError), else a RuntimeError; the message kept."""
     kind = getattr(builtins, reply.get("type") or "", None)
-    if isinstance(kind, type) and issubclass(kind, Exception):
+    # StopIteration would silently end a map()/filter() in the test (PEP 479 makes it a RuntimeError too)
+    if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, (StopIteration,
+                                                                                        StopAsyncIteration)):
         try:
             return kind(reply.get("message", ""))
         except Exception:  # a class that wants other arguments (UnicodeDecodeError)
@@ -553,7 +555,10 @@ def worker(recv_fd, send_fd):
             else:
                 reply = {"error": f"unknown request {op!r}"}
         except BaseException as err:  # noqa: B036 - the program's exceptions (SystemExit included) are its answer
-            reply = {"error": f"{type(err).__name__}: {err}"[:300], "type": type(err).__name__, "message": str(err)[:300]}
+            # the nearest builtin class: a subclass of ValueError is a ValueError to the test (a program's own class
+            # named ValueError is not)
+            kind = next((k.__name__ for k in type(err).__mro__ if getattr(builtins, k.__name__, None) is k), "")
+            reply = {"error": f"{type(err).__name__}: {err}"[:300], "type": kind[:100], "message": str(err)[:300]}
         send(send_fd, reply)
 
 
