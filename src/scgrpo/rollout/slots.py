@@ -268,7 +268,7 @@ class SlotDecoder:
             flags, lens_host, counts_host = read()
             if pending:  # waiting rows take the free slots, a quarter of the slots (or all the waiting rows) at once:
                 free = [i for i, alive in enumerate(flags) if not alive]  # each prefill is ~30 layers of launches
-                if free and (len(free) >= min(len(pending), max(1, state.slots // 4)) or len(free) == state.slots):
+                if free and len(free) >= min(len(pending), max(1, state.slots // 4)):
                     take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
                     self._admit(state, out, right, lengths, take, free[: len(take)])
                     prefills += 1
