@@ -32,14 +32,18 @@ def test_extract_code_prefers_the_last_python_block():
 
 def test_parse_tests_reads_every_format():
     tests, setup, entry = parse_tests(json.dumps(CALLS))
-    assert [t["type"] for t in tests] == ["call"] * 3 and tests[0]["expected"] == 3 and setup == "" and entry is None
+    assert [t["type"] for t in tests] == ["call"] * 3 and tests[0]["expected"] == 3 and setup == "" and entry == ()
     mbpp, _, entry = parse_tests(["assert add(1, 2) == 3", "assert add(0, 0) == 0"])
-    assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"] and entry is None
-    assert parse_tests(["assert max([1, 5]) == 5", "assert len([max([0])]) == 1"]).entry_point == "max"
-    assert parse_tests(["assert set(common([1], [1])) == {1}"]).entry_point is None  # common is the one tested
+    assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"] and entry == ()
+    # no entry point given: builtin names called by every test, or handed to check(), are what is tested
+    assert parse_tests(["assert max([1, 5]) == 5", "assert len([max([0])]) == 1"]).entry_points == ("max",)
+    assert parse_tests(["assert round(max([1.5]), 1) == 1.5"]).entry_points == ("round", "max")  # either
+    assert parse_tests("def check(candidate):\n    assert candidate([1]) == 1\n\ncheck(max)").entry_points == ("max",)
+    assert parse_tests(["assert set(common([1], [1])) == {1}"]).entry_points == ()  # common is the one tested
+    assert parse_tests(["assert Solution().add(1, 2) == 3"]).entry_points == ()
     human, setup, entry = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
                                        "entry_point": "add"})
-    assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check") and entry == "add"
+    assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check") and entry == ("add",)
     apps, *_ = parse_tests({"inputs": ["1 2\n"], "outputs": ["3\n"]})
     assert apps == [{"type": "stdio", "input": "1 2\n", "output": "3\n"}]
     apps_fn, *_ = parse_tests({"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"})
@@ -48,7 +52,7 @@ def test_parse_tests_reads_every_format():
                                                       {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
                                  "fn_name": "add"})
     assert lcb[0] == {"type": "call", "fn": "add", "args": [1, 2], "expected": 3}
-    assert lcb[1]["type"] == "stdio" and entry == "add"
+    assert lcb[1]["type"] == "stdio" and entry == ("add",)
     code, setup, _ = parse_tests("import math\nassert add(1, 1) == 2\nassert add(2, 2) == 4\n")
     assert len(code) == 2 and setup == "import math"
     code, setup, _ = parse_tests(SETUP_STATEMENTS)  # a docstring, print(...), random.seed(0) are not tests
@@ -163,16 +167,20 @@ def test_subclasses_of_plain_types_cross_as_plain_data(verifier):
     tests = [{"type": "call", "fn": "counts", "args": ["aab"], "expected": {"a": 2, "b": 1}},
              {"type": "call", "fn": "point", "args": [], "expected": [1, 2]},
              {"type": "call", "fn": "total", "args": [[1, 2]], "expected": 3},
+             {"type": "call", "fn": "color", "args": [], "expected": "red"},
              {"type": "assert", "code": "assert point().x == 1"},
              {"type": "assert", "code": "assert counts('aab') == {'a': 2, 'b': 1} and point() == (1, 2)"}]
-    program = ("```python\nimport collections\nimport numpy\nPoint = collections.namedtuple('Point', 'x y')\n"
+    program = ("```python\nimport collections\nimport enum\nimport numpy\nPoint = collections.namedtuple('Point', 'x y')\n"
+               "class Color(str, enum.Enum):\n    RED = 'red'\n    BLUE = 'blue'\n"
+               "def color():\n    return Color.RED if {} == 1 else Color.BLUE\n"
                "def counts(s):\n    return collections.Counter(s)\ndef point():\n    return Point({}, 2)\n"
                "def total(xs):\n    return numpy.array(xs).sum() + {}\n```")
-    right, wrong = program.format(1, 0), program.format(2, 1)
+    right, wrong = program.format(1, 1, 0), program.format(2, 2, 1)
     results = verifier.verify_batch([right, wrong], [tests, tests], ["q"] * 2)
-    # a namedtuple crosses as a tuple: its field names stay in the program
-    assert results[0].info["tests"] == ["pass", "pass", "pass", "wrong", "pass"], results[0].info
-    assert results[1].info["tests"] == ["pass", "wrong", "wrong", "wrong", "wrong"], results[1].info
+    # a namedtuple crosses as a tuple: its field names stay in the program (the test's error is its outcome)
+    no_field = "error: AttributeError: 'tuple' object has no attribute 'x'"
+    assert results[0].info["tests"] == ["pass", "pass", "pass", "pass", no_field, "pass"], results[0].info
+    assert results[1].info["tests"] == ["pass", "wrong", "wrong", "wrong", no_field, "wrong"], results[1].info
 
 
 def test_program_exceptions_reach_tests_as_their_nearest_builtin_class(verifier):

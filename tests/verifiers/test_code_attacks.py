@@ -43,6 +43,14 @@ HUMANEVAL_2 = {"test": "\n\nMETADATA = {\n    'author': 'jt',\n    'dataset': 't
 # a function named like a builtin is what these test: the builtin must not stand in for a program without it
 MAX_MBPP = ["assert max([1, 5, 2]) == 5", "assert max([0]) == 0"]
 MAX_HUMANEVAL = {"test": "def check(candidate):\n    assert candidate([1, 5, 2]) == 5\n", "entry_point": "max"}
+# no entry point: the tests hand check() the builtin name; or they call two builtins, either one under test
+MAX_CHECK = "def check(candidate):\n    assert candidate([1, 5, 2]) == 5\n\ncheck(max)\n"
+ROUND_MAX = ["assert round(max([1.234, 0.5]), 2) == 1.23"]
+# entry point given, but the tests reach it as a method: the class is what the program must define
+SOLUTION_ADD = {"tests": ["assert Solution().add(1, 2) == 3"], "entry_point": "add"}
+# objects of the program's classes stay in its process; the tests read and call them through handles
+STACK = ["s = Stack()\ns.push(1)\ns.push([2])\nassert s.pop() == [2] and s.size == 1 and s.top == 1",
+         "assert Stack().push(1) is None and Stack().size == 0"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,6 +176,9 @@ def attacked(request, tmp_path_factory):
         "builtin_named_missing": ("pass\n", MAX_MBPP),
         "builtin_named_missing_check": ("pass\n", MAX_HUMANEVAL),
         "builtin_named_wrong": ("def max(xs):\n    return 0\n", MAX_HUMANEVAL),
+        "builtin_handed_missing": ("pass\n", MAX_CHECK),
+        "builtin_ambiguous_missing": ("pass\n", ROUND_MAX),
+        "builtin_ambiguous_wrong": ("def max(xs):\n    return xs[-1]\n", ROUND_MAX),
         "swallowed_timeout": ("def add(a, b):\n    while True:\n        pass\n", EXPECTS_RAISE),
         # SIGALRM to the judge (its parent, of the same uid) while it waits for the answer
         "alarm_the_judge": ("import os, signal, time\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGALRM)\n"
@@ -183,6 +194,13 @@ def attacked(request, tmp_path_factory):
         "raises_type_error": ("def add(a, b):\n    return a + b\n",
                               [EXPECTS_RAISE[0].replace("except Exception", "except TypeError"), "assert add(1, 2) == 3"]),
         "max_humaneval": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_HUMANEVAL),
+        "max_check": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_CHECK),
+        "round_max": ("def max(xs):\n    return sorted(xs)[-1]\n", ROUND_MAX),
+        "solution_add": ("class Solution:\n    def add(self, a, b):\n        return a + b\n", SOLUTION_ADD),
+        "stack_class": ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+                        "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
+                        "    @property\n    def size(self):\n        return len(self.items)\n"
+                        "    @property\n    def top(self):\n        return self.items[-1]\n", STACK),
         # a test that hangs, then one that passes: the program is restarted (and its pid namespace survives)
         "hang_then_pass": ("import time\ndef f(x):\n    if x == 1:\n        time.sleep(30)\n    return x\n",
                            [{"type": "call", "fn": "f", "args": [1], "expected": 1},
@@ -225,6 +243,7 @@ def attacked(request, tmp_path_factory):
 ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "write_run_folder", "write_home",
            "env_secret", "env_of_trainer", "home_file", "network", "kill_parent", "output_100mb",
            "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
+           "builtin_handed_missing", "builtin_ambiguous_missing", "builtin_ambiguous_wrong",
            "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk"]
 
 
@@ -240,7 +259,9 @@ def test_attack_gets_no_reward(attacked, attack):
 
 def test_right_answers_alone_score_and_are_scored_test_by_test(attacked):
     mode, results, *_ = attacked
-    for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "raises_type_error", "cpu_each_test"):
+    for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "max_check", "round_max", "solution_add",
+                 "stack_class",
+                 "raises_type_error", "cpu_each_test"):
         assert results[name].score == 1.0, (name, results[name].info)
     assert results["hang_then_pass"].info["tests"] == ["timeout", "pass"]
     reached = results["past_the_program_limit"].info["tests"]
@@ -269,9 +290,16 @@ def test_the_attacks_fail_for_the_reason_expected(attacked):
     assert outcome("output_100mb").startswith("error")
     assert outcome("sys_exit").startswith("error: SystemExit")
     assert results["patch_assert"].info["tests"] == ["wrong", "wrong"]
-    assert results["shadow_set"].info["tests"] == ["wrong"] * 3 and results["shadow_abs"].info["tests"] == ["wrong"]
-    assert results["builtin_named_missing"].info["tests"] == ["wrong"] * 2
+    # the builtin set, not the program's, meets similar_elements' None
+    assert results["shadow_set"].info["tests"] == ["error: TypeError: 'NoneType' object is not iterable"] * 3
+    assert results["shadow_abs"].info["tests"] == ["wrong"]
+    assert results["builtin_named_missing"].info["tests"] == ["error: NameError: the program defines no 'max'"] * 2
+    assert results["builtin_named_missing_check"].info["tests"] == ["error: NameError: the program defines no 'max'"]
     assert results["builtin_named_wrong"].info["tests"] == ["wrong"]
+    assert results["builtin_handed_missing"].info["tests"] == ["error: NameError: the program defines no 'max'"]
+    assert results["builtin_ambiguous_missing"].info["tests"] == [
+        "error: NameError: the program defines no 'round' or 'max'"]
+    assert results["builtin_ambiguous_wrong"].info["tests"] == ["wrong"]
     # the judge's timeout (or the CPU limit, or a killed worker on a loaded machine), never the test's own verdict
     assert all(o == "timeout" or o.startswith("error: ") for o in results["swallowed_timeout"].info["tests"])
     assert results["alarm_the_judge"].info["tests"] == ["wrong"] * 2

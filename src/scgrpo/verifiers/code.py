@@ -102,30 +102,50 @@ class ParsedTests(NamedTuple):
     """call, stdio and assert tests, expected values included"""
     setup: str
     """code the assert tests' namespace runs first (imports, ``def check``)"""
-    entry_point: Optional[str]
-    """the function under test: the row's ``entry_point``/``fn_name``, else, when the assert tests call no
-    name but builtins (``assert max([1, 5, 2]) == 5``), the first one called; None when unknown"""
+    entry_points: tuple[str, ...]
+    """the functions under test, which a program may define even when they are named like builtins: the row's
+    ``entry_point``/``fn_name``; else the name HumanEval-style test code hands its ``check`` (``check(max)``);
+    else, when the assert tests call builtins only (``assert max([1, 5, 2]) == 5``), those called in the most
+    tests (``round`` and ``max`` both for ``assert round(max(xs), 2) == 1.5``: a program must define one of
+    them); empty when the tests call a function of their own name"""
 
 
 def parse_tests(answer: Any) -> ParsedTests:
-    """The tests, set-up and entry point from a row's answer in any of the module's forms; raises ValueError
+    """The tests, set-up and entry points from a row's answer in any of the module's forms; raises ValueError
     naming the problem for anything else."""
     tests, setup, fn_name = _parse(answer)
-    return ParsedTests(tests, setup, fn_name or _called_builtin(tests))
+    return ParsedTests(tests, setup, (fn_name,) if fn_name else _guess_entry_points(tests))
 
 
-def _called_builtin(tests: list[dict[str, Any]]) -> Optional[str]:
-    """The first name the assert tests call, when every name they call is a builtin: a program's function
-    named like a builtin is then what they test."""
-    called = []
+def _guess_entry_points(tests: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The entry points of tests whose row names none (see :attr:`ParsedTests.entry_points`). A guess may
+    name more than one function (the program then needs to define one of them), never a wrong one alone: a
+    right program is not failed for defining the function the guess missed."""
+    trees = []
     for test in tests:
         if test["type"] == "assert":
             try:
-                tree = ast.parse(test["code"])
+                trees.append(ast.parse(test["code"]))
             except SyntaxError:
-                return None
-            called += [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-    return called[0] if called and all(hasattr(builtins, name) for name in called) else None
+                return ()
+    handed = [node.value.args[0].id for tree in trees for node in tree.body
+              if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and len(node.value.args) == 1
+              and isinstance(node.value.args[0], ast.Name) and not node.value.keywords
+              and hasattr(builtins, node.value.args[0].id)]
+    if handed:  # check(max): the tests' own function is handed what they test (other names are proxied anyway)
+        return tuple(dict.fromkeys(handed))
+    counts: dict[str, int] = {}
+    for tree in trees:
+        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        if any(not hasattr(builtins, name) for name in called):
+            return ()  # a function of the tests' own name is what they test
+        for name in called:
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return ()
+    most = max(counts.values())
+    order = [n.func.id for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    return tuple(name for name in dict.fromkeys(order) if counts[name] == most)
 
 
 def _parse(answer: Any) -> tuple[list[dict[str, Any]], str, Optional[str]]:
@@ -283,7 +303,7 @@ class PythonTests(Verifier):
             return out
 
     def _one(self, sandbox: Sandbox, completion: str, answer: Any) -> VerificationResult:
-        tests, setup, entry_point = parse_tests(answer)
+        tests, setup, entry_points = parse_tests(answer)
         code = extract_code(completion)
         sent = []
         for test in tests:  # what the sandbox sees: no expected values
@@ -294,7 +314,7 @@ class PythonTests(Verifier):
                 sent.append({"type": "stdio", "input": test["input"]})
             else:
                 sent.append(test)
-        outcome = sandbox.run(code, sent, setup, entry_point)
+        outcome = sandbox.run(code, sent, setup, entry_points)
         if outcome.results is None:
             outcomes = [outcome.failure or "no verdict"] * len(tests)
         else:
@@ -306,8 +326,11 @@ class PythonTests(Verifier):
 
     @staticmethod
     def _judge(test: dict[str, Any], result: dict[str, Any]) -> str:
-        if "passed" in result:  # an assert: the judge's verdict
-            return "pass" if result["passed"] is True else "wrong"
+        if "passed" in result:  # an assert: the judge's verdict, with its reason when not a failed assertion
+            error = str(result.get("error") or "")
+            if result["passed"] is True:
+                return "pass"
+            return "wrong" if not error or error.startswith("AssertionError") else f"error: {error}"[:120]
         if result.get("error"):
             return "timeout" if result["error"] == "timeout" else f"error: {result['error']}"[:120]
         if test["type"] == "call":

@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 from scgrpo.verifiers.base import VerifierSetupError
 
@@ -218,11 +218,14 @@ class Sandbox:
 
     # ------------------------------------------------------------------ running one program
 
-    def run(self, code: str, tests: list[dict[str, Any]], setup: str = "", entry_point: Optional[str] = None) -> Outcome:
+    def run(self, code: str, tests: list[dict[str, Any]], setup: str = "",
+            entry_points: Union[str, Sequence[str], None] = None) -> Outcome:
         """Runs ``code`` against ``tests`` (as the judge expects them: no expected outputs for call and stdio
-        tests). ``entry_point`` names the function the assert tests test, even when it is named like a builtin.
+        tests). ``entry_points`` names the functions the assert tests test, even when named like builtins: a
+        program must define one of those the tests read by name.
         Raises :class:`SandboxError` only when the sandbox itself could not be set up."""
-        return self._run(self.mode, self.separate_uid, code, tests, setup, entry_point)
+        points = [entry_points] if isinstance(entry_points, str) else list(entry_points or [])
+        return self._run(self.mode, self.separate_uid, code, tests, setup, points)
 
     def _new_uid(self) -> int:
         with self._uid_lock:
@@ -233,7 +236,7 @@ class Sandbox:
                     return uid
 
     def _run(self, mode: str, separate_uid: bool, code: str, tests: list[dict[str, Any]], setup: str,
-             entry_point: Optional[str] = None) -> Outcome:
+             entry_points: Sequence[str] = ()) -> Outcome:
         lim = self.limits
         uid = self._new_uid() if separate_uid else None
         folder = tempfile.mkdtemp(prefix="scgrpo-sandbox-")
@@ -245,7 +248,7 @@ class Sandbox:
         token = secrets.token_hex(16)
         deadline = time.monotonic() + lim.timeout_s
         job = {
-            "token": token, "code": code, "tests": tests, "setup": setup, "entry_point": entry_point,
+            "token": token, "code": code, "tests": tests, "setup": setup, "entry_points": list(entry_points),
             "harness": self.harness, "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
             "layout": {"mode": mode, "uid": uid, "root": folder, "workdir": workdir, "binds": self.binds,
                        "symlinks": self.links, "disk_mb": lim.disk_mb,

@@ -77,8 +77,8 @@ def plain(value, depth=0):
             if callable(getattr(value, method, None)):
                 return plain(getattr(value, method)(), depth + 1)
     for base in (bool, int, float, str, bytes):
-        if isinstance(value, base):
-            return base(value)
+        if isinstance(value, base):  # str(): a (str, Enum) member's value, not its str() ("Color.RED")
+            return str.__str__(value) if base is str else base(value)
     if isinstance(value, dict):
         return {plain(k, depth + 1): plain(v, depth + 1) for k, v in dict.items(value)}
     for base in (list, tuple, set, frozenset):
@@ -379,20 +379,61 @@ def _reap():
 
 def _proxy(worker, name, timeout):
     def call(*args, **kwargs):
-        reply = worker.ask({"op": "call", "fn": name, "args": encode(list(args)), "kwargs": encode(kwargs)},
-                           worker.until(timeout))
-        if "error" in reply:
-            raise _program_error(name, reply)
-        return decode(reply["value"])
+        return _answer(worker, {"op": "call", "fn": name, "args": encode(list(args)), "kwargs": encode(kwargs),
+                                "handles": True}, name, timeout)
 
     call.__name__ = name
     return call
 
 
-def entry_point(job):
-    """The function the assert tests test (named by the row, even like a builtin), or None."""
-    name = job.get("entry_point")
-    return name if isinstance(name, str) and name.isidentifier() else None
+def _answer(worker, request, name, timeout):
+    """The worker's reply to a proxy's request as the test sees it: a plain value, the program's exception,
+    or a :class:`Remote` for an object that is not plain data."""
+    reply = worker.ask(request, worker.until(timeout))
+    if "error" in reply:
+        raise _program_error(name, reply)
+    if "handle" in reply:
+        return Remote(worker, reply["handle"], str(reply.get("type", "object")), timeout)
+    return decode(reply["value"])
+
+
+class Remote:
+    """An object of the program's (``Solution()``, a class it defines) seen from the tests: its attributes and
+    methods are read and called in the worker, plain values come back; the object itself never leaves it."""
+
+    def __init__(self, worker, handle, kind, timeout):
+        object.__setattr__(self, "_where", (worker, handle, kind, timeout))
+
+    def __getattr__(self, name):
+        worker, handle, kind, timeout = object.__getattribute__(self, "_where")
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _answer(worker, {"op": "attr", "handle": handle, "name": name}, f"{kind}.{name}", timeout)
+
+    def __call__(self, *args, **kwargs):
+        worker, handle, kind, timeout = object.__getattribute__(self, "_where")
+        return _answer(worker, {"op": "call", "handle": handle, "args": encode(list(args)), "kwargs": encode(kwargs),
+                                "handles": True}, kind, timeout)
+
+    def __repr__(self):
+        return f"<the program's {object.__getattribute__(self, '_where')[2]} object>"
+
+
+def entry_points(job):
+    """The functions the assert tests test (named by the row, even like builtins), as a tuple."""
+    names = job.get("entry_points")
+    names = [names] if isinstance(names, str) else names or []
+    return tuple(n for n in names if isinstance(n, str) and n.isidentifier())
+
+
+def _names(job):
+    """Every name the assertion tests and their set-up read."""
+    names = set()
+    for source in [job.get("setup") or ""] + [t["code"] for t in job["tests"] if t["type"] == "assert"]:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+    return names
 
 
 def _program_error(name, reply):
@@ -410,15 +451,17 @@ def _program_error(name, reply):
 
 
 def referenced_names(job):
-    """Names the assertion tests and their set-up read that are not builtins, and the entry point: the only
+    """Names the assertion tests and their set-up read that are not builtins, and the entry points: the only
     names a program's function may stand in for (a program defining ``set`` or ``abs`` must not replace the
     test's own, but a program's ``max`` is what tests with the entry point ``max`` test)."""
-    names = set()
-    for source in [job.get("setup") or ""] + [t["code"] for t in job["tests"] if t["type"] == "assert"]:
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Name):
-                names.add(node.id)
-    return names - set(dir(builtins)) | {entry_point(job)} - {None}
+    return _names(job) - set(dir(builtins)) | set(entry_points(job))
+
+
+def needed_entry_points(job):
+    """The entry points the tests read by name, one of which a program must define (else a builtin or the
+    set-up would stand in for it); none when the tests reach it otherwise (``Solution().add``)."""
+    mentioned = _names(job)
+    return tuple(name for name in entry_points(job) if name in mentioned)
 
 
 def _run_test(worker, test, job, namespace_box):
@@ -434,9 +477,10 @@ def _run_test(worker, test, job, namespace_box):
         reply = worker.ask({"op": "call", "fn": test["fn"], "args": test["args"], "kwargs": test.get("kwargs", {"dict": []})},
                            worker.until(timeout))
         return {"value": reply["value"]} if "value" in reply else {"error": reply.get("error", "no value")}
-    entry = entry_point(job)
-    if entry is not None and entry not in worker.names:  # else a builtin (or the set-up) would stand in for it
-        return {"passed": False, "error": f"NameError: the program defines no {entry!r}"}
+    needed = namespace_box["needed"]
+    if needed and not set(needed) & set(worker.names):  # else a builtin (or the set-up) would stand in for it
+        return {"passed": False, "error": "NameError: the program defines no "
+                + " or ".join(repr(name) for name in needed)}
     if namespace_box.get("names") != worker.names:  # an assert: run here, the program's functions as proxies
         namespace = {"__name__": "tests"}
         for name in set(worker.names) & namespace_box["referenced"]:
@@ -483,7 +527,7 @@ def judge(job_fd, result_fd):
 
     signal.signal(signal.SIGALRM, _alarm)
     try:
-        box = {"referenced": referenced_names(job)}
+        box = {"referenced": referenced_names(job), "needed": needed_entry_points(job)}
     except SyntaxError as err:
         box = {"referenced": set(), "broken": f"the tests do not parse: {err}"}
     for test in job["tests"]:
@@ -527,6 +571,7 @@ def worker(recv_fd, send_fd):
     import io
 
     namespace = {}
+    objects = []  # what the tests hold handles to (see Remote)
     output_cap = 1 << 20
     while True:
         try:
@@ -539,17 +584,23 @@ def worker(recv_fd, send_fd):
                 output_cap = request.get("output_cap", output_cap)
                 compiled = compile(request["code"], "<solution>", "exec")
                 namespace = {"__name__": request["name"], "__builtins__": __builtins__}
+                objects = []
                 if request["name"] != "__main__":
                     exec(compiled, namespace)
                 names = [k for k, v in namespace.items() if callable(v) and not k.startswith("__")]
                 reply = {"names": names}
             elif op == "call":
                 args, kwargs = decode(request["args"]), decode(request["kwargs"])
-                fn = _function(namespace, request["fn"])
+                if "handle" in request:
+                    fn = objects[request["handle"]]
+                else:
+                    fn = _function(namespace, request["fn"])
                 if fn is None:
                     reply = {"error": f"NameError: the program defines no {request['fn']!r}"}
                 else:
-                    reply = {"value": encode(plain(fn(*args, **kwargs)))}
+                    reply = _value(fn(*args, **kwargs), objects if request.get("handles") else None)
+            elif op == "attr":
+                reply = _value(getattr(objects[request["handle"]], request["name"]), objects)
             elif op == "stdio":
                 reply = _stdio(compiled, request["input"], output_cap, io)
             else:
@@ -560,6 +611,17 @@ def worker(recv_fd, send_fd):
             kind = next((k.__name__ for k in type(err).__mro__ if getattr(builtins, k.__name__, None) is k), "")
             reply = {"error": f"{type(err).__name__}: {err}"[:300], "type": kind[:100], "message": str(err)[:300]}
         send(send_fd, reply)
+
+
+def _value(value, objects):
+    """A reply with ``value`` as plain data; else, where the asker takes handles (``objects`` given), one to it."""
+    try:
+        return {"value": encode(plain(value))}
+    except TypeError:
+        if objects is None:
+            raise
+        objects.append(value)
+        return {"handle": len(objects) - 1, "type": type(value).__name__[:100]}
 
 
 def _function(namespace, name):
