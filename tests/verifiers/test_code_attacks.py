@@ -50,7 +50,9 @@ ROUND_MAX = ["assert round(max([1.234, 0.5]), 2) == 1.23"]
 SOLUTION_ADD = {"tests": ["assert Solution().add(1, 2) == 3"], "entry_point": "add"}
 # objects of the program's classes stay in its process; the tests read and call them through handles
 STACK = ["s = Stack()\ns.push(1)\ns.push([2])\nassert s.pop() == [2] and s.size == 1 and s.top == 1",
-         "assert Stack().push(1) is None and Stack().size == 0"]
+         "assert Stack().push(1) is None and Stack().size == 0", "s = Stack()\nassert not s\ns.push(0)\nassert s"]
+# an object returned where a truth value is tested: its own truth value counts (false here), not the handle's
+TRUTHY = ["assert is_even(2)", "assert is_even(4)"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,6 +181,7 @@ def attacked(request, tmp_path_factory):
         "builtin_handed_missing": ("pass\n", MAX_CHECK),
         "builtin_ambiguous_missing": ("pass\n", ROUND_MAX),
         "builtin_ambiguous_wrong": ("def max(xs):\n    return xs[-1]\n", ROUND_MAX),
+        "object_for_truth": ("class Thing:\n    def __bool__(self):\n        return False\ndef is_even(n):\n    return Thing()\n", TRUTHY),
         "swallowed_timeout": ("def add(a, b):\n    while True:\n        pass\n", EXPECTS_RAISE),
         # SIGALRM to the judge (its parent, of the same uid) while it waits for the answer
         "alarm_the_judge": ("import os, signal, time\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGALRM)\n"
@@ -200,7 +203,8 @@ def attacked(request, tmp_path_factory):
         "stack_class": ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
                         "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
                         "    @property\n    def size(self):\n        return len(self.items)\n"
-                        "    @property\n    def top(self):\n        return self.items[-1]\n", STACK),
+                        "    @property\n    def top(self):\n        return self.items[-1]\n"
+                        "    def __len__(self):\n        return len(self.items)\n", STACK),
         # a test that hangs, then one that passes: the program is restarted (and its pid namespace survives)
         "hang_then_pass": ("import time\ndef f(x):\n    if x == 1:\n        time.sleep(30)\n    return x\n",
                            [{"type": "call", "fn": "f", "args": [1], "expected": 1},
@@ -243,7 +247,7 @@ def attacked(request, tmp_path_factory):
 ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "write_run_folder", "write_home",
            "env_secret", "env_of_trainer", "home_file", "network", "kill_parent", "output_100mb",
            "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
-           "builtin_handed_missing", "builtin_ambiguous_missing", "builtin_ambiguous_wrong",
+           "builtin_handed_missing", "builtin_ambiguous_missing", "builtin_ambiguous_wrong", "object_for_truth",
            "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk"]
 
 
