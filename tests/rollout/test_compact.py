@@ -338,9 +338,9 @@ def test_the_two_level_cdf_inversion_equals_a_full_scan():
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "gate_proj", "down_proj"]])
-def test_gathered_low_rank_terms_add_each_layers_own_ranks(tok, targets):
-    """The compiled engine's form of LoRA (each output column's own ranks gathered, as multiply-adds or not)
-    equals the matmul form, whichever layers carry adapters."""
+def test_unrolled_low_rank_terms_add_each_layers_own_ranks(tok, targets):
+    """The compiled engine's form of LoRA (multiply-adds over each output block's own ranks) equals the matmul
+    form, whichever layers carry adapters."""
     from peft import LoraConfig, get_peft_model
 
     from scgrpo.rollout.compact import step_functions
@@ -351,26 +351,23 @@ def test_gathered_low_rank_terms_add_each_layers_own_ranks(tok, targets):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.5)
     decoder = CompactDecoder(model)
-    table, cols = decoder.layers[0].qkv.lora  # q, k, v: 32, 16, 16 outputs; their ranks after the 64 outputs
-    q_k_v = [cols[:32], cols[32:48], cols[48:]]
-    assert table.shape == (4, 64) and all(bool((c == c[0]).all()) for c in q_k_v)
-    if targets == "all-linear":
-        assert [int(c[0]) for c in q_k_v] == [64, 68, 72]
-    else:  # k has no adapter: zeros in its columns of the table
-        assert [int(c[0]) for c in (q_k_v[0], q_k_v[2])] == [64, 68] and not table[:, 32:48].any()
+    spans = decoder._block_layout()
+    qkv = spans["qkv"]  # (start, end, ranks) per q, k, v
+    assert [end - start for start, end, _ in qkv] == [32, 16, 16]
+    assert [len(ranks) for _, _, ranks in qkv] == ([4, 4, 4] if targets == "all-linear" else [4, 0, 4])
     shapes = (decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.eps)
-    plain, unrolled = step_functions(*shapes), step_functions(*shapes, unrolled=True)
+    plain, blockwise = step_functions(*shapes), step_functions(*shapes, unrolled=True, blocks=spans)
+    dense = step_functions(*shapes, unrolled=True)  # every rank over every column (zeros off the blocks)
     x, attn = torch.randn(5, 32), torch.randn(5, 2, 2, 8)
     cos, sin = decoder.rope_tables(16)
     cos, sin = cos[:5], sin[:5]
-    layer0, layer1 = decoder.layers[0], decoder.layers[1]
+    args0, args1 = decoder._args(decoder.layers[0]), decoder._args(decoder.layers[1])
     with torch.no_grad():
-        expected = plain[1](x, attn, *decoder._args(layer0)[6:], cos, sin, *decoder._args(layer1)[:6])
-        args0, args1 = decoder._args(layer0, compiled=True), decoder._args(layer1, compiled=True)
-        for funcs in (plain, unrolled):  # the gathered form eager (the compiled step's fallback) and unrolled
+        expected = plain[1](x, attn, *args0[6:], cos, sin, *args1[:6])
+        for funcs in (blockwise, dense):
             got = funcs[1](x, attn, *args0[6:], cos, sin, *args1[:6])
             for e, g in zip([expected[0], *expected[1]], [got[0], *got[1]]):
                 assert torch.allclose(g, e, atol=1e-5, rtol=1e-5)
-        logits = plain[2](x, attn, *decoder._args(layer1)[6:], decoder.norm, *decoder._p(decoder.head))
-        assert torch.allclose(unrolled[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head, True)), logits,
+        logits = plain[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head))
+        assert torch.allclose(blockwise[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head)), logits,
                               atol=1e-5, rtol=1e-5)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -137,10 +137,7 @@ class Projection:
 
     ``weight`` is ``[W_1; ...; W_k; A_1; ...; A_m]`` (outputs, then adapter ranks), ``up`` the block-diagonal
     ``[sum r, sum out]`` of the scaled, transposed B's (rows along the outputs, so that reading one rank's
-    column of every output is one contiguous load): ``y = (x W^T)[:out] + (x W^T)[out:] up``. ``lora`` is the
-    same term for the compiled step, without the zeros: ``(table [r_max, out], cols [out])``, output column ``c``
-    adding ``y[:, cols[c] + t] * table[t, c]`` for ``t < r_max`` (its own layer's ranks; see :func:`low_rank`).
-    The concatenation costs one
+    column of every output is one contiguous load): ``y = (x W^T)[:out] + (x W^T)[out:] up``. The concatenation costs one
     copy of the layers' weights (kept between rollouts unless released). :meth:`refresh` updates it in place
     (base rows, adapters and biases: one device copy); storage is reallocated only when the layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph
     that reads it stays valid. Layers whose base weight is not a plain float tensor (4-bit) run their own
@@ -156,13 +153,13 @@ class Projection:
         self.weight: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self.up: Optional[Tensor] = None
-        self.lora: Optional[tuple[Tensor, Tensor]] = None
+        self.blocks: Optional[tuple] = None  # see :func:`low_rank`
         self._layout = None
         self.refresh()
 
     def release(self) -> None:
         """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`)."""
-        self.weight = self.bias = self.up = self.lora = None
+        self.weight = self.bias = self.up = None
         self._layout = None
 
     def refresh(self) -> bool:
@@ -186,16 +183,13 @@ class Projection:
             self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
             self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
             self._layout = layout
-            self.lora = None
-            if rank:  # each layer's ranks are adjacent columns of y: its first one, and how many
-                first, count, col = [self.out] * len(self.sizes), [0] * len(self.sizes), self.out
-                for i, a, _, _ in loras:
-                    first[i] = col if not count[i] else first[i]
-                    count[i] += a.shape[0]
-                    col += a.shape[0]
-                cols = torch.cat([torch.full((n,), f, dtype=torch.long) for n, f in zip(self.sizes, first)])
-                table = torch.zeros(max(count), self.out, dtype=self.dtype, device=device)
-                self.lora = (table, cols.to(device))
+            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
+            ranks: list[list[int]] = [[] for _ in self.sizes]
+            col = 0
+            for i, a, _, _ in loras:
+                ranks[i] += range(col, col + a.shape[0])
+                col += a.shape[0]
+            self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks)) if rank else None
         if not single:  # one device copy per rollout: in-place `.data` edits leave no version trace to check
             torch.cat([w.detach().to(self.dtype) for w in weights], out=self.weight[: self.out])
         if self.bias is not None:  # cheap, and biases may train while the weights do not
@@ -206,14 +200,12 @@ class Projection:
             starts = [0]
             for n in self.sizes:
                 starts.append(starts[-1] + n)
-            row, col, within = self.out, 0, [0] * len(self.sizes)
-            table = self.lora[0]
+            row, col = self.out, 0
             for i, a, b, scale in loras:  # A rows after the outputs; the scaled B in its block of ``up``
                 r = a.shape[0]
                 self.weight[row : row + r].copy_(a.detach())
                 self.up[col : col + r, starts[i] : starts[i + 1]].copy_(b.detach().t() * scale)
-                table[within[i] : within[i] + r, starts[i] : starts[i + 1]].copy_(self.up[col : col + r, starts[i] : starts[i + 1]])
-                row, col, within[i] = row + r, col + r, within[i] + r
+                row, col = row + r, col + r
         return allocated
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -223,41 +215,40 @@ class Projection:
         return fused_linear(x, self.weight, self.bias, self.up)
 
 
-LowRank = Union[Tensor, tuple[Tensor, Tensor], None]
-
-
-def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: LowRank, unrolled: bool = False) -> Tensor:
+def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor],
+                 unrolled: bool = False, blocks: Optional[tuple] = None) -> Tensor:
     shape = x.shape[:-1]
     y = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)  # [n, out + r]
-    return low_rank(y, up, unrolled).view(*shape, -1)
+    return low_rank(y, up, unrolled, blocks).view(*shape, -1)
 
 
-def low_rank(y: Tensor, up: LowRank, unrolled: bool = False) -> Tensor:
-    """The output ``[n, out]`` of a projection with LoRA rows from its matmul's ``y`` ``[n, out + r]`` (``y`` itself
-    without): ``y[:, :out] + y[:, out:] up`` for ``up`` ``[r, out]`` (one more matmul); for ``up`` a
-    :attr:`Projection.lora` ``(table, cols)``, each output column's own ranks gathered, ``sum_t y[:, cols + t] *
-    table[t]``: as ``r_max`` multiply-adds when ``unrolled``, which a compiler fuses into whatever reads the result
-    (one elementwise pass over the whole width, no second matmul, no copies of the slices)."""
+def low_rank(y: Tensor, up: Optional[Tensor], unrolled: bool = False, blocks: Optional[tuple] = None) -> Tensor:
+    """``y[:, :out] + y[:, out:] up`` for the output ``[n, out + r]`` of a projection with LoRA rows (``up`` ``[r, out]``;
+    ``y`` itself without). ``unrolled``: as ``r`` multiply-adds, which a compiler fuses into whatever reads the result (no
+    second matmul, no copies of the slices); a matmul otherwise. ``blocks`` (:attr:`Projection.blocks`): each layer's
+    output columns ``[start, end)`` with the ranks of its own adapters, so that an unrolled output column adds its own
+    layer's ranks only (``up`` is block-diagonal: q's columns need q's 16 ranks, not q, k and v's 48)."""
     if up is None:
         return y
-    if isinstance(up, tuple):
-        table, cols = up
-        out = table.shape[1]
-        if unrolled:
-            acc = y[:, :out]
-            for t in range(table.shape[0]):
-                acc = acc + y[:, cols + t] * table[t]
-            return acc
-        ranks = cols + torch.arange(table.shape[0], device=cols.device).unsqueeze(1)  # [r_max, out]
-        return y[:, :out] + (y[:, ranks] * table).sum(1)
-    return torch.addmm(y[:, : up.shape[1]], y[:, up.shape[1]:], up)  # base + (x A^T) (s B)^T
+    rank, out = up.shape
+    if unrolled and isinstance(rank, int) and rank <= 256:
+        spans = blocks if blocks is not None else ((0, out, tuple(range(rank))),)
+        pieces = []
+        for start, end, ranks in spans:
+            piece = y[:, start:end]
+            for j in ranks:
+                piece = piece + y[:, out + j : out + j + 1] * up[j, start:end]
+            pieces.append(piece)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+    return torch.addmm(y[:, :out], y[:, out:], up)  # base + (x A^T) (s B)^T
 
 
-def linear(x: Tensor, weight, bias: Optional[Tensor], up: LowRank, unrolled: bool = False) -> Tensor:
+def linear(x: Tensor, weight, bias: Optional[Tensor], up: Optional[Tensor], unrolled: bool = False,
+           blocks: Optional[tuple] = None) -> Tensor:
     """:func:`fused_linear`, or a :class:`Projection` that runs its own layers (passed as ``weight``)."""
     if isinstance(weight, Projection):
         return weight(x)
-    return fused_linear(x, weight, bias, up, unrolled)
+    return fused_linear(x, weight, bias, up, unrolled, blocks)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -287,7 +278,8 @@ class Layer:
     down: Projection
 
 
-def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unrolled: bool = False):
+def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unrolled: bool = False,
+                    blocks: Optional[dict] = None):
     """The two halves of a decoder block for one new token per slot, as functions of plain tensors only (every
     weight an argument, the shapes closed over), so that one compiled version serves every layer:
 
@@ -298,12 +290,14 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unroll
     - ``split_heads(qkv, lead, cos, sin, q_norm, k_norm)``: ``attention_in`` after its projection.
 
     The cache write and the attention itself run between them, outside any compiled code. ``unrolled``: LoRA's
-    low-rank terms (given as :attr:`Projection.lora`) as multiply-adds (see :func:`low_rank`)."""
+    low-rank terms as multiply-adds (see :func:`low_rank`), with ``blocks`` (``qkv``, ``o``, ``gate_up``, ``down``,
+    ``head``: :attr:`Projection.blocks`, the same in every layer) when given."""
     group = heads // kv_heads
+    spans = blocks or {}
 
     def attention_in(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
         lead = x.shape[:-1]
-        qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled)
+        qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled, spans.get("qkv"))
         return split_heads(qkv, lead, cos, sin, q_norm, k_norm)
 
     def split_heads(qkv, lead, cos, sin, q_norm, k_norm):
@@ -322,15 +316,16 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unroll
         return x - (-y) if unrolled else x + y
 
     def attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up):
-        x = residual(x, linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up, unrolled))
-        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up, unrolled).chunk(2, dim=-1)
-        return residual(x, linear(F.silu(gate) * up, d_w, d_b, d_up, unrolled))
+        x = residual(x, linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up, unrolled,
+                               spans.get("o")))
+        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up, unrolled, spans.get("gate_up")).chunk(2, dim=-1)
+        return residual(x, linear(F.silu(gate) * up, d_w, d_b, d_up, unrolled, spans.get("down")))
 
     return attention_in, attention_out, split_heads
 
 
 def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_attention: bool = False,
-                   unrolled: bool = False):
+                   unrolled: bool = False, blocks: Optional[dict] = None):
     """The decode step's compute between attentions, as functions of tensors (compiled once, reused by every
     layer): ``first(x, cos, sin, *in_args)`` -> a; ``middle(x, attn, *out_args, cos, sin, *in_args)`` -> (x, a), one
     block's end and the next block's start, so that the residual add fuses into the next norm;
@@ -341,11 +336,12 @@ def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_a
     here, after q/k norms: Qwen3). For the
     PyTorch attention: (q, kv), ``kv`` ``[2, S, kv, D]`` written into the cache in one indexed store. The cache
     write and the attention stay outside (a compiled function that writes into its input cache would copy it)."""
-    attention_in, attention_out, split_heads = layer_functions(heads, kv_heads, head_dim, eps, unrolled)
+    attention_in, attention_out, split_heads = layer_functions(heads, kv_heads, head_dim, eps, unrolled, blocks)
+    spans = blocks or {}
 
     def start(x, cos, sin, ln1, qkv_w, qkv_b, qkv_up, q_norm, k_norm):
         if fused_attention:
-            qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled)  # [S, (H + 2 kv) D]
+            qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, qkv_up, unrolled, spans.get("qkv"))  # [S, (H + 2 kv) D]
             if q_norm is None:
                 return qkv  # rotated in the kernel
             q, k, v = split_heads(qkv, x.shape[:-1], cos, sin, q_norm, k_norm)
@@ -362,7 +358,7 @@ def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_a
 
     def last(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up, norm, head_w, head_b, head_up):
         x = attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)
-        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up, unrolled).float()
+        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up, unrolled, spans.get("head")).float()
 
     return first, middle, last
 
@@ -404,15 +400,28 @@ class CompactDecoder:
         self.compiled = bool(compile_layers and self.fused)
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
         self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)
+        self._spans: Optional[dict] = None
         self._build_steps()
         self._rope: Optional[tuple[Tensor, Tensor]] = None
         self.version = 0
+
+    def _block_layout(self) -> Optional[dict]:
+        """Each projection's :attr:`Projection.blocks`, when every layer has the same (else None: the unrolled
+        terms then run over all ranks)."""
+        spans = {"head": self.head.blocks}
+        for name in ("qkv", "o", "gate_up", "down"):
+            found = {getattr(layer, name).blocks for layer in self.layers}
+            if len(found) != 1:
+                return None
+            spans[name] = found.pop()
+        return spans
 
     def _build_steps(self) -> None:
         shapes = (self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_attention)
         self._first, self._middle, self._last = step_functions(*shapes)
         if self.compiled:  # LoRA terms unrolled for the compiler to fuse; the eager versions as the fallback
-            first, middle, last = step_functions(*shapes, unrolled=True)
+            self._spans = self._block_layout()
+            first, middle, last = step_functions(*shapes, unrolled=True, blocks=self._spans)
             self._first = Compiled(first, "decode step (first block)", fallback=self._first)
             self._middle = Compiled(middle, "decode step (blocks)", fallback=self._middle)
             self._last = Compiled(last, "decode step (output head)", fallback=self._last)
@@ -434,6 +443,8 @@ class CompactDecoder:
                 rebuilt |= proj.refresh()
         if rebuilt:
             self.version += 1
+            if self.compiled and self._block_layout() != self._spans:  # other adapters: the unrolled terms change
+                self._build_steps()
 
     def release(self) -> None:
         """Drops the concatenated weight copies until the next :meth:`refresh` (which reallocates them)."""
@@ -465,15 +476,11 @@ class CompactDecoder:
         return self.head(rms_norm(x, self.norm, self.eps)).float()
 
     @staticmethod
-    def _p(proj: Projection, compiled: bool = False) -> tuple:
-        """A projection's arguments to the layer functions; ``compiled``: its LoRA term in the compiled decode
-        step's form (:attr:`Projection.lora`), else as a matmul (the prefill's many tokens a row)."""
-        if not proj.fused:
-            return (proj, None, None)
-        return proj.weight, proj.bias, proj.lora if compiled else proj.up
+    def _p(proj: Projection) -> tuple:
+        return (proj.weight, proj.bias, proj.up) if proj.fused else (proj, None, None)
 
-    def _args(self, layer: Layer, compiled: bool = False) -> tuple:
-        p = lambda proj: self._p(proj, compiled)  # noqa: E731
+    def _args(self, layer: Layer) -> tuple:
+        p = self._p
         return (layer.ln1, *p(layer.qkv), layer.q_norm, layer.k_norm, *p(layer.o), layer.ln2, *p(layer.gate_up),
                 *p(layer.down))
 
@@ -489,7 +496,7 @@ class CompactDecoder:
         s, cache_len = tokens.shape[0], cache.shape[4]
         cos_table, sin_table = self.rope_tables(cache_len)
         x = F.embedding(tokens, self.embed)  # [S, H]
-        args = [self._args(layer, self.compiled) for layer in self.layers]
+        args = [self._args(layer) for layer in self.layers]
         if self.fused_attention:  # one kernel per layer: rotation, cache write, attention over each row's length
             cos, sin = cos_table[lens], sin_table[lens]  # read by the compiled code only for q/k norms (Qwen3)
             a = self._first(x, cos, sin, *args[0][:6])
@@ -498,7 +505,7 @@ class CompactDecoder:
                                                 rotate=layer.q_norm is None)
                 if i + 1 < self.num_layers:
                     x, a = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
-            return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head, self.compiled))
+            return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
         cos, sin = cos_table[lens], sin_table[lens]  # [S, D]
         # additive mask, built once per step for every layer (a boolean one is converted inside each attention)
         visible = torch.arange(length, device=lens.device) <= lens.unsqueeze(1)  # [S, L]
@@ -512,7 +519,7 @@ class CompactDecoder:
                                                   attn_mask=mask, scale=self.scaling)  # [S, kv, G, D]
             if i + 1 < self.num_layers:
                 x, (q, kv) = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
-        return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head, self.compiled))
+        return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
 
     @torch.no_grad()
     def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
