@@ -55,12 +55,15 @@ def profile_case(name: str, top: int, merged: bool = False) -> dict:
         rows.append({"kernel": event.key[:110], "us_per_step": device_us / steps, "calls_per_step": event.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     label = name + ("_merged" if merged else "")
-    print(f"\n== {label}: {total / steps:.1f} us of kernels per decode step ({len(rows)} kernel names)")
+    launches = sum(r["calls_per_step"] for r in rows)
+    print(f"\n== {label}: {total / steps:.1f} us of kernels per decode step, {launches:.0f} launches "
+          f"({len(rows)} kernel names)")
     for r in rows[:top]:
         print(f"{r['us_per_step']:9.1f} us {r['calls_per_step']:7.1f} x  {r['kernel']}")
     del model
     torch.cuda.empty_cache()
-    return {"case": label, "kernel_us_per_step": total / steps, "kernels": rows[:top], "stats": dict(sampler.stats)}
+    return {"case": label, "kernel_us_per_step": total / steps, "launches_per_step": launches, "kernels": rows[:top],
+            "stats": dict(sampler.stats)}
 
 
 def main() -> None:

@@ -222,24 +222,29 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional
     return low_rank(y, up, unrolled, blocks).view(*shape, -1)
 
 
-def low_rank(y: Tensor, up: Optional[Tensor], unrolled: bool = False, blocks: Optional[tuple] = None) -> Tensor:
+def low_rank(y: Tensor, up: Optional[Tensor], unrolled: bool = False, blocks: Optional[tuple] = None,
+             pieces: bool = False):
     """``y[:, :out] + y[:, out:] up`` for the output ``[n, out + r]`` of a projection with LoRA rows (``up`` ``[r, out]``;
     ``y`` itself without). ``unrolled``: as ``r`` multiply-adds, which a compiler fuses into whatever reads the result (no
     second matmul, no copies of the slices); a matmul otherwise. ``blocks`` (:attr:`Projection.blocks`): each layer's
     output columns ``[start, end)`` with the ranks of its own adapters, so that an unrolled output column adds its own
-    layer's ranks only (``up`` is block-diagonal: q's columns need q's 16 ranks, not q, k and v's 48)."""
+    layer's ranks only (``up`` is block-diagonal: q's columns need q's 16 ranks, not q, k and v's 48). ``pieces``
+    (unrolled, with ``blocks``): each block's output apart, as a list (no concatenation for the compiler to
+    write out when the reader splits them again: gate and up)."""
     if up is None:
         return y
     rank, out = up.shape
     if unrolled and isinstance(rank, int) and rank <= 256:
         spans = blocks if blocks is not None else ((0, out, tuple(range(rank))),)
-        pieces = []
+        parts = []
         for start, end, ranks in spans:
             piece = y[:, start:end]
             for j in ranks:
                 piece = piece + y[:, out + j : out + j + 1] * up[j, start:end]
-            pieces.append(piece)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+            parts.append(piece)
+        if pieces:
+            return parts
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return torch.addmm(y[:, :out], y[:, out:], up)  # base + (x A^T) (s B)^T
 
 
@@ -315,10 +320,18 @@ def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unroll
         # its output (a copy per projection) and adds before rounding (the eager model rounds the matmul first)
         return x - (-y) if unrolled else x + y
 
+    def gate_and_up(h, gu_w, gu_b, gu_up):
+        split = spans.get("gate_up")
+        if unrolled and gu_up is not None and split is not None and len(split) == 2 and torch.is_tensor(gu_w):
+            y = F.linear(h.reshape(-1, h.shape[-1]), gu_w, gu_b)  # each half's LoRA term apart: no cat to write out
+            gate, up = low_rank(y, gu_up, True, split, pieces=True)
+            return gate.view(*h.shape[:-1], -1), up.view(*h.shape[:-1], -1)
+        return linear(h, gu_w, gu_b, gu_up, unrolled, split).chunk(2, dim=-1)
+
     def attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up):
         x = residual(x, linear(attn.reshape(*x.shape[:-1], heads * head_dim), o_w, o_b, o_up, unrolled,
                                spans.get("o")))
-        gate, up = linear(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up, unrolled, spans.get("gate_up")).chunk(2, dim=-1)
+        gate, up = gate_and_up(rms_norm(x, ln2, eps), gu_w, gu_b, gu_up)
         return residual(x, linear(F.silu(gate) * up, d_w, d_b, d_up, unrolled, spans.get("down")))
 
     return attention_in, attention_out, split_heads
