@@ -37,10 +37,14 @@ def test_parse_tests_reads_every_format():
     assert [t["code"] for t in mbpp] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"] and entry == ()
     # no entry point given: builtin names called by every test, or handed to check(), are what is tested
     assert parse_tests(["assert max([1, 5]) == 5", "assert len([max([0])]) == 1"]).entry_points == ("max",)
-    assert parse_tests(["assert round(max([1.5]), 1) == 1.5"]).entry_points == ("round", "max")  # either
     assert parse_tests("def check(candidate):\n    assert candidate([1]) == 1\n\ncheck(max)").entry_points == ("max",)
-    assert parse_tests(["assert set(common([1], [1])) == {1}"]).entry_points == ()  # common is the one tested
-    assert parse_tests(["assert Solution().add(1, 2) == 3"]).entry_points == ()
+    with pytest.raises(ValueError, match=r"only builtins \(round, max\) and the row names no entry_point"):
+        parse_tests(["assert round(max([1.5]), 1) == 1.5"])  # which one is tested?
+    # a name of the program's, called or handed to a builtin, is what is tested: no builtin is guessed
+    for tests in (["assert set(common([1], [1])) == {1}"], ["assert Solution().add(1, 2) == 3"],
+                  ["assert list(map(square, [1, 2])) == [1, 4]"], ["assert sorted(['bb', 'a'], key=size) == ['a', 'bb']"],
+                  "input = [3, 1, 2]\nbubble(input)\nassert bubble(input) == [1, 2, 3]"):
+        assert parse_tests(tests).entry_points == (), tests
     human, setup, entry = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
                                        "entry_point": "add"})
     assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check") and entry == ("add",)

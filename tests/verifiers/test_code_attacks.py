@@ -43,9 +43,8 @@ HUMANEVAL_2 = {"test": "\n\nMETADATA = {\n    'author': 'jt',\n    'dataset': 't
 # a function named like a builtin is what these test: the builtin must not stand in for a program without it
 MAX_MBPP = ["assert max([1, 5, 2]) == 5", "assert max([0]) == 0"]
 MAX_HUMANEVAL = {"test": "def check(candidate):\n    assert candidate([1, 5, 2]) == 5\n", "entry_point": "max"}
-# no entry point: the tests hand check() the builtin name; or they call two builtins, either one under test
+# no entry point: the tests hand check() the builtin name
 MAX_CHECK = "def check(candidate):\n    assert candidate([1, 5, 2]) == 5\n\ncheck(max)\n"
-ROUND_MAX = ["assert round(max([1.234, 0.5]), 2) == 1.23"]
 # entry point given, but the tests reach it as a method: the class is what the program must define
 SOLUTION_ADD = {"tests": ["assert Solution().add(1, 2) == 3"], "entry_point": "add"}
 # objects of the program's classes stay in its process; the tests read and call them through handles
@@ -53,6 +52,24 @@ STACK = ["s = Stack()\ns.push(1)\ns.push([2])\nassert s.pop() == [2] and s.size 
          "assert Stack().push(1) is None and Stack().size == 0", "s = Stack()\nassert not s\ns.push(0)\nassert s"]
 # an object returned where a truth value is tested: its own truth value counts (false here), not the handle's
 TRUTHY = ["assert is_even(2)", "assert is_even(4)"]
+# objects handed back to the program (MBPP 601), and what a test may ask of an object
+PAIRS = ["assert max_chain_length([Pair(5, 24), Pair(15, 25), Pair(27, 40), Pair(50, 60)], 4) == 3"]
+PAIRS_PROGRAM = ("class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+                 "def max_chain_length(pairs, n):\n    end, count = None, 0\n"
+                 "    for p in sorted(pairs, key=lambda p: p.b):\n        if end is None or p.a > end:\n"
+                 "            end, count = p.b, count + 1\n    return count\n")
+BAG = ["b = Bag([3, 1])\nassert len(b) == 2 and sorted(b) == [1, 3] and 3 in b and 4 not in b and b[0] == 3",
+       "assert str(Bag([1])) == 'Bag(1)' and list(evens(5)) == [0, 2, 4]",
+       "a = Bag([])\na.total = 5\nassert a.total == 5 and a.size() == 0"]
+BAG_PROGRAM = ("class Bag:\n    def __init__(self, items):\n        self.items = items\n"
+               "    def __len__(self):\n        return len(self.items)\n    def __iter__(self):\n        return iter(self.items)\n"
+               "    def __getitem__(self, i):\n        return self.items[i]\n"
+               "    def __str__(self):\n        return f'Bag({len(self.items)})'\n"
+               "    def size(self):\n        return len(self.items)\n"
+               "def evens(n):\n    return (i for i in range(n) if i % 2 == 0)\n")
+# a stack pushed in the set-up, popped after a test that keeps the CPU busy: the process (and the stack) stay
+STACK_BUSY = ("s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert burn(0.3) == 0.3\n"
+              "assert s.pop() == 1\n")
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,8 +196,9 @@ def attacked(request, tmp_path_factory):
         "builtin_named_missing_check": ("pass\n", MAX_HUMANEVAL),
         "builtin_named_wrong": ("def max(xs):\n    return 0\n", MAX_HUMANEVAL),
         "builtin_handed_missing": ("pass\n", MAX_CHECK),
-        "builtin_ambiguous_missing": ("pass\n", ROUND_MAX),
-        "builtin_ambiguous_wrong": ("def max(xs):\n    return xs[-1]\n", ROUND_MAX),
+        "builtin_alias": ("import builtins\nmax = builtins.max\n", MAX_MBPP),
+        "builtin_alias_check": ("from builtins import max\n", MAX_CHECK),
+        "object_not_equal": ("class T:\n    pass\ndef f(x):\n    return T()\n", ["assert f(0) != 0", "assert f(1) != f(1)"]),
         "object_for_truth": ("class Thing:\n    def __bool__(self):\n        return False\ndef is_even(n):\n    return Thing()\n", TRUTHY),
         "swallowed_timeout": ("def add(a, b):\n    while True:\n        pass\n", EXPECTS_RAISE),
         # SIGALRM to the judge (its parent, of the same uid) while it waits for the answer
@@ -198,7 +216,13 @@ def attacked(request, tmp_path_factory):
                               [EXPECTS_RAISE[0].replace("except Exception", "except TypeError"), "assert add(1, 2) == 3"]),
         "max_humaneval": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_HUMANEVAL),
         "max_check": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_CHECK),
-        "round_max": ("def max(xs):\n    return sorted(xs)[-1]\n", ROUND_MAX),
+        "map_square": ("def square(x):\n    return x * x\n", ["assert list(map(square, [1, 2])) == [1, 4]"]),
+        "pairs": (PAIRS_PROGRAM, PAIRS),
+        "bag": (BAG_PROGRAM, BAG),
+        "stack_busy": ("import time\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
+                       "    def push(self, x):\n        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
+                       "def burn(s):\n    t = time.process_time()\n    while time.process_time() - t < s:\n        pass\n"
+                       "    return s\n", STACK_BUSY),
         "solution_add": ("class Solution:\n    def add(self, a, b):\n        return a + b\n", SOLUTION_ADD),
         "stack_class": ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
                         "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
@@ -247,7 +271,7 @@ def attacked(request, tmp_path_factory):
 ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "write_run_folder", "write_home",
            "env_secret", "env_of_trainer", "home_file", "network", "kill_parent", "output_100mb",
            "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
-           "builtin_handed_missing", "builtin_ambiguous_missing", "builtin_ambiguous_wrong", "object_for_truth",
+           "builtin_handed_missing", "builtin_alias", "builtin_alias_check", "object_for_truth", "object_not_equal",
            "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk"]
 
 
@@ -263,8 +287,8 @@ def test_attack_gets_no_reward(attacked, attack):
 
 def test_right_answers_alone_score_and_are_scored_test_by_test(attacked):
     mode, results, *_ = attacked
-    for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "max_check", "round_max", "solution_add",
-                 "stack_class",
+    for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "max_check", "solution_add",
+                 "stack_class", "map_square", "pairs", "bag", "stack_busy",
                  "raises_type_error", "cpu_each_test"):
         assert results[name].score == 1.0, (name, results[name].info)
     assert results["hang_then_pass"].info["tests"] == ["timeout", "pass"]
@@ -293,7 +317,8 @@ def test_the_attacks_fail_for_the_reason_expected(attacked):
     assert "MemoryError" in outcome("memory_bomb")
     assert outcome("output_100mb").startswith("error")
     assert outcome("sys_exit").startswith("error: SystemExit")
-    assert results["patch_assert"].info["tests"] == ["wrong", "wrong"]
+    assert results["patch_assert"].info["tests"] == [
+        "error: TypeError: <the program's AlwaysEqual object> is not plain data: it cannot be compared"] * 2
     # the builtin set, not the program's, meets similar_elements' None
     assert results["shadow_set"].info["tests"] == ["error: TypeError: 'NoneType' object is not iterable"] * 3
     assert results["shadow_abs"].info["tests"] == ["wrong"]
@@ -301,9 +326,9 @@ def test_the_attacks_fail_for_the_reason_expected(attacked):
     assert results["builtin_named_missing_check"].info["tests"] == ["error: NameError: the program defines no 'max'"]
     assert results["builtin_named_wrong"].info["tests"] == ["wrong"]
     assert results["builtin_handed_missing"].info["tests"] == ["error: NameError: the program defines no 'max'"]
-    assert results["builtin_ambiguous_missing"].info["tests"] == [
-        "error: NameError: the program defines no 'round' or 'max'"]
-    assert results["builtin_ambiguous_wrong"].info["tests"] == ["wrong"]
+    assert results["builtin_alias"].info["tests"] == ["error: NameError: the program defines no 'max'"] * 2
+    assert all(o.startswith("error: TypeError: <the program's T object> is not plain data")
+               for o in results["object_not_equal"].info["tests"])
     # the judge's timeout (or the CPU limit, or a killed worker on a loaded machine), never the test's own verdict
     assert all(o == "timeout" or o.startswith("error: ") for o in results["swallowed_timeout"].info["tests"])
     assert results["alarm_the_judge"].info["tests"] == ["wrong"] * 2

@@ -104,48 +104,72 @@ class ParsedTests(NamedTuple):
     """code the assert tests' namespace runs first (imports, ``def check``)"""
     entry_points: tuple[str, ...]
     """the functions under test, which a program may define even when they are named like builtins: the row's
-    ``entry_point``/``fn_name``; else the name HumanEval-style test code hands its ``check`` (``check(max)``);
-    else, when the assert tests call builtins only (``assert max([1, 5, 2]) == 5``), those called in the most
-    tests (``round`` and ``max`` both for ``assert round(max(xs), 2) == 1.5``: a program must define one of
-    them); empty when the tests call a function of their own name"""
+    ``entry_point``/``fn_name``; else the builtin name HumanEval-style test code hands the ``check`` it defines
+    (``check(max)``); else, when the tests read no name but builtins and their own (``assert max([1, 5, 2]) ==
+    5``), the one builtin called in the most tests. Empty when the tests read a name of the program's (that is
+    what they test); a row whose tests call two builtins equally often and name no entry point is refused (which
+    of ``round`` and ``max`` does ``assert round(max(xs), 2) == 1.23`` test?)."""
 
 
 def parse_tests(answer: Any) -> ParsedTests:
     """The tests, set-up and entry points from a row's answer in any of the module's forms; raises ValueError
     naming the problem for anything else."""
     tests, setup, fn_name = _parse(answer)
-    return ParsedTests(tests, setup, (fn_name,) if fn_name else _guess_entry_points(tests))
+    return ParsedTests(tests, setup, (fn_name,) if fn_name else _guess_entry_points(tests, setup))
 
 
-def _guess_entry_points(tests: list[dict[str, Any]]) -> tuple[str, ...]:
-    """The entry points of tests whose row names none (see :attr:`ParsedTests.entry_points`). A guess may
-    name more than one function (the program then needs to define one of them), never a wrong one alone: a
-    right program is not failed for defining the function the guess missed."""
-    trees = []
-    for test in tests:
-        if test["type"] == "assert":
-            try:
-                trees.append(ast.parse(test["code"]))
-            except SyntaxError:
-                return ()
-    handed = [node.value.args[0].id for tree in trees for node in tree.body
-              if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and len(node.value.args) == 1
-              and isinstance(node.value.args[0], ast.Name) and not node.value.keywords
-              and hasattr(builtins, node.value.args[0].id)]
-    if handed:  # check(max): the tests' own function is handed what they test (other names are proxied anyway)
+def _bound(tree: ast.AST) -> set[str]:
+    """Names code binds itself: assignments, loop and comprehension targets, definitions, parameters, imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+    return names
+
+
+def _guess_entry_points(tests: list[dict[str, Any]], setup: str = "") -> tuple[str, ...]:
+    """The entry points of tests whose row names none (see :attr:`ParsedTests.entry_points`): never a guess
+    that could fail a right program."""
+    try:
+        trees = [ast.parse(setup)] + [ast.parse(t["code"]) for t in tests if t["type"] == "assert"]
+    except SyntaxError:
+        return ()
+    bound = set().union(*map(_bound, trees))
+    functions = {n.name for tree in trees for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    handed = [node.value.args[0].id for tree in trees[1:] for node in tree.body
+              if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+              and node.value.func.id in functions and len(node.value.args) == 1 and not node.value.keywords
+              and isinstance(node.value.args[0], ast.Name) and hasattr(builtins, node.value.args[0].id)
+              and node.value.args[0].id not in bound]
+    if handed:  # check(max): the tests' own function is handed what they test
         return tuple(dict.fromkeys(handed))
+    read = {n.id for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    if any(not hasattr(builtins, name) and name not in bound for name in read):
+        return ()  # a name of the program's (called, or handed to map() or sorted()) is what they test
     counts: dict[str, int] = {}
-    for tree in trees:
-        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-        if any(not hasattr(builtins, name) for name in called):
-            return ()  # a function of the tests' own name is what they test
-        for name in called:
+    order = []
+    for tree in trees[1:]:
+        called = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id not in bound]
+        order += called
+        for name in set(called):
             counts[name] = counts.get(name, 0) + 1
     if not counts:
         return ()
     most = max(counts.values())
-    order = [n.func.id for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-    return tuple(name for name in dict.fromkeys(order) if counts[name] == most)
+    tied = [name for name in dict.fromkeys(order) if counts[name] == most]
+    if len(tied) > 1:
+        raise ValueError(f"the tests call only builtins ({', '.join(tied)}) and the row names no entry_point: "
+                         "which one is under test?")
+    return tuple(tied)
 
 
 def _parse(answer: Any) -> tuple[list[dict[str, Any]], str, Optional[str]]:

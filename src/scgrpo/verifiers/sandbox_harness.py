@@ -60,6 +60,8 @@ def encode(value, depth=0):
         return {kind.__name__: [encode(v, depth + 1) for v in value]}
     if kind is dict:
         return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if kind is Remote:  # a test handing the program one of its own objects back
+        return {"handle": value._handle()}
     raise TypeError(f"a value of type {kind.__name__} is not plain data")
 
 
@@ -87,12 +89,16 @@ def plain(value, depth=0):
     return value
 
 
-def decode(data):
+def decode(data, objects=None):
+    """``encode``'s inverse; handles (``{"handle": i}``) are the worker's ``objects[i]``, and refused anywhere
+    else (the host and the judge take no objects from the program)."""
     if isinstance(data, list):
-        return [decode(v) for v in data]
+        return [decode(v, objects) for v in data]
     if not isinstance(data, dict):
         return data
     ((tag, inner),) = data.items()
+    if tag == "handle" and objects is not None and type(inner) is int and 0 <= inner < len(objects):
+        return objects[inner]
     if tag == "int":
         return int(inner)
     if tag == "float":
@@ -100,13 +106,13 @@ def decode(data):
     if tag == "bytes":
         return bytes.fromhex(inner)
     if tag == "tuple":
-        return tuple(decode(v) for v in inner)
+        return tuple(decode(v, objects) for v in inner)
     if tag == "set":
-        return {decode(v) for v in inner}
+        return {decode(v, objects) for v in inner}
     if tag == "frozenset":
-        return frozenset(decode(v) for v in inner)
+        return frozenset(decode(v, objects) for v in inner)
     if tag == "dict":
-        return {decode(k): decode(v) for k, v in inner}
+        return {decode(k, objects): decode(v, objects) for k, v in inner}
     raise ValueError(f"unknown tag {tag!r}")
 
 
@@ -262,6 +268,8 @@ class Worker:
         self.process = None
         self.loaded = None
         self.names = []
+        self.generation = 0  # counts the program's processes: a handle is good only in the one that made it
+        self.holds_objects = False  # the tests hold handles into this process: its state is theirs to keep
         self.failed = {}  # name -> why loading the program failed: later tests fail at once
         self.cpu_at_stop = 0.0
         self.alarm_at = None  # the deadline of the assert test running in the judge
@@ -287,6 +295,8 @@ class Worker:
         os.close(worker_reads)
         os.close(worker_writes)
         self.send_fd, self.recv_fd = judge_writes, judge_reads
+        self.generation += 1
+        self.holds_objects = False
         try:
             reply = self.ask({"op": "load", "code": self.job["code"], "name": name,
                               "output_cap": limits["output_kb"] * 1024}, self.until(limits["test_timeout_s"]))
@@ -359,8 +369,9 @@ class Worker:
             if self.failed[name] == "timeout":
                 raise self.timed_out()
             raise self.gone(self.failed[name])
-        if self.process is not None and self.cpu_used() > FRESH_CPU_S:
-            self.stop()  # each test starts with (nearly) the whole CPU limit, whatever ran before it
+        if self.process is not None and not self.holds_objects and self.cpu_used() > FRESH_CPU_S:
+            self.stop()  # each test starts with (nearly) the whole CPU limit, whatever ran before it (unless the
+            # tests hold objects of this process: a stack pushed in one test is popped in the next)
         if self.process is None or self.loaded != name:
             self.stop()
             self.start(name)
@@ -393,31 +404,70 @@ def _answer(worker, request, name, timeout):
     if "error" in reply:
         raise _program_error(name, reply)
     if "handle" in reply:
+        worker.holds_objects = True
         return Remote(worker, reply["handle"], str(reply.get("type", "object")), timeout)
     return decode(reply["value"])
 
 
 class Remote:
-    """An object of the program's (``Solution()``, a class it defines) seen from the tests: its attributes and
-    methods are read and called in the worker, plain values come back; the object itself never leaves it."""
+    """An object of the program's (``Solution()``, a class it defines, a generator) seen from the tests: its
+    attributes, methods, length, items, iteration and text are read in the worker, plain values (or more
+    handles) coming back, and a test may hand it back to the program's functions; the object never leaves the
+    worker. ``==`` and ``!=`` with it raise: only plain data compares. A handle from a program process that has
+    since been restarted raises too."""
+
+    __hash__ = object.__hash__
 
     def __init__(self, worker, handle, kind, timeout):
-        object.__setattr__(self, "_where", (worker, handle, kind, timeout))
+        object.__setattr__(self, "_where", (worker, handle, kind, timeout, worker.generation))
+
+    def _handle(self):
+        worker, handle, kind, _, generation = object.__getattribute__(self, "_where")
+        if generation != worker.generation:
+            raise RuntimeError(f"the program's {kind} object is gone: its process was restarted")
+        return handle
+
+    def _ask(self, op, label, **fields):
+        worker, _, kind, timeout, _ = object.__getattribute__(self, "_where")
+        request = {"op": op, "handle": self._handle(), **fields}
+        return _answer(worker, request, f"{kind}{label}", timeout)
 
     def __getattr__(self, name):
-        worker, handle, kind, timeout = object.__getattribute__(self, "_where")
         if name.startswith("__"):
             raise AttributeError(name)
-        return _answer(worker, {"op": "attr", "handle": handle, "name": name}, f"{kind}.{name}", timeout)
+        return self._ask("attr", f".{name}", name=name)
+
+    def __setattr__(self, name, value):
+        self._ask("setattr", f".{name}", name=name, value=encode(value))
 
     def __call__(self, *args, **kwargs):
-        worker, handle, kind, timeout = object.__getattribute__(self, "_where")
-        return _answer(worker, {"op": "call", "handle": handle, "args": encode(list(args)), "kwargs": encode(kwargs),
-                                "handles": True}, kind, timeout)
+        return self._ask("call", "", args=encode(list(args)), kwargs=encode(kwargs), handles=True)
 
     def __bool__(self):  # the object's own truth value (plain True or False), as the test would see it unsandboxed
-        worker, handle, kind, timeout = object.__getattribute__(self, "_where")
-        return _answer(worker, {"op": "truth", "handle": handle}, kind, timeout) is True
+        return self._ask("special", "", name="bool", args=[]) is True
+
+    def __len__(self):
+        return self._ask("special", "", name="len", args=[])
+
+    def __iter__(self):
+        items = self._ask("special", "", name="list", args=[])
+        if isinstance(items, Remote):  # items that are not all plain: one at a time, each plain or a handle
+            items = [items[i] for i in range(len(items))]
+        return iter(items)
+
+    def __contains__(self, item):
+        return self._ask("special", "", name="contains", args=encode([item])) is True
+
+    def __getitem__(self, key):
+        return self._ask("special", "", name="getitem", args=encode([key]))
+
+    def __str__(self):
+        return self._ask("special", "", name="str", args=[])
+
+    def __eq__(self, other):
+        raise TypeError(f"{self!r} is not plain data: it cannot be compared")
+
+    __ne__ = __eq__
 
     def __repr__(self):
         return f"<the program's {object.__getattribute__(self, '_where')[2]} object>"
@@ -485,12 +535,13 @@ def _run_test(worker, test, job, namespace_box):
     if needed and not set(needed) & set(worker.names):  # else a builtin (or the set-up) would stand in for it
         return {"passed": False, "error": "NameError: the program defines no "
                 + " or ".join(repr(name) for name in needed)}
-    if namespace_box.get("names") != worker.names:  # an assert: run here, the program's functions as proxies
+    if namespace_box.get("names") != (worker.names, worker.generation):  # an assert: run here, with proxies
+        # (a new program process: the set-up runs again, so that no handle it made points into the old one)
         namespace = {"__name__": "tests"}
         for name in set(worker.names) & namespace_box["referenced"]:
             namespace[name] = _proxy(worker, name, timeout)
         exec(compile(job.get("setup") or "", "<setup>", "exec"), namespace)  # after the proxies: its names win
-        namespace_box.update(names=worker.names, namespace=namespace)
+        namespace_box.update(names=(worker.names, worker.generation), namespace=namespace)
     worker.fault, worker.alarm_at = None, worker.until(timeout)
     signal.setitimer(signal.ITIMER_REAL, max(worker.alarm_at - time.monotonic(), 0.001))
     try:
@@ -591,10 +642,12 @@ def worker(recv_fd, send_fd):
                 objects = []
                 if request["name"] != "__main__":
                     exec(compiled, namespace)
-                names = [k for k, v in namespace.items() if callable(v) and not k.startswith("__")]
+                # a builtin under its own name (max = max, from builtins import max) is not the program's function
+                names = [k for k, v in namespace.items()
+                         if callable(v) and not k.startswith("__") and v is not getattr(builtins, k, None)]
                 reply = {"names": names}
             elif op == "call":
-                args, kwargs = decode(request["args"]), decode(request["kwargs"])
+                args, kwargs = decode(request["args"], objects), decode(request["kwargs"], objects)
                 if "handle" in request:
                     fn = objects[request["handle"]]
                 else:
@@ -605,8 +658,12 @@ def worker(recv_fd, send_fd):
                     reply = _value(fn(*args, **kwargs), objects if request.get("handles") else None)
             elif op == "attr":
                 reply = _value(getattr(objects[request["handle"]], request["name"]), objects)
-            elif op == "truth":
-                reply = {"value": bool(objects[request["handle"]]) is True}
+            elif op == "setattr":
+                setattr(objects[request["handle"]], request["name"], decode(request["value"], objects))
+                reply = {"value": None}
+            elif op == "special":
+                target, args = objects[request["handle"]], decode(request["args"], objects)
+                reply = _value(SPECIAL[request["name"]](target, *args), objects)
             elif op == "stdio":
                 reply = _stdio(compiled, request["input"], output_cap, io)
             else:
@@ -617,6 +674,10 @@ def worker(recv_fd, send_fd):
             kind = next((k.__name__ for k in type(err).__mro__ if getattr(builtins, k.__name__, None) is k), "")
             reply = {"error": f"{type(err).__name__}: {err}"[:300], "type": kind[:100], "message": str(err)[:300]}
         send(send_fd, reply)
+
+
+SPECIAL = {"bool": lambda o: bool(o) is True, "len": len, "list": list, "contains": lambda o, x: x in o,
+           "getitem": lambda o, k: o[k], "str": str}  # what a test may ask of an object it holds a handle to
 
 
 def _value(value, objects):
