@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import statistics
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,8 +126,13 @@ def rollout_entries(card: str) -> dict[str, dict]:
         if case not in cases:
             continue
         e = cases[case]["engines"]
+        calls = cases[case].get("calls")  # the same pair measured in several calls: their median ratio
+        value = statistics.median(c["ratio"] for c in calls) if calls else e["compact"]["tok_s"] / e["hf_static"]["tok_s"]
         summary[key] = entry(
-            key, e["compact"]["tok_s"] / e["hf_static"]["tok_s"], name_, command,
+            key, value, name_, command,
+            (f"median of {len(calls)} calls' same-call ratios ("
+             + ", ".join(f"{c['ratio']:.2f}: {c['compact_tok_s']:,} vs {c['hf_static_tok_s']:,} new tok/s" for c in calls)
+             + "); latest call: " if calls else "") +
             f"{case}: random {cases[case]['shape']}-shaped model, bf16, {cases[case]['seqs']} sequences x "
             f"{cases[case]['max_new']} new tokens forced, T=1; compact engine {e['compact']['tok_s']:,.0f} new tok/s "
             f"({e['compact']['ms_per_step']:.2f} ms/step) vs generate with a static cache {e['hf_static']['tok_s']:,.0f} "
@@ -136,10 +142,14 @@ def rollout_entries(card: str) -> dict[str, dict]:
     if "smollm2_64_lora" in cases:
         low, high = cases["smollm2_64_lora"], cases.get("smollm2_512_lora")
         key = "rollout_unmerged_over_merged"
+        ratio = lambda case: statistics.median(c["ratio"] for c in case["calls"]) if "calls" in case else (  # noqa: E731
+            case["unmerged_over_merged"])
+        calls = lambda case: (f" (median of calls: {', '.join(format(c['ratio'], '.2f') for c in case['calls'])})"  # noqa: E731
+                              if "calls" in case else "")
         summary[key] = entry(
-            key, low["unmerged_over_merged"], name_, command,
+            key, ratio(low), name_, command,
             "LoRA r=16 on every linear layer kept unmerged (low-rank adds) vs the same weights merged, compact engine, "
-            f"SmolLM2 shape, 64 sequences; at 512 sequences {high['unmerged_over_merged']:.2f}" if high else "")
+            f"SmolLM2 shape, 64 sequences{calls(low)}; at 512 sequences {ratio(high):.2f}{calls(high)}" if high else "")
     engines = os.path.join(RESULTS, f"bench_smollm2engines_{card}.json")
     if os.path.exists(engines):
         payload = json.load(open(engines))
