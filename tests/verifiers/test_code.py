@@ -43,8 +43,14 @@ def test_parse_tests_reads_every_format():
     # a name of the program's, called or handed to a builtin, is what is tested: no builtin is guessed
     for tests in (["assert set(common([1], [1])) == {1}"], ["assert Solution().add(1, 2) == 3"],
                   ["assert list(map(square, [1, 2])) == [1, 4]"], ["assert sorted(['bb', 'a'], key=size) == ['a', 'bb']"],
-                  "input = [3, 1, 2]\nbubble(input)\nassert bubble(input) == [1, 2, 3]"):
+                  "input = [3, 1, 2]\nbubble(input)\nassert bubble(input) == [1, 2, 3]",
+                  # a lambda's parameter binds count in the lambda only: the test's other count is the program's
+                  ["assert count(['a']) == 1", "assert all((lambda count: count > 0)(c) for c in [1])"],
+                  {"tests": ["assert max([foo]) == foo"], "setup": "from numpy import *"}):  # names unknown
         assert parse_tests(tests).entry_points == (), tests
+    assert parse_tests({"tests": ["assert max([pi, 1]) == pi"], "setup": "from math import *"}).entry_points == ("max",)
+    assert parse_tests("def check(candidate):\n    assert candidate([1]) == 1\n\ncheck(candidate=max)").entry_points == (
+        "max",)
     human, setup, entry = parse_tests({"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
                                        "entry_point": "add"})
     assert [t["code"] for t in human] == ["check(add)"] and setup.startswith("def check") and entry == ("add",)
@@ -200,3 +206,21 @@ def test_program_exceptions_reach_tests_as_their_nearest_builtin_class(verifier)
     own = "```python\nclass ValueError(Exception):\n    pass\ndef parse(s):\n    raise ValueError(s)\n```"
     results = verifier.verify_batch([raising, right, subclass, own], [tests, tests, expects, expects], ["q"] * 4)
     assert [r.score for r in results] == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_a_handle_neither_compares_nor_hashes_nor_outlives_its_process():
+    """What the judge does with an object of the program's, without a sandbox: ==, != and hashing raise (a set
+    lookup would never reach __eq__), and a handle into a replaced process raises before any request."""
+    from types import SimpleNamespace
+
+    from scgrpo.verifiers.sandbox_harness import Remote
+
+    worker = SimpleNamespace(generation=1)
+    handle = Remote(worker, 0, "Stack", 1.0)
+    for compare in (lambda: handle == 1, lambda: handle != 1, lambda: hash(handle), lambda: handle in {1, 2}):
+        with pytest.raises(TypeError):
+            compare()
+    assert handle._handle() == 0
+    worker.generation = 2
+    with pytest.raises(RuntimeError, match="Stack object is gone"):
+        handle._handle()

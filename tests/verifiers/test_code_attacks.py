@@ -67,6 +67,17 @@ BAG_PROGRAM = ("class Bag:\n    def __init__(self, items):\n        self.items =
                "    def __str__(self):\n        return f'Bag({len(self.items)})'\n"
                "    def size(self):\n        return len(self.items)\n"
                "def evens(n):\n    return (i for i in range(n) if i % 2 == 0)\n")
+# an iterator read lazily (an endless one too), and membership compared in the judge, not by __contains__
+GEN = {"tests": ["assert list(islice(fib(), 5)) == [0, 1, 1, 2, 3]", "g = fib()\nassert next(g) == 0 and next(g) == 1",
+                 "assert 2 in evens(4) and 3 not in evens(4)"], "setup": "from itertools import islice"}
+GEN_PROGRAM = ("def fib():\n    a, b = 0, 1\n    while True:\n        yield a\n        a, b = b, a + b\n"
+               "def evens(n):\n    return (i for i in range(n) if i % 2 == 0)\n")
+PREFIXES = {"test": "def check(candidate):\n    assert 'ab' in candidate('abc')\n    assert 'abc' in candidate('abc')\n",
+            "entry_point": "all_prefixes"}
+# a test that times out replaces the process: the tests' namespace (and the handles in it) are made again
+HANG = ["s = Stack()\ns.push(1)\nassert s.pop() == 1", "assert hang() == 1", "assert 's' not in globals()"]
+# a test's handle not kept: each test starts in a fresh process with its own CPU budget
+SQUARES = [f"assert Solution().sq({i}) == {i * i}" for i in range(4)]
 # a stack pushed in the set-up, popped after a test that keeps the CPU busy: the process (and the stack) stay
 STACK_BUSY = ("s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert burn(0.3) == 0.3\n"
               "assert s.pop() == 1\n")
@@ -198,6 +209,9 @@ def attacked(request, tmp_path_factory):
         "builtin_handed_missing": ("pass\n", MAX_CHECK),
         "builtin_alias": ("import builtins\nmax = builtins.max\n", MAX_MBPP),
         "builtin_alias_check": ("from builtins import max\n", MAX_CHECK),
+        "contains_always": ("class A:\n    def __contains__(self, x):\n        return True\n"
+                            "def all_prefixes(s):\n    return A()\n", PREFIXES),
+        "hashed_not_in": ("class T:\n    pass\ndef f(x):\n    return T()\n", ["assert f(3) not in {0, 1}"]),
         "object_not_equal": ("class T:\n    pass\ndef f(x):\n    return T()\n", ["assert f(0) != 0", "assert f(1) != f(1)"]),
         "object_for_truth": ("class Thing:\n    def __bool__(self):\n        return False\ndef is_even(n):\n    return Thing()\n", TRUTHY),
         "swallowed_timeout": ("def add(a, b):\n    while True:\n        pass\n", EXPECTS_RAISE),
@@ -216,6 +230,14 @@ def attacked(request, tmp_path_factory):
                               [EXPECTS_RAISE[0].replace("except Exception", "except TypeError"), "assert add(1, 2) == 3"]),
         "max_humaneval": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_HUMANEVAL),
         "max_check": ("def max(xs):\n    return sorted(xs)[-1]\n", MAX_CHECK),
+        "generators": (GEN_PROGRAM, GEN),
+        "prefixes": ("def all_prefixes(s):\n    return [s[:i] for i in range(1, len(s) + 1)]\n", PREFIXES),
+        "namespace_after_timeout": ("import time\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
+                                    "    def push(self, x):\n        self.items.append(x)\n"
+                                    "    def pop(self):\n        return self.items.pop()\n"
+                                    "def hang():\n    time.sleep(30)\n", HANG),
+        "squares_cpu": ("import time\nclass Solution:\n    def sq(self, x):\n        t = time.process_time()\n"
+                        "        while time.process_time() - t < 0.35:\n            pass\n        return x * x\n", SQUARES),
         "map_square": ("def square(x):\n    return x * x\n", ["assert list(map(square, [1, 2])) == [1, 4]"]),
         "pairs": (PAIRS_PROGRAM, PAIRS),
         "bag": (BAG_PROGRAM, BAG),
@@ -272,6 +294,7 @@ ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "
            "env_secret", "env_of_trainer", "home_file", "network", "kill_parent", "output_100mb",
            "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
            "builtin_handed_missing", "builtin_alias", "builtin_alias_check", "object_for_truth", "object_not_equal",
+           "contains_always", "hashed_not_in",
            "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk"]
 
 
@@ -289,9 +312,11 @@ def test_right_answers_alone_score_and_are_scored_test_by_test(attacked):
     mode, results, *_ = attacked
     for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "max_check", "solution_add",
                  "stack_class", "map_square", "pairs", "bag", "stack_busy",
+                 "generators", "prefixes", "squares_cpu",
                  "raises_type_error", "cpu_each_test"):
         assert results[name].score == 1.0, (name, results[name].info)
     assert results["hang_then_pass"].info["tests"] == ["timeout", "pass"]
+    assert results["namespace_after_timeout"].info["tests"] == ["pass", "timeout", "pass"]
     reached = results["past_the_program_limit"].info["tests"]
     passed = reached.count("pass")
     assert 1 <= passed < 12 and reached == ["pass"] * passed + ["timeout"] * (12 - passed), reached

@@ -118,21 +118,96 @@ def parse_tests(answer: Any) -> ParsedTests:
     return ParsedTests(tests, setup, (fn_name,) if fn_name else _guess_entry_points(tests, setup))
 
 
-def _bound(tree: ast.AST) -> set[str]:
-    """Names code binds itself: assignments, loop and comprehension targets, definitions, parameters, imports."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            names.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.arg):
-            names.add(node.arg)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            names.add(node.name)
+def _unresolved(trees: list[ast.AST]) -> set[str]:
+    """Names the code reads that neither it (in the scope reading them, or an enclosing one) nor the builtins
+    bind: the program's names it uses. ``from m import *`` of a standard-library module binds that module's
+    names; of another module, it makes every name unknown (the set then holds ``*``)."""
+    unresolved: set[str] = set()
+    module = set()
+    for tree in trees:
+        module |= _binds(tree, top=True)
+    for tree in trees:
+        _reads(tree, [module], unresolved)
+    if "*" in module:
+        unresolved.add("*")
+    return {name for name in unresolved if name == "*" or not hasattr(builtins, name)}
+
+
+def _binds(node: ast.AST, top: bool = False) -> set[str]:
+    """Names bound in ``node``'s own scope (not in functions, lambdas or comprehensions inside it)."""
+    names: set[str] = set()
+    stack = list(ast.iter_child_nodes(node)) if not top else [node]
+    while stack:
+        child = stack.pop()
+        if isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load):
+            names.add(child.id)
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(child.name)
+            stack.extend(child.decorator_list)
+            continue  # their bodies are scopes of their own
+        elif isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        elif isinstance(child, (ast.Import, ast.ImportFrom)):
+            for alias in child.names:
+                if alias.name == "*":
+                    names |= _star(getattr(child, "module", None))
+                else:
+                    names.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(child, ast.ExceptHandler) and child.name:
+            names.add(child.name)
+        elif isinstance(child, (ast.MatchAs, ast.MatchStar)) and child.name:
+            names.add(child.name)
+        elif isinstance(child, ast.MatchMapping) and child.rest:
+            names.add(child.rest)
+        stack.extend(ast.iter_child_nodes(child))
     return names
+
+
+def _star(module: Optional[str]) -> set[str]:
+    import importlib
+    import sys
+
+    if not module or module.split(".")[0] not in sys.stdlib_module_names:
+        return {"*"}
+    try:
+        found = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - a module this Python lacks: nothing known about its names
+        return {"*"}
+    return set(getattr(found, "__all__", None) or [n for n in dir(found) if not n.startswith("_")])
+
+
+def _reads(node: ast.AST, scopes: list[set[str]], unresolved: set[str]) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load):
+            if not any(child.id in scope for scope in scopes):
+                unresolved.add(child.id)
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = child.args
+            params = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+            params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+            for default in args.defaults + [d for d in args.kw_defaults if d is not None]:
+                _reads(ast.Expression(default), scopes, unresolved)
+            for decorator in getattr(child, "decorator_list", []):
+                _reads(ast.Expression(decorator), scopes, unresolved)
+            body = child.body if isinstance(child.body, list) else [child.body]
+            local = params | set().union(*(_binds(b, top=True) for b in body))
+            for b in body:
+                _reads(ast.Module(body=[b] if isinstance(b, ast.stmt) else [ast.Expr(b)], type_ignores=[]),
+                       scopes + [local], unresolved)
+            continue
+        elif isinstance(child, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            local = set().union(*(_binds(g.target, top=True) for g in child.generators))
+            for g in child.generators:
+                _reads(ast.Expression(g.iter), scopes, unresolved)
+            inner = scopes + [local]
+            for g in child.generators:
+                for cond in g.ifs:
+                    _reads(ast.Expression(cond), inner, unresolved)
+            parts = [child.key, child.value] if isinstance(child, ast.DictComp) else [child.elt]
+            for part in parts:
+                _reads(ast.Expression(part), inner, unresolved)
+            continue
+        _reads(child, scopes, unresolved)
 
 
 def _guess_entry_points(tests: list[dict[str, Any]], setup: str = "") -> tuple[str, ...]:
@@ -142,23 +217,27 @@ def _guess_entry_points(tests: list[dict[str, Any]], setup: str = "") -> tuple[s
         trees = [ast.parse(setup)] + [ast.parse(t["code"]) for t in tests if t["type"] == "assert"]
     except SyntaxError:
         return ()
-    bound = set().union(*map(_bound, trees))
     functions = {n.name for tree in trees for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    handed = [node.value.args[0].id for tree in trees[1:] for node in tree.body
-              if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
-              and node.value.func.id in functions and len(node.value.args) == 1 and not node.value.keywords
-              and isinstance(node.value.args[0], ast.Name) and hasattr(builtins, node.value.args[0].id)
-              and node.value.args[0].id not in bound]
+    handed = []
+    for tree in trees[1:]:
+        for node in tree.body:
+            call = node.value if isinstance(node, ast.Expr) else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in functions):
+                continue
+            given = call.args + [k.value for k in call.keywords]
+            if len(given) == 1 and isinstance(given[0], ast.Name) and hasattr(builtins, given[0].id):
+                handed.append(given[0].id)
+    unresolved = _unresolved(trees)
     if handed:  # check(max): the tests' own function is handed what they test
         return tuple(dict.fromkeys(handed))
-    read = {n.id for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    if any(not hasattr(builtins, name) and name not in bound for name in read):
+    if unresolved:
         return ()  # a name of the program's (called, or handed to map() or sorted()) is what they test
+    module = set().union(*(_binds(tree, top=True) for tree in trees))
     counts: dict[str, int] = {}
     order = []
     for tree in trees[1:]:
         called = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                  and n.func.id not in bound]
+                  and n.func.id not in module and n.func.id not in functions]
         order += called
         for name in set(called):
             counts[name] = counts.get(name, 0) + 1
@@ -360,7 +439,7 @@ class PythonTests(Verifier):
         if test["type"] == "call":
             try:
                 return "pass" if values_equal(decode(result["value"]), test["expected"]) else "wrong"
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, RecursionError):
                 return "error: unreadable value"
         if result.get("truncated"):
             return "error: output too long"

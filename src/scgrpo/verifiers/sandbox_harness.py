@@ -269,7 +269,7 @@ class Worker:
         self.loaded = None
         self.names = []
         self.generation = 0  # counts the program's processes: a handle is good only in the one that made it
-        self.holds_objects = False  # the tests hold handles into this process: its state is theirs to keep
+        self.holds_objects = False  # the tests keep handles into this process: its state is theirs to keep
         self.failed = {}  # name -> why loading the program failed: later tests fail at once
         self.cpu_at_stop = 0.0
         self.alarm_at = None  # the deadline of the assert test running in the judge
@@ -400,23 +400,26 @@ def _proxy(worker, name, timeout):
 def _answer(worker, request, name, timeout):
     """The worker's reply to a proxy's request as the test sees it: a plain value, the program's exception,
     or a :class:`Remote` for an object that is not plain data."""
-    reply = worker.ask(request, worker.until(timeout))
+    return _reply(worker, worker.ask(request, worker.until(timeout)), name, timeout)
+
+
+def _reply(worker, reply, name, timeout):
     if "error" in reply:
         raise _program_error(name, reply)
     if "handle" in reply:
-        worker.holds_objects = True
         return Remote(worker, reply["handle"], str(reply.get("type", "object")), timeout)
     return decode(reply["value"])
 
 
 class Remote:
     """An object of the program's (``Solution()``, a class it defines, a generator) seen from the tests: its
-    attributes, methods, length, items, iteration and text are read in the worker, plain values (or more
-    handles) coming back, and a test may hand it back to the program's functions; the object never leaves the
-    worker. ``==`` and ``!=`` with it raise: only plain data compares. A handle from a program process that has
+    attributes, methods, length, items, iteration (one item at a time) and text are read in the worker, plain
+    values (or more handles) coming back, and a test may hand it back to the program's functions; the object
+    never leaves the worker. ``==``, ``!=`` and hashing raise: only plain data compares (``in`` compares the
+    items here, so the program's ``__contains__`` cannot decide it). A handle from a program process that has
     since been restarted raises too."""
 
-    __hash__ = object.__hash__
+    __hash__ = None  # a set or dict lookup would never reach __eq__
 
     def __init__(self, worker, handle, kind, timeout):
         object.__setattr__(self, "_where", (worker, handle, kind, timeout, worker.generation))
@@ -450,13 +453,14 @@ class Remote:
         return self._ask("special", "", name="len", args=[])
 
     def __iter__(self):
-        items = self._ask("special", "", name="list", args=[])
-        if isinstance(items, Remote):  # items that are not all plain: one at a time, each plain or a handle
-            items = [items[i] for i in range(len(items))]
-        return iter(items)
+        return self._ask("special", "", name="iter", args=[])  # a handle to the worker's iterator
 
-    def __contains__(self, item):
-        return self._ask("special", "", name="contains", args=encode([item])) is True
+    def __next__(self):
+        worker, _, kind, timeout, _ = object.__getattribute__(self, "_where")
+        reply = worker.ask({"op": "next", "handle": self._handle()}, worker.until(timeout))
+        if reply.get("done") is True:
+            raise StopIteration
+        return _reply(worker, reply, kind, timeout)
 
     def __getitem__(self, key):
         return self._ask("special", "", name="getitem", args=encode([key]))
@@ -488,6 +492,17 @@ def _names(job):
             if isinstance(node, ast.Name):
                 names.add(node.id)
     return names
+
+
+def _holds_remote(value, depth=0):
+    """Whether a value the tests keep is (or contains, a few levels down) a handle into the program's process."""
+    if isinstance(value, Remote):
+        return True
+    if depth < 3 and type(value) in (list, tuple, set, frozenset):
+        return any(_holds_remote(v, depth + 1) for v in value)
+    if depth < 3 and type(value) is dict:
+        return any(_holds_remote(v, depth + 1) for v in value.values())
+    return False
 
 
 def _program_error(name, reply):
@@ -554,6 +569,7 @@ def _run_test(worker, test, job, namespace_box):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         worker.alarm_at = None
+        worker.holds_objects = any(_holds_remote(v) for v in list(namespace_box["namespace"].values()))
     if worker.fault is not None:  # a timeout or a dead worker that the test's code swallowed
         raise worker.fault
     return verdict
@@ -661,6 +677,13 @@ def worker(recv_fd, send_fd):
             elif op == "setattr":
                 setattr(objects[request["handle"]], request["name"], decode(request["value"], objects))
                 reply = {"value": None}
+            elif op == "next":
+                try:
+                    item = next(objects[request["handle"]])
+                except StopIteration:
+                    reply = {"done": True}
+                else:
+                    reply = _value(item, objects)
             elif op == "special":
                 target, args = objects[request["handle"]], decode(request["args"], objects)
                 reply = _value(SPECIAL[request["name"]](target, *args), objects)
@@ -676,8 +699,8 @@ def worker(recv_fd, send_fd):
         send(send_fd, reply)
 
 
-SPECIAL = {"bool": lambda o: bool(o) is True, "len": len, "list": list, "contains": lambda o, x: x in o,
-           "getitem": lambda o, k: o[k], "str": str}  # what a test may ask of an object it holds a handle to
+SPECIAL = {"bool": lambda o: bool(o) is True, "len": len, "iter": iter, "getitem": lambda o, k: o[k],
+           "str": str}  # what a test may ask of an object it holds a handle to
 
 
 def _value(value, objects):
