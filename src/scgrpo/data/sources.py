@@ -34,6 +34,10 @@ class PromptSource(ABC):
     def default_verifier(self) -> Verifier:
         return NumericVerifier()
 
+    def describe(self, split: str) -> str:
+        """Where the rows of ``split`` come from, for messages (a file's path, a dataset's name)."""
+        return f"{type(self).__name__} split {split!r}"
+
     def eval_splits(self) -> list[str]:
         return [s for s in self.splits() if s != "train"]
 
@@ -292,6 +296,9 @@ class FileSource(PromptSource):
     def splits(self) -> list[str]:
         return list(self.files)
 
+    def describe(self, split: str) -> str:
+        return self.files.get(split, super().describe(split))
+
     def default_verifier(self) -> Verifier:
         if self._verifier is not None:
             return self._verifier
@@ -370,6 +377,9 @@ class HubDataset(PromptSource):
     def splits(self) -> list[str]:
         return list(self.split_map)
 
+    def describe(self, split: str) -> str:
+        return f"{self.name}[{self.split_map.get(split, split)}]"
+
     def default_verifier(self) -> Verifier:
         return self._verifier or NumericVerifier()
 
@@ -379,7 +389,7 @@ class HubDataset(PromptSource):
         if split not in self._cache:
             import datasets
 
-            where = f"{self.name}[{self.split_map[split]}]"
+            where = self.describe(split)
             try:
                 table = datasets.load_dataset(self.name, self.subset, split=self.split_map[split])
             except Exception as err:  # noqa: BLE001 - not found, offline, malformed: one line naming the dataset
