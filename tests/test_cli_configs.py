@@ -198,3 +198,28 @@ def test_a_config_error_prints_the_error_not_the_usage(arg, message, tiny_model_
     err = capsys.readouterr().err
     assert _the_error_line(err) == f"scgrpo: error: {message}"
     assert "usage:" not in err and len(err.strip().splitlines()) <= 2
+
+
+def test_the_progress_bar_counts_steps_of_max_steps(tiny_model_dir, tmp_path, monkeypatch):
+    """Lightning's bar on the endless prompt stream read "Epoch 0/-2" and, resumed at step 5 of 10, "10/5"."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from scgrpo import PromptDataModule, RLVRModule
+    from scgrpo.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar
+    from scgrpo.cli import ScgrpoCLI
+
+    resumed = SimpleNamespace(max_steps=10, max_epochs=-1, num_training_batches=float("inf"), global_step=5)
+    lightning, ours = RichProgressBar(), StepRichProgressBar()
+    lightning._trainer = ours._trainer = resumed
+    assert lightning.total_train_batches == 5 and lightning._get_train_description(0).startswith("Epoch 0/-2")
+    assert ours.total_train_batches == 10 and ours._get_train_description(0).strip() == "Step"
+    finite = SimpleNamespace(max_steps=-1, max_epochs=3, num_training_batches=7, global_step=0)
+    ours._trainer = finite  # a finite loader keeps Lightning's epochs
+    assert ours.total_train_batches == 7 and ours._get_train_description(0).startswith("Epoch 0/2")
+
+    monkeypatch.chdir(tmp_path)
+    cli = ScgrpoCLI(RLVRModule, PromptDataModule, run=False, args=[
+        f"--config={QUICKSTART}", f"--model.model={tiny_model_dir}", "--trainer.enable_progress_bar=true"])
+    assert isinstance(cli.trainer.progress_bar_callback, (StepRichProgressBar, StepTQDMProgressBar))

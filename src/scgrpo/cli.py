@@ -12,6 +12,7 @@ from typing import NoReturn, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from scgrpo.callbacks.progress import count_steps
 from scgrpo.data import PromptDataModule
 from scgrpo.errors import InputError
 from scgrpo.module import RLVRModule
@@ -78,6 +79,7 @@ class ScgrpoCLI(LightningCLI):
         for logger in trainer.loggers:
             if getattr(logger, "root_dir", None):
                 check_output_folder(logger.root_dir)
+        count_steps(trainer)  # "Step 3/10", not "Epoch 0/-2"
         # Fix every logger's version before any of them creates its folder, so that the CSV and TensorBoard
         # loggers of one run share runs/<name>/version_N instead of taking consecutive numbers.
         for logger in trainer.loggers:
