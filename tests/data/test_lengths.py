@@ -82,7 +82,7 @@ def test_a_row_whose_teacher_view_does_not_fit_is_skipped_only_with_a_self_teach
 
 def test_a_split_with_no_row_that_fits_is_one_error(modules):
     rows = [{"id": "0", "question": "z" * 1000, "answer": 1}]
-    with pytest.raises(InputError, match="^long.jsonl: all 1 rows are too long for the model: the longest"):
+    with pytest.raises(InputError, match="^long.jsonl: no row fits the model \\(1 too long\\): the longest"):
         drop_long_rows(modules["grpo"], rows, prompt_limits(modules["grpo"], None), "long.jsonl")
 
 

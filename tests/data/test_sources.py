@@ -188,3 +188,10 @@ def test_a_broken_json_array_names_its_line(tmp_path):
     path.write_text('[\n {"question": "a", "answer": 1},\n {"question": "b" "answer": 2}\n]\n')
     with pytest.raises(InputError, match=f"^{path}: line 3: not valid JSON"):
         FileSource(str(path)).rows("train")
+
+
+def test_a_csv_row_with_extra_fields_names_its_line(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text('question,answer\n"a?",1\n"b?",2,3,4\n')
+    with pytest.raises(InputError, match=f"^{path}: could not be read as csv: .*Expected 2 fields in line 3, saw 4"):
+        FileSource(str(path)).rows("train")

@@ -144,7 +144,7 @@ def drop_long_rows(module, rows: list[dict], limits: PromptLimits, where: str) -
     if len(skipped) == len(rows):
         fix = ("raise data.max_prompt_tokens" if limits.why == "data.max_prompt_tokens" else
                "lower generation.max_new_tokens or use a model with a longer context")
-        raise InputError(f"{where}: all {len(rows)} rows are too long for the model: {what}; {fix}")
+        raise InputError(f"{where}: no row fits the model ({len(rows)} too long): {what}; {fix}")
     log.warning("%s: skipped %d of %d rows whose prompt is too long for the model: %s", where, len(skipped),
                 len(rows), what)
     dropped = set(skipped)

@@ -226,6 +226,16 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
 
 
+def _reason(err: BaseException) -> str:
+    """The message of the exception at the root of ``err``'s chain, on one line (datasets wraps a reader's error,
+    e.g. pandas' "Expected 2 fields in line 3, saw 4", in "An error occurred while generating the dataset")."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 def _text_file_fault(path: str, ext: str) -> Optional[str]:
     """The first fault of a text data file, as "line N: what is wrong" (or "the file is empty"); None when none is
     found (and for Parquet). Checks that every line is UTF-8 and, for JSON Lines, a JSON object."""
@@ -336,8 +346,7 @@ class FileSource(PromptSource):
                     raise InputError(f"{path}: {fault}") from err
                 if isinstance(err, ValueError) and "no data" in str(err):
                     raise InputError(f"{path}: the dataset is empty") from err
-                reason = " ".join(str(err).split()) or type(err).__name__
-                raise InputError(f"{path}: could not be read as {ext[1:]}: {reason}") from err
+                raise InputError(f"{path}: could not be read as {ext[1:]}: {_reason(err)}") from err
             finally:
                 readers.setLevel(level)
             if split == "train":  # the default verifier follows the train split's answers
@@ -393,8 +402,7 @@ class HubDataset(PromptSource):
             try:
                 table = datasets.load_dataset(self.name, self.subset, split=self.split_map[split])
             except Exception as err:  # noqa: BLE001 - not found, offline, malformed: one line naming the dataset
-                reason = " ".join(str(err).split()) or type(err).__name__
-                raise InputError(f"{where}: could not be loaded: {reason}") from err
+                raise InputError(f"{where}: could not be loaded: {_reason(err)}") from err
             self._cache[split] = _table_rows(table, self.columns, where)
         return self._cache[split]
 
