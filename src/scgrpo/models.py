@@ -109,11 +109,13 @@ def check_model_name(name: str) -> None:
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "*.tiktoken")
 
 
 def check_model_folder(path: Path) -> None:
     """A folder with a config.json is a model only if that file is a JSON object naming the architecture and weight
-    files lie beside it; else one :class:`InputError` that says which part is missing."""
+    and tokenizer files lie beside it; else one :class:`InputError` that says which part is missing."""
     config_file = path / "config.json"
     text = config_file.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
@@ -126,6 +128,9 @@ def check_model_folder(path: Path) -> None:
         raise InputError(f"{config_file}: names no model_type or architectures; expected a Hugging Face model's config")
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
         raise InputError(f"model folder {path} has no weights (*.safetensors or *.bin) beside its config.json")
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise InputError(f"model folder {path} has no tokenizer (tokenizer.json, tokenizer_config.json, "
+                         "tokenizer.model or vocab.json) beside its config.json")
 
 
 def resolve_model(name: str) -> str:
