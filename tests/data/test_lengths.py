@@ -42,12 +42,16 @@ def test_limits_are_the_context_minus_the_completion_and_for_the_teacher_a_refer
     assert (scgrpo.prompt, scgrpo.teacher) == (512 - 8, 512 - 8 - 8)
     assert prompt_limits(modules["grpo"], 100).prompt == 100
     assert prompt_limits(modules["grpo"], 100_000).prompt == 504  # capped by the context
-    modules["grpo"].generation.max_new_tokens = 600
+    scgrpo_module = modules["scgrpo"]
     try:
+        scgrpo_module.generation.max_new_tokens = 300  # no room for a whole reference: the teacher's view fits empty
+        limits = prompt_limits(scgrpo_module, None)
+        assert (limits.prompt, limits.teacher, limits.reference) == (212, 212, 0)
+        scgrpo_module.generation.max_new_tokens = 600
         with pytest.raises(InputError, match="max_new_tokens=600 leaves no room for a prompt"):
-            prompt_limits(modules["grpo"], None)
+            prompt_limits(scgrpo_module, None)
     finally:
-        modules["grpo"].generation.max_new_tokens = 8
+        scgrpo_module.generation.max_new_tokens = 8
 
 
 def test_rows_are_kept_exactly_when_their_prompt_fits(modules, caplog):

@@ -34,37 +34,35 @@ class PromptLimits:
     why: str
     """Where ``prompt`` comes from, for the warning"""
     max_new_tokens: int
-
-
-def model_context(module) -> Optional[int]:
-    """The longest sequence the policy takes (its config's ``max_position_embeddings``), if it states one."""
-    config = getattr(module.policy, "config", None)
-    limit = getattr(config, "max_position_embeddings", None)
-    return int(limit) if isinstance(limit, int) and limit > 0 else None
+    reference: int = 0
+    """Tokens kept free for the reference in the self-teacher's view"""
 
 
 def prompt_limits(module, max_prompt_tokens: Optional[int]) -> PromptLimits:
     """The budgets for ``module`` (an :class:`~scgrpo.module.RLVRModule` with its policy loaded): a student prompt
     gets the model's context minus ``generation.max_new_tokens`` (or ``max_prompt_tokens`` when that is smaller); a
-    self-teacher prompt gets the same minus room for a reference of ``max_new_tokens``."""
+    self-teacher prompt gets the same minus room for a reference of ``max_new_tokens``. Where ``max_new_tokens`` is
+    half the context or more, that room is not kept (no prompt would fit): the teacher's view must then fit with an
+    empty reference, and references are cut to fit as :class:`~scgrpo.selfteacher.SelfTeacher` describes."""
+    from scgrpo.selfteacher import max_sequence_length  # the teacher's own limit (imported here: it imports data)
+
     new = int(module.generation.max_new_tokens)
-    context = model_context(module)
-    room = None if context is None else context - new
-    if room is not None and room < 1:
+    context = max_sequence_length(module)
+    if context is None:  # the model states no maximum length: only data.max_prompt_tokens, if set
+        return PromptLimits(max_prompt_tokens, None, "data.max_prompt_tokens", new, 0)
+    room = context - new
+    if room < 1:
         raise InputError(f"generation.max_new_tokens={new} leaves no room for a prompt in the model's context of "
                          f"{context} tokens; lower max_new_tokens")
-    if max_prompt_tokens is not None and (room is None or max_prompt_tokens < room):
+    if max_prompt_tokens is not None and max_prompt_tokens < room:
         prompt, why = max_prompt_tokens, "data.max_prompt_tokens"
     else:
         prompt, why = room, f"the model's context of {context:,} minus generation.max_new_tokens {new}"
-    teacher = None
-    if room is not None and getattr(module, "self_teacher", None) is not None:
-        teacher = room - new
-        if teacher < 1:
-            raise InputError(f"generation.max_new_tokens={new} leaves the self-teacher no room for a prompt: its view "
-                             f"holds a reference and a completion of up to {new} tokens each in the model's context "
-                             f"of {context} tokens; lower max_new_tokens")
-    return PromptLimits(prompt=prompt, teacher=teacher, why=why, max_new_tokens=new)
+    teacher, reference = None, 0
+    if getattr(module, "self_teacher", None) is not None:
+        reference = new if room - new >= 1 else 0
+        teacher = room - reference
+    return PromptLimits(prompt, teacher, why, new, reference)
 
 
 def _widest_token(tokenizer) -> int:
@@ -140,7 +138,7 @@ def drop_long_rows(module, rows: list[dict], limits: PromptLimits, where: str) -
             view = len(tok(render([questions[longest]]), add_special_tokens=False)["input_ids"][0])
             what += f" and the self-teacher's view of it {view:,} (with an empty reference)"
         what += (f"; the limits are {limits.prompt:,} for a prompt ({limits.why}) and {limits.teacher:,} for the "
-                 f"self-teacher's view (which also holds a reference of up to {limits.max_new_tokens} tokens)")
+                 f"self-teacher's view (which also holds a reference of up to {limits.reference} tokens)")
     if len(skipped) == len(rows):
         fix = ("raise data.max_prompt_tokens" if limits.why == "data.max_prompt_tokens" else
                "lower generation.max_new_tokens or use a model with a longer context")
