@@ -6,10 +6,12 @@ import os
 import pytest
 
 from scgrpo.cli import main
+from tests.data.test_sources import BAD_FILES, write_bad_file
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
 ABLATIONS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "ablations", "*.yaml")))
 BASE = os.path.join(os.path.dirname(__file__), "..", "configs", "scgrpo_arith.yaml")
+QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 CREDIT_KEYS = ["credit/c", "credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all",
                "credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95", "credit/f_mean",
                "credit/f_above_half", "credit/div_adv_std", "policy/entropy"]
@@ -141,3 +143,83 @@ def test_arith_configs_differ_only_in_the_objective_block():
         config["model"].pop("objective")
     first = loaded.pop("scgrpo")
     assert all(config == first for config in loaded.values())
+
+
+def _the_error_line(stderr: str) -> str:
+    """The one ``scgrpo: error:`` line of a failed run's stderr (and no traceback)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("scgrpo: error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("fault", BAD_FILES)
+def test_a_malformed_data_file_ends_the_run_in_one_line_naming_it(fault, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    path = write_bad_file(tmp_path, fault)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir), "--model.validate_before_training=false",
+              "--data.source=scgrpo.data.FileSource", f"--data.source.files={path}", "--data.eval_splits=[]"])
+    assert info.value.code == 2
+    assert _the_error_line(capsys.readouterr().err).startswith(f"scgrpo: error: {path}: {BAD_FILES[fault]}")
+
+
+def test_a_model_folder_with_an_empty_config_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("")
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", f"--model.model={tmp_path / 'model'}", "--trainer.accelerator=cpu"])
+    assert info.value.code == 2
+    line = _the_error_line(capsys.readouterr().err)
+    assert line == f"scgrpo: error: {tmp_path / 'model' / 'config.json'}: the file is empty; expected a Hugging Face model's config (model_type, ...)"
+
+
+def test_a_file_named_runs_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("not a folder")
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir)])
+    assert info.value.code == 2
+    assert _the_error_line(capsys.readouterr().err).startswith(f"scgrpo: error: {tmp_path / 'runs'} is a file")
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--data.batch_size=abc", 'Parser key "data.batch_size": Expected a <class \'int\'>. Got value: abc'),
+        ("--model.objective.init_args.c_quantile=2", "c_quantile must be in (0, 1), got 2.0"),
+    ],
+)
+def test_a_config_error_prints_the_error_not_the_usage(arg, message, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir), arg])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert _the_error_line(err) == f"scgrpo: error: {message}"
+    assert "usage:" not in err and len(err.strip().splitlines()) <= 2
+
+
+def test_the_progress_bar_counts_steps_of_max_steps(tiny_model_dir, tmp_path, monkeypatch):
+    """Lightning's bar on the endless prompt stream read "Epoch 0/-2" and, resumed at step 5 of 10, "10/5"."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from scgrpo import PromptDataModule, RLVRModule
+    from scgrpo.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar
+    from scgrpo.cli import ScgrpoCLI
+
+    resumed = SimpleNamespace(max_steps=10, max_epochs=-1, num_training_batches=float("inf"), global_step=5)
+    lightning, ours = RichProgressBar(), StepRichProgressBar()
+    lightning._trainer = ours._trainer = resumed
+    assert lightning.total_train_batches == 5 and lightning._get_train_description(0).startswith("Epoch 0/-2")
+    assert ours.total_train_batches == 10 and ours._get_train_description(0).strip() == "Step"
+    finite = SimpleNamespace(max_steps=-1, max_epochs=3, num_training_batches=7, global_step=0)
+    ours._trainer = finite  # a finite loader keeps Lightning's epochs
+    assert ours.total_train_batches == 7 and ours._get_train_description(0).startswith("Epoch 0/2")
+
+    monkeypatch.chdir(tmp_path)
+    cli = ScgrpoCLI(RLVRModule, PromptDataModule, run=False, args=[
+        f"--config={QUICKSTART}", f"--model.model={tiny_model_dir}", "--trainer.enable_progress_bar=true"])
+    assert isinstance(cli.trainer.progress_bar_callback, (StepRichProgressBar, StepTQDMProgressBar))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from scgrpo import models
+from scgrpo.errors import InputError
 from scgrpo.models import LoraSettings, check_model_name, load_policy, parse_dtype
 
 
@@ -16,6 +17,27 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         check_model_name(str(tmp_path / "empty"))
     check_model_name("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id is left to from_pretrained
+
+
+@pytest.mark.parametrize(
+    "config, weights, message",
+    [
+        ("", True, "config.json: the file is empty"),
+        ('{"model_type": "llama",', True, "config.json: line 1: not valid JSON (Expecting property name enclosed in double quotes at column 24)"),
+        ('{"hidden_size": 8}', True, "config.json: names no model_type or architectures"),
+        ('{"model_type": "llama"}', False, "has no weights (*.safetensors or *.bin)"),
+        ('{"model_type": "llama"}', True, "has no tokenizer (tokenizer.json, "),
+    ],
+)
+def test_a_folder_that_is_not_a_model_is_one_error_naming_the_part(config, weights, message, tmp_path):
+    (tmp_path / "config.json").write_text(config)
+    if weights:
+        (tmp_path / "model.safetensors").write_bytes(b"")
+    if "tokenizer" not in message:
+        (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(InputError) as info:
+        check_model_name(str(tmp_path))
+    assert str(tmp_path) in str(info.value) and message in str(info.value)
 
 
 def test_missing_smollm2_package_names_the_install_command(monkeypatch):

@@ -5,12 +5,65 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+from pathlib import Path
+from typing import NoReturn, Optional
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from scgrpo.callbacks.progress import count_steps
 from scgrpo.data import PromptDataModule
+from scgrpo.errors import InputError
 from scgrpo.module import RLVRModule
+
+
+_NOISE = re.compile(r"^(- )?(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|Given "
+                    r"value:)|^- (Expected a <class '[\w.]+'>|Expected a path but)")
+
+
+def plain_message(message: str) -> str:
+    """``message`` on one line. jsonargparse reports a value of a union type (``Optional[Objective]``,
+    ``str | PromptSource``) that fails as every member's error, the members and the whole value: only the errors that
+    are not a mere type mismatch are kept (``c_quantile must be in (0, 1), got 2.0``, not ``Expected a <class
+    'NoneType'>``)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    kept = [line.removeprefix("- ") for line in lines if not _NOISE.match(line)]
+    return " ".join(" ".join(kept if kept else lines).split())
+
+
+def fail(err: BaseException) -> NoReturn:
+    """End the run with ``scgrpo: error: <message>`` on one line (exit code 2), or re-raise with SCGRPO_DEBUG."""
+    if os.environ.get("SCGRPO_DEBUG"):
+        raise err
+    message = plain_message(str(err)) or type(err).__name__
+    print(f"scgrpo: error: {message}", file=sys.stderr)
+    raise SystemExit(2) from err
+
+
+class ScgrpoArgumentParser(LightningArgumentParser):
+    """A config error (a value of the wrong type, an unknown key) prints the error and where to find the options,
+    not the 90 lines of usage first; ``--help`` still prints them."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("SCGRPO_DEBUG"):
+            super().error(message, ex)  # nested parsers raise, and the outer one reports
+        parser = getattr(ex, "subcommand_parser", None) or self
+        subcommand = parser.prog.replace(" [options]", "").split()[1:]  # the prog is "scgrpo fit" or "cli.py fit"
+        print(f"scgrpo: error: {plain_message(message)}", file=sys.stderr)
+        print(f"scgrpo: `{' '.join(['scgrpo', *subcommand, '--help'])}` lists the options", file=sys.stderr)
+        self.exit(2)
+
+
+def check_output_folder(folder: str) -> None:
+    """Fail before the run starts when ``folder`` cannot be made: a file stands where it or a parent should be."""
+    path = Path(folder).absolute()
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{parent} is a file, where the run's folder {folder} should be; move it away or "
+                                 "set the loggers' save_dir")
+            return
 
 
 class ScgrpoCLI(LightningCLI):
@@ -19,13 +72,14 @@ class ScgrpoCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, FileNotFoundError, ModuleNotFoundError, NotImplementedError) as err:
-            if os.environ.get("SCGRPO_DEBUG"):
-                raise
-            print(f"scgrpo: error: {err}", file=sys.stderr)
-            raise SystemExit(2) from err
+            fail(err)
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
+        for logger in trainer.loggers:
+            if getattr(logger, "root_dir", None):
+                check_output_folder(logger.root_dir)
+        count_steps(trainer)  # "Step 3/10", not "Epoch 0/-2"
         # Fix every logger's version before any of them creates its folder, so that the CSV and TensorBoard
         # loggers of one run share runs/<name>/version_N instead of taking consecutive numbers.
         for logger in trainer.loggers:
@@ -59,14 +113,18 @@ def main(args=None) -> None:
     logging.basicConfig(level=os.environ.get("SCGRPO_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    ScgrpoCLI(
-        RLVRModule,
-        PromptDataModule,
-        save_config_kwargs={"overwrite": True},
-        seed_everything_default=0,
-        args=args,
-    )
+    try:
+        ScgrpoCLI(
+            RLVRModule,
+            PromptDataModule,
+            parser_class=ScgrpoArgumentParser,
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,
+            args=args,
+        )
+    except InputError as err:  # a bad data file or model folder found during the run: one line, not a traceback
+        fail(err)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main(sys.argv[1:])
+    main()

@@ -15,6 +15,8 @@ from typing import Optional, Union
 
 import torch
 
+from scgrpo.errors import InputError
+
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2"
@@ -101,8 +103,34 @@ def check_model_name(name: str) -> None:
     elif path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {name} has no config.json; expected a Hugging Face model folder")
+        check_model_folder(path)
     elif name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise FileNotFoundError(f"model path does not exist: {name}")
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "*.tiktoken")
+
+
+def check_model_folder(path: Path) -> None:
+    """A folder with a config.json is a model only if that file is a JSON object naming the architecture and weight
+    and tokenizer files lie beside it; else one :class:`InputError` that says which part is missing."""
+    config_file = path / "config.json"
+    text = config_file.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise InputError(f"{config_file}: the file is empty; expected a Hugging Face model's config (model_type, ...)")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{config_file}: line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from err
+    if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
+        raise InputError(f"{config_file}: names no model_type or architectures; expected a Hugging Face model's config")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise InputError(f"model folder {path} has no weights (*.safetensors or *.bin) beside its config.json")
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise InputError(f"model folder {path} has no tokenizer (tokenizer.json, tokenizer_config.json, "
+                         "tokenizer.model or vocab.json) beside its config.json")
 
 
 def resolve_model(name: str) -> str:
@@ -199,8 +227,16 @@ def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings], qua
         kwargs = {"quantization_config": quantization_config(quantization, dtype), "device_map": {"": device.index or 0}}
         dtype = kwargs["quantization_config"].bnb_4bit_compute_dtype
     source = resolve_model(name)
-    tokenizer = load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    part = "tokenizer"
+    try:
+        tokenizer = load_tokenizer(source)
+        part = "model"
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # not found, offline, corrupt or unknown files
+        if isinstance(err, InputError):
+            raise
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise InputError(f"{source}: its {part} could not be loaded: {reason}") from err
     for attribute in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, attribute, None) not in (None, 1.0):
             raise NotImplementedError(

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from scgrpo.errors import InputError
 from scgrpo.data import ArithmeticTask, CountdownTask, FileSource, HubDataset, PromptDataModule, PromptStream, resolve_source
 from scgrpo.verifiers import CountdownVerifier, NumericVerifier
 
@@ -135,3 +136,62 @@ def test_datamodule_eval_splits_and_state():
     assert fresh.batches_consumed == 5
     with pytest.raises(ValueError, match="eval_splits \\['test'\\]"):
         PromptDataModule("arithmetic", eval_splits=["test"])
+
+
+def _good_lines(n: int = 10) -> list[str]:
+    return [json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) for i in range(n)]
+
+
+def write_bad_file(folder, fault: str) -> str:
+    """A data file with one fault: empty, non-UTF-8 bytes on line 3, a broken line 7, a line 7 that is a list, no
+    answer column."""
+    lines = _good_lines()
+    path = folder / f"{fault}.jsonl"
+    if fault == "empty":
+        path.write_bytes(b"")
+        return str(path)
+    if fault == "not_utf8":
+        raw = [line.encode() for line in lines]
+        raw[2] = b'{"question": "caf\xe9 \xff", "answer": 1}'
+        path.write_bytes(b"\n".join(raw) + b"\n")
+        return str(path)
+    if fault == "broken_line":
+        lines[6] = '{"question": "What is 6 + 1?", "answer": '
+    elif fault == "not_an_object":
+        lines[6] = "[1, 2]"
+    elif fault == "no_answer_column":
+        lines = [json.dumps({"question": f"q{i}", "solution": i}) for i in range(10)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+BAD_FILES = {
+    "empty": "the file is empty",
+    "not_utf8": "line 3: not UTF-8 text (byte 0xe9 at column 18)",
+    "broken_line": "line 7: not valid JSON",
+    "not_an_object": "line 7: a JSON list, where each line should be an object",
+    "no_answer_column": "no column 'answer' for the answer (columns: ['question', 'solution'])",
+}
+
+
+@pytest.mark.parametrize("fault", BAD_FILES)
+def test_a_malformed_file_is_one_error_naming_the_file_and_line(fault, tmp_path):
+    path = write_bad_file(tmp_path, fault)
+    with pytest.raises(InputError) as info:
+        FileSource(path).rows("train")
+    assert str(info.value).startswith(f"{path}: {BAD_FILES[fault]}")
+    assert "\n" not in str(info.value)
+
+
+def test_a_broken_json_array_names_its_line(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text('[\n {"question": "a", "answer": 1},\n {"question": "b" "answer": 2}\n]\n')
+    with pytest.raises(InputError, match=f"^{path}: line 3: not valid JSON"):
+        FileSource(str(path)).rows("train")
+
+
+def test_a_csv_row_with_extra_fields_names_its_line(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text('question,answer\n"a?",1\n"b?",2,3,4\n')
+    with pytest.raises(InputError, match=f"^{path}: could not be read as csv: .*Expected 2 fields in line 3, saw 4"):
+        FileSource(str(path)).rows("train")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -10,6 +11,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from scgrpo.data.buffer import VerifiedBuffer
+from scgrpo.data.lengths import drop_long_rows, prompt_limits
 from scgrpo.distributed import world_size
 from scgrpo.data.sources import PromptSource, Row, resolve_source
 from scgrpo.rollout.types import PromptBatch
@@ -64,6 +66,11 @@ class PromptDataModule(LightningDataModule):
         seed: fixes the order of training prompts.
         buffer_size_per_prompt: K, verified completions kept per prompt for the self-teacher (0 = none).
         buffer_max_total: cap on verified completions kept overall.
+        max_prompt_tokens: rows whose prompt (the question in the chat template) has more tokens are skipped when a
+            split is loaded, with one warning that counts them and names the longest. None: the model's context
+            minus ``generation.max_new_tokens``; a larger value is lowered to that. With a self-teacher objective its
+            view of the row (the question under a system block holding a reference of up to ``max_new_tokens``)
+            must fit the same context too.
     """
 
     def __init__(
@@ -76,10 +83,15 @@ class PromptDataModule(LightningDataModule):
         seed: int = 0,
         buffer_size_per_prompt: int = 4,
         buffer_max_total: Optional[int] = 100_000,
+        max_prompt_tokens: Optional[int] = None,
     ) -> None:
         super().__init__()
         if batch_size < 1 or eval_batch_size < 1:
             raise ValueError(f"batch sizes must be >= 1, got batch_size={batch_size}, eval_batch_size={eval_batch_size}")
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
+        self.max_prompt_tokens = max_prompt_tokens
+        self._fitting: dict[tuple, list[Row]] = {}
         self.source = resolve_source(source)
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         available = self.source.eval_splits()
@@ -99,8 +111,24 @@ class PromptDataModule(LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
+    def split_rows(self, split: str) -> list[Row]:
+        """The rows of ``split`` that fit the model being trained (see ``max_prompt_tokens``): the source's rows,
+        with those too long skipped and counted once. Outside a Trainer, or for a module without a tokenizer, all
+        of them."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is None or getattr(module, "tokenizer", None) is None or not hasattr(module, "format_prompts"):
+            return self.source.rows(split)
+        limits = prompt_limits(module, self.max_prompt_tokens)
+        # the teacher limit applies to training rows only: evaluation samples without a teacher
+        if split != "train":
+            limits = replace(limits, teacher=None)
+        key = (split, limits)
+        if key not in self._fitting:
+            self._fitting[key] = drop_long_rows(module, self.source.rows(split), limits, self.source.describe(split))
+        return self._fitting[key]
+
     def train_dataloader(self) -> DataLoader:
-        rows = self.source.rows("train")
+        rows = self.split_rows("train")
         if not rows:
             raise ValueError(f"{type(self.source).__name__} gave an empty train split")
         rank, world = self._rank_world()
@@ -110,7 +138,7 @@ class PromptDataModule(LightningDataModule):
         return DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator().manual_seed(self.seed))
 
     def eval_rows(self, split: str) -> list[Row]:
-        rows = self.source.rows(split)
+        rows = self.split_rows(split)
         return rows[: self.max_eval_prompts] if self.max_eval_prompts else rows
 
     def val_dataloader(self) -> list[DataLoader]:
@@ -132,7 +160,7 @@ class PromptDataModule(LightningDataModule):
         """One more batch of training prompts for DAPO's dynamic sampling, from a second seeded stream (the
         main one is already being read ahead by the data loader); its position is checkpointed too."""
         rank, world = self._rank_world()
-        stream = PromptStream(self.source.rows("train"), self.batch_size, self.seed + 1_000_003, self.extra_consumed, rank, world)
+        stream = PromptStream(self.split_rows("train"), self.batch_size, self.seed + 1_000_003, self.extra_consumed, rank, world)
         self.extra_consumed += 1
         return next(iter(stream))
 

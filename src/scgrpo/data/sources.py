@@ -6,12 +6,14 @@ verifier that fits its answers. Choose one in YAML by ``class_path`` or, for bui
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 from abc import ABC, abstractmethod
 from typing import Any, Optional, Union
 
+from scgrpo.errors import InputError
 from scgrpo.verifiers import CountdownVerifier, NumericVerifier, Verifier
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,10 @@ class PromptSource(ABC):
 
     def default_verifier(self) -> Verifier:
         return NumericVerifier()
+
+    def describe(self, split: str) -> str:
+        """Where the rows of ``split`` come from, for messages (a file's path, a dataset's name)."""
+        return f"{type(self).__name__} split {split!r}"
 
     def eval_splits(self) -> list[str]:
         return [s for s in self.splits() if s != "train"]
@@ -193,11 +199,11 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
     for ours in ("question", "answer"):
         theirs = columns.get(ours, ours)
         if theirs not in names:
-            raise ValueError(
+            raise InputError(
                 f"{where}: no column {theirs!r} for the {ours} (columns: {names}); set columns: {{{ours}: <name>}}"
             )
     if len(table) == 0:
-        raise ValueError(f"{where}: the dataset is empty")
+        raise InputError(f"{where}: the dataset is empty")
     qcol, acol, icol = columns.get("question", "question"), columns.get("answer", "answer"), columns.get("id", "id")
     # the function the tests call travels with them (APPS keeps its fn_name inside input_output)
     context = [c for c in TEST_CONTEXT if c in names] if acol in TEST_COLUMNS and acol != "input_output" else []
@@ -213,11 +219,57 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
     if skipped:
         log.warning("%s: skipped %d of %d rows with a missing or empty question/answer", where, skipped, len(table))
     if not rows:
-        raise ValueError(f"{where}: every row lacks a question or an answer")
+        raise InputError(f"{where}: every row lacks a question or an answer")
     return rows
 
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
+
+
+def _reason(err: BaseException) -> str:
+    """The message of the exception at the root of ``err``'s chain, on one line (datasets wraps a reader's error,
+    e.g. pandas' "Expected 2 fields in line 3, saw 4", in "An error occurred while generating the dataset")."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _text_file_fault(path: str, ext: str) -> Optional[str]:
+    """The first fault of a text data file, as "line N: what is wrong" (or "the file is empty"); None when none is
+    found (and for Parquet). Checks that every line is UTF-8 and, for JSON Lines, a JSON object."""
+    if ext == ".parquet":
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.strip():
+        return "the file is empty"
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, 1):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return f"line {number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+    text = data.decode("utf-8")
+    if ext == ".json" and text.lstrip()[:1] in ("[", "{"):
+        try:
+            json.loads(text)
+            return None
+        except json.JSONDecodeError as err:
+            if not err.msg.startswith("Extra data"):  # else: JSON Lines in a .json file, checked line by line
+                return f"line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})"
+    if ext in (".jsonl", ".json"):
+        for number, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"line {number}: not valid JSON ({err.msg} at column {err.colno})"
+            if not isinstance(value, dict):
+                return f"line {number}: a JSON {type(value).__name__}, where each line should be an object of columns"
+    return None
 
 
 class FileSource(PromptSource):
@@ -244,6 +296,8 @@ class FileSource(PromptSource):
                 raise FileNotFoundError(f"data file for split {split!r} does not exist: {path}")
             if os.path.splitext(path)[1].lower() not in _FORMATS:
                 raise ValueError(f"{path}: unknown file type; expected one of {sorted(_FORMATS)}")
+            if os.path.isfile(path) and os.path.getsize(path) == 0:
+                raise InputError(f"{path}: the file is empty")
         self.columns = dict(columns or {})
         self._verifier = verifier
         self._answers_are_tests = False
@@ -251,6 +305,9 @@ class FileSource(PromptSource):
 
     def splits(self) -> list[str]:
         return list(self.files)
+
+    def describe(self, split: str) -> str:
+        return self.files.get(split, super().describe(split))
 
     def default_verifier(self) -> Verifier:
         if self._verifier is not None:
@@ -271,15 +328,30 @@ class FileSource(PromptSource):
             path = self.files[split]
             ext = os.path.splitext(path)[1].lower()
             kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
+            # datasets reports a bad file as a bare StopIteration, a UnicodeDecodeError at a byte position or a
+            # JSON error at a character position, some of them only when the rows are read: on any failure the
+            # file is read again to find the line at fault
+            readers = logging.getLogger("datasets.packaged_modules")  # they log a failure before raising it
+            level = readers.level
+            readers.setLevel(logging.CRITICAL)
             try:
                 table = datasets.load_dataset(_FORMATS[ext], data_files=path, split="train", **kwargs)
-            except ValueError as err:
-                if "no data" in str(err):
-                    raise ValueError(f"{path}: the dataset is empty") from err
-                raise ValueError(f"{path}: could not be read as {_FORMATS[ext]}: {err}") from err
+                answer_column = _answer_column(list(table.column_names), self.columns)
+                rows = _table_rows(table, self.columns, path)
+            except InputError:
+                raise
+            except Exception as err:  # noqa: BLE001 - whatever the reader raised, the user sees the file and line
+                fault = _text_file_fault(path, ext)
+                if fault is not None:
+                    raise InputError(f"{path}: {fault}") from err
+                if isinstance(err, ValueError) and "no data" in str(err):
+                    raise InputError(f"{path}: the dataset is empty") from err
+                raise InputError(f"{path}: could not be read as {ext[1:]}: {_reason(err)}") from err
+            finally:
+                readers.setLevel(level)
             if split == "train":  # the default verifier follows the train split's answers
-                self._answers_are_tests = _answer_column(list(table.column_names), self.columns) in TEST_COLUMNS
-            self._cache[split] = _table_rows(table, self.columns, path)
+                self._answers_are_tests = answer_column in TEST_COLUMNS
+            self._cache[split] = rows
         return self._cache[split]
 
 
@@ -314,6 +386,9 @@ class HubDataset(PromptSource):
     def splits(self) -> list[str]:
         return list(self.split_map)
 
+    def describe(self, split: str) -> str:
+        return f"{self.name}[{self.split_map.get(split, split)}]"
+
     def default_verifier(self) -> Verifier:
         return self._verifier or NumericVerifier()
 
@@ -323,8 +398,12 @@ class HubDataset(PromptSource):
         if split not in self._cache:
             import datasets
 
-            table = datasets.load_dataset(self.name, self.subset, split=self.split_map[split])
-            self._cache[split] = _table_rows(table, self.columns, f"{self.name}[{self.split_map[split]}]")
+            where = self.describe(split)
+            try:
+                table = datasets.load_dataset(self.name, self.subset, split=self.split_map[split])
+            except Exception as err:  # noqa: BLE001 - not found, offline, malformed: one line naming the dataset
+                raise InputError(f"{where}: could not be loaded: {_reason(err)}") from err
+            self._cache[split] = _table_rows(table, self.columns, where)
         return self._cache[split]
 
 
