@@ -59,13 +59,15 @@ def main(args=None) -> None:
     logging.basicConfig(level=os.environ.get("SCGRPO_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    ScgrpoCLI(
+    cli = ScgrpoCLI(
         RLVRModule,
         PromptDataModule,
         save_config_kwargs={"overwrite": True},
         seed_everything_default=0,
         args=args,
     )
+    if getattr(cli.model, "diverged", False):  # the divergence guard stopped the run (its message is logged)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover
