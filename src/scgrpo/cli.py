@@ -9,6 +9,7 @@ import sys
 
 from lightning.pytorch.cli import LightningCLI
 
+from scgrpo.callbacks import StepCheckpoint
 from scgrpo.data import PromptDataModule
 from scgrpo.module import RLVRModule
 
@@ -25,6 +26,11 @@ class ScgrpoCLI(LightningCLI):
             raise SystemExit(2) from err
 
     def instantiate_trainer(self, **kwargs):
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        checkpoint = config.get("checkpoint")  # by step, unless checkpointing is off
+        if checkpoint is not None and config.trainer.get("enable_checkpointing") is not False:
+            callbacks = config.trainer.get("callbacks") or []
+            kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), checkpoint]
         trainer = super().instantiate_trainer(**kwargs)
         # Fix every logger's version before any of them creates its folder, so that the CSV and TensorBoard
         # loggers of one run share runs/<name>/version_N instead of taking consecutive numbers.
@@ -33,6 +39,7 @@ class ScgrpoCLI(LightningCLI):
         return trainer
 
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_class_arguments(StepCheckpoint, "checkpoint", instantiate=True, sub_configs=True)
         parser.set_defaults(
             {
                 "trainer.logger": [

@@ -12,10 +12,12 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
 
 from scgrpo.callbacks import (
     AdapterExport,
+    AtomicCheckpointIO,
     CompletionsTable,
     CreditLogging,
     DynamicSamplingCallback,
@@ -257,6 +259,9 @@ class RLVRModule(LightningModule):
                 raise ValueError("no verifier given and the data module offers no default; set model.verifier")
             verifier = datamodule.default_verifier()
         self.verifier_runner = VerifierRunner(verifier)
+        if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
+            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def configure_callbacks(self):
         callbacks = [RolloutCallback(), VerificationCallback()]

@@ -10,6 +10,8 @@ from typing import Optional
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
+from scgrpo.callbacks.checkpoint import write_folder_atomically
+
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +76,8 @@ class AdapterExport(Callback):
 
     An adapter is written only when its weights, and the policy's log-probs on a probe text, are finite (a
     diverged run's weights can be finite and still give NaN logits); after the divergence guard stopped a run,
-    ``final`` holds the weights it restored."""
+    ``final`` holds the weights it restored. Each folder is written beside its place and then swapped in, so an
+    interrupted export leaves the previous one whole."""
 
     def __init__(self, every_n_steps: Optional[int] = None, dirpath: Optional[str] = None) -> None:
         self.every_n_steps, self.dirpath = every_n_steps, dirpath
@@ -91,8 +94,11 @@ class AdapterExport(Callback):
             prefix = "runner.policy."
             state = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}
         if trainer.is_global_zero:
-            pl_module.policy.save_pretrained(folder, **({"state_dict": state} if state is not None else {}))
-            pl_module.tokenizer.save_pretrained(folder)
+            def write(path: str) -> None:
+                pl_module.policy.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
+                pl_module.tokenizer.save_pretrained(path)
+
+            write_folder_atomically(write, folder)
             log.info("saved adapter to %s", folder)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
