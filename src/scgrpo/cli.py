@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LightningCLI
 from scgrpo.callbacks import StepCheckpoint
 from scgrpo.data import PromptDataModule
 from scgrpo.module import RLVRModule
+from scgrpo.runs import DEFAULT_NAME, DEFAULT_ROOT, share_run_folder
 
 
 class ScgrpoCLI(LightningCLI):
@@ -25,6 +26,14 @@ class ScgrpoCLI(LightningCLI):
             print(f"scgrpo: error: {err}", file=sys.stderr)
             raise SystemExit(2) from err
 
+    def before_instantiate_classes(self) -> None:
+        # one folder per run for all file loggers, following trainer.default_root_dir; a resumed fit goes on in
+        # the folder of its checkpoint (scgrpo.runs)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        resumed = share_run_folder(config.trainer, config.get("ckpt_path") if self.subcommand == "fit" else None)
+        if resumed is not None:
+            logging.getLogger(__name__).info("resuming in %s", resumed)
+
     def instantiate_trainer(self, **kwargs):
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         checkpoint = config.get("checkpoint")  # by step, unless checkpointing is off
@@ -33,7 +42,7 @@ class ScgrpoCLI(LightningCLI):
             kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), checkpoint]
         trainer = super().instantiate_trainer(**kwargs)
         # Fix every logger's version before any of them creates its folder, so that the CSV and TensorBoard
-        # loggers of one run share runs/<name>/version_N instead of taking consecutive numbers.
+        # loggers of one run share <root>/<name>/version_N instead of taking consecutive numbers.
         for logger in trainer.loggers:
             _ = logger.version
         return trainer
@@ -44,12 +53,12 @@ class ScgrpoCLI(LightningCLI):
             {
                 "trainer.logger": [
                     {
-                        "class_path": "lightning.pytorch.loggers.CSVLogger",
-                        "init_args": {"save_dir": "runs", "name": "scgrpo", "flush_logs_every_n_steps": 10},
+                        "class_path": "scgrpo.runs.RunCSVLogger",
+                        "init_args": {"save_dir": DEFAULT_ROOT, "name": DEFAULT_NAME, "flush_logs_every_n_steps": 10},
                     },
                     {
                         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                        "init_args": {"save_dir": "runs", "name": "scgrpo"},
+                        "init_args": {"save_dir": DEFAULT_ROOT, "name": DEFAULT_NAME},
                     },
                 ],
                 "trainer.max_steps": 100,
