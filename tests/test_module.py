@@ -231,15 +231,18 @@ def test_absurd_learning_rate_stops_the_run_and_keeps_a_finite_adapter(objective
     from safetensors.torch import load_file
 
     import scgrpo.objectives
+    from scgrpo.callbacks import StepCheckpoint
 
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=getattr(scgrpo.objectives, objective)(),
                          optimizer=lambda params: torch.optim.AdamW(params, lr=1e37))
     module.configure_model()
     before = {n.replace(".default", ""): p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
-    trainer = tiny_trainer(tmp_path, max_steps=20)
+    checkpoints = StepCheckpoint(every_n_train_steps=1, dirpath=tmp_path / "ckpt")
+    trainer = tiny_trainer(tmp_path, max_steps=20, enable_checkpointing=True, callbacks=[checkpoints])
     trainer.fit(module, datamodule=tiny_data())
     assert trainer.global_step == 4 and module.diverged  # one update, then three skipped steps
+    assert not os.path.exists(tmp_path / "ckpt" / "last.ckpt")  # the only candidate, after step 1, gives NaN
     assert caplog.text.count("training diverged") == 1 and "sampling log-probs" in caplog.text
     skips = [float(r["train/nonfinite_skips"]) for r in _metrics(trainer) if r.get("train/nonfinite_skips")]
     assert skips == [0.0, 1.0, 2.0, 3.0]

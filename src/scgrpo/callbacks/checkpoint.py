@@ -108,7 +108,8 @@ class StepCheckpoint(ModelCheckpoint):
     the step with the best ``monitor`` so far, written after each validation.
 
     No checkpoint is taken from a step the divergence guard skipped (non-finite values), after it stopped the
-    run, or in the middle of an optimiser step, so ``last.ckpt`` always holds weights that gave finite values.
+    run, in the middle of an optimiser step, or of weights whose log-probs on a probe text are not finite, so
+    ``last.ckpt`` always holds weights that give finite values.
     Unlike ``ModelCheckpoint(every_n_train_steps=...)`` it is made for the module's manual optimisation (a step
     is complete when ``on_train_batch_end`` runs) and does not warn about it.
 
@@ -153,9 +154,20 @@ class StepCheckpoint(ModelCheckpoint):
                     or getattr(pl_module, "diverged", False) or getattr(pl_module, "last_step_skipped", False)
                     or getattr(pl_module, "updating", False))
 
+    def _finite(self, trainer, pl_module) -> bool:
+        """The weights' log-probs are finite (an update can leave finite weights that overflow: the next step
+        would only find out when sampling). Every rank must call it when sharded."""
+        if not hasattr(pl_module, "policy_is_finite") or pl_module.policy_is_finite():
+            return True
+        if trainer.is_global_zero:
+            log.warning("no checkpoint written at step %d: the policy's log-probs are not finite", trainer.global_step)
+        return False
+
     def write_last(self, trainer, pl_module) -> bool:
         """Writes ``last.ckpt`` unless this step's is written or it may not be (see the class); True if written."""
         if not self._may_save(trainer, pl_module) or self._last_step_saved == trainer.global_step:
+            return False
+        if not self._finite(trainer, pl_module):
             return False
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         self._last_step_saved = trainer.global_step
@@ -171,7 +183,7 @@ class StepCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.global_step == 0 or not self._may_save(trainer, pl_module):
             return  # (step 0: the untrained weights, the base model)
-        if self._find_monitor(trainer) is not None:
+        if self._find_monitor(trainer) is not None and self._finite(trainer, pl_module):
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
