@@ -87,3 +87,64 @@ def test_four_steps_equal_two_steps_checkpoint_and_two_resumed_steps(tiny_model_
     a, b = _lora_state(straight), _lora_state(resumed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_checkpoints_are_written_beside_their_target_and_never_in_tmpdir(tiny_model_dir, tmp_path, monkeypatch):
+    """Lightning's writer stages each save in a temporary file of $TMPDIR (fsspec), where a killed save leaves
+    it; the module's writes ``.last.ckpt.tmp-<pid>`` beside the target and renames it into place. Interrupted,
+    it leaves the old checkpoint whole and no temporary file; a killed save's leftover is removed by the next."""
+    import subprocess
+    import tempfile
+
+    import pytest
+
+    staged = []
+    mkstemp = tempfile.mkstemp
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *args, **kwargs: staged.append(args) or mkstemp(*args, **kwargs))
+    folder = tmp_path / "ckpt"
+    trainer = tiny_trainer(tmp_path, max_steps=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0)])
+    trainer.fit(tiny_module(tiny_model_dir), datamodule=tiny_data())
+    assert os.listdir(folder) == ["last.ckpt"] and not staged
+    whole = (folder / "last.ckpt").read_bytes()
+
+    def killed_midway(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    save = torch.save
+    monkeypatch.setattr(torch, "save", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_checkpoint(folder / "last.ckpt")
+    assert os.listdir(folder) == ["last.ckpt"] and (folder / "last.ckpt").read_bytes() == whole
+    monkeypatch.setattr(torch, "save", save)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (folder / f".last.ckpt.tmp-{gone.pid}").write_bytes(b"what a killed save left")
+    trainer.save_checkpoint(folder / "last.ckpt")
+    assert os.listdir(folder) == ["last.ckpt"] and not staged
+
+
+def test_ctrl_c_saves_the_last_finished_step(tiny_model_dir, tmp_path):
+    """A run interrupted before its first periodic checkpoint keeps what it trained."""
+    import pytest
+    from lightning.pytorch import Callback
+
+    from scgrpo.callbacks import StepCheckpoint
+
+    class CtrlC(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                raise KeyboardInterrupt
+
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir)
+    folder = tmp_path / "ckpt"
+    trainer = tiny_trainer(tmp_path, max_steps=50, enable_checkpointing=True,
+                           callbacks=[CtrlC(), StepCheckpoint(every_n_train_steps=50, dirpath=folder)])
+    with pytest.raises(SystemExit):  # Lightning's graceful shutdown after a KeyboardInterrupt
+        trainer.fit(module, datamodule=tiny_data())
+    checkpoint = torch.load(folder / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 2 and checkpoint["PromptDataModule"]["batches_consumed"] == 2
+    for name, p in module.policy.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(checkpoint["state_dict"][f"runner.policy.{name}"], p), name

@@ -220,3 +220,34 @@ def test_tis_scales_each_tokens_gradient_by_the_capped_ratio(tiny_model_dir, gap
     assert any(g.abs().max() > 0 for g in plain)
     for a, b in zip(plain, corrected):
         torch.testing.assert_close(b, scale * a, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["GRPO", "DAPO"])
+def test_absurd_learning_rate_stops_the_run_and_keeps_a_finite_adapter(objective, tiny_model_dir, tmp_path, caplog):
+    """lr 1e37: one update makes the logits NaN. The sampler still returns completions (all alike, so every
+    advantage is 0 and no loss is computed; DAPO would drop every group); the guard sees the sampler's NaN
+    log-probs, skips three steps in a row, stops with one message and puts back the weights from before the bad
+    update, which the final adapter holds."""
+    from safetensors.torch import load_file
+
+    import scgrpo.objectives
+    from scgrpo.callbacks import StepCheckpoint
+
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=getattr(scgrpo.objectives, objective)(),
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=1e37))
+    module.configure_model()
+    before = {n.replace(".default", ""): p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+    checkpoints = StepCheckpoint(every_n_train_steps=1, dirpath=tmp_path / "ckpt")
+    trainer = tiny_trainer(tmp_path, max_steps=20, enable_checkpointing=True, callbacks=[checkpoints])
+    trainer.fit(module, datamodule=tiny_data())
+    assert trainer.global_step == 4 and module.diverged  # one update, then three skipped steps
+    assert not os.path.exists(tmp_path / "ckpt" / "last.ckpt")  # the only candidate, after step 1, gives NaN
+    assert caplog.text.count("training diverged") == 1 and "sampling log-probs" in caplog.text
+    skips = [float(r["train/nonfinite_skips"]) for r in _metrics(trainer) if r.get("train/nonfinite_skips")]
+    assert skips == [0.0, 1.0, 2.0, 3.0]
+    saved = load_file(os.path.join(trainer.log_dir, "adapter", "final", "adapter_model.safetensors"))
+    assert set(saved) == set(before)
+    for name, value in saved.items():
+        assert torch.equal(value, before[name]), name
+    assert module.policy_is_finite()  # and its log-probs on a probe are finite

@@ -12,10 +12,12 @@ from typing import NoReturn, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from scgrpo.callbacks import StepCheckpoint
 from scgrpo.callbacks.progress import count_steps
 from scgrpo.data import PromptDataModule
 from scgrpo.errors import InputError
 from scgrpo.module import RLVRModule
+from scgrpo.runs import DEFAULT_NAME, DEFAULT_ROOT, share_run_folder
 
 
 _NOISE = re.compile(r"^(- )?(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|Given "
@@ -74,29 +76,43 @@ class ScgrpoCLI(LightningCLI):
         except (ValueError, FileNotFoundError, ModuleNotFoundError, NotImplementedError) as err:
             fail(err)
 
+    def before_instantiate_classes(self) -> None:
+        # one folder per run for all file loggers, following trainer.default_root_dir; a resumed fit goes on in
+        # the folder of its checkpoint (scgrpo.runs)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        resumed = share_run_folder(config.trainer, config.get("ckpt_path") if self.subcommand == "fit" else None)
+        if resumed is not None:
+            logging.getLogger(__name__).info("resuming in %s", resumed)
+
     def instantiate_trainer(self, **kwargs):
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        checkpoint = config.get("checkpoint")  # by step, unless checkpointing is off
+        if checkpoint is not None and config.trainer.get("enable_checkpointing") is not False:
+            callbacks = config.trainer.get("callbacks") or []
+            kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), checkpoint]
         trainer = super().instantiate_trainer(**kwargs)
         for logger in trainer.loggers:
             if getattr(logger, "root_dir", None):
                 check_output_folder(logger.root_dir)
         count_steps(trainer)  # "Step 3/10", not "Epoch 0/-2"
         # Fix every logger's version before any of them creates its folder, so that the CSV and TensorBoard
-        # loggers of one run share runs/<name>/version_N instead of taking consecutive numbers.
+        # loggers of one run share <root>/<name>/version_N instead of taking consecutive numbers.
         for logger in trainer.loggers:
             _ = logger.version
         return trainer
 
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_class_arguments(StepCheckpoint, "checkpoint", instantiate=True, sub_configs=True)
         parser.set_defaults(
             {
                 "trainer.logger": [
                     {
-                        "class_path": "lightning.pytorch.loggers.CSVLogger",
-                        "init_args": {"save_dir": "runs", "name": "scgrpo", "flush_logs_every_n_steps": 10},
+                        "class_path": "scgrpo.runs.RunCSVLogger",
+                        "init_args": {"save_dir": DEFAULT_ROOT, "name": DEFAULT_NAME, "flush_logs_every_n_steps": 10},
                     },
                     {
                         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                        "init_args": {"save_dir": "runs", "name": "scgrpo"},
+                        "init_args": {"save_dir": DEFAULT_ROOT, "name": DEFAULT_NAME},
                     },
                 ],
                 "trainer.max_steps": 100,
@@ -114,7 +130,7 @@ def main(args=None) -> None:
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        ScgrpoCLI(
+        cli = ScgrpoCLI(
             RLVRModule,
             PromptDataModule,
             parser_class=ScgrpoArgumentParser,
@@ -124,6 +140,8 @@ def main(args=None) -> None:
         )
     except InputError as err:  # a bad data file or model folder found during the run: one line, not a traceback
         fail(err)
+    if getattr(cli.model, "diverged", False):  # the divergence guard stopped the run (its message is logged)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import defaultdict
 from typing import Any, Optional
@@ -11,10 +12,12 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
 
 from scgrpo.callbacks import (
     AdapterExport,
+    AtomicCheckpointIO,
     CompletionsTable,
     CreditLogging,
     DynamicSamplingCallback,
@@ -111,6 +114,12 @@ class RLVRModule(LightningModule):
         validate_before_training: run validation once before the first step.
         log_completions_every_n_steps: write sample completions every N steps (0 = never).
         save_adapter_every_n_steps: export the adapter every N steps (None: only at the end).
+        max_nonfinite_skips: the divergence guard. A step whose sampling log-probs or entropies, scoring or
+            teacher log-probs, advantages, loss or gradient norm is NaN or infinite changes no weight and is
+            counted (``train/nonfinite_skips``); after this many such steps in a row the run stops with one
+            message, the weights of the last step that gave finite values are put back (the final adapter holds
+            them) and no checkpoint is written over the last good one. 0: skip such steps but never stop (and keep
+            no copy of the trainable weights, which costs their size in memory).
         tis_cap: truncated importance sampling: each token's policy-gradient term is weighted by
             min(pi_trainer(y) / pi_sampler(y), tis_cap), the ratio of the trainer's probability (at sampling time)
             to the sampler's, correcting for the gap between the two (numerics, and top-k / top-p filtering,
@@ -143,6 +152,7 @@ class RLVRModule(LightningModule):
         log_completions_every_n_steps: int = 10,
         save_adapter_every_n_steps: Optional[int] = None,
         tis_cap: float = 0.0,
+        max_nonfinite_skips: int = 3,
     ) -> None:
         super().__init__()
         if eval_samples < 1:
@@ -153,6 +163,9 @@ class RLVRModule(LightningModule):
         if tis_cap < 0 or (0 < tis_cap < 1):
             raise ValueError(f"tis_cap must be 0 (off) or >= 1 (a cap on pi_trainer / pi_sampler), got {tis_cap}")
         self.tis_cap = tis_cap
+        if max_nonfinite_skips < 0:
+            raise ValueError(f"max_nonfinite_skips must be >= 0 (0 = never stop), got {max_nonfinite_skips}")
+        self.max_nonfinite_skips = max_nonfinite_skips
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={quantization!r}: expected null or one of {QUANTIZATIONS}")
         if quantization is not None and lora is None:
@@ -178,7 +191,13 @@ class RLVRModule(LightningModule):
         self.runner: Optional[PolicyRunner] = None  # holds the policy; the FSDP root when sharded
         self.tokenizer = None
         self.verifier_runner: Optional[VerifierRunner] = None
-        self.nonfinite_skips = 0
+        self.nonfinite_skips = 0  # steps skipped for a NaN/inf, over the whole run (checkpointed)
+        self.consecutive_skips = 0  # of them, in a row up to the last step
+        self.diverged = False  # the guard stopped the run; checkpoint and adapter callbacks read it
+        self.last_step_skipped = False  # the last training step changed no weight (its rollouts are not stored)
+        self.updating = False  # inside an optimiser step (a checkpoint taken now could hold half an update)
+        self._good_weights: Optional[list[Tensor]] = None  # trainable tensors of the last step with finite values
+        self._good_step = 0
         self._self_teacher: Optional[SelfTeacher] = None
         self.last_step_metrics: dict[str, float] = {}
         self._mismatch: dict[str, float] = defaultdict(float)  # this step's sampler-trainer mismatch sums
@@ -240,6 +259,9 @@ class RLVRModule(LightningModule):
                 raise ValueError("no verifier given and the data module offers no default; set model.verifier")
             verifier = datamodule.default_verifier()
         self.verifier_runner = VerifierRunner(verifier)
+        if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
+            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def configure_callbacks(self):
         callbacks = [RolloutCallback(), VerificationCallback()]
@@ -354,48 +376,175 @@ class RLVRModule(LightningModule):
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> Tensor:
-        """sample -> verify (callbacks, before this) -> self-teacher -> credit -> loss -> log."""
+        """sample -> verify (callbacks, before this) -> self-teacher -> credit -> loss -> log. A NaN or inf met
+        on the way (see :meth:`nonfinite_inputs`) skips the step: no weight changes, see ``max_nonfinite_skips``."""
         rollouts = batch.rollouts
         if rollouts is None or rollouts.rewards is None:
             raise RuntimeError("the batch has no verified rollouts; RolloutCallback and VerificationCallback must run first")
         start = time.perf_counter()
         objective = self.objective
-        if objective.num_iterations > 1 or objective.beta > 0:
-            self.score_rollouts(rollouts)
-            self._sync()
-            rollouts.stats["time/scoring_s"] = time.perf_counter() - start
-        # verification and DAPO's extra rounds belong to the rollout phase; the scoring pass, when run, to its own
-        self.phase_peak(rollouts.stats, "scoring" if "time/scoring_s" in rollouts.stats else "rollout")
-        signal = self.run_self_teacher(rollouts)
-        if signal is not None:
-            self.phase_peak(rollouts.stats, "teacher")
-        start = time.perf_counter()
-        plan = self.plan_step(rollouts, signal)
+        signal, plan = None, None
+        reason = self._on_any_rank(self.nonfinite_inputs(rollouts))  # a diverged sampler: skip the rest
+        if reason is None:
+            if objective.num_iterations > 1 or objective.beta > 0:
+                self.score_rollouts(rollouts)
+                self._sync()
+                rollouts.stats["time/scoring_s"] = time.perf_counter() - start
+            # verification and DAPO's extra rounds belong to the rollout phase; the scoring pass, when run, to its own
+            self.phase_peak(rollouts.stats, "scoring" if "time/scoring_s" in rollouts.stats else "rollout")
+            signal = self.run_self_teacher(rollouts)
+            if signal is not None:
+                self.phase_peak(rollouts.stats, "teacher")
+            start = time.perf_counter()
+            plan = self.plan_step(rollouts, signal)
+            reason = self._on_any_rank(self.nonfinite_inputs(rollouts, plan))
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sums: dict[str, float] = defaultdict(float)
         self._mismatch = defaultdict(float)
         for iteration in range(objective.num_iterations):
             self._first_pass = iteration == 0
-            self.accumulate_gradients(rollouts, plan, sums)
-            if sums["nonfinite"]:
-                optimizer.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights, on any rank
-            elif self.max_grad_norm > 0 and plan["global_rows"]:
-                params = [p for p in self.policy.parameters() if p.requires_grad]
-                sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-            optimizer.step()
+            if reason is None:
+                self.accumulate_gradients(rollouts, plan, sums)
+                reason = self._clip_gradients(plan, sums)
+                if reason is None and iteration == 0:
+                    self._keep_good_weights()
+            if reason is not None:
+                optimizer.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights, on any rank
+            self.updating = True
+            optimizer.step()  # without gradients (a skipped step) no weight moves; the step still counts
+            self.updating = False
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
         self._sync()
         train_time = time.perf_counter() - start
         self.phase_peak(rollouts.stats, "update")
-        self.last_credit = {"signal": signal, "credit": plan["credit"]} if signal is not None else None
-        self._log_step(rollouts, plan, sums, train_time, signal)
+        self._count_skip(reason)
+        if plan is None:
+            self._log_skipped_step(rollouts, train_time)
+        else:
+            self.last_credit = {"signal": signal, "credit": plan["credit"]} if signal is not None else None
+            self._log_step(rollouts, plan, sums, train_time, signal)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "batches_consumed"):
             datamodule.batches_consumed += 1
         return torch.tensor(sums["loss"] / objective.num_iterations)
+
+    # ------------------------------------------------------------------------------------ divergence guard
+    @staticmethod
+    def nonfinite_inputs(rollouts: RolloutBatch, plan: Optional[dict] = None) -> Optional[str]:
+        """What in the step's inputs is NaN or infinite, or None. Without ``plan``: the sampler's log-probs and
+        entropies (a diverged policy samples from NaN logits; its completions look ordinary, often all alike, so
+        no loss would ever show it). With ``plan``: the scoring pass's log-probs, the teacher's divergences and
+        states, the advantages and token weights."""
+        mask = rollouts.completion_mask.bool()  # [N, C]
+
+        def bad(x: Optional[Tensor], tokens: bool = True) -> bool:
+            return x is not None and not bool(torch.isfinite(x[mask] if tokens else x).all())
+
+        if plan is None:
+            checks = {"sampling log-probs": bad(rollouts.sampler_logprobs),
+                      "sampling entropy": bad(rollouts.entropy_sum, tokens=False)}
+        else:
+            signal, credit = plan["signal"], plan["credit"]
+            checks = {"scoring log-probs": bad(rollouts.old_logprobs) or bad(rollouts.ref_logprobs),
+                      "teacher pass": signal is not None and (
+                          bad(signal.divergence) or bad(signal.teacher_hidden, tokens=False)),
+                      "advantages": bad(credit.advantages, tokens=False) or bad(credit.token_weights)}
+        return next((name for name, failed in checks.items() if failed), None)
+
+    def _on_any_rank(self, reason: Optional[str]) -> Optional[str]:
+        """``reason``, or a stand-in when another rank met a non-finite value (all ranks skip together)."""
+        if all_reduce([float(reason is not None)], "max", self.device)[0] > 0:
+            return reason or "another rank's inputs"
+        return None
+
+    def _clip_gradients(self, plan: dict, sums: dict[str, float]) -> Optional[str]:
+        """Clips the gradients (``max_grad_norm``) and logs their norm before clipping; returns why the update
+        must be skipped (a non-finite loss or gradient norm), or None."""
+        if sums["nonfinite"]:
+            return "loss"
+        if not plan["global_rows"]:
+            return None
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")  # inf: measured, not clipped
+        norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm))
+        if not math.isfinite(norm):  # the norm is global: every rank sees the same
+            return "gradient norm"
+        sums["grad_norm"] += norm
+        return None
+
+    def trainable_parameters(self) -> list[Tensor]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _keep_good_weights(self) -> None:
+        """Copies the trainable weights of a step that met only finite values, before its update."""
+        if not self.max_nonfinite_skips:
+            return
+        params = self.trainable_parameters()
+        if self._good_weights is None:
+            self._good_weights = [p.detach().clone() for p in params]
+        else:
+            for kept, p in zip(self._good_weights, params):
+                kept.copy_(p.detach())
+        self._good_step = self.global_step
+
+    @torch.no_grad()
+    def restore_good_weights(self) -> None:
+        """Puts back the trainable weights kept by the last step that met only finite values (a no-op when no
+        step got that far: the weights are then still the initial ones)."""
+        if self._good_weights is not None:
+            for kept, p in zip(self._good_weights, self.trainable_parameters()):
+                p.copy_(kept)
+
+    def _count_skip(self, reason: Optional[str]) -> None:
+        """Counts a skipped step (``reason``: what was not finite) and stops the run after
+        ``max_nonfinite_skips`` in a row, putting back the last good weights."""
+        self.last_step_skipped = reason is not None
+        if reason is None:
+            self.consecutive_skips = 0
+            return
+        self.nonfinite_skips += 1
+        self.consecutive_skips += 1
+        step = self.global_step  # already counts this step
+        limit = self.max_nonfinite_skips
+        if not limit or self.consecutive_skips < limit:
+            if self.global_rank == 0:
+                log.warning("non-finite %s at step %d: the step is skipped (%d so far, %d in a row)", reason, step,
+                            self.nonfinite_skips, self.consecutive_skips)
+            return
+        self.diverged = True
+        self.restore_good_weights()
+        if self._trainer is not None:
+            self.trainer.should_stop = True
+        if self.global_rank == 0:
+            lr = self.optimizers().param_groups[0]["lr"] if self._trainer is not None else float("nan")
+            kept = f"as they were after step {self._good_step}" if self._good_step else "as they were at the start"
+            log.error(
+                "training diverged: %d steps in a row met non-finite values (the last: %s at step %d). Stopped; the "
+                "weights %s, the last to give finite values, are restored for the final adapter; earlier "
+                "checkpoints are kept and none is written now. Lower model.optimizer's lr (now %g) or "
+                "model.max_grad_norm (now %g).", self.consecutive_skips, reason, step, kept, lr, self.max_grad_norm)
+
+    @torch.no_grad()
+    def policy_is_finite(self) -> bool:
+        """True when every trainable tensor is finite and so are the policy's log-probs on a short probe text
+        (weights can be finite and still overflow the activations). Every rank must call it when sharded."""
+        local = all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in self.trainable_parameters())
+        ids = self.tokenizer("1 + 1 = 2", return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.device)
+
+        def probe() -> Tensor:
+            was_training = self.policy.training
+            self.policy.eval()
+            try:
+                with full_parameters(self.runner):
+                    return self.token_logprobs(self.policy, ids, torch.ones_like(ids), ids.shape[1] - 1, entropy=False)[0]
+            finally:
+                self.policy.train(was_training)
+
+        local = local and bool(torch.isfinite(self.runner(probe)).all())
+        return all_reduce([float(not local)], "max", self.device)[0] == 0
 
     def run_self_teacher(self, rollouts: RolloutBatch) -> Optional[TeacherSignal]:
         """The self-teacher's signal for the batch (routes, references, teacher pass), or None when the
@@ -443,10 +592,7 @@ class RLVRModule(LightningModule):
             chunk = chunks[i] if real else torch.zeros(1, dtype=torch.long, device=rows.device)
             out, entropy = self.runner(lambda: self._micro_forward(rollouts, chunk, plan, book=real))
             finite = bool(torch.isfinite(out.loss))
-            if not finite:
-                self.nonfinite_skips += 1
-                log.warning("non-finite loss (%s) at step %d: the step is skipped (%d so far)", out.loss.item(),
-                            self.global_step, self.nonfinite_skips)
+            if not finite:  # counted and reported once per step by the caller (_count_skip)
                 local["nonfinite"] += 1
             if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
                 # FSDP averages gradients over ranks; each rank's loss is its share of the global one
@@ -621,6 +767,22 @@ class RLVRModule(LightningModule):
                       batch_size=max(len(rewards), 1))
         self.log("reward", metrics["train/reward"], prog_bar=True, on_step=True, on_epoch=False, logger=False)
 
+    def _log_skipped_step(self, rollouts: RolloutBatch, train_time: float) -> None:
+        """The metrics of a step skipped before its loss (non-finite sampling): rewards, the rollouts' own
+        statistics and the skip count; every other key of the last logged step as NaN (Lightning would otherwise
+        repeat a stale value)."""
+        metrics = {k: float("nan") for k in self.last_step_metrics}
+        metrics.update({k: float(v) for k, v in rollouts.stats.items()})
+        metrics.update({
+            "train/reward": float(rollouts.rewards.mean()),
+            "train/accuracy": float((rollouts.rewards >= self.success_threshold).float().mean()),
+            "train/nonfinite_skips": float(self.nonfinite_skips),
+            "train/lr": self.optimizers().param_groups[0]["lr"],
+            "time/train_s": train_time,
+        })
+        metrics = mean_over_ranks(metrics)
+        self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=max(len(rollouts.rewards), 1))
+
     # -------------------------------------------------------------------------------------------- eval
     def on_validation_epoch_start(self) -> None:
         self._eval = {}
@@ -698,7 +860,8 @@ class RLVRModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # checkpoint["state_dict"] already holds only the trainable tensors (see state_dict)
         rng = _rng_state()
-        checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "rng": rng}
+        checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "consecutive_skips": self.consecutive_skips,
+                                "rng": rng}
         if world_size() > 1:  # every rank samples with its own generator state (Lightning asks every rank)
             per_rank: list[Any] = [None] * world_size()
             torch.distributed.all_gather_object(per_rank, rng)
@@ -715,6 +878,7 @@ class RLVRModule(LightningModule):
             )
         state = checkpoint.get("scgrpo", {})
         self.nonfinite_skips = state.get("nonfinite_skips", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
         per_rank = state.get("rng_per_rank")
         if per_rank is not None and len(per_rank) == world_size():  # sampling goes on as it would have
             _set_rng_state(per_rank[self.global_rank])

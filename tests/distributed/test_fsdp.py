@@ -160,13 +160,16 @@ def test_sharded_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tiny_
     (tmp_path / "straight").mkdir()
     (tmp_path / "resumed").mkdir()
     straight = _fit(tiny_model_dir, tmp_path / "straight", "--trainer.max_steps=4", *quiet)
-    checkpoints = {torch.load(c, weights_only=True)["global_step"]: c
-                   for c in glob.glob(os.path.join(straight, "checkpoints", "*.ckpt"))}
+    checkpoints = {torch.load(c, weights_only=True)["global_step"]: c  # the added ModelCheckpoint's
+                   for c in glob.glob(os.path.join(straight, "checkpoints", "epoch=*.ckpt"))}
     assert set(checkpoints) == {2, 4}
     _check_lora_only_checkpoint(tiny_model_dir, straight, checkpoints[4], checkpoints[2])
+    # a checkpoint outside a run folder: the resumed run gets a folder of its own (from inside one it would
+    # go on in the uninterrupted run's folder, over the checkpoints compared here)
+    step_two = shutil.copy(checkpoints[2], tmp_path / "resumed" / "step-2.ckpt")
     resumed = _fit(tiny_model_dir, tmp_path / "resumed", "--trainer.max_steps=4",
-                   f"--ckpt_path={checkpoints[2]}", *quiet, torchrun=True)
-    (b,) = glob.glob(os.path.join(resumed, "checkpoints", "*.ckpt"))
+                   f"--ckpt_path={step_two}", *quiet, torchrun=True)
+    (b,) = glob.glob(os.path.join(resumed, "checkpoints", "epoch=*.ckpt"))
     a, b = torch.load(checkpoints[4], weights_only=True), torch.load(b, weights_only=True)
     assert a["global_step"] == b["global_step"] == 4
     assert set(a["state_dict"]) == set(b["state_dict"])

@@ -1,15 +1,19 @@
-"""Callbacks: rollout generation, verification, dynamic sampling, logging of completions and credit, adapters."""
+"""Callbacks: rollout generation, verification, dynamic sampling, logging of completions and credit, adapters,
+checkpoints by step."""
 
+from scgrpo.callbacks.checkpoint import AtomicCheckpointIO, StepCheckpoint
 from scgrpo.callbacks.credit import CreditLogging
 from scgrpo.callbacks.logging import AdapterExport, CompletionsTable, ValidateBeforeTraining
 from scgrpo.callbacks.rollout import DynamicSamplingCallback, RolloutCallback, VerificationCallback
 
 __all__ = [
     "AdapterExport",
+    "AtomicCheckpointIO",
     "CompletionsTable",
     "CreditLogging",
     "DynamicSamplingCallback",
     "RolloutCallback",
+    "StepCheckpoint",
     "ValidateBeforeTraining",
     "VerificationCallback",
 ]

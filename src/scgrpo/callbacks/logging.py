@@ -10,6 +10,8 @@ from typing import Optional
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
+from scgrpo.callbacks.checkpoint import write_folder_atomically
+
 log = logging.getLogger(__name__)
 
 
@@ -70,25 +72,33 @@ class CompletionsTable(Callback):
 class AdapterExport(Callback):
     """Saves the LoRA adapter in PEFT format (``PeftModel.from_pretrained`` loads it) to
     ``<log_dir>/adapter/step-N`` every ``every_n_steps`` steps and to ``<log_dir>/adapter/final`` at the end.
-    Full fine-tuning runs save the whole model the same way."""
+    Full fine-tuning runs save the whole model the same way.
+
+    An adapter is written only when its weights, and the policy's log-probs on a probe text, are finite (a
+    diverged run's weights can be finite and still give NaN logits); after the divergence guard stopped a run,
+    ``final`` holds the weights it restored. Each folder is written beside its place and then swapped in, so an
+    interrupted export leaves the previous one whole."""
 
     def __init__(self, every_n_steps: Optional[int] = None, dirpath: Optional[str] = None) -> None:
         self.every_n_steps, self.dirpath = every_n_steps, dirpath
 
     def _save(self, trainer, pl_module, name: str) -> None:
         folder = os.path.join(self.dirpath or os.path.join(run_dir(trainer), "adapter"), name)
+        if not pl_module.policy_is_finite():  # every rank: a probe forward of a sharded policy is a collective
+            if trainer.is_global_zero:
+                log.warning("adapter %s not written: the policy's weights or log-probs are not finite", folder)
+            return
+        state = None
         if pl_module.sharded:  # gather the sharded trainable tensors (all ranks), save them from rank 0
             whole = pl_module.trainable_state()
             prefix = "runner.policy."
             state = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}
-            if trainer.is_global_zero:
-                pl_module.policy.save_pretrained(folder, state_dict=state)
-                pl_module.tokenizer.save_pretrained(folder)
-                log.info("saved adapter to %s", folder)
-            return
         if trainer.is_global_zero:
-            pl_module.policy.save_pretrained(folder)
-            pl_module.tokenizer.save_pretrained(folder)
+            def write(path: str) -> None:
+                pl_module.policy.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
+                pl_module.tokenizer.save_pretrained(path)
+
+            write_folder_atomically(write, folder)
             log.info("saved adapter to %s", folder)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:

@@ -124,6 +124,8 @@ class VerificationCallback(Callback):
         rollouts = batch.rollouts
         if buffer is None or rollouts is None or rollouts.rewards is None:
             return
+        if getattr(pl_module, "last_step_skipped", False):  # sampled from non-finite logits: not the policy's own
+            return
         for i, reward in enumerate(rollouts.rewards.tolist()):
             if reward >= pl_module.success_threshold:
                 tokens = rollouts.completion_ids[i][rollouts.completion_mask[i].bool()].tolist()
@@ -140,6 +142,9 @@ class DynamicSamplingCallback(Callback):
         objective = pl_module.objective
         if not getattr(objective, "dynamic_sampling", False) or batch.rollouts is None:
             return
+        diverged = float(pl_module.nonfinite_inputs(batch.rollouts) is not None)
+        if all_reduce([diverged], "max", pl_module.device)[0] > 0:  # on any rank: all ranks sample as many rounds
+            return  # a diverged sampler's groups all look alike: keep them for the module's guard to see and skip
         target = batch.rollouts.num_groups
         kept = [batch.rollouts.select(mixed_groups(batch.rollouts))]
         kept[0].stats = dict(batch.rollouts.stats)

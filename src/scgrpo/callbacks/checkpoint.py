@@ -1,0 +1,216 @@
+"""Checkpoints by optimiser step (``last.ckpt``, ``best-step=N.ckpt``), and files written whole or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from scgrpo.distributed import world_size
+
+log = logging.getLogger(__name__)
+
+_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")  # .<name>.tmp-<pid>: a file or folder being written
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str) -> None:
+    """Removes what killed writers left in ``folder`` (``.<name>.tmp-<pid>`` of a process that is gone)."""
+    if not os.path.isdir(folder):
+        return
+    for entry in os.listdir(folder):
+        match = _TEMPORARY.match(entry)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            path = os.path.join(folder, entry)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+
+
+def _temporary_beside(path: str) -> str:
+    folder, name = os.path.split(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_temporaries(folder)
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+
+
+def write_file_atomically(write: Callable[[Any], None], path: str) -> None:
+    """``write(f)`` into ``.<name>.tmp-<pid>`` beside ``path`` (an open binary file), then renamed over ``path``:
+    readers see the old file or the new one, never a part. Interrupted, the temporary file is removed; a killed
+    process leaves it beside ``path``, where the next write into that folder removes it."""
+    tmp = _temporary_beside(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def write_folder_atomically(write: Callable[[str], None], folder: str) -> None:
+    """``write(tmp)`` fills a new folder beside ``folder``, which then takes its place (the old one is removed
+    after the swap): an interrupted export leaves the previous folder whole."""
+    tmp = _temporary_beside(folder)
+    try:
+        write(tmp)
+        if os.path.isdir(folder):
+            old = _temporary_beside(folder + "-old")
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, with the file written beside its target and renamed into place.
+    Lightning's own stages each save in a temporary file of ``$TMPDIR`` (fsspec's transaction), where a killed
+    save leaves up to a checkpoint's size behind; here nothing goes to ``$TMPDIR``, the checkpoint is streamed
+    to disk without a copy in memory, and a killed save's ``.<name>.tmp-<pid>`` is removed by the next save."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(str(path)):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        write_file_atomically(lambda f: torch.save(checkpoint, f), os.fspath(path))
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """The run's checkpoints, in ``<run folder>/checkpoints``: ``last.ckpt`` every ``every_n_train_steps``
+    optimiser steps, at the end of training and, with ``save_on_exception``, when training stops on Ctrl-C or
+    an error (one process only: with several, the others may wait in a collective); and ``best-step=N.ckpt``,
+    the step with the best ``monitor`` so far, written after each validation.
+
+    No checkpoint is taken from a step the divergence guard skipped (non-finite values), after it stopped the
+    run, in the middle of an optimiser step, or of weights whose log-probs on a probe text are not finite, so
+    ``last.ckpt`` always holds weights that give finite values.
+    Unlike ``ModelCheckpoint(every_n_train_steps=...)`` it is made for the module's manual optimisation (a step
+    is complete when ``on_train_batch_end`` runs) and does not warn about it.
+
+    Args:
+        every_n_train_steps: period of ``last.ckpt`` in optimiser steps (0: only at the end and on interruption).
+        monitor: the validation metric of ``best-step=N.ckpt``; None: the first evaluation split's
+            ``val/<split>/avg@k``.
+        mode: "max" or "min" for ``monitor``.
+        save_on_exception: write ``last.ckpt`` when training stops on an exception or Ctrl-C.
+        dirpath: where to write (default: the run folder's ``checkpoints``).
+    """
+
+    def __init__(self, every_n_train_steps: int = 50, monitor: Optional[str] = None, mode: str = "max",
+                 save_on_exception: bool = True, dirpath: Optional[str] = None) -> None:
+        if every_n_train_steps < 0:
+            raise ValueError(f"every_n_train_steps must be >= 0 (0 = only at the end), got {every_n_train_steps}")
+        super().__init__(dirpath=dirpath, filename="best-{step}", monitor=monitor, mode=mode, save_last=True,
+                         save_top_k=1, every_n_train_steps=every_n_train_steps, save_on_exception=save_on_exception,
+                         enable_version_counter=False)
+        self._monitor_setting = monitor
+        self._last_step_saved: Optional[int] = None
+
+    @property
+    def state_key(self) -> str:  # independent of the monitor found at the first validation
+        return self._generate_state_key(monitor=self._monitor_setting, every_n_train_steps=self._every_n_train_steps)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        with warnings.catch_warnings():  # a resumed run goes on in its own folder
+            warnings.filterwarnings("ignore", message=".*exists and is not empty")
+            super().setup(trainer, pl_module, stage)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("dirpath")  # the same folder, written relative or absolute
+        if saved and self.dirpath and os.path.realpath(saved) == os.path.realpath(self.dirpath):
+            state_dict = {**state_dict, "dirpath": self.dirpath}
+        super().load_state_dict(state_dict)
+
+    def _may_save(self, trainer, pl_module) -> bool:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        return not (trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+                    or getattr(pl_module, "diverged", False) or getattr(pl_module, "last_step_skipped", False)
+                    or getattr(pl_module, "updating", False))
+
+    def _finite(self, trainer, pl_module) -> bool:
+        """The weights' log-probs are finite (an update can leave finite weights that overflow: the next step
+        would only find out when sampling). Every rank must call it when sharded."""
+        if not hasattr(pl_module, "policy_is_finite") or pl_module.policy_is_finite():
+            return True
+        if trainer.is_global_zero:
+            log.warning("no checkpoint written at step %d: the policy's log-probs are not finite", trainer.global_step)
+        return False
+
+    def write_last(self, trainer, pl_module) -> bool:
+        """Writes ``last.ckpt`` unless this step's is written or it may not be (see the class); True if written."""
+        if not self._may_save(trainer, pl_module) or self._last_step_saved == trainer.global_step:
+            return False
+        if not self._finite(trainer, pl_module):
+            return False
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._last_step_saved = trainer.global_step
+        return True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
+            self.write_last(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pass  # the prompt stream has no epochs to speak of: by step and at the end only
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.global_step == 0 or not self._may_save(trainer, pl_module):
+            return  # (step 0: the untrained weights, the base model)
+        if self._find_monitor(trainer) is not None and self._finite(trainer, pl_module):
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not self.write_last(trainer, pl_module) and getattr(pl_module, "last_step_skipped", False) \
+                and not getattr(pl_module, "diverged", False) and trainer.is_global_zero:
+            log.warning("the last step met non-finite values: no checkpoint written at the end (the last one: %s)",
+                        self.last_model_path or "none")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not self.save_on_exception or world_size() > 1 or trainer.global_step == 0 or self.dirpath is None:
+            return  # (step 0: nothing trained yet, or the run did not get as far as setting up)
+        try:
+            if self.write_last(trainer, pl_module):
+                log.info("training stopped by %s at step %d: saved %s", type(exception).__name__,
+                         trainer.global_step, self.last_model_path)
+        except Exception as err:  # noqa: BLE001 - the original exception is the one to report
+            log.warning("could not save a checkpoint after %s: %s", type(exception).__name__, err)
+
+    def _find_monitor(self, trainer) -> Optional[str]:
+        """``monitor``, or (unset) the first evaluation split's ``val/<split>/avg@k`` once validation logged it."""
+        if self.monitor is None:
+            names = [k for k in trainer.callback_metrics if re.fullmatch(r"val/[^/]+/avg@\d+", k)]
+            splits = list(getattr(getattr(trainer, "datamodule", None), "eval_splits", None) or [])
+
+            def order(name: str) -> tuple:
+                split = name.split("/")[1]
+                return (splits.index(split) if split in splits else len(splits), name)
+
+            self.monitor = min(names, key=order) if names else None
+        return self.monitor

@@ -1,0 +1,115 @@
+"""Where a run writes: one folder ``<root>/<name>/version_N`` shared by all its file loggers, checkpoints,
+completions and adapters; a resumed run goes on in the folder of its checkpoint and appends to its metrics."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from typing import Any, Optional
+
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROOT = "runs"  # the file loggers' save_dir when neither they nor trainer.default_root_dir name one
+DEFAULT_NAME = "scgrpo"
+FILE_LOGGERS = ("CSVLogger", "TensorBoardLogger", "RunCSVLogger")  # class names whose folder is <save_dir>/<name>/<version>
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued rather than deleted: the
+    rows of steps before the first one this process logs are kept, later ones (logged after the checkpoint a
+    run resumed from) are replaced."""
+
+    def __init__(self, log_dir: str) -> None:
+        super().__init__(log_dir)
+        self._continued = False
+
+    def _check_log_dir_exists(self) -> None:
+        pass  # Lightning's warns and deletes metrics.csv
+
+    def save(self) -> None:
+        if not self._continued and self.metrics and self._fs.isfile(self.metrics_file_path):
+            self._continued = True
+            first = min(int(m["step"]) for m in self.metrics)
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                reader = csv.DictReader(f)
+                keys, kept = list(reader.fieldnames or []), [r for r in reader if int(float(r["step"])) < first]
+            self.metrics_keys = sorted(set(self.metrics_keys) | set(keys))
+            with self._fs.open(self.metrics_file_path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(kept)
+        self._continued = self._continued or bool(self.metrics)
+        super().save()
+
+
+class RunCSVLogger(CSVLogger):
+    """``CSVLogger`` whose ``metrics.csv`` is continued when the run folder already has one (a resumed run),
+    instead of being deleted: rows of the steps before the resumed one are kept, those from the resumed step
+    on are replaced by the new ones."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def checkpoint_run_folder(ckpt_path: Optional[str]) -> Optional[tuple[str, str, str]]:
+    """``(root, name, version)`` of the run folder holding ``ckpt_path`` (``<root>/<name>/<version>/checkpoints/
+    x.ckpt``, the folder holding a metrics.csv, config.yaml or hparams.yaml), or None."""
+    if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry") or "://" in str(ckpt_path):
+        return None
+    folder = os.path.dirname(os.path.normpath(ckpt_path))  # relative stays relative, as the run wrote it
+    if os.path.basename(folder) != "checkpoints":
+        return None
+    run = os.path.dirname(folder)
+    if os.path.dirname(os.path.dirname(run)) == "":  # too short a relative path to name root and name
+        return checkpoint_run_folder(os.path.abspath(ckpt_path))
+    if not any(os.path.isfile(os.path.join(run, f)) for f in ("metrics.csv", "config.yaml", "hparams.yaml")):
+        return None
+    name_dir = os.path.dirname(run)
+    return os.path.dirname(name_dir), os.path.basename(name_dir), os.path.basename(run)
+
+
+def share_run_folder(trainer_config: Any, ckpt_path: Optional[str] = None) -> Optional[str]:
+    """Points every file logger (CSV, TensorBoard) of the parsed ``trainer`` config at one folder, in place:
+
+    - root: a ``save_dir`` set on any of them (other than the default ``runs``), else ``default_root_dir``,
+      else ``runs``;
+    - name: a ``name`` set on any of them (other than ``scgrpo``), else ``scgrpo``;
+    - version: a ``version`` set on any of them, else the folder of the checkpoint being resumed when it lies
+      in a run folder (``<root>/<name>/<version>/checkpoints/``), else the next free number (Lightning's).
+
+    Lightning's CSV logger becomes :class:`RunCSVLogger`, so a resumed run appends to its metrics. Returns the
+    resumed run's folder, or None."""
+    loggers = trainer_config.get("logger")
+    entries = loggers if isinstance(loggers, list) else [loggers]
+    entries = [e for e in entries if hasattr(e, "class_path") and e.class_path.rsplit(".", 1)[-1] in FILE_LOGGERS]
+    if not entries:
+        return None
+
+    def chosen(key: str, default):
+        values = [e.init_args.get(key) for e in entries]
+        return next((v for v in values if v is not None and str(v) != str(default)), default)
+
+    root = chosen("save_dir", DEFAULT_ROOT)
+    if str(root) == DEFAULT_ROOT and trainer_config.get("default_root_dir"):
+        root = trainer_config.get("default_root_dir")
+    name, version = chosen("name", DEFAULT_NAME), chosen("version", None)
+    resumed = checkpoint_run_folder(ckpt_path) if version is None else None
+    if resumed is not None:
+        root, name, version = resumed
+    for entry in entries:
+        entry.init_args.save_dir, entry.init_args.name = os.fspath(root), name
+        if version is not None:
+            entry.init_args.version = version
+        if entry.class_path == "lightning.pytorch.loggers.CSVLogger" or entry.class_path.endswith("csv_logs.CSVLogger"):
+            entry.class_path = f"{__name__}.RunCSVLogger"
+    return os.path.join(*resumed) if resumed is not None else None

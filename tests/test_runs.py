@@ -1,0 +1,58 @@
+"""A run's folder through the CLI: where it is, what a short run leaves in it, and a resumed run going on in it."""
+
+import csv
+import glob
+import os
+import warnings
+
+import torch
+
+from scgrpo.cli import main
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_arith.yaml")
+
+
+def _args(tiny_model_dir, steps):
+    return [
+        "fit", f"--config={CONFIG}",  # validation every 30 steps
+        f"--model.model={tiny_model_dir}", "--model.dtype=float32", "--model.generation.num_generations=2",
+        "--model.generation.max_new_tokens=4", "--model.validate_before_training=false",
+        "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.enable_progress_bar=false",
+        "--data.batch_size=2", f"--trainer.max_steps={steps}",
+    ]
+
+
+def _steps(run):
+    with open(os.path.join(run, "metrics.csv")) as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")]
+
+
+def test_six_step_run_writes_a_checkpoint_under_default_root_dir(tiny_model_dir, tmp_path, monkeypatch):
+    """Shorter than the validation interval, it still leaves a resumable checkpoint, without Lightning's
+    manual-optimisation warning; every output lies in <default_root_dir>/<logger name>/version_0."""
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main([*_args(tiny_model_dir, 6), "--trainer.default_root_dir=out", "--trainer.logger.init_args.name=mine"])
+    assert not [w for w in caught if "manual optimization" in str(w.message)]
+    assert not os.path.exists(tmp_path / "runs")
+    assert [os.path.relpath(p, tmp_path) for p in glob.glob(str(tmp_path / "out" / "*" / "*"))] == ["out/mine/version_0"]
+    run = tmp_path / "out" / "mine" / "version_0"
+    assert glob.glob(str(run / "events.out.tfevents.*")) and _steps(run) == list(range(6))  # CSV and TensorBoard
+    assert os.path.isfile(run / "adapter" / "final" / "adapter_config.json") and os.path.isfile(run / "config.yaml")
+    assert sorted(os.listdir(run / "checkpoints")) == ["last.ckpt"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
+def test_resume_goes_on_in_the_run_folder_and_appends_to_its_metrics(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(_args(tiny_model_dir, 2))
+    run = tmp_path / "runs" / "scgrpo" / "version_0"
+    with open(run / "metrics.csv", "a") as f:  # a row the first run logged after its checkpoint, then crashed
+        f.write(",".join("2" if key == "step" else "9" for key in open(run / "metrics.csv").readline().strip().split(",")) + "\n")
+    main([*_args(tiny_model_dir, 3), "--ckpt_path=runs/scgrpo/version_0/checkpoints/last.ckpt"])
+    assert os.listdir(tmp_path / "runs" / "scgrpo") == ["version_0"]
+    assert _steps(run) == [0, 1, 2]  # the stale step-2 row replaced by the resumed run's
+    assert len(glob.glob(str(run / "events.out.tfevents.*"))) == 2
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+
