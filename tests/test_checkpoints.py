@@ -148,3 +148,30 @@ def test_ctrl_c_saves_the_last_finished_step(tiny_model_dir, tmp_path):
     for name, p in module.policy.named_parameters():
         if p.requires_grad:
             assert torch.equal(checkpoint["state_dict"][f"runner.policy.{name}"], p), name
+
+
+def test_ctrl_c_inside_a_step_saves_no_half_step(tiny_model_dir, tmp_path, monkeypatch):
+    """Interrupted after the step's weight update but before its bookkeeping (logs, data position, buffer),
+    the run saves no checkpoint that would hold the update without the rest (nor the rest without it)."""
+    import pytest
+
+    from scgrpo.callbacks import StepCheckpoint
+    from scgrpo.module import RLVRModule
+
+    logged = RLVRModule._log_step
+
+    def interrupted(self, *args, **kwargs):
+        if self.trainer.global_step == 2:  # step 2's update is done, its bookkeeping not
+            raise KeyboardInterrupt
+        return logged(self, *args, **kwargs)
+
+    monkeypatch.setattr(RLVRModule, "_log_step", interrupted)
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir)
+    folder = tmp_path / "ckpt"
+    trainer = tiny_trainer(tmp_path, max_steps=50, enable_checkpointing=True,
+                           callbacks=[StepCheckpoint(every_n_train_steps=1, dirpath=folder)])
+    with pytest.raises(SystemExit):
+        trainer.fit(module, datamodule=tiny_data())
+    checkpoint = torch.load(folder / "last.ckpt", weights_only=False)  # the periodic one of step 1, whole
+    assert checkpoint["global_step"] == 1 and checkpoint["PromptDataModule"]["batches_consumed"] == 1

@@ -56,3 +56,24 @@ def test_resume_goes_on_in_the_run_folder_and_appends_to_its_metrics(tiny_model_
     assert len(glob.glob(str(run / "events.out.tfevents.*"))) == 2
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
 
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_branches_and_last_holds_the_best(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """last.ckpt written at a validation step carries the best score (a resume goes on tracking it); resuming
+    from best-step=N.ckpt rather than last.ckpt starts a new folder and leaves the run's own alone (its
+    last.ckpt, adapter and metrics: here of the same step, in general of later ones)."""
+    monkeypatch.chdir(tmp_path)
+    validating = ["--trainer.val_check_interval=4", "--checkpoint.every_n_train_steps=2"]  # one validation: step 4
+    main([*_args(tiny_model_dir, 4), *validating])
+    run = tmp_path / "runs" / "scgrpo" / "version_0"
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    (state,) = [s for k, s in last["callbacks"].items() if k.startswith("StepCheckpoint")]
+    assert last["global_step"] == 4 and state["best_model_score"] is not None and state["best_model_path"]
+    best = os.path.relpath(state["best_model_path"], tmp_path)
+    main([*_args(tiny_model_dir, 6), *validating, f"--ckpt_path={best}"])
+    assert sorted(os.listdir(tmp_path / "runs" / "scgrpo")) == ["version_0", "version_1"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert _steps(run) == [0, 1, 2, 3]
+    assert torch.load(tmp_path / "runs" / "scgrpo" / "version_1" / "checkpoints" / "last.ckpt",
+                      weights_only=False)["global_step"] == 6

@@ -195,7 +195,9 @@ class RLVRModule(LightningModule):
         self.consecutive_skips = 0  # of them, in a row up to the last step
         self.diverged = False  # the guard stopped the run; checkpoint and adapter callbacks read it
         self.last_step_skipped = False  # the last training step changed no weight (its rollouts are not stored)
-        self.updating = False  # inside an optimiser step (a checkpoint taken now could hold half an update)
+        # from the step's first weight update to the end of its bookkeeping (data position, buffer, logs: the
+        # callbacks' on_train_batch_end): a checkpoint taken in between would hold half a step
+        self.updating = False
         self._good_weights: Optional[list[Tensor]] = None  # trainable tensors of the last step with finite values
         self._good_step = 0
         self._self_teacher: Optional[SelfTeacher] = None
@@ -411,9 +413,8 @@ class RLVRModule(LightningModule):
                     self._keep_good_weights()
             if reason is not None:
                 optimizer.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights, on any rank
-            self.updating = True
+            self.updating = True  # until on_train_batch_end
             optimizer.step()  # without gradients (a skipped step) no weight moves; the step still counts
-            self.updating = False
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
@@ -430,6 +431,9 @@ class RLVRModule(LightningModule):
         if datamodule is not None and hasattr(datamodule, "batches_consumed"):
             datamodule.batches_consumed += 1
         return torch.tensor(sums["loss"] / objective.num_iterations)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self.updating = False  # (runs after every callback's on_train_batch_end: the step is whole)
 
     # ------------------------------------------------------------------------------------ divergence guard
     @staticmethod

@@ -84,8 +84,10 @@ def share_run_folder(trainer_config: Any, ckpt_path: Optional[str] = None) -> Op
     - root: a ``save_dir`` set on any of them (other than the default ``runs``), else ``default_root_dir``,
       else ``runs``;
     - name: a ``name`` set on any of them (other than ``scgrpo``), else ``scgrpo``;
-    - version: a ``version`` set on any of them, else the folder of the checkpoint being resumed when it lies
-      in a run folder (``<root>/<name>/<version>/checkpoints/``), else the next free number (Lightning's).
+    - version: a ``version`` set on any of them, else the folder of the checkpoint being resumed when it is the
+      run's ``last.ckpt`` (``<root>/<name>/<version>/checkpoints/last.ckpt``), else the next free number
+      (Lightning's). A run resumed from an earlier checkpoint of its folder (``best-step=N.ckpt``) branches into a
+      new folder beside it, so that the later steps' checkpoints, adapter and metrics are kept.
 
     Lightning's CSV logger becomes :class:`RunCSVLogger`, so a resumed run appends to its metrics. Returns the
     resumed run's folder, or None."""
@@ -104,6 +106,11 @@ def share_run_folder(trainer_config: Any, ckpt_path: Optional[str] = None) -> Op
         root = trainer_config.get("default_root_dir")
     name, version = chosen("name", DEFAULT_NAME), chosen("version", None)
     resumed = checkpoint_run_folder(ckpt_path) if version is None else None
+    if resumed is not None and os.path.basename(os.path.normpath(ckpt_path)) != "last.ckpt":
+        root, name, _ = resumed
+        logging.getLogger(__name__).info(
+            "resuming from %s in a new run folder beside %s (which keeps its later steps)", ckpt_path, os.path.join(*resumed))
+        resumed = None
     if resumed is not None:
         root, name, version = resumed
     for entry in entries:

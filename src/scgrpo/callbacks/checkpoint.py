@@ -147,12 +147,14 @@ class StepCheckpoint(ModelCheckpoint):
             state_dict = {**state_dict, "dirpath": self.dirpath}
         super().load_state_dict(state_dict)
 
-    def _may_save(self, trainer, pl_module) -> bool:
+    def _may_save(self, trainer, pl_module, step_whole: bool = False) -> bool:
+        """``step_whole``: called where the step's bookkeeping is known to be done (this callback's
+        on_train_batch_end runs after every other callback's: Lightning orders checkpoint callbacks last)."""
         from lightning.pytorch.trainer.states import TrainerFn
 
         return not (trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
                     or getattr(pl_module, "diverged", False) or getattr(pl_module, "last_step_skipped", False)
-                    or getattr(pl_module, "updating", False))
+                    or (getattr(pl_module, "updating", False) and not step_whole))
 
     def _finite(self, trainer, pl_module) -> bool:
         """The weights' log-probs are finite (an update can leave finite weights that overflow: the next step
@@ -163,9 +165,9 @@ class StepCheckpoint(ModelCheckpoint):
             log.warning("no checkpoint written at step %d: the policy's log-probs are not finite", trainer.global_step)
         return False
 
-    def write_last(self, trainer, pl_module) -> bool:
+    def write_last(self, trainer, pl_module, step_whole: bool = False) -> bool:
         """Writes ``last.ckpt`` unless this step's is written or it may not be (see the class); True if written."""
-        if not self._may_save(trainer, pl_module) or self._last_step_saved == trainer.global_step:
+        if not self._may_save(trainer, pl_module, step_whole) or self._last_step_saved == trainer.global_step:
             return False
         if not self._finite(trainer, pl_module):
             return False
@@ -175,7 +177,7 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
-            self.write_last(trainer, pl_module)
+            self.write_last(trainer, pl_module, step_whole=True)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         pass  # the prompt stream has no epochs to speak of: by step and at the end only
@@ -185,6 +187,8 @@ class StepCheckpoint(ModelCheckpoint):
             return  # (step 0: the untrained weights, the base model)
         if self._find_monitor(trainer) is not None and self._finite(trainer, pl_module):
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+            if self._last_step_saved == trainer.global_step:  # written before this validation: again, with the
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))  # best so far (a resume's)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if not self.write_last(trainer, pl_module) and getattr(pl_module, "last_step_skipped", False) \
