@@ -82,7 +82,7 @@ class ScgrpoCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         resumed = share_run_folder(config.trainer, config.get("ckpt_path") if self.subcommand == "fit" else None)
         if resumed is not None:
-            logging.getLogger(__name__).info("resuming in %s", resumed)
+            logging.getLogger("scgrpo.cli").info("resuming in %s", resumed)  # (also as __main__)
 
     def instantiate_trainer(self, **kwargs):
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
