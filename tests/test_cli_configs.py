@@ -223,3 +223,26 @@ def test_the_progress_bar_counts_steps_of_max_steps(tiny_model_dir, tmp_path, mo
     cli = ScgrpoCLI(RLVRModule, PromptDataModule, run=False, args=[
         f"--config={QUICKSTART}", f"--model.model={tiny_model_dir}", "--trainer.enable_progress_bar=true"])
     assert isinstance(cli.trainer.progress_bar_callback, (StepRichProgressBar, StepTQDMProgressBar))
+
+
+def test_a_bad_checkpoint_mode_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir), "--checkpoint.mode=maximum"])
+    assert info.value.code == 2
+    line = _the_error_line(capsys.readouterr().err)
+    assert "checkpoint.mode" in line and "maximum" in line, line
+
+
+def test_a_checkpoint_monitor_the_run_never_logs_is_one_line_before_training(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir), "--model.eval_samples=2",
+              "--checkpoint.monitor=val/id/avg@4"])
+    assert info.value.code == 2
+    line = _the_error_line(capsys.readouterr().err)
+    assert line == ("scgrpo: error: checkpoint.monitor='val/id/avg@4' is not a metric this run logs; its validation "
+                    "metrics are val/id/avg@2, val/id/pass@2, val/id/completion_length, val/id/truncated, "
+                    "val/id/greedy, val/id/time_s")
+    assert not glob.glob(str(tmp_path / "runs" / "*" / "version_*" / "checkpoints" / "*.ckpt"))  # nothing trained

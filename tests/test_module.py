@@ -112,6 +112,37 @@ def test_training_logs_the_step_statistics(tiny_model_dir, tmp_path):
     assert len(lines) == 2 * 2 * 4  # 2 steps x 2 groups x G
 
 
+@pytest.mark.parametrize("max_grad_norm", [1e-6, 0.0])
+def test_grad_norm_is_logged_before_clipping_also_with_clipping_off(max_grad_norm, tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
+    clip = torch.nn.utils.clip_grad_norm_
+    seen = []  # (norm of the gradients as clipping finds them, as it leaves them)
+
+    def measured_clip(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        grads = [p.grad.detach().double().flatten() for p in parameters if p.grad is not None]
+        before = float(torch.linalg.vector_norm(torch.cat(grads)))
+        result = clip(parameters, max_norm, *args, **kwargs)
+        after = float(torch.linalg.vector_norm(torch.cat([p.grad.detach().double().flatten() for p in parameters
+                                                          if p.grad is not None])))
+        seen.append((before, after))
+        return result
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", measured_clip)
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, max_grad_norm=max_grad_norm)
+    trainer = tiny_trainer(tmp_path, max_steps=1)
+    trainer.fit(module, datamodule=tiny_data())
+    (row,) = [r for r in _metrics(trainer) if r.get("train/grad_norm")]
+    logged = float(row["train/grad_norm"])
+    assert len(seen) == 1 and seen[0][0] > 1e-4  # one update, with a real gradient
+    assert logged == pytest.approx(seen[0][0], rel=1e-4)  # the norm before clipping
+    if max_grad_norm:
+        assert seen[0][1] <= 2e-6  # clipped, and still the unclipped norm logged
+    else:
+        assert seen[0][1] == pytest.approx(seen[0][0], rel=1e-6)  # off: measured, not clipped
+
+
 def test_nonfinite_loss_skips_the_update(tiny_model_dir, tmp_path, caplog):
     class NaNObjective(GRPO):
         def loss(self, logprobs, inputs):

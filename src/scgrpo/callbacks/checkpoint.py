@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from scgrpo.distributed import world_size
+from scgrpo.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +117,15 @@ class StepCheckpoint(ModelCheckpoint):
     Args:
         every_n_train_steps: period of ``last.ckpt`` in optimiser steps (0: only at the end and on interruption).
         monitor: the validation metric of ``best-step=N.ckpt``; None: the first evaluation split's
-            ``val/<split>/avg@k``.
+            ``val/<split>/avg@k``. A ``val/...`` name the run will not log (another split, another ``k``) is an
+            :class:`InputError` before training starts.
         mode: "max" or "min" for ``monitor``.
         save_on_exception: write ``last.ckpt`` when training stops on an exception or Ctrl-C.
         dirpath: where to write (default: the run folder's ``checkpoints``).
     """
 
-    def __init__(self, every_n_train_steps: int = 50, monitor: Optional[str] = None, mode: str = "max",
+    def __init__(self, every_n_train_steps: int = 50, monitor: Optional[str] = None,
+                 mode: Literal["min", "max"] = "max",
                  save_on_exception: bool = True, dirpath: Optional[str] = None) -> None:
         if every_n_train_steps < 0:
             raise ValueError(f"every_n_train_steps must be >= 0 (0 = only at the end), got {every_n_train_steps}")
@@ -136,7 +139,33 @@ class StepCheckpoint(ModelCheckpoint):
     def state_key(self) -> str:  # independent of the monitor found at the first validation
         return self._generate_state_key(monitor=self._monitor_setting, every_n_train_steps=self._every_n_train_steps)
 
+    @staticmethod
+    def validation_metrics(pl_module, datamodule) -> Optional[list[str]]:
+        """The ``val/<split>/...`` keys the module logs after each validation (see
+        ``RLVRModule.on_validation_epoch_end``); None when the module or data module is not one that says."""
+        k = getattr(pl_module, "eval_samples", None)
+        splits = getattr(datamodule, "eval_splits", None)
+        if k is None or splits is None:
+            return None
+        names = [f"avg@{k}", f"pass@{k}", "completion_length", "truncated"]
+        names += ["greedy"] if getattr(pl_module, "eval_greedy", False) else []
+        return [f"val/{split}/{name}" for split in splits for name in [*names, "time_s"]]
+
+    def check_monitor(self, pl_module, datamodule) -> None:
+        """A ``val/...`` ``monitor`` must be one of the run's validation metrics (else :class:`InputError`, before
+        training rather than at the first validation); other names (a training metric) are left to Lightning."""
+        monitor = self._monitor_setting
+        if monitor is None or not monitor.startswith("val/"):
+            return
+        keys = self.validation_metrics(pl_module, datamodule)
+        if keys is None or monitor in keys:
+            return
+        logged = f"its validation metrics are {', '.join(keys)}" if keys else \
+            "it logs no validation metrics (data.eval_splits is empty)"
+        raise InputError(f"checkpoint.monitor={monitor!r} is not a metric this run logs; {logged}")
+
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.check_monitor(pl_module, getattr(trainer, "datamodule", None))
         with warnings.catch_warnings():  # a resumed run goes on in its own folder
             warnings.filterwarnings("ignore", message=".*exists and is not empty")
             super().setup(trainer, pl_module, stage)
