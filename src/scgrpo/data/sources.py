@@ -13,7 +13,7 @@ import random
 from abc import ABC, abstractmethod
 from typing import Any, Optional, Union
 
-from scgrpo.errors import InputError
+from scgrpo.errors import InputError, json_fault, one_line
 from scgrpo.verifiers import CountdownVerifier, NumericVerifier, Verifier
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def _reason(err: BaseException) -> str:
     while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
         err = err.__cause__ or err.__context__
         seen.add(id(err))
-    return " ".join(str(err).split()) or type(err).__name__
+    return one_line(err)
 
 
 def _text_file_fault(path: str, ext: str) -> Optional[str]:
@@ -258,7 +258,7 @@ def _text_file_fault(path: str, ext: str) -> Optional[str]:
             return None
         except json.JSONDecodeError as err:
             if not err.msg.startswith("Extra data"):  # else: JSON Lines in a .json file, checked line by line
-                return f"line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})"
+                return json_fault(err)
     if ext in (".jsonl", ".json"):
         for number, line in enumerate(text.split("\n"), 1):
             if not line.strip():
@@ -266,7 +266,7 @@ def _text_file_fault(path: str, ext: str) -> Optional[str]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as err:
-                return f"line {number}: not valid JSON ({err.msg} at column {err.colno})"
+                return json_fault(err, number)
             if not isinstance(value, dict):
                 return f"line {number}: a JSON {type(value).__name__}, where each line should be an object of columns"
     return None

@@ -118,19 +118,18 @@ def parse_tests(answer: Any) -> ParsedTests:
     return ParsedTests(tests, setup, (fn_name,) if fn_name else _guess_entry_points(tests, setup))
 
 
-def _unresolved(trees: list[ast.AST]) -> set[str]:
-    """Names the code reads that neither it (in the scope reading them, or an enclosing one) nor the builtins
-    bind: the program's names it uses. ``from m import *`` of a standard-library module binds that module's
-    names; of another module, it makes every name unknown (the set then holds ``*``)."""
+def _unresolved(trees: list[ast.AST]) -> tuple[set[str], set[str]]:
+    """``(unresolved, bound)``: names the code reads that neither it (in the scope reading them, or an enclosing
+    one) nor the builtins bind, that is the program's names it uses; and the names it binds at the top level.
+    ``from m import *`` of a standard-library module binds that module's names; of another module, it makes
+    every name unknown (``unresolved`` then holds ``*``)."""
     unresolved: set[str] = set()
-    module = set()
-    for tree in trees:
-        module |= _binds(tree, top=True)
+    module = set().union(*(_binds(tree, top=True) for tree in trees))
     for tree in trees:
         _reads(tree, [module], unresolved)
     if "*" in module:
         unresolved.add("*")
-    return {name for name in unresolved if name == "*" or not hasattr(builtins, name)}
+    return {name for name in unresolved if name == "*" or not hasattr(builtins, name)}, module
 
 
 def _binds(node: ast.AST, top: bool = False) -> set[str]:
@@ -177,36 +176,32 @@ def _star(module: Optional[str]) -> set[str]:
 
 
 def _reads(node: ast.AST, scopes: list[set[str]], unresolved: set[str]) -> None:
+    """Adds to ``unresolved`` the names ``node`` reads that no scope in ``scopes`` (innermost last) binds; functions,
+    lambdas and comprehensions open scopes of their own."""
+    if isinstance(node, ast.Name):
+        if isinstance(node.ctx, ast.Load) and not any(node.id in scope for scope in scopes):
+            unresolved.add(node.id)
+        return
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        args = node.args
+        params = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+        params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+        for outer in args.defaults + [d for d in args.kw_defaults if d is not None] + getattr(node, "decorator_list", []):
+            _reads(outer, scopes, unresolved)
+        body = node.body if isinstance(node.body, list) else [node.body]
+        inner = scopes + [params | set().union(*(_binds(part, top=True) for part in body))]
+        for part in body:
+            _reads(part, inner, unresolved)
+        return
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        for generator in node.generators:
+            _reads(generator.iter, scopes, unresolved)
+        inner = scopes + [set().union(*(_binds(g.target, top=True) for g in node.generators))]
+        parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        for part in parts + [cond for g in node.generators for cond in g.ifs]:
+            _reads(part, inner, unresolved)
+        return
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Load):
-            if not any(child.id in scope for scope in scopes):
-                unresolved.add(child.id)
-        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            args = child.args
-            params = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
-            params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
-            for default in args.defaults + [d for d in args.kw_defaults if d is not None]:
-                _reads(ast.Expression(default), scopes, unresolved)
-            for decorator in getattr(child, "decorator_list", []):
-                _reads(ast.Expression(decorator), scopes, unresolved)
-            body = child.body if isinstance(child.body, list) else [child.body]
-            local = params | set().union(*(_binds(b, top=True) for b in body))
-            for b in body:
-                _reads(ast.Module(body=[b] if isinstance(b, ast.stmt) else [ast.Expr(b)], type_ignores=[]),
-                       scopes + [local], unresolved)
-            continue
-        elif isinstance(child, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-            local = set().union(*(_binds(g.target, top=True) for g in child.generators))
-            for g in child.generators:
-                _reads(ast.Expression(g.iter), scopes, unresolved)
-            inner = scopes + [local]
-            for g in child.generators:
-                for cond in g.ifs:
-                    _reads(ast.Expression(cond), inner, unresolved)
-            parts = [child.key, child.value] if isinstance(child, ast.DictComp) else [child.elt]
-            for part in parts:
-                _reads(ast.Expression(part), inner, unresolved)
-            continue
         _reads(child, scopes, unresolved)
 
 
@@ -227,12 +222,11 @@ def _guess_entry_points(tests: list[dict[str, Any]], setup: str = "") -> tuple[s
             given = call.args + [k.value for k in call.keywords]
             if len(given) == 1 and isinstance(given[0], ast.Name) and hasattr(builtins, given[0].id):
                 handed.append(given[0].id)
-    unresolved = _unresolved(trees)
     if handed:  # check(max): the tests' own function is handed what they test
         return tuple(dict.fromkeys(handed))
+    unresolved, module = _unresolved(trees)
     if unresolved:
         return ()  # a name of the program's (called, or handed to map() or sorted()) is what they test
-    module = set().union(*(_binds(tree, top=True) for tree in trees))
     counts: dict[str, int] = {}
     order = []
     for tree in trees[1:]:

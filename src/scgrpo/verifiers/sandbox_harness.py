@@ -519,18 +519,15 @@ def _program_error(name, reply):
     return RuntimeError(f"{name} raised {reply['error']}")
 
 
-def referenced_names(job):
-    """Names the assertion tests and their set-up read that are not builtins, and the entry points: the only
-    names a program's function may stand in for (a program defining ``set`` or ``abs`` must not replace the
-    test's own, but a program's ``max`` is what tests with the entry point ``max`` test)."""
-    return _names(job) - set(dir(builtins)) | set(entry_points(job))
-
-
-def needed_entry_points(job):
-    """The entry points the tests read by name, one of which a program must define (else a builtin or the
-    set-up would stand in for it); none when the tests reach it otherwise (``Solution().add``)."""
-    mentioned = _names(job)
-    return tuple(name for name in entry_points(job) if name in mentioned)
+def proxied_names(job):
+    """``(referenced, needed)``. Referenced: names the assertion tests and their set-up read that are not
+    builtins, and the entry points: the only names a program's function may stand in for (a program defining
+    ``set`` or ``abs`` must not replace the test's own, but a program's ``max`` is what tests with the entry
+    point ``max`` test). Needed: the entry points the tests read by name, one of which a program must define
+    (else a builtin or the set-up would stand in for it); none when the tests reach it otherwise
+    (``Solution().add``)."""
+    read, entries = _names(job), entry_points(job)
+    return read - set(dir(builtins)) | set(entries), tuple(name for name in entries if name in read)
 
 
 def _run_test(worker, test, job, namespace_box):
@@ -598,7 +595,8 @@ def judge(job_fd, result_fd):
 
     signal.signal(signal.SIGALRM, _alarm)
     try:
-        box = {"referenced": referenced_names(job), "needed": needed_entry_points(job)}
+        referenced, needed = proxied_names(job)
+        box = {"referenced": referenced, "needed": needed}
     except SyntaxError as err:
         box = {"referenced": set(), "broken": f"the tests do not parse: {err}"}
     for test in job["tests"]:
