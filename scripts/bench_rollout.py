@@ -10,7 +10,8 @@ banned until then), sampling at T=1. Each engine runs once untimed (CUDA graphs,
 transformers' static-cache compilation happen there), then ``--repeats`` timed calls bracketed by
 ``torch.cuda.synchronize``; the median is reported as new tokens per second and ms per decode step. LoRA cases
 compare the compact engine with r=16 adapters on every linear layer kept unmerged against the same weights
-merged. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
+merged, each with its default decode step (adapters: the Triton block kernels of ``scgrpo.rollout.norms``; none:
+the ``torch.compile``'d step), and with engine ``other_step`` each with the other step too. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
 the first difference) and the sampler's log-probabilities against a full forward pass of the sampled tokens.
 Writes ``benchmarks/results/bench_rollout_<card>.json``; ``scripts/bench_table.py`` makes the tables.
 """
@@ -86,7 +87,8 @@ def compact_runner(model, ids, mask, max_new: int, greedy: bool = False, **kwarg
     from scgrpo.rollout.compact import CompactDecoder
     from scgrpo.rollout.slots import SlotDecoder
 
-    decoder = CompactDecoder(model, compile_layers=kwargs.pop("compile_layers", True))
+    decoder = CompactDecoder(model, compile_layers=kwargs.pop("compile_layers", True),
+                             block_kernels=kwargs.pop("block_kernels", None))
     sampler = SlotDecoder(decoder, [EOS], EOS, max_new, greedy=greedy, min_new_tokens=0 if greedy else max_new,
                           **kwargs)
 
@@ -153,21 +155,38 @@ def run_case(name: str, spec: dict, repeats: int, engines: list[str]) -> dict:
         result["engines"][engine] = stats
         print(f"{name:>18} {engine:>16}: {stats['tok_s']:>10,.0f} new tok/s  {stats['ms_per_step']:.2f} ms/step", flush=True)
 
-    if spec.get("lora"):
+    if spec.get("lora"):  # each model's default step; with "other_step", the other step too (same call)
         peft_model = add_lora(model)
-        run, sampler = compact_runner(peft_model, ids, mask, max_new)
+        other = "other_step" in engines
+        run, sampler = compact_runner(peft_model, ids, mask, max_new)  # default with adapters: the block kernels
         record("compact_unmerged", timed(run, repeats), dict(sampler.stats))
+        tokens, logprobs, _ = run()  # on-policy: the sampler's log-probabilities against the adapted model's forward
+        result["unmerged_sampler_vs_forward_bf16"] = sampler_vs_forward(peft_model, ids, tokens, logprobs)
+        if other:
+            run, sampler = compact_runner(peft_model, ids, mask, max_new, block_kernels=False)
+            record("compact_unmerged_compiled_step", timed(run, repeats), dict(sampler.stats))
         merged = peft_model.merge_and_unload()
-        run, sampler = compact_runner(merged, ids, mask, max_new)
+        run, sampler = compact_runner(merged, ids, mask, max_new)  # default without adapters: the compiled step
         record("compact_merged", timed(run, repeats), dict(sampler.stats))
-        result["unmerged_over_merged"] = (result["engines"]["compact_unmerged"]["median_s"]
-                                          / result["engines"]["compact_merged"]["median_s"])
+        if other:
+            run, sampler = compact_runner(merged, ids, mask, max_new, block_kernels=True)
+            record("compact_merged_block_step", timed(run, repeats), dict(sampler.stats))
+        e = result["engines"]
+        result["unmerged_over_merged"] = e["compact_unmerged"]["median_s"] / e["compact_merged"]["median_s"]
+        if other:  # the same step both ways
+            result["unmerged_over_merged_block_step"] = (e["compact_unmerged"]["median_s"]
+                                                         / e["compact_merged_block_step"]["median_s"])
+            result["unmerged_over_merged_compiled_step"] = (e["compact_unmerged_compiled_step"]["median_s"]
+                                                            / e["compact_merged"]["median_s"])
         return result
     if "compact" in engines:
         run, sampler = compact_runner(model, ids, mask, max_new)
         record("compact", timed(run, repeats), dict(sampler.stats))
         tokens, logprobs, _ = run()
         result["sampler_vs_forward_bf16"] = sampler_vs_forward(model, ids, tokens, logprobs)
+    if "other_step" in engines:  # the other step: Triton block kernels, not torch.compile'd code
+        run, sampler = compact_runner(model, ids, mask, max_new, block_kernels=True)
+        record("compact_block_step", timed(run, repeats), dict(sampler.stats))
     if "compact_eager" in engines:
         run, sampler = compact_runner(model, ids, mask, max_new, compile_layers=False)
         record("compact_eager", timed(run, repeats), dict(sampler.stats))
@@ -190,7 +209,7 @@ def run_case(name: str, spec: dict, repeats: int, engines: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--engines", default="compact,compact_eager,loop_hf_forward,hf_static,hf_dynamic")
+    parser.add_argument("--engines", default="compact,other_step,compact_eager,loop_hf_forward,hf_static,hf_dynamic")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

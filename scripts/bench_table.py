@@ -148,8 +148,10 @@ def rollout_entries(card: str) -> dict[str, dict]:
                               if "calls" in case else "")
         summary[key] = entry(
             key, ratio(low), name_, command,
-            "LoRA r=16 on every linear layer kept unmerged (low-rank adds) vs the same weights merged, compact engine, "
-            f"SmolLM2 shape, 64 sequences{calls(low)}; at 512 sequences {ratio(high):.2f}{calls(high)}" if high else "")
+            "LoRA r=16 on every linear layer kept unmerged (the block kernels of scgrpo.rollout.norms: A products in "
+            "the norms or matmuls, B products in the matmuls or norms) vs the same weights merged (the faster of its "
+            f"two decode steps in the same call), compact engine, SmolLM2 shape, 64 sequences{calls(low)}; "
+            f"at 512 sequences {ratio(high):.2f}{calls(high)}" if high else "")
     engines = os.path.join(RESULTS, f"bench_smollm2engines_{card}.json")
     if os.path.exists(engines):
         payload = json.load(open(engines))
@@ -219,8 +221,12 @@ def rollout_table(card: str) -> list[str]:
             return f"{e[engine]['tok_s']:,.0f} ({e[engine]['ms_per_step']:.2f})" if engine in e else ""
 
         if "compact_unmerged" in e:
-            lines.append(f"| {name}: LoRA unmerged / merged | {cell('compact_unmerged')} / {cell('compact_merged')} "
-                         + "| " * len(present) + f"ratio {case['unmerged_over_merged']:.2f} |")
+            fastest = min(e[k]["median_s"] for k in ("compact_merged", "compact_merged_block_step") if k in e)
+            merged = cell("compact_merged") + (f", block step {cell('compact_merged_block_step')}"
+                                               if "compact_merged_block_step" in e else "")
+            lines.append(f"| {name}: LoRA unmerged / merged | {cell('compact_unmerged')} / {merged} "
+                         + "| " * len(present)
+                         + f"unmerged / faster merged {e['compact_unmerged']['median_s'] / fastest:.2f} |")
             continue
         ratio = case.get("compact_over_hf_static")
         agreement = case.get("greedy_agreement_bf16")
@@ -228,18 +234,21 @@ def rollout_table(card: str) -> list[str]:
     return lines
 
 
-def lora_gemm_table(card: str) -> list[str]:
-    report, lines = section("bench_lora_gemm", card, "LoRA-epilogue matmul",
-                            "microseconds per call (CUDA graph of 30 calls), bf16, SmolLM2-135M's projections with "
-                            "r=16 per adapted layer; `scgrpo.rollout.lora_gemm` is not yet used by the engine.")
+def add_norm_table(card: str) -> list[str]:
+    report, lines = section("tune_add_norm", card, "Add-and-norm kernel with LoRA terms",
+                            "microseconds per call (CUDA graph of 30 calls), bf16, SmolLM2-135M's width (576); "
+                            "`scgrpo.rollout.norms.add_norm` at its fastest launch setting against `torch.compile` "
+                            "of the same add and RMSNorm without adapters (`norm_launch` holds the fastest settings).")
     if not report:
         return []
-    lines += ["| projection | rows | merged (cuBLAS) | [W; A] matmul + addmm | fused kernel, best setting | fused / merged |",
-             "|---|---|---|---|---|---|"]
-    for name, row in report["shapes"].items():
-        lines.append(f"| {name.rsplit('_', 1)[0]} ({row['n']} x {row['k']}, r {row['r']}) | {row['rows']} | "
-                     f"{row['merged_us']:.2f} | {row['two_kernels_us']:.2f} | {row['best']['us']:.2f} | "
-                     f"{row['best_over_merged']:.2f} |")
+    lines += ["| case | rows | ranks in, out | compiled add + norm, no LoRA | kernel, fastest setting | setting |",
+              "|---|---|---|---|---|---|"]
+    ranks = {"merged": "0, 0", "into_qkv": "16, 48", "into_mlp": "16, 32"}
+    for name, row in report["cases"].items():
+        case, rows = name.rsplit("_", 1)
+        best = {k: v for k, v in row["best"].items() if k != "us"}
+        lines.append(f"| {case} | {rows} | {ranks.get(case, '?')} | {row['compiled_add_norm_us']:.2f} | "
+                     f"{row['best']['us']:.2f} | {best} |")
     return lines
 
 
@@ -309,7 +318,7 @@ def main() -> None:
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", ""]
     for card in cards:
         lines += rollout_table(card)
-        lines += lora_gemm_table(card)
+        lines += add_norm_table(card)
     lines += verifier_table()
     lines.append("")
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:

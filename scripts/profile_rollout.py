@@ -26,7 +26,7 @@ from bench_rollout import CASES, add_lora, build_model, compact_runner  # noqa: 
 from bench_step import card_name  # noqa: E402
 
 
-def profile_case(name: str, top: int, merged: bool = False) -> dict:
+def profile_case(name: str, top: int, merged: bool = False, compiled_step: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     spec = CASES[name]
@@ -38,7 +38,7 @@ def profile_case(name: str, top: int, merged: bool = False) -> dict:
     n, max_new = spec["seqs"], spec["max_new"]
     torch.manual_seed(2)
     ids = torch.randint(3, 1000, (n, 48), device="cuda")
-    run, sampler = compact_runner(model, ids, torch.ones_like(ids), max_new)
+    run, sampler = compact_runner(model, ids, torch.ones_like(ids), max_new, block_kernels=False if compiled_step else None)
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -54,7 +54,7 @@ def profile_case(name: str, top: int, merged: bool = False) -> dict:
         total += device_us
         rows.append({"kernel": event.key[:110], "us_per_step": device_us / steps, "calls_per_step": event.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    label = name + ("_merged" if merged else "")
+    label = name + ("_merged" if merged else "") + ("_compiled_step" if compiled_step else "")
     launches = sum(r["calls_per_step"] for r in rows)
     print(f"\n== {label}: {total / steps:.1f} us of kernels per decode step, {launches:.0f} launches "
           f"({len(rows)} kernel names)")
@@ -70,6 +70,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="smollm2_64,smollm2_512")
     parser.add_argument("--merged", action="store_true", help="also profile LoRA cases merged")
+    parser.add_argument("--compiled-step", action="store_true",
+                        help="the step as torch.compile'd code between the matmuls, not the Triton block kernels")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -77,9 +79,9 @@ def main() -> None:
         raise SystemExit("profile_rollout.py profiles GPU kernels; no CUDA device found")
     report = {"card": card_name(), "command": "python scripts/profile_rollout.py " + " ".join(sys.argv[1:]), "cases": []}
     for name in args.cases.split(","):
-        report["cases"].append(profile_case(name, args.top))
+        report["cases"].append(profile_case(name, args.top, compiled_step=args.compiled_step))
         if args.merged and CASES[name].get("lora"):
-            report["cases"].append(profile_case(name, args.top, merged=True))
+            report["cases"].append(profile_case(name, args.top, merged=True, compiled_step=args.compiled_step))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -1,4 +1,4 @@
-"""GPU checks of the compact rollout engine: CUDA graphs and compiled code change no token (tiny model, fp32),
+"""GPU checks of the compact rollout engine: CUDA graphs, compiled code and the block kernels change no token (tiny model, fp32),
 and on the real SmolLM2 (``SCGRPO_REAL_MODEL`` = its GGUF file or folder) greedy decoding equals
 ``generate`` for 64 chat prompts in fp32; the bf16 agreement and the sampler-vs-trainer log-probability gap
 are measured and, with ``SCGRPO_GPU_REPORT`` set, written there as JSON. Skipped without a GPU."""
@@ -51,11 +51,12 @@ def test_graphs_compile_compaction_and_refill_change_no_token(tiny_model_dir):
     enc = _encode(tok, [f"question {i}: " + "x" * (i % 7) for i in range(24)])
     outputs = {}
     for name, compiled, graphs, slots in [("eager", False, False, 0), ("graphs", False, True, 0),
-                                          ("compiled", True, True, 0), ("refill", True, True, 5)]:
-        decoder = CompactDecoder(model, compile_layers=compiled)
+                                          ("compiled", True, True, 0), ("refill", True, True, 5),
+                                          ("blocks", True, True, 0), ("blocks_refill", True, True, 5)]:
+        decoder = CompactDecoder(model, compile_layers=compiled, block_kernels=name.startswith("blocks"))
         sampler = SlotDecoder(decoder, [2], tok.pad_token_id, 40, greedy=True, cuda_graphs=graphs, max_slots=slots)
         outputs[name] = sampler(enc["input_ids"], enc["attention_mask"])[0]
-        if name == "refill":
+        if name.endswith("refill"):
             assert sampler.stats["rollout/prefills"] > 1
         if compiled:
             assert not decoder.compile_failed
@@ -175,10 +176,11 @@ def test_real_smollm2_sampler_logprobs_match_the_trainer(smollm2):
     _report("smollm2_sampler_vs_trainer_logprob_abs_diff", result)
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "gate_proj", "down_proj"]])
-def test_compiled_unmerged_lora_equals_the_merged_model(targets):
-    """The compiled engine's LoRA terms (multiply-adds over each layer's own ranks, fused by the compiler),
-    greedy in fp32, give the merged model's tokens."""
+def test_compiled_unmerged_lora_equals_the_merged_model(targets, blocks):
+    """The engine's LoRA terms, greedy in fp32, give the merged model's tokens: compiled (multiply-adds over each
+    layer's own ranks, fused by the compiler) and in the block kernels (the default with adapters)."""
     from peft import LoraConfig, get_peft_model
 
     from tests.conftest import build_tokenizer
@@ -193,7 +195,8 @@ def test_compiled_unmerged_lora_equals_the_merged_model(targets):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.5)
     enc = _encode(tok, [f"row {i} " + "ab" * (i % 5) for i in range(12)])
-    decoder = CompactDecoder(model, compile_layers=True)
+    decoder = CompactDecoder(model, compile_layers=True, block_kernels=None if blocks else False)
     tokens = SlotDecoder(decoder, [], 2, 16, greedy=True)(enc["input_ids"], enc["attention_mask"])[0]
-    assert not decoder.compile_failed and decoder._spans is not None
+    assert not decoder.compile_failed and decoder.block_kernels == blocks
+    assert blocks or decoder._spans is not None
     assert torch.equal(tokens, hf_greedy(model.merge_and_unload(), enc, 16))

@@ -8,8 +8,10 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
   base weights do not change),
 - LoRA unmerged, as low-rank adds: the adapters' down-projections ride in the same matmul as the base weight
   (their rows appended to it), their up-projections are a block-diagonal matmul added on (compiled:
-  multiply-adds, fused into the kernel that reads the projection where the compiler can). Sampling thus runs the policy being trained,
-  not a rounded merge of it,
+  multiply-adds, fused into the kernel that reads the projection where the compiler can). On a GPU with
+  adapters, the step between matmuls is instead :mod:`scgrpo.rollout.norms`' Triton kernels, and q/k/v and
+  gate/up take their up-projections as input columns (:class:`Projection`'s ``inner`` layout). Sampling thus
+  runs the policy being trained, not a rounded merge of it,
 - its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
   left padding): a row's position is its cache length. On a GPU one Triton kernel per layer
   (:mod:`scgrpo.rollout.kernels`) rotates q and k, writes the cache and attends over each row's own entries;
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scgrpo.rollout import kernels
+from scgrpo.rollout import kernels, norms
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +139,21 @@ class Projection:
 
     ``weight`` is ``[W_1; ...; W_k; A_1; ...; A_m]`` (outputs, then adapter ranks), ``up`` the block-diagonal
     ``[sum r, sum out]`` of the scaled, transposed B's (rows along the outputs, so that reading one rank's
-    column of every output is one contiguous load): ``y = (x W^T)[:out] + (x W^T)[out:] up``. The concatenation costs one
-    copy of the layers' weights (kept between rollouts unless released). :meth:`refresh` updates it in place
-    (base rows, adapters and biases: one device copy); storage is reallocated only when the layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph
-    that reads it stays valid. Layers whose base weight is not a plain float tensor (4-bit) run their own
-    forward instead."""
+    column of every output is one contiguous load): ``y = (x W^T)[:out] + (x W^T)[out:] up``.
 
-    def __init__(self, modules: list, dtype: torch.dtype) -> None:
+    ``inner`` (the layout :mod:`scgrpo.rollout.norms` feeds): the adapters' up-projections are input columns
+    instead, ``weight`` ``[W | s B]`` ``[sum out, in + R]`` (``s B`` block-diagonal, ``R`` the ranks rounded up to
+    a multiple of 8 with zero columns) and ``down`` ``[R, in]`` the A rows: ``y = [x | x A^T] weight^T``.
+
+    The concatenation costs one copy of the layers' weights (kept between rollouts unless released). :meth:`refresh`
+    updates it in place (base rows, adapters and biases: one device copy); storage is reallocated only when the
+    layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph that reads it stays valid. Layers
+    whose base weight is not a plain float tensor (4-bit) run their own forward instead."""
+
+    def __init__(self, modules: list, dtype: torch.dtype, inner: bool = False) -> None:
         self.modules = modules
         self.dtype = dtype
+        self.inner = inner
         self.bases = [_base_layer(m) for m in modules]
         self.sizes = [b.weight.shape[0] for b in self.bases]
         self.out = sum(self.sizes)
@@ -153,13 +161,14 @@ class Projection:
         self.weight: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self.up: Optional[Tensor] = None
+        self.down: Optional[Tensor] = None
         self.blocks: Optional[tuple] = None  # see :func:`low_rank`
         self._layout = None
         self.refresh()
 
     def release(self) -> None:
         """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`)."""
-        self.weight = self.bias = self.up = None
+        self.weight = self.bias = self.up = self.down = None
         self._layout = None
 
     def refresh(self) -> bool:
@@ -174,44 +183,58 @@ class Projection:
                   single, single and weights[0].data_ptr(), tuple(b.bias is not None for b in self.bases))
         allocated = layout != self._layout
         device = weights[0].device
+        width = weights[0].shape[1]
+        padded = -(-rank // 8) * 8  # inner layout: input columns of whole 16-byte rows
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
         if allocated:
+            has_bias = any(b.bias is not None for b in self.bases)
+            self.up = self.down = self.blocks = None
             if single:
                 self.weight = weights[0].detach()  # the layer's own tensor: nothing to copy
+            elif self.inner:
+                self.weight = torch.zeros(self.out, width + padded, dtype=self.dtype, device=device)
+                self.down = torch.zeros(padded, width, dtype=self.dtype, device=device) if rank else None
             else:
-                self.weight = torch.empty(self.out + rank, weights[0].shape[1], dtype=self.dtype, device=device)
-            has_bias = any(b.bias is not None for b in self.bases)
-            self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
-            self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
+                self.weight = torch.empty(self.out + rank, width, dtype=self.dtype, device=device)
+                self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
+            extra = 0 if self.inner else rank
+            self.bias = torch.zeros(self.out + extra, dtype=self.dtype, device=device) if has_bias else None
             self._layout = layout
-            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
             ranks: list[list[int]] = [[] for _ in self.sizes]
             col = 0
             for i, a, _, _ in loras:
                 ranks[i] += range(col, col + a.shape[0])
                 col += a.shape[0]
-            self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks)) if rank else None
+            if rank and not self.inner:
+                self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks))
         if not single:  # one device copy per rollout: in-place `.data` edits leave no version trace to check
-            torch.cat([w.detach().to(self.dtype) for w in weights], out=self.weight[: self.out])
+            base = self.weight[:, :width] if self.inner else self.weight[: self.out]
+            if self.inner and len(weights) == 1:
+                base.copy_(weights[0].detach())
+            else:
+                torch.cat([w.detach().to(self.dtype) for w in weights], out=base)
         if self.bias is not None:  # cheap, and biases may train while the weights do not
             self.bias[: self.out].copy_(torch.cat([
                 b.bias.detach() if b.bias is not None else torch.zeros(n, dtype=self.dtype, device=device)
                 for b, n in zip(self.bases, self.sizes)]))
-        if loras:
-            starts = [0]
-            for n in self.sizes:
-                starts.append(starts[-1] + n)
-            row, col = self.out, 0
-            for i, a, b, scale in loras:  # A rows after the outputs; the scaled B in its block of ``up``
-                r = a.shape[0]
-                self.weight[row : row + r].copy_(a.detach())
+        col = 0
+        for i, a, b, scale in loras:  # A rows after the outputs (or apart); the scaled B in its block
+            r = a.shape[0]
+            if self.inner:
+                self.down[col : col + r].copy_(a.detach())
+                self.weight[starts[i] : starts[i + 1], width + col : width + col + r].copy_(b.detach() * scale)
+            else:
+                self.weight[self.out + col : self.out + col + r].copy_(a.detach())
                 self.up[col : col + r, starts[i] : starts[i + 1]].copy_(b.detach().t() * scale)
-                row, col = row + r, col + r
+            col += r
         return allocated
 
     def __call__(self, x: Tensor) -> Tensor:
         """``[..., in]`` -> ``[..., sum out]``."""
         if not self.fused:
             return torch.cat([m(x) for m in self.modules], dim=-1)
+        if self.inner and self.down is not None:
+            x = torch.cat([x, F.linear(x, self.down)], dim=-1)
         return fused_linear(x, self.weight, self.bias, self.up)
 
 
@@ -380,7 +403,7 @@ class CompactDecoder:
     """The decode-time forward of a Llama-family model (see the module docstring); ``model`` may be a peft
     model. Call :meth:`refresh` before each rollout (after the optimiser changed the adapters)."""
 
-    def __init__(self, model, compile_layers: bool = False) -> None:
+    def __init__(self, model, compile_layers: bool = False, block_kernels: Optional[bool] = None) -> None:
         causal_lm = _inner(model)
         self.config = config = causal_lm.config
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
@@ -394,23 +417,34 @@ class CompactDecoder:
         self.scaling = self.head_dim ** -0.5
         self.rotary = backbone.rotary_emb
         self.head = Projection([causal_lm.get_output_embeddings()], self.dtype)
+        # the step as Triton kernels between the matmuls (:mod:`scgrpo.rollout.norms`): GPUs, plain float weights,
+        # the attention kernel, no q/k norms (Qwen3 keeps the compiled step). By default with unmerged adapters only,
+        # where they are measured faster than the compiled step (scripts/bench_rollout.py: with none, about even)
+        linears = [m for block in backbone.layers for m in (
+            block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
+            block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj)]
+        possible = (all(_is_plain(_base_layer(m).weight) for m in linears) and kernels.usable(self.device)
+                    and kernels.supports(self.head_dim) and not hasattr(backbone.layers[0].self_attn, "q_norm"))
+        adapted = any(_lora_parts(m) for m in linears)
+        self.block_kernels = possible and (compile_layers and adapted if block_kernels is None else block_kernels)
+        inner = self.block_kernels
         self.layers: list[Layer] = []
         for block in backbone.layers:
             attn, mlp = block.self_attn, block.mlp
             self.layers.append(Layer(
                 ln1=block.input_layernorm.weight,
-                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype),
+                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype, inner),
                 q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
                 k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
                 o=Projection([attn.o_proj], self.dtype),
                 ln2=block.post_attention_layernorm.weight,
-                gate_up=Projection([mlp.gate_proj, mlp.up_proj], self.dtype),
+                gate_up=Projection([mlp.gate_proj, mlp.up_proj], self.dtype, inner),
                 down=Projection([mlp.down_proj], self.dtype),
             ))
         self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.attention_in, self.attention_out, _ = layer_functions(self.heads, self.kv_heads, self.head_dim,
                                                                    self.eps)
-        self.compiled = bool(compile_layers and self.fused)
+        self.compiled = bool((compile_layers or self.block_kernels) and self.fused)  # (the sampling is compiled too)
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
         self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)
         self._spans: Optional[dict] = None
@@ -432,7 +466,7 @@ class CompactDecoder:
     def _build_steps(self) -> None:
         shapes = (self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_attention)
         self._first, self._middle, self._last = step_functions(*shapes)
-        if self.compiled:  # LoRA terms unrolled for the compiler to fuse; the eager versions as the fallback
+        if self.compiled and not self.block_kernels:  # LoRA terms unrolled for the compiler to fuse; eager as fallback
             self._spans = self._block_layout()
             first, middle, last = step_functions(*shapes, unrolled=True, blocks=self._spans)
             self._first = Compiled(first, "decode step (first block)", fallback=self._first)
@@ -456,7 +490,7 @@ class CompactDecoder:
                 rebuilt |= proj.refresh()
         if rebuilt:
             self.version += 1
-            if self.compiled and self._block_layout() != self._spans:  # other adapters: the unrolled terms change
+            if self.compiled and not self.block_kernels and self._block_layout() != self._spans:  # other adapters
                 self._build_steps()
 
     def release(self) -> None:
@@ -490,7 +524,7 @@ class CompactDecoder:
 
     @staticmethod
     def _p(proj: Projection) -> tuple:
-        return (proj.weight, proj.bias, proj.up) if proj.fused else (proj, None, None)
+        return (proj.weight, proj.bias, proj.up) if proj.fused and not proj.inner else (proj, None, None)
 
     def _args(self, layer: Layer) -> tuple:
         p = self._p
@@ -509,6 +543,8 @@ class CompactDecoder:
         s, cache_len = tokens.shape[0], cache.shape[4]
         cos_table, sin_table = self.rope_tables(cache_len)
         x = F.embedding(tokens, self.embed)  # [S, H]
+        if self.block_kernels:
+            return self._decode_blocks(x, lens, cache, cos_table, sin_table)
         args = [self._args(layer) for layer in self.layers]
         if self.fused_attention:  # one kernel per layer: rotation, cache write, attention over each row's length
             cos, sin = cos_table[lens], sin_table[lens]  # read by the compiled code only for q/k norms (Qwen3)
@@ -533,6 +569,21 @@ class CompactDecoder:
             if i + 1 < self.num_layers:
                 x, (q, kv) = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
         return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
+
+    def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor, sin_table: Tensor) -> Tensor:
+        """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`): LoRA's A products come out of
+        the norms (q/k/v, gate/up) or the matmuls (o, down), its B products go into the matmuls or the norms."""
+        y = up = None
+        for i, layer in enumerate(self.layers):
+            x, h = norms.add_norm(x, y, up, layer.ln1, self.eps, layer.qkv.down)  # [S, H + R]: h, then its z
+            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)
+            attn = kernels.decode_attention(qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling)
+            y = F.linear(attn, layer.o.weight, layer.o.bias)  # [S, H + r]: o's output, then its z
+            x, h = norms.add_norm(x, y, layer.o.up, layer.ln2, self.eps, layer.gate_up.down)
+            gate_up = F.linear(h, layer.gate_up.weight, layer.gate_up.bias)
+            y, up = F.linear(norms.silu_mul(gate_up), layer.down.weight, layer.down.bias), layer.down.up
+        _, h = norms.add_norm(x, y, up, self.norm, self.eps)
+        return F.linear(h, self.head.weight, self.head.bias).float()
 
     @torch.no_grad()
     def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
