@@ -63,3 +63,20 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SCGRPO_CACHE", str(tmp_path / "cache"))
+
+
+def pytest_collection_finish(session):
+    """The Triton-interpreter run of the kernel tests takes its own process and most of a minute: started now,
+    it runs beside the other tests (``tests/rollout/test_kernels.py``)."""
+    if any(item.name == "test_the_kernels_under_the_interpreter" for item in session.items):
+        from tests.rollout import test_kernels
+
+        test_kernels.start_interpreter_run()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    module = sys.modules.get("tests.rollout.test_kernels")
+    if module is not None:
+        module.stop_interpreter_run()

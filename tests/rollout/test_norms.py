@@ -20,9 +20,13 @@ pytestmark = pytest.mark.skipif(not kernels.usable(DEVICE), reason="needs Triton
 NEW = 5 if kernels.INTERPRET else 12
 
 
-@pytest.mark.parametrize("launch", [dict(block_m=1, block_r=4, num_warps=1), dict(block_m=4, block_r=16, num_warps=2),
-                                    dict(block_m=16, block_k=64, block_r=16, num_warps=4)])
-@pytest.mark.parametrize("r_in,r_out,with_y", [(5, 12, True), (3, 0, True), (0, 20, False)])
+ROWS_1, ROWS_4 = dict(block_m=1, block_r=4, num_warps=1), dict(block_m=4, block_r=16, num_warps=2)
+TILES = dict(block_m=16, block_k=64, block_r=16, num_warps=4)  # 16 ranks a program: 20 ranks take two
+
+
+@pytest.mark.parametrize("launch,r_in,r_out,with_y", [
+    (ROWS_1, 5, 12, True), (ROWS_4, 5, 12, True), (TILES, 5, 12, True), (ROWS_4, 3, 0, True), (ROWS_1, 0, 20, False),
+    (TILES, 0, 20, False), (TILES, 2, 20, True), (ROWS_4, 2, 20, True)])
 def test_add_norm_equals_the_sums_in_pytorch(launch, r_in, r_out, with_y):
     torch.manual_seed(0)
     m, d = 19, 72  # rows not a multiple of 16, width not a multiple of the column step
@@ -45,18 +49,44 @@ def test_add_norm_equals_the_sums_in_pytorch(launch, r_in, r_out, with_y):
         assert torch.allclose(h[:, d:], expected_h @ a.t(), atol=1e-4, rtol=1e-5)
 
 
-def test_add_norm_rejects_a_y_of_the_wrong_width():
-    x = torch.zeros(2, 8, device=DEVICE)
+def test_add_norm_rejects_a_y_of_the_wrong_width_and_an_up_without_y():
+    x, up, w = torch.zeros(2, 8, device=DEVICE), torch.zeros(3, 8, device=DEVICE), torch.ones(8, device=DEVICE)
     with pytest.raises(ValueError, match="ranks"):
-        norms.add_norm(x, torch.zeros(2, 10, device=DEVICE), torch.zeros(3, 8, device=DEVICE), torch.ones(8, device=DEVICE),
-                       1e-5)
+        norms.add_norm(x, torch.zeros(2, 10, device=DEVICE), up, w, 1e-5)
+    with pytest.raises(ValueError, match="without"):
+        norms.add_norm(x, None, up, w, 1e-5)
 
 
-def test_silu_mul_equals_pytorch():
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 on a GPU (the interpreter's bf16 arithmetic is not exact)")
+@pytest.mark.parametrize("rows", [19, 64, 512])
+def test_add_norm_in_bf16_rounds_as_the_model_does(rows):
+    """x + y and the norm's output bit for bit against PyTorch doing Hugging Face's operations in bf16 (each
+    kernel setting); z within one rounding of the product of the rounded h."""
     torch.manual_seed(0)
-    gate_up = torch.randn(7, 2 * 100, device=DEVICE)
+    bf16 = dict(device=DEVICE, dtype=torch.bfloat16)
+    d, r_in, r_out = 576, 16, 48
+    x, y = torch.randn(rows, d, **bf16), torch.randn(rows, d + r_in, **bf16)
+    up, a = torch.randn(r_in, d, **bf16) * 0.1, torch.randn(r_out, d, **bf16) * 0.1
+    weight = torch.rand(d, **bf16) + 0.5
+    lora = (y[:, d:].float() @ up.float()).to(torch.bfloat16)
+    expected_x = x + (y[:, :d] + lora)
+    expected_h = rms_norm(expected_x, weight, 1e-5)
+    expected_z = expected_h.float() @ a.float().t()
+    for launch in (None, dict(block_m=1, block_r=16, num_warps=4), dict(block_m=16, block_k=128, block_r=16, num_warps=4)):
+        x_new, h = norms.add_norm(x, y, up, weight, 1e-5, a, launch=launch)
+        assert torch.equal(x_new, expected_x) and torch.equal(h[:, :d], expected_h), launch
+        assert torch.allclose(h[:, d:].float(), expected_z, rtol=2 ** -7, atol=1e-2), launch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_pytorch(dtype):
+    if dtype == torch.bfloat16 and DEVICE.type != "cuda":
+        pytest.skip("bf16 on a GPU (the interpreter's bf16 arithmetic is not exact)")
+    torch.manual_seed(0)
+    gate_up = torch.randn(7, 2 * 100, device=DEVICE).to(dtype)
     gate, up = gate_up.chunk(2, -1)
-    assert torch.allclose(norms.silu_mul(gate_up, block=32), F.silu(gate) * up, atol=1e-6)
+    got, expected = norms.silu_mul(gate_up, block=32), F.silu(gate) * up
+    assert torch.equal(got, expected) if dtype == torch.bfloat16 else torch.allclose(got, expected, atol=1e-6)
 
 
 def _decoder(model, **kwargs):
@@ -72,18 +102,51 @@ def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch)
     qkv = decoder.layers[0].qkv
     assert qkv.inner and qkv.down.shape == (16, 64) and qkv.weight.shape == (64 + 2 * 32, 64 + 16)  # 12 ranks -> 16
     sampler = SlotDecoder(decoder, [], 2, NEW, greedy=True)
-    unmerged = sampler(batch["input_ids"], batch["attention_mask"])[0]
+    before = qkv.weight.clone()
     with torch.no_grad():  # the optimiser's step: the next rollout follows the new adapters, same storage
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.add_(torch.randn_like(param) * 0.5)
-    pointer = qkv.weight.data_ptr()
+    tensors = lambda: [t.data_ptr() for layer in decoder.layers  # noqa: E731
+                       for t in (layer.qkv.weight, layer.qkv.down, layer.o.weight, layer.o.up, layer.gate_up.down)]
+    pointers = tensors()
     decoder.refresh()
-    assert qkv.weight.data_ptr() == pointer
+    assert tensors() == pointers
     updated = sampler(batch["input_ids"], batch["attention_mask"])[0]
     merged = model.merge_and_unload()
     assert torch.equal(updated, hf_greedy(merged, batch, NEW))
-    assert not torch.equal(updated, unmerged)  # the update changed the tokens: the test sees it
+    assert torch.equal(qkv.weight[:, :64], before[:, :64]) and not torch.equal(qkv.weight[:, 64:], before[:, 64:])
+
+
+def test_some_layers_adapted_with_their_own_ranks_equal_the_merged_model(tok, batch):
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                        rank_pattern={"v_proj": 2, "down_proj": 6}, init_lora_weights=False)
+    model = get_peft_model(base, config).to(DEVICE).eval()
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    decoder = _decoder(model)
+    layer = decoder.layers[0]
+    assert layer.qkv.down.shape[0] == 8 and layer.o.up is None and layer.down.up.shape[0] == 6  # 4 + 2 -> 8
+    tokens = SlotDecoder(decoder, [], 2, NEW, greedy=True)(batch["input_ids"], batch["attention_mask"])[0]
+    assert torch.equal(tokens, hf_greedy(model.merge_and_unload(), batch, NEW))
+
+
+def test_a_failing_kernel_falls_back_to_the_uncompiled_step(tok, batch, monkeypatch, caplog):
+    model = with_lora(tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).to(DEVICE)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    decoder = _decoder(model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(norms, "add_norm", broken)
+    with caplog.at_level("WARNING", logger="scgrpo.rollout.compact"):
+        tokens = SlotDecoder(decoder, [], 2, NEW, greedy=True)(batch["input_ids"], batch["attention_mask"])[0]
+    assert decoder.compile_failed and not decoder.block_kernels
+    assert "block kernels failed (RuntimeError: out of resources" in caplog.text
+    assert torch.equal(tokens, hf_greedy(model.merge_and_unload(), batch, NEW))
 
 
 def test_the_block_kernels_with_biases_equal_generate(tok, batch):

@@ -8,10 +8,11 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
   base weights do not change),
 - LoRA unmerged, as low-rank adds: the adapters' down-projections ride in the same matmul as the base weight
   (their rows appended to it), their up-projections are a block-diagonal matmul added on (compiled:
-  multiply-adds, fused into the kernel that reads the projection where the compiler can). On a GPU with
-  adapters, the step between matmuls is instead :mod:`scgrpo.rollout.norms`' Triton kernels, and q/k/v and
-  gate/up take their up-projections as input columns (:class:`Projection`'s ``inner`` layout). Sampling thus
-  runs the policy being trained, not a rounded merge of it,
+  multiply-adds, fused into the kernel that reads the projection where the compiler can). On a GPU, with compile
+  on, adapters, plain float weights and no q/k norms, the step between matmuls is instead
+  :mod:`scgrpo.rollout.norms`' Triton kernels, and q/k/v and gate/up take their up-projections as input columns
+  (:class:`Projection`'s ``inner`` layout). Sampling thus runs the policy being trained, not a rounded merge of it
+  (the adapters are held in the model dtype: see :mod:`scgrpo.rollout.norms` for the roundings),
 - its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
   left padding): a row's position is its cache length. On a GPU one Triton kernel per layer
   (:mod:`scgrpo.rollout.kernels`) rotates q and k, writes the cache and attends over each row's own entries;
@@ -418,8 +419,10 @@ class CompactDecoder:
         self.rotary = backbone.rotary_emb
         self.head = Projection([causal_lm.get_output_embeddings()], self.dtype)
         # the step as Triton kernels between the matmuls (:mod:`scgrpo.rollout.norms`): GPUs, plain float weights,
-        # the attention kernel, no q/k norms (Qwen3 keeps the compiled step). By default with unmerged adapters only,
-        # where they are measured faster than the compiled step (scripts/bench_rollout.py: with none, about even)
+        # the attention kernel, no q/k norms (Qwen3 keeps the compiled step; 4-bit QLoRA bases the layers' own
+        # forwards). By default with compile on and unmerged adapters at construction (the decoder is kept per model):
+        # with adapters faster than the compiled step in scripts/bench_rollout.py; without, neither step was
+        # faster in every call (64 rows: 1.41/1.25, 1.31/1.36, 1.38/1.52 ms a step, block/compiled)
         linears = [m for block in backbone.layers for m in (
             block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
             block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj)]
@@ -444,7 +447,8 @@ class CompactDecoder:
         self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.attention_in, self.attention_out, _ = layer_functions(self.heads, self.kv_heads, self.head_dim,
                                                                    self.eps)
-        self.compiled = bool((compile_layers or self.block_kernels) and self.fused)  # (the sampling is compiled too)
+        self.compiled = bool(compile_layers and self.fused)  # (the sampling is compiled too)
+        self.block_failed = False
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
         self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)
         self._spans: Optional[dict] = None
@@ -466,7 +470,7 @@ class CompactDecoder:
     def _build_steps(self) -> None:
         shapes = (self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_attention)
         self._first, self._middle, self._last = step_functions(*shapes)
-        if self.compiled and not self.block_kernels:  # LoRA terms unrolled for the compiler to fuse; eager as fallback
+        if self.compiled and not (self.block_kernels or self.block_failed):  # LoRA terms unrolled for the compiler
             self._spans = self._block_layout()
             first, middle, last = step_functions(*shapes, unrolled=True, blocks=self._spans)
             self._first = Compiled(first, "decode step (first block)", fallback=self._first)
@@ -490,7 +494,7 @@ class CompactDecoder:
                 rebuilt |= proj.refresh()
         if rebuilt:
             self.version += 1
-            if self.compiled and not self.block_kernels and self._block_layout() != self._spans:  # other adapters
+            if self.compiled and not (self.block_kernels or self.block_failed) and self._block_layout() != self._spans:
                 self._build_steps()
 
     def release(self) -> None:
@@ -533,7 +537,7 @@ class CompactDecoder:
 
     @property
     def compile_failed(self) -> bool:
-        return any(getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
+        return self.block_failed or any(getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, lens: Tensor, cache: Tensor, length: int) -> Tensor:
@@ -544,7 +548,14 @@ class CompactDecoder:
         cos_table, sin_table = self.rope_tables(cache_len)
         x = F.embedding(tokens, self.embed)  # [S, H]
         if self.block_kernels:
-            return self._decode_blocks(x, lens, cache, cos_table, sin_table)
+            try:
+                return self._decode_blocks(x, lens, cache, cos_table, sin_table)
+            except Exception as err:  # noqa: BLE001 - a kernel that fails to build or launch: the eager step is exact
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise  # (a graph's warm-up step, uncaptured, meets the failure first)
+                self.block_kernels, self.block_failed = False, True
+                log.warning("the decode step's block kernels failed (%s: %s); decoding with the uncompiled step",
+                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         args = [self._args(layer) for layer in self.layers]
         if self.fused_attention:  # one kernel per layer: rotation, cache write, attention over each row's length
             cos, sin = cos_table[lens], sin_table[lens]  # read by the compiled code only for q/k norms (Qwen3)

@@ -10,8 +10,13 @@ before the MLP, the gate/up matmul, the gated activation, the down projection. U
 - a projection whose output a residual add reads (attention output, down) has its A rows appended to its weight
   (the matmul's output is ``[h W^T | z]``) and :func:`add_norm` adds ``z (s B)^T`` before the residual add.
 
-The arithmetic follows the Hugging Face model's roundings where it rounds: the projection's output, the LoRA
-term, each sum and the norm's output are rounded to the model dtype; statistics are fp32.
+The arithmetic, in the model dtype with fp32 statistics and accumulation: the add-and-norm rounds as Hugging
+Face's Llama model does (the residual sum, the normalised input, the norm's output; on an H100 in bf16 its
+``x + y`` and ``h`` are bit-identical to PyTorch doing the same operations). The LoRA terms differ from the
+trainer's by roundings: the adapters' A and s B are copied in the model dtype (peft keeps them in fp32 and
+computes the term in fp32), ``z`` is rounded to it, and for q/k/v and gate/up the base and LoRA products are
+summed before one rounding (the trainer rounds the base output first). The sampler-vs-trainer log-probability
+gap this leaves is measured in ``benchmarks/results/gpu_checks_<card>.json``.
 
 Available where Triton is (GPUs); ``TRITON_INTERPRET=1`` runs them on CPU tensors.
 """
@@ -162,9 +167,14 @@ def norm_launch(rows: int, width: int, ranks: int) -> dict:
     ranks (a row's ``z`` split over programs: more multiprocessors busy, fewer adapter rows each)."""
     if INTERPRET:  # (the CPU interpreter runs programs one after another)
         return {"block_m": 16, "block_k": 256, "block_r": 16, "num_warps": 4}
-    # the fastest of scripts/tune_add_norm.py on an H100 (SmolLM2-135M's width; 16 ranks in, 48 or 32 out)
-    if rows > 128 and ranks:  # 512 rows: 8.3 us against 10.3 for the best rows setting
+    # scripts/tune_add_norm.py on an H100, SmolLM2-135M's width (576), 16 ranks in and 48 (q/k/v) or 32 (gate/up)
+    # out; other widths are not tuned
+    if ranks and width > 1024:  # the rows kernel would hold [block_r, width] products in registers
         return {"block_m": 16, "block_k": 256, "block_r": 32, "num_warps": 4}
+    if rows > 128 and ranks > 32:  # 512 rows, q/k/v: 8.3 us, the rows kernel's best 11.2
+        return {"block_m": 16, "block_k": 256, "block_r": 32, "num_warps": 4}
+    if rows > 128 and ranks:  # 512 rows, gate/up: 7.5 us, the tiles kernel's best 8.2
+        return {"block_m": 2, "block_k": 0, "block_r": 32, "num_warps": 4}
     if rows > 128:  # no ranks out: a plain add and norm, 1.8 us at 512 rows
         return {"block_m": 1, "block_k": 0, "block_r": 16, "num_warps": 4}
     # 64 rows: q/k/v's 48 ranks in halves (3.4 us), gate/up's 32 in 16s (3.1 us); no ranks 1.6 us
@@ -185,6 +195,8 @@ def add_norm(x: Tensor, y: Optional[Tensor], up: Optional[Tensor], weight: Tenso
     m, d = x.shape
     r_in = 0 if up is None else up.shape[0]
     r_out = 0 if a is None else a.shape[0]
+    if y is None and up is not None:
+        raise ValueError("add_norm: `up` without `y` (the ranks' z come from y's last columns)")
     if y is not None and (y.shape[0] != m or y.shape[1] != d + r_in):
         raise ValueError(f"add_norm: y {tuple(y.shape)} for x {tuple(x.shape)} and {r_in} ranks")
     for name, t in (("x", x), ("y", y), ("up", up), ("a", a)):
