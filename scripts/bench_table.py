@@ -238,9 +238,8 @@ def add_norm_table(card: str) -> list[str]:
     report, lines = section("tune_add_norm", card, "Add-and-norm kernel with LoRA terms",
                             "microseconds per call (CUDA graph of 30 calls), bf16, SmolLM2-135M's width (576); "
                             "`scgrpo.rollout.norms.add_norm` at its fastest launch setting against `torch.compile` "
-                            "of the same add and RMSNorm without adapters (`norm_launch` takes these settings, but at 512 rows with "
-                            "48 ranks out it takes the tiles kernel). The report's `default_us` figures are of an "
-                            "earlier `norm_launch`.")
+                            "of the same add and RMSNorm without adapters (`norm_launch` takes these settings, or one within 0.01 us). "
+                            "The report's `default_us` figures are of an earlier `norm_launch`.")
     if not report:
         return []
     lines += ["| case | rows | ranks in, out | compiled add + norm, no LoRA | kernel, fastest setting | setting |",
