@@ -60,13 +60,16 @@ def test_add_norm_rejects_a_y_of_the_wrong_width_and_an_up_without_y():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 on a GPU (the interpreter's bf16 arithmetic is not exact)")
 @pytest.mark.parametrize("rows", [19, 64, 512])
 def test_add_norm_in_bf16_rounds_as_the_model_does(rows):
-    """x + y and the norm's output bit for bit against PyTorch doing Hugging Face's operations in bf16 (each
-    kernel setting); z within one rounding of the product of the rounded h."""
+    """x + y bit for bit against PyTorch doing Hugging Face's operations in bf16 (each kernel setting), the
+    norm's output but for rare single roundings, z within one rounding of the product of the rounded h."""
     torch.manual_seed(0)
     bf16 = dict(device=DEVICE, dtype=torch.bfloat16)
     d, r_in, r_out = 576, 16, 48
     x, y = torch.randn(rows, d, **bf16), torch.randn(rows, d + r_in, **bf16)
-    up, a = torch.randn(r_in, d, **bf16) * 0.1, torch.randn(r_out, d, **bf16) * 0.1
+    # z and up of small integers (up scaled by 2^-6): the LoRA term's fp32 sum is exact in any order
+    y[:, d:] = torch.randint(-3, 4, (rows, r_in), device=DEVICE).to(torch.bfloat16)
+    up = torch.randint(-3, 4, (r_in, d), device=DEVICE).to(torch.bfloat16) / 64
+    a = torch.randn(r_out, d, **bf16) * 0.1
     weight = torch.rand(d, **bf16) + 0.5
     lora = (y[:, d:].float() @ up.float()).to(torch.bfloat16)
     expected_x = x + (y[:, :d] + lora)
@@ -74,7 +77,11 @@ def test_add_norm_in_bf16_rounds_as_the_model_does(rows):
     expected_z = expected_h.float() @ a.float().t()
     for launch in (None, dict(block_m=1, block_r=16, num_warps=4), dict(block_m=16, block_k=128, block_r=16, num_warps=4)):
         x_new, h = norms.add_norm(x, y, up, weight, 1e-5, a, launch=launch)
-        assert torch.equal(x_new, expected_x) and torch.equal(h[:, :d], expected_h), launch
+        assert torch.equal(x_new, expected_x), launch
+        # the norm's fp32 sum of squares in another order: a rare rounding of h one step apart, no more
+        off = h[:, :d] != expected_h
+        assert off.float().mean() < 1e-3, launch
+        assert torch.allclose(h[:, :d].float(), expected_h.float(), rtol=2 ** -7, atol=0), launch
         assert torch.allclose(h[:, d:].float(), expected_z, rtol=2 ** -7, atol=1e-2), launch
 
 
