@@ -201,19 +201,16 @@ class Projection:
             extra = 0 if self.inner else rank
             self.bias = torch.zeros(self.out + extra, dtype=self.dtype, device=device) if has_bias else None
             self._layout = layout
-            ranks: list[list[int]] = [[] for _ in self.sizes]
-            col = 0
-            for i, a, _, _ in loras:
-                ranks[i] += range(col, col + a.shape[0])
-                col += a.shape[0]
             if rank and not self.inner:
+                ranks: list[list[int]] = [[] for _ in self.sizes]
+                col = 0
+                for i, a, _, _ in loras:
+                    ranks[i] += range(col, col + a.shape[0])
+                    col += a.shape[0]
                 self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks))
         if not single:  # one device copy per rollout: in-place `.data` edits leave no version trace to check
             base = self.weight[:, :width] if self.inner else self.weight[: self.out]
-            if self.inner and len(weights) == 1:
-                base.copy_(weights[0].detach())
-            else:
-                torch.cat([w.detach().to(self.dtype) for w in weights], out=base)
+            torch.cat([w.detach().to(self.dtype) for w in weights], out=base)
         if self.bias is not None:  # cheap, and biases may train while the weights do not
             self.bias[: self.out].copy_(torch.cat([
                 b.bias.detach() if b.bias is not None else torch.zeros(n, dtype=self.dtype, device=device)
@@ -467,10 +464,15 @@ class CompactDecoder:
             spans[name] = found.pop()
         return spans
 
+    @property
+    def _compiles_layers(self) -> bool:
+        """The layer code is ``torch.compile``'d (not the block kernels, nor their eager fallback)."""
+        return self.compiled and not (self.block_kernels or self.block_failed)
+
     def _build_steps(self) -> None:
         shapes = (self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_attention)
         self._first, self._middle, self._last = step_functions(*shapes)
-        if self.compiled and not (self.block_kernels or self.block_failed):  # LoRA terms unrolled for the compiler
+        if self._compiles_layers:  # LoRA terms unrolled for the compiler to fuse; the eager versions as the fallback
             self._spans = self._block_layout()
             first, middle, last = step_functions(*shapes, unrolled=True, blocks=self._spans)
             self._first = Compiled(first, "decode step (first block)", fallback=self._first)
@@ -494,7 +496,7 @@ class CompactDecoder:
                 rebuilt |= proj.refresh()
         if rebuilt:
             self.version += 1
-            if self.compiled and not (self.block_kernels or self.block_failed) and self._block_layout() != self._spans:
+            if self._compiles_layers and self._block_layout() != self._spans:  # other adapters: other unrolled terms
                 self._build_steps()
 
     def release(self) -> None:
