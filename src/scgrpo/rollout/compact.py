@@ -10,9 +10,9 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
   (their rows appended to it), their up-projections are a block-diagonal matmul added on (compiled:
   multiply-adds, fused into the kernel that reads the projection where the compiler can). On a GPU, with compile
   on, adapters, plain float weights and no q/k norms, the step between matmuls is instead
-  :mod:`scgrpo.rollout.norms`' Triton kernels, and q/k/v and gate/up take their up-projections as input columns
-  (:class:`Projection`'s ``inner`` layout). Sampling thus runs the policy being trained, not a rounded merge of it
-  (the adapters are held in the model dtype: see :mod:`scgrpo.rollout.norms` for the roundings),
+  :mod:`scgrpo.rollout.norms`' Triton kernels, which add the up-projections where they read each matmul's
+  output. Sampling thus runs the policy being trained, not a rounded merge of it (the adapters are held in the
+  model dtype: see :mod:`scgrpo.rollout.norms` for the roundings),
 - its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
   left padding): a row's position is its cache length. On a GPU one Triton kernel per layer
   (:mod:`scgrpo.rollout.kernels`) rotates q and k, writes the cache and attends over each row's own entries;
@@ -142,19 +142,16 @@ class Projection:
     ``[sum r, sum out]`` of the scaled, transposed B's (rows along the outputs, so that reading one rank's
     column of every output is one contiguous load): ``y = (x W^T)[:out] + (x W^T)[out:] up``.
 
-    ``inner`` (the layout :mod:`scgrpo.rollout.norms` feeds): the adapters' up-projections are input columns
-    instead, ``weight`` ``[W | s B]`` ``[sum out, in + R]`` (``s B`` block-diagonal, ``R`` the ranks rounded up to
-    a multiple of 8 with zero columns) and ``down`` ``[R, in]`` the A rows: ``y = [x | x A^T] weight^T``.
+    ``ranks``: how many of the rank rows are each layer's (in order; 0 for a layer without adapters).
 
     The concatenation costs one copy of the layers' weights (kept between rollouts unless released). :meth:`refresh`
     updates it in place (base rows, adapters and biases: one device copy); storage is reallocated only when the
     layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph that reads it stays valid. Layers
     whose base weight is not a plain float tensor (4-bit) run their own forward instead."""
 
-    def __init__(self, modules: list, dtype: torch.dtype, inner: bool = False) -> None:
+    def __init__(self, modules: list, dtype: torch.dtype) -> None:
         self.modules = modules
         self.dtype = dtype
-        self.inner = inner
         self.bases = [_base_layer(m) for m in modules]
         self.sizes = [b.weight.shape[0] for b in self.bases]
         self.out = sum(self.sizes)
@@ -162,18 +159,19 @@ class Projection:
         self.weight: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self.up: Optional[Tensor] = None
-        self.down: Optional[Tensor] = None
+        self.ranks: tuple[int, ...] = (0,) * len(modules)
         self.blocks: Optional[tuple] = None  # see :func:`low_rank`
         self._layout = None
         self.refresh()
 
     def release(self) -> None:
         """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`)."""
-        self.weight = self.bias = self.up = self.down = None
+        self.weight = self.bias = self.up = None
         self._layout = None
 
-    def refresh(self) -> bool:
-        """Returns whether storage was (re)allocated, rather than updated in place."""
+    def refresh(self, copies: Optional["Copies"] = None) -> bool:
+        """Returns whether storage was (re)allocated, rather than updated in place. The copies of the weights go
+        into ``copies`` when given (the caller runs them, with other projections'), else are done here."""
         if not self.fused:
             return False
         loras = [(i, a, b, s) for i, m in enumerate(self.modules) for a, b, s in _lora_parts(m)]
@@ -185,55 +183,72 @@ class Projection:
         allocated = layout != self._layout
         device = weights[0].device
         width = weights[0].shape[1]
-        padded = -(-rank // 8) * 8  # inner layout: input columns of whole 16-byte rows
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
         if allocated:
             has_bias = any(b.bias is not None for b in self.bases)
-            self.up = self.down = self.blocks = None
+            self.up = self.blocks = None
             if single:
                 self.weight = weights[0].detach()  # the layer's own tensor: nothing to copy
-            elif self.inner:
-                self.weight = torch.zeros(self.out, width + padded, dtype=self.dtype, device=device)
-                self.down = torch.zeros(padded, width, dtype=self.dtype, device=device) if rank else None
             else:
                 self.weight = torch.empty(self.out + rank, width, dtype=self.dtype, device=device)
                 self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
-            extra = 0 if self.inner else rank
-            self.bias = torch.zeros(self.out + extra, dtype=self.dtype, device=device) if has_bias else None
+            self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
             self._layout = layout
-            if rank and not self.inner:
+            self.ranks = tuple(sum(a.shape[0] for j, a, _, _ in loras if j == i) for i in range(len(self.sizes)))
+            if rank:
                 ranks: list[list[int]] = [[] for _ in self.sizes]
                 col = 0
                 for i, a, _, _ in loras:
                     ranks[i] += range(col, col + a.shape[0])
                     col += a.shape[0]
                 self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks))
-        if not single:  # one device copy per rollout: in-place `.data` edits leave no version trace to check
-            base = self.weight[:, :width] if self.inner else self.weight[: self.out]
-            torch.cat([w.detach().to(self.dtype) for w in weights], out=base)
+            # where each refresh copies to, as views made once: base rows, A rows, the scaled B's blocks (as B)
+            self._targets = [] if single else [self.weight[a:b] for a, b in zip(starts, starts[1:])]
+            self._lora_targets = []
+            col = 0
+            for i, a, _, _ in loras:
+                r = a.shape[0]
+                self._lora_targets.append((self.weight[self.out + col : self.out + col + r],
+                                           self.up[col : col + r, starts[i] : starts[i + 1]].t()))
+                col += r
+        own = copies is None
+        copies = Copies() if own else copies
+        # one device copy per rollout, base weights too: in-place `.data` edits leave no version trace to check
+        copies.plain += zip(self._targets, weights)
+        for (a_at, b_at), (_, a, b, scale) in zip(self._lora_targets, loras):
+            copies.plain.append((a_at, a))
+            copies.scaled.append((b_at, b, scale))
         if self.bias is not None:  # cheap, and biases may train while the weights do not
             self.bias[: self.out].copy_(torch.cat([
                 b.bias.detach() if b.bias is not None else torch.zeros(n, dtype=self.dtype, device=device)
                 for b, n in zip(self.bases, self.sizes)]))
-        col = 0
-        for i, a, b, scale in loras:  # A rows after the outputs (or apart); the scaled B in its block
-            r = a.shape[0]
-            if self.inner:
-                self.down[col : col + r].copy_(a.detach())
-                self.weight[starts[i] : starts[i + 1], width + col : width + col + r].copy_(b.detach() * scale)
-            else:
-                self.weight[self.out + col : self.out + col + r].copy_(a.detach())
-                self.up[col : col + r, starts[i] : starts[i + 1]].copy_(b.detach().t() * scale)
-            col += r
+        if own:
+            copies.run()
         return allocated
 
     def __call__(self, x: Tensor) -> Tensor:
         """``[..., in]`` -> ``[..., sum out]``."""
         if not self.fused:
             return torch.cat([m(x) for m in self.modules], dim=-1)
-        if self.inner and self.down is not None:
-            x = torch.cat([x, F.linear(x, self.down)], dim=-1)
         return fused_linear(x, self.weight, self.bias, self.up)
+
+
+class Copies:
+    """Weight copies gathered from many projections, done as a few multi-tensor launches (a model's refresh is
+    hundreds of small tensors: one launch each would cost more host time than a decode step)."""
+
+    def __init__(self) -> None:
+        self.plain: list[tuple[Tensor, Tensor]] = []  # (destination, source)
+        self.scaled: list[tuple[Tensor, Tensor, float]] = []  # (destination, source, scale): scale * source
+
+    @torch.no_grad()
+    def run(self) -> None:
+        if self.plain:
+            torch._foreach_copy_([d for d, _ in self.plain], [t for _, t in self.plain])
+        if self.scaled:  # scaled in the source's dtype, then rounded once to the destination's
+            scaled = torch._foreach_mul([t for _, t, _ in self.scaled], [k for _, _, k in self.scaled])
+            torch._foreach_copy_([d for d, _, _ in self.scaled], scaled)
+        self.plain, self.scaled = [], []
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor],
@@ -427,18 +442,17 @@ class CompactDecoder:
                     and kernels.supports(self.head_dim) and not hasattr(backbone.layers[0].self_attn, "q_norm"))
         adapted = any(_lora_parts(m) for m in linears)
         self.block_kernels = possible and (compile_layers and adapted if block_kernels is None else block_kernels)
-        inner = self.block_kernels
         self.layers: list[Layer] = []
         for block in backbone.layers:
             attn, mlp = block.self_attn, block.mlp
             self.layers.append(Layer(
                 ln1=block.input_layernorm.weight,
-                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype, inner),
+                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype),
                 q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
                 k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
                 o=Projection([attn.o_proj], self.dtype),
                 ln2=block.post_attention_layernorm.weight,
-                gate_up=Projection([mlp.gate_proj, mlp.up_proj], self.dtype, inner),
+                gate_up=Projection([mlp.gate_proj, mlp.up_proj], self.dtype),
                 down=Projection([mlp.down_proj], self.dtype),
             ))
         self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -490,10 +504,12 @@ class CompactDecoder:
     def refresh(self) -> None:
         """Picks up the adapters' (and any changed base weights') current values, in place where it can;
         ``version`` changes when a tensor had to be rebuilt (recorded CUDA graphs then hold stale pointers)."""
-        rebuilt = self.head.refresh()
+        copies = Copies()
+        rebuilt = self.head.refresh(copies)
         for layer in self.layers:
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                rebuilt |= proj.refresh()
+                rebuilt |= proj.refresh(copies)
+        copies.run()
         if rebuilt:
             self.version += 1
             if self._compiles_layers and self._block_layout() != self._spans:  # other adapters: other unrolled terms
@@ -530,7 +546,7 @@ class CompactDecoder:
 
     @staticmethod
     def _p(proj: Projection) -> tuple:
-        return (proj.weight, proj.bias, proj.up) if proj.fused and not proj.inner else (proj, None, None)
+        return (proj.weight, proj.bias, proj.up) if proj.fused else (proj, None, None)
 
     def _args(self, layer: Layer) -> tuple:
         p = self._p
@@ -584,17 +600,20 @@ class CompactDecoder:
         return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
 
     def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor, sin_table: Tensor) -> Tensor:
-        """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`): LoRA's A products come out of
-        the norms (q/k/v, gate/up) or the matmuls (o, down), its B products go into the matmuls or the norms."""
+        """:meth:`decode` as eight launches a block, nine with q/k/v adapters (:mod:`scgrpo.rollout.norms`): LoRA's
+        A products come out of the matmuls (``[x W^T | z]``), its B products go into the kernels that read them."""
         y = up = None
         for i, layer in enumerate(self.layers):
-            x, h = norms.add_norm(x, y, up, layer.ln1, self.eps, layer.qkv.down)  # [S, H + R]: h, then its z
-            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)
+            x, h = norms.add_norm(x, y, up, layer.ln1, self.eps)
+            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)  # [S, out + R]: q, k, v, then their adapters' z
+            if layer.qkv.up is not None:
+                norms.lora_add(qkv, layer.qkv.up)
             attn = kernels.decode_attention(qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling)
             y = F.linear(attn, layer.o.weight, layer.o.bias)  # [S, H + r]: o's output, then its z
-            x, h = norms.add_norm(x, y, layer.o.up, layer.ln2, self.eps, layer.gate_up.down)
+            x, h = norms.add_norm(x, y, layer.o.up, layer.ln2, self.eps)
             gate_up = F.linear(h, layer.gate_up.weight, layer.gate_up.bias)
-            y, up = F.linear(norms.silu_mul(gate_up), layer.down.weight, layer.down.bias), layer.down.up
+            act = norms.silu_mul(gate_up, layer.gate_up.up, layer.gate_up.ranks)
+            y, up = F.linear(act, layer.down.weight, layer.down.bias), layer.down.up
         _, h = norms.add_norm(x, y, up, self.norm, self.eps)
         return F.linear(h, self.head.weight, self.head.bias).float()
 

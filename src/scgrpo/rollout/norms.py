@@ -1,22 +1,22 @@
 """Triton kernels for the decode step's work between matmuls, with LoRA's low-rank terms inside them.
 
-With these the decode step of a Llama-family block is eight launches, adapters or not: the add-and-norm before
-attention, the q/k/v matmul, attention (:mod:`scgrpo.rollout.kernels`), the output projection, the add-and-norm
-before the MLP, the gate/up matmul, the gated activation, the down projection. Unmerged LoRA rides in them:
+With these the decode step of a Llama-family block is eight launches (nine with adapters on q/k/v): the
+add-and-norm before attention, the q/k/v matmul, attention (:mod:`scgrpo.rollout.kernels`), the output
+projection, the add-and-norm before the MLP, the gate/up matmul, the gated activation, the down projection.
+Unmerged LoRA rides in them: every projection's weight carries its adapters' A rows after its own
+(:class:`~scgrpo.rollout.compact.Projection`), so the matmul's output is ``[x W^T | z]`` with ``z = x A^T``, and
+``z (s B)^T`` is added where the output is read anyway: by :func:`add_norm` for the attention output and down
+(before the residual add), by :func:`silu_mul` for gate/up; for q/k/v by :func:`lora_add`, before attention
+(inside the attention kernel, whose programs each take one row, every row would read its own copy of the B's).
+The B products of many rows at once are tensor-core dots.
 
-- a projection whose input a norm makes (q/k/v, gate/up) gets its adapters' down-projections ``z = h A^T`` from
-  :func:`add_norm` (``h`` and ``z`` written side by side, ``[h | z]``) and its up-projections as extra input
-  columns of its weight, ``[W | s B]``: the matmul computes ``h W^T + z (s B)^T`` at once;
-- a projection whose output a residual add reads (attention output, down) has its A rows appended to its weight
-  (the matmul's output is ``[h W^T | z]``) and :func:`add_norm` adds ``z (s B)^T`` before the residual add.
-
-The arithmetic, in the model dtype with fp32 statistics and accumulation: the add-and-norm rounds as Hugging
-Face's Llama model does (the residual sum, the normalised input, the norm's output; on an H100 in bf16 its
-``x + y`` and ``h`` are bit-identical to PyTorch doing the same operations). The LoRA terms differ from the
-trainer's by roundings: the adapters' A and s B are copied in the model dtype (peft keeps them in fp32 and
-computes the term in fp32), ``z`` is rounded to it, and for q/k/v and gate/up the base and LoRA products are
-summed before one rounding (the trainer rounds the base output first). The sampler-vs-trainer log-probability
-gap this leaves is measured in ``benchmarks/results/gpu_checks_<card>.json``.
+The arithmetic, in the model dtype with fp32 statistics and accumulation: the base output is rounded by the
+matmul, its LoRA term added in fp32 and the sum rounded once (as peft does with fp32 adapters); the add-and-norm
+then rounds as Hugging Face's Llama model does (the residual sum, the normalised input, the norm's output; on an
+H100 in bf16 its ``x + y`` and ``h`` are bit-identical to PyTorch doing the same operations). The LoRA terms
+differ from the trainer's by roundings: A and s B are copied in the model dtype (peft keeps them in fp32) and
+``z`` is rounded to it. The sampler-vs-trainer log-probability gap this leaves is measured in
+``benchmarks/results/gpu_checks_<card>.json``.
 
 Available where Triton is (GPUs); ``TRITON_INTERPRET=1`` runs them on CPU tensors.
 """
@@ -36,25 +36,20 @@ if AVAILABLE:
     import triton.language as tl
 
     @triton.jit
-    def _add_norm_rows_kernel(
+    def _add_norm_kernel(
         x, stride_x,  # [M, D] residual stream
-        y, stride_y,  # [M, D + R_IN] the last projection's output (HAS_Y): base columns, then z
-        up, stride_up,  # [R_IN, D] its scaled B^T
+        y, stride_y,  # [M, D + R] the last projection's output (HAS_Y): base columns, then its adapters' z
+        up, stride_up,  # [R, D] their scaled B^T
         w,  # [D] norm weight
-        a, stride_a,  # [R_OUT, D] the next projection's A rows
         x_out, stride_xo,  # [M, D] x + y (HAS_Y)
-        h_out, stride_h,  # [M, D + R_OUT]: the normed input, then its z
+        h_out, stride_h,  # [M, D] the normed input
         M, eps,
-        D: tl.constexpr, R_IN: tl.constexpr, R_OUT: tl.constexpr, HAS_Y: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RO: tl.constexpr,
+        D: tl.constexpr, R: tl.constexpr, HAS_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """Program (i, j): rows i * BLOCK_M ... one after another, each whole in registers, and ranks j * BLOCK_RO
-        ... of ``z`` (each of a row's programs adds and norms the row; the first stores it). The LoRA products are
-        multiply-adds: a rank at a time in, a [ranks, columns] product reduced over the columns out."""
-        first = tl.program_id(1) == 0
+        """Program i: rows i * BLOCK_M ... one after another, each whole in registers; LoRA's term as multiply-adds,
+        a rank at a time (the B rows stay in the multiprocessor's cache for the program's next rows)."""
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < D
-        ro = tl.program_id(1) * BLOCK_RO + tl.arange(0, BLOCK_RO)
         dtype = h_out.dtype.element_ty
         wv = tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
         for i in tl.static_range(BLOCK_M):
@@ -64,92 +59,71 @@ if AVAILABLE:
             xv = tl.load(x + row * stride_x + cols, mask=m1, other=0.0).to(tl.float32)
             if HAS_Y:
                 t = tl.load(y + row * stride_y + cols, mask=m1, other=0.0).to(tl.float32)
-                if R_IN > 0:
-                    lora = tl.zeros([BLOCK_D], tl.float32)
-                    for j in tl.static_range(R_IN):
-                        zj = tl.load(y + row * stride_y + D + j, mask=live, other=0.0).to(tl.float32)
-                        lora += zj * tl.load(up + j * stride_up + cols, mask=cmask, other=0.0).to(tl.float32)
-                    t = (t + lora.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                xv = (xv + t).to(dtype).to(tl.float32)
-                tl.store(x_out + row * stride_xo + cols, xv.to(dtype), mask=m1 & first)
+                for j in tl.static_range(R):
+                    zj = tl.load(y + row * stride_y + D + j, mask=live, other=0.0).to(tl.float32)
+                    t += zj * tl.load(up + j * stride_up + cols, mask=cmask, other=0.0).to(tl.float32)
+                xv = (xv + t.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                tl.store(x_out + row * stride_xo + cols, xv.to(dtype), mask=m1)
             rstd = tl.rsqrt(tl.sum(xv * xv, axis=0) / D + eps)
             h = (wv * (xv * rstd).to(dtype).to(tl.float32)).to(dtype)
-            tl.store(h_out + row * stride_h + cols, h, mask=m1 & first)
-            if R_OUT > 0:
-                av = tl.load(a + ro[:, None] * stride_a + cols[None, :], mask=(ro[:, None] < R_OUT) & cmask[None, :],
-                             other=0.0).to(tl.float32)  # [BRO, BD]
-                z = tl.sum(av * h.to(tl.float32)[None, :], axis=1)
-                tl.store(h_out + row * stride_h + D + ro, z.to(dtype), mask=(ro < R_OUT) & live)
+            tl.store(h_out + row * stride_h + cols, h, mask=m1)
 
     @triton.jit
-    def _add_norm_tiles_kernel(
-        x, stride_x, y, stride_y, up, stride_up, w, a, stride_a, x_out, stride_xo, h_out, stride_h,
-        M, eps,
-        D: tl.constexpr, R_IN: tl.constexpr, R_OUT: tl.constexpr, HAS_Y: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_RI: tl.constexpr, BLOCK_RO: tl.constexpr,
+    def _silu_mul_kernel(
+        gu, stride_gu,  # [M, 2 I + RG + RU]: gate, up, then the adapters' z (gate's ranks, then up's)
+        lora, stride_lora,  # [RG + RU, 2 I] their scaled B^T, block-diagonal
+        out, stride_out,  # [M, I]
+        M,
+        I: tl.constexpr, RG: tl.constexpr, RU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Program (i, j): rows i * BLOCK_M ... by columns j * BLOCK ... (16 rows or more with LoRA terms, whose
+        products are tensor-core dots)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        rmask = rows < M
+        cmask = cols < I
+        mask = rmask[:, None] & cmask[None, :]
+        dtype = out.dtype.element_ty
+        at = gu + rows[:, None] * stride_gu + cols[None, :]
+        g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(at + I, mask=mask, other=0.0).to(tl.float32)
+        if RG + RU > 0:  # the LoRA terms as tensor-core dots, summed with the base in fp32 and rounded once
+            rr = tl.arange(0, BLOCK_R)
+            z_at = gu + rows[:, None] * stride_gu + 2 * I + rr[None, :]
+            b_at = lora + rr[:, None] * stride_lora + cols[None, :]
+            if RG > 0:
+                zg = tl.load(z_at, mask=rmask[:, None] & (rr[None, :] < RG), other=0.0)  # [BM, BR]
+                bg = tl.load(b_at, mask=(rr[:, None] < RG) & cmask[None, :], other=0.0)  # [BR, BLOCK]
+                g = tl.dot(zg, bg, g, input_precision=PRECISION)
+            if RU > 0:
+                zu = tl.load(z_at + RG, mask=rmask[:, None] & (rr[None, :] < RU), other=0.0)
+                bu = tl.load(b_at + RG * stride_lora + I, mask=(rr[:, None] < RU) & cmask[None, :], other=0.0)
+                u = tl.dot(zu, bu, u, input_precision=PRECISION)
+            g, u = g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu, rounded as the model's activation is
+        tl.store(out + rows[:, None] * stride_out + cols[None, :], (act * u).to(dtype), mask=mask)
+
+    @triton.jit
+    def _lora_add_kernel(
+        y, stride_y,  # [M, OUT + R]: a projection's base output, then its adapters' z; the first OUT columns updated
+        up, stride_up,  # [R, OUT] their scaled B^T
+        M,
+        OUT: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """Program (i, j): sixteen or more rows (arguments as above) in column steps of two passes (the sums, then
-        the norm), and ranks j * BLOCK_RO ... of ``z``; the LoRA products as tensor-core dots, so each program reads
-        the adapters once for all its rows. Every program of a row block stores the same x_out and h and reads
-        back its own stores."""
+        """Program (i, j): rows i * BLOCK_M ... by columns j * BLOCK ...: ``y + z up`` as a tensor-core dot into the
+        fp32 base, rounded once, written over the base."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        kk = tl.arange(0, BLOCK_K)
-        dtype = h_out.dtype.element_ty
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        ri = tl.arange(0, BLOCK_RI)
-        if R_IN > 0:
-            z = tl.load(y + rows[:, None] * stride_y + D + ri[None, :], mask=rmask[:, None] & (ri[None, :] < R_IN),
-                        other=0.0)  # [BM, BRI]
-        for k0 in tl.static_range(0, D, BLOCK_K):  # pass 1: x + (base + z B) into x_out; the sum of squares
-            cols = k0 + kk
-            m2 = rmask[:, None] & (cols[None, :] < D)
-            xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            if HAS_Y:
-                t = tl.load(y + rows[:, None] * stride_y + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-                if R_IN > 0:
-                    u = tl.load(up + ri[:, None] * stride_up + cols[None, :],
-                                mask=(ri[:, None] < R_IN) & (cols[None, :] < D), other=0.0)  # [BRI, BK]
-                    lora = tl.dot(z, u, input_precision=PRECISION)
-                    t = (t + lora.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                xv = (xv + t).to(dtype).to(tl.float32)
-                tl.store(x_out + rows[:, None] * stride_xo + cols[None, :], xv.to(dtype), mask=m2)
-            sq += tl.sum(xv * xv, axis=1)
-        rstd = tl.rsqrt(sq / D + eps)
-        if HAS_Y:
-            tl.debug_barrier()  # pass 2 reads what other threads of the program stored
-        ro = tl.program_id(1) * BLOCK_RO + tl.arange(0, BLOCK_RO)
-        zacc = tl.zeros([BLOCK_M, BLOCK_RO], tl.float32)
-        for k0 in tl.static_range(0, D, BLOCK_K):  # pass 2: h = w * round(x rstd) into h_out; z = h A^T
-            cols = k0 + kk
-            cmask = cols < D
-            m2 = rmask[:, None] & cmask[None, :]
-            if HAS_Y:
-                xv = tl.load(x_out + rows[:, None] * stride_xo + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            else:
-                xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            wv = tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
-            h = (wv[None, :] * (xv * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-            tl.store(h_out + rows[:, None] * stride_h + cols[None, :], h, mask=m2)
-            if R_OUT > 0:
-                av = tl.load(a + ro[:, None] * stride_a + cols[None, :], mask=(ro[:, None] < R_OUT) & cmask[None, :],
-                             other=0.0)  # [BRO, BK]
-                zacc = tl.dot(h, tl.trans(av), zacc, input_precision=PRECISION)
-        if R_OUT > 0:
-            tl.store(h_out + rows[:, None] * stride_h + D + ro[None, :], zacc.to(dtype),
-                     mask=rmask[:, None] & (ro[None, :] < R_OUT))
-
-    @triton.jit
-    def _silu_mul_kernel(gu, stride_gu, out, stride_out, I: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
-        dtype = out.dtype.element_ty
-        g = tl.load(gu + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu + row * stride_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu, rounded as the model's activation is
-        tl.store(out + row * stride_out + cols, (act * u).to(dtype), mask=mask)
+        rr = tl.arange(0, BLOCK_R)
+        rmask, cmask = rows < M, cols < OUT
+        at = y + rows[:, None] * stride_y + cols[None, :]
+        mask = rmask[:, None] & cmask[None, :]
+        base = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(y + rows[:, None] * stride_y + OUT + rr[None, :], mask=rmask[:, None] & (rr[None, :] < R), other=0.0)
+        b = tl.load(up + rr[:, None] * stride_up + cols[None, :], mask=(rr[:, None] < R) & cmask[None, :], other=0.0)
+        tl.store(at, tl.dot(z, b, base, input_precision=PRECISION).to(y.dtype.element_ty), mask=mask)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -161,80 +135,97 @@ def _device(t: Tensor):
 
 
 def norm_launch(rows: int, width: int, ranks: int) -> dict:
-    """How :func:`add_norm` runs. ``block_m`` 16 or more: the tiles kernel, ``block_m`` rows a program in column
-    steps of ``block_k``, the LoRA products as tensor-core dots (each program reads the adapters once for its
-    rows). Below 16: the rows kernel, ``block_m`` rows a program one after another and ``block_r`` of ``z``'s
-    ranks (a row's ``z`` split over programs: more multiprocessors busy, fewer adapter rows each)."""
+    """How :func:`add_norm` runs: ``block_m`` rows a program, one after another, ``num_warps`` warps."""
     if INTERPRET:  # (the CPU interpreter runs programs one after another)
-        return {"block_m": 16, "block_k": 256, "block_r": 16, "num_warps": 4}
-    # scripts/tune_add_norm.py on an H100, SmolLM2-135M's width (576), 16 ranks in and 48 (q/k/v) or 32 (gate/up)
-    # out; other widths are not tuned
-    if ranks and width > 1024:  # the rows kernel would hold [block_r, width] products in registers
-        return {"block_m": 16, "block_k": 256, "block_r": 32, "num_warps": 4}
-    if rows > 128 and ranks > 32:  # 512 rows, q/k/v: 8.3 us, the rows kernel's best 11.2
-        return {"block_m": 16, "block_k": 256, "block_r": 32, "num_warps": 4}
-    if rows > 128 and ranks:  # 512 rows, gate/up: 7.5 us, the tiles kernel's best 8.2
-        return {"block_m": 2, "block_k": 0, "block_r": 32, "num_warps": 4}
-    if rows > 128:  # no ranks out: a plain add and norm, 1.8 us at 512 rows
-        return {"block_m": 1, "block_k": 0, "block_r": 16, "num_warps": 4}
-    # 64 rows: q/k/v's 48 ranks in halves (3.4 us), gate/up's 32 in 16s (3.1 us); no ranks 1.6 us
-    return {"block_m": 1, "block_k": 0, "block_r": 32 if ranks > 32 else 16, "num_warps": 8}
+        return {"block_m": 4, "num_warps": 4}
+    return {"block_m": 1, "num_warps": 4 if rows > 128 else 8}
 
 
 def add_norm(x: Tensor, y: Optional[Tensor], up: Optional[Tensor], weight: Tensor, eps: float,
-             a: Optional[Tensor] = None, launch: Optional[dict] = None) -> tuple[Tensor, Tensor]:
-    """The residual add and RMSNorm between projections, with LoRA terms (see the module docstring).
+             launch: Optional[dict] = None) -> tuple[Tensor, Tensor]:
+    """The residual add and RMSNorm between projections, with the last projection's LoRA term.
 
     ``x`` ``[M, D]``: the residual stream. ``y`` ``[M, D + r]`` or None: the last projection's output (base
     columns, then its adapters' ``z``), added to ``x`` with ``z up`` (``up`` ``[r, D]``, None when ``r`` is 0).
-    ``weight`` ``[D]``: the norm's. ``a`` ``[R, D]`` or None: the next projection's A rows.
-    Returns ``(x + y's sum, [norm(x + ...) | z])``, the second ``[M, D + R]``; with ``y`` None the first is ``x``.
+    ``weight`` ``[D]``: the norm's. Returns ``(x + y's sum, norm(x + ...))``; with ``y`` None the first is ``x``.
     ``launch``: :func:`norm_launch`'s keys, to override."""
     if not AVAILABLE:
         raise RuntimeError("add_norm needs Triton")
     m, d = x.shape
-    r_in = 0 if up is None else up.shape[0]
-    r_out = 0 if a is None else a.shape[0]
+    r = 0 if up is None else up.shape[0]
     if y is None and up is not None:
         raise ValueError("add_norm: `up` without `y` (the ranks' z come from y's last columns)")
-    if y is not None and (y.shape[0] != m or y.shape[1] != d + r_in):
-        raise ValueError(f"add_norm: y {tuple(y.shape)} for x {tuple(x.shape)} and {r_in} ranks")
-    for name, t in (("x", x), ("y", y), ("up", up), ("a", a)):
+    if y is not None and (y.shape[0] != m or y.shape[1] != d + r):
+        raise ValueError(f"add_norm: y {tuple(y.shape)} for x {tuple(x.shape)} and {r} ranks")
+    for name, t in (("x", x), ("y", y), ("up", up)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"add_norm needs rows of {name} contiguous")
     x_out = torch.empty_like(x) if y is not None else x
-    h = torch.empty(m, d + r_out, dtype=x.dtype, device=x.device)
-    launch = {**norm_launch(m, d, r_out), **(launch or {})}
-    block_m = launch["block_m"]
+    h = torch.empty_like(x)
+    launch = {**norm_launch(m, d, r), **(launch or {})}
     ref = y if y is not None else x
-    args = (x, x.stride(0), ref, ref.stride(0), up if up is not None else x, up.stride(0) if up is not None else 0,
-            weight, a if a is not None else x, a.stride(0) if a is not None else 0,
-            x_out, x_out.stride(0), h, h.stride(0), m, eps)
-    shape = dict(D=d, R_IN=r_in, R_OUT=r_out, HAS_Y=y is not None, BLOCK_M=block_m, num_warps=launch["num_warps"])
     with _device(x):
-        if block_m >= 16:
-            block_r = min(_pow2(launch["block_r"]), _pow2(r_out))
-            _add_norm_tiles_kernel[(triton.cdiv(m, block_m), triton.cdiv(r_out, block_r) if r_out else 1)](
-                *args, **shape, BLOCK_K=launch["block_k"], BLOCK_RI=_pow2(r_in), BLOCK_RO=block_r,
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-        else:
-            block_r = min(_pow2(launch["block_r"], 1), _pow2(r_out, 1))
-            _add_norm_rows_kernel[(triton.cdiv(m, block_m), triton.cdiv(r_out, block_r) if r_out else 1)](
-                *args, **shape, BLOCK_D=_pow2(d), BLOCK_RO=block_r)
+        _add_norm_kernel[(triton.cdiv(m, launch["block_m"]),)](
+            x, x.stride(0), ref, ref.stride(0), up if up is not None else x, up.stride(0) if up is not None else 0,
+            weight, x_out, x_out.stride(0), h, h.stride(0), m, eps,
+            D=d, R=r, HAS_Y=y is not None, BLOCK_M=launch["block_m"], BLOCK_D=_pow2(d), num_warps=launch["num_warps"])
     return x_out, h
 
 
-def silu_mul(gate_up: Tensor, block: int = 1024) -> Tensor:
-    """``silu(gate) * up`` for ``gate_up`` ``[M, 2 I]`` (gate columns first), rounded as the model rounds."""
+def silu_launch(rows: int, ranks: int) -> dict:
+    """How :func:`silu_mul` runs: ``block_m`` rows by ``block`` columns a program (``block_m`` 16 or more with
+    LoRA terms)."""
+    if not ranks:
+        return {"block_m": 1, "block": 1024, "num_warps": 4}
+    return {"block_m": 16, "block": 64, "num_warps": 8 if rows <= 128 else 4}
+
+
+def silu_mul(gate_up: Tensor, up: Optional[Tensor] = None, ranks: tuple[int, int] = (0, 0),
+             launch: Optional[dict] = None) -> Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[M, 2 I]`` (gate columns first), rounded as the model rounds.
+
+    With LoRA's terms still to add, ``gate_up`` ``[M, 2 I + R]`` ends with the adapters' ``z``, ``up``
+    ``[R, 2 I]`` holds their scaled, transposed B's and ``ranks`` says how many of the R are gate's and up's.
+    ``launch``: :func:`silu_launch`'s keys, to override."""
     if not AVAILABLE:
         raise RuntimeError("silu_mul needs Triton")
     m, width = gate_up.shape
-    inner = width // 2
-    if gate_up.stride(-1) != 1 or width != 2 * inner:
-        raise ValueError(f"silu_mul needs [M, 2 I] with contiguous rows (got {tuple(gate_up.shape)})")
+    r = sum(ranks)
+    inner = (width - r) // 2
+    if gate_up.stride(-1) != 1 or width != 2 * inner + r or (r > 0) != (up is not None) or (
+            up is not None and (tuple(up.shape) != (r, 2 * inner) or up.stride(-1) != 1)):
+        raise ValueError(f"silu_mul needs [M, 2 I + R] with contiguous rows and up [R, 2 I] (got {tuple(gate_up.shape)}"
+                         f", {None if up is None else tuple(up.shape)}, ranks {tuple(ranks)})")
     out = torch.empty(m, inner, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(block, _pow2(inner))
+    launch = {**silu_launch(m, r), **(launch or {})}
+    block = min(launch["block"], _pow2(inner))
+    if r and launch["block_m"] < 16:
+        raise ValueError(f"silu_mul with LoRA terms takes 16 rows a program or more (got {launch['block_m']})")
     with _device(gate_up):
-        _silu_mul_kernel[(m, triton.cdiv(inner, block))](gate_up, gate_up.stride(0), out, out.stride(0), I=inner,
-                                                         BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(triton.cdiv(m, launch["block_m"]), triton.cdiv(inner, block))](
+            gate_up, gate_up.stride(0), up if up is not None else gate_up, up.stride(0) if up is not None else 0,
+            out, out.stride(0), m, I=inner, RG=ranks[0], RU=ranks[1], BLOCK_M=launch["block_m"], BLOCK=block,
+            BLOCK_R=_pow2(max(ranks)), PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32",
+            num_warps=launch["num_warps"])
     return out
+
+
+def lora_add(y: Tensor, up: Tensor, launch: Optional[dict] = None) -> Tensor:
+    """Adds a projection's LoRA term in place: ``y[:, :out] += y[:, out:] up`` for ``y`` ``[M, out + R]`` (the
+    matmul's output with the adapters' A rows: base columns, then ``z``) and ``up`` ``[R, out]`` (their scaled,
+    transposed B's), the sum taken in fp32 and rounded once. Returns ``y``. ``launch``: ``block_m`` (16 or
+    more), ``block``, ``num_warps``."""
+    if not AVAILABLE:
+        raise RuntimeError("lora_add needs Triton")
+    m, width = y.shape
+    r, out = up.shape
+    if width != out + r or y.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(f"lora_add needs y [M, out + R] and up [R, out] with contiguous rows (got {tuple(y.shape)}, "
+                         f"{tuple(up.shape)})")
+    launch = {"block_m": 16, "block": 64, "num_warps": 4, **(launch or {})}
+    block = min(launch["block"], _pow2(out))
+    with _device(y):
+        _lora_add_kernel[(triton.cdiv(m, launch["block_m"]), triton.cdiv(out, block))](
+            y, y.stride(0), up, up.stride(0), m, OUT=out, R=r, BLOCK_M=launch["block_m"], BLOCK=block,
+            BLOCK_R=_pow2(r), PRECISION="ieee" if y.dtype == torch.float32 else "tf32", num_warps=launch["num_warps"])
+    return y

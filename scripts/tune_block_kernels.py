@@ -1,0 +1,94 @@
+"""Launch settings of the decode step's block kernels (``scgrpo.rollout.norms``: the add-and-norm and the gated
+activation, each with and without LoRA terms, and q/k/v's LoRA term), on the SmolLM2-135M decode shapes, beside the compiled PyTorch they replace (``torch.compile`` of the same operations, no LoRA).
+
+    python scripts/tune_block_kernels.py [--rows 64,512] [--out results.json]
+
+LoRA cases use 16 ranks per adapted layer (the o or down projection's 16 into the add-and-norm, gate's and up's
+16 each into the activation, q's, k's and v's 16 each into ``lora_add``). Each setting is timed as a CUDA graph of
+30 calls, replayed 20 times; the report keeps every setting and the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from scgrpo.rollout import norms  # noqa: E402
+from scgrpo.rollout.compact import rms_norm  # noqa: E402
+from tune_decode_attention import graph_time  # noqa: E402
+
+WIDTH, INNER, HEADS, KV, DIM, RANK = 576, 1536, 9, 3, 64, 16
+
+
+def timed(fn) -> dict:
+    try:
+        return {"us": graph_time(fn)}
+    except Exception as err:  # noqa: BLE001 - a setting that does not fit (registers, shared memory)
+        return {"error": f"{type(err).__name__}: {str(err)[:80]}"}
+
+
+def sweep(fn, settings) -> dict:
+    results = [{**launch, **timed(lambda: fn(launch))} for launch in settings]
+    ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+    return {"default_us": timed(lambda: fn(None)).get("us"), "best": ok[0] if ok else None, "settings": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="64,512")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    report = {"card": torch.cuda.get_device_name(), "command": "python scripts/tune_block_kernels.py", "cases": {}}
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    norm_settings = [dict(block_m=m, num_warps=w) for m, w in itertools.product((1, 2, 4), (2, 4, 8))]
+    silu_settings = {0: [dict(block_m=m, block=b, num_warps=4) for m, b in itertools.product((1, 4), (256, 512, 1024))],
+                     RANK: [dict(block_m=m, block=b, num_warps=w)  # (tensor-core dots: 16 rows or more)
+                            for m, b, w in itertools.product((16, 32), (64, 128, 256), (4, 8))]}
+    for rows in (int(r) for r in args.rows.split(",")):
+        x, weight = torch.randn(rows, WIDTH, **bf16), torch.rand(WIDTH, **bf16)
+        compiled_norm = torch.compile(lambda x, y, w: (x + y, rms_norm(x + y, w, 1e-5)))
+        y0 = torch.randn(rows, WIDTH, **bf16)
+        gu0 = torch.randn(rows, 2 * INNER, **bf16)
+        compiled_silu = torch.compile(lambda gu: F.silu(gu[:, :INNER]) * gu[:, INNER:])
+        baselines = {"add_norm": timed(lambda: compiled_norm(x, y0, weight))["us"],
+                     "silu_mul": timed(lambda: compiled_silu(gu0))["us"]}
+        for r in (0, RANK):
+            y = torch.randn(rows, WIDTH + r, **bf16)
+            up = torch.randn(r, WIDTH, **bf16) if r else None
+            found = sweep(lambda launch: norms.add_norm(x, y, up, weight, 1e-5, launch=launch), norm_settings)
+            report["cases"][f"add_norm_r{r}_{rows}"] = {"compiled_us": baselines["add_norm"], **found}
+            print(f"{rows} rows add_norm, {r} ranks: compiled (no LoRA) {baselines['add_norm']:.2f} us, default "
+                  f"{found['default_us']:.2f}, best {found['best']}", flush=True)
+            ranks = (r, r)
+            gu = torch.randn(rows, 2 * INNER + 2 * r, **bf16)
+            lora = torch.randn(2 * r, 2 * INNER, **bf16) if r else None
+            found = sweep(lambda launch: norms.silu_mul(gu, lora, ranks, launch=launch), silu_settings[r])
+            report["cases"][f"silu_mul_r{r}_{rows}"] = {"compiled_us": baselines["silu_mul"], **found}
+            print(f"{rows} rows silu_mul, {r}+{r} ranks: compiled (no LoRA) {baselines['silu_mul']:.2f} us, default "
+                  f"{found['default_us']:.2f}, best {found['best']}", flush=True)
+        # q/k/v's LoRA term before attention: 16 ranks each of q, k and v
+        qkv = torch.randn(rows, (HEADS + 2 * KV) * DIM + 3 * RANK, **bf16)
+        up = torch.randn(3 * RANK, (HEADS + 2 * KV) * DIM, **bf16)
+        lora_settings = [dict(block_m=m, block=b, num_warps=w)
+                         for m, b, w in itertools.product((16, 32), (32, 64, 128), (2, 4, 8))]
+        found = sweep(lambda launch: norms.lora_add(qkv, up, launch=launch), lora_settings)
+        report["cases"][f"lora_add_r{3 * RANK}_{rows}"] = {"compiled_us": None, **found}
+        print(f"{rows} rows lora_add, {3 * RANK} ranks: default {found['default_us']:.2f}, best {found['best']}",
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
