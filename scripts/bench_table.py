@@ -235,7 +235,7 @@ def rollout_table(card: str) -> list[str]:
 
 
 def add_norm_table(card: str) -> list[str]:
-    report, lines = section("tune_add_norm", card, "Add-and-norm kernel with LoRA terms",
+    report, lines = section("tune_block_kernels", card, "Add-and-norm kernel with LoRA terms",
                             "microseconds per call (CUDA graph of 30 calls), bf16, SmolLM2-135M's width (576); "
                             "`scgrpo.rollout.norms.add_norm` at its fastest launch setting against `torch.compile` "
                             "of the same add and RMSNorm without adapters (`norm_launch` takes these settings, or one within 0.01 us). "

@@ -85,14 +85,19 @@ def _is_plain(weight: Tensor) -> bool:
 
 
 def _lora_parts(module) -> list[tuple[Tensor, Tensor, float]]:
-    """(A ``[r, in]``, B ``[out, r]``, scale) of each active adapter of a peft LoRA layer; [] for a plain one."""
-    if not hasattr(module, "lora_A") or getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+    """(A ``[r, in]``, B ``[out, r]``, scale) of each active adapter of a peft LoRA layer; [] for a plain one.
+    (Read through the modules' own dicts: a refresh asks this of every linear layer before each rollout, and
+    ``nn.Module.__getattr__`` would cost more host time than the copies.)"""
+    children = module.__dict__.get("_modules", {})
+    lora_a, lora_b = children.get("lora_A"), children.get("lora_B")
+    if lora_a is None or lora_b is None or getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
         return []
     parts = []
     for name in module.active_adapters:
-        if name not in module.lora_A:
-            continue
-        parts.append((module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])))
+        a = lora_a._modules.get(name)
+        if a is not None:
+            parts.append((a._parameters["weight"], lora_b._modules[name]._parameters["weight"],
+                          float(module.scaling[name])))
     return parts
 
 
