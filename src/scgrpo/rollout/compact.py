@@ -199,23 +199,21 @@ class Projection:
                 self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
             self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
             self._layout = layout
-            self.ranks = tuple(sum(a.shape[0] for j, a, _, _ in loras if j == i) for i in range(len(self.sizes)))
-            if rank:
-                ranks: list[list[int]] = [[] for _ in self.sizes]
-                col = 0
-                for i, a, _, _ in loras:
-                    ranks[i] += range(col, col + a.shape[0])
-                    col += a.shape[0]
-                self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks))
-            # where each refresh copies to, as views made once: base rows, A rows, the scaled B's blocks (as B)
+            # one pass over the adapters: each layer's rank columns, and where each refresh copies to, as views
+            # made once (base rows, A rows, the scaled B's blocks seen as B)
             self._targets = [] if single else [self.weight[a:b] for a, b in zip(starts, starts[1:])]
             self._lora_targets = []
+            ranks: list[list[int]] = [[] for _ in self.sizes]
             col = 0
             for i, a, _, _ in loras:
                 r = a.shape[0]
+                ranks[i] += range(col, col + r)
                 self._lora_targets.append((self.weight[self.out + col : self.out + col + r],
                                            self.up[col : col + r, starts[i] : starts[i + 1]].t()))
                 col += r
+            self.ranks = tuple(len(r) for r in ranks)
+            if rank:
+                self.blocks = tuple((starts[i], starts[i + 1], tuple(r)) for i, r in enumerate(ranks))
         own = copies is None
         copies = Copies() if own else copies
         # one device copy per rollout, base weights too: in-place `.data` edits leave no version trace to check
