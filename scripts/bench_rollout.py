@@ -10,8 +10,10 @@ banned until then), sampling at T=1. Each engine runs once untimed (CUDA graphs,
 transformers' static-cache compilation happen there), then ``--repeats`` timed calls bracketed by
 ``torch.cuda.synchronize``; the median is reported as new tokens per second and ms per decode step. LoRA cases
 compare the compact engine with r=16 adapters on every linear layer kept unmerged against the same weights
-merged, each with its default decode step (adapters: the Triton block kernels of ``scgrpo.rollout.norms``; none:
-the ``torch.compile``'d step), and with engine ``other_step`` each with the other step too. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
+merged (timed in turn, round by round, with each rollout's weight refresh and prefill timed apart too), each with its default decode step (adapters: the Triton block kernels of ``scgrpo.rollout.norms``; none:
+the ``torch.compile``'d step), and with engine ``other_step`` each with the other step too; with engine
+``lora_after_matmul`` the unmerged model's block kernels with every LoRA term added after its matmul (by the kernels
+that read it), at every row count. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
 the first difference) and the sampler's log-probabilities against a full forward pass of the sampled tokens.
 Writes ``benchmarks/results/bench_rollout_<card>.json``; ``scripts/bench_table.py`` makes the tables.
 """
@@ -19,6 +21,7 @@ Writes ``benchmarks/results/bench_rollout_<card>.json``; ``scripts/bench_table.p
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -72,15 +75,32 @@ def add_lora(model):
 
 
 def timed(fn, repeats: int) -> dict:
-    fn()  # warm-up: graphs, compilation
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "times_s": times}
+    return timed_together({"run": fn}, repeats)["run"]
+
+
+def timed_together(fns: dict, repeats: int) -> dict:
+    """Each of ``fns`` run once untimed (graphs, compilation), then ``repeats`` rounds that time each once, in an
+    order that rotates from round to round (a drift of the card's clocks or the host's load spreads over every
+    engine). A function's ``phases`` attribute, when it has one, collects its own sub-timings (seconds) per call."""
+    for fn in fns.values():
+        fn()  # warm-up
+        getattr(fn, "phases", {}).clear()
+    times: dict = {name: [] for name in fns}
+    order = list(fns)
+    for round_ in range(repeats):
+        for name in order[round_ % len(order):] + order[: round_ % len(order)]:  # each round starts elsewhere
+            fn = fns[name]
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    stats = {}
+    for name, fn in fns.items():
+        stats[name] = {"median_s": statistics.median(times[name]), "times_s": times[name]}
+        for phase, values in getattr(fn, "phases", {}).items():
+            stats[name][f"{phase}_median_s"] = statistics.median(values)
+    return stats
 
 
 def compact_runner(model, ids, mask, max_new: int, greedy: bool = False, **kwargs):
@@ -88,14 +108,37 @@ def compact_runner(model, ids, mask, max_new: int, greedy: bool = False, **kwarg
     from scgrpo.rollout.slots import SlotDecoder
 
     decoder = CompactDecoder(model, compile_layers=kwargs.pop("compile_layers", True),
-                             block_kernels=kwargs.pop("block_kernels", None))
+                             block_kernels=kwargs.pop("block_kernels", None),
+                             lora_matmul_rows=kwargs.pop("lora_matmul_rows", None))
     sampler = SlotDecoder(decoder, [EOS], EOS, max_new, greedy=greedy, min_new_tokens=0 if greedy else max_new,
                           **kwargs)
 
-    def run():
-        decoder.refresh()
-        return sampler(ids, mask)
+    prefill = decoder.prefill
 
+    spent = [0.0]
+
+    def timed_prefill(*args):  # (synchronised: the prompts' forward passes timed apart from the decode steps)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = prefill(*args)
+        torch.cuda.synchronize()
+        spent[0] += time.perf_counter() - start
+        return logits
+
+    decoder.prefill = timed_prefill
+
+    def run():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder.refresh()  # the adapters' (or merged weights') copies for this rollout
+        torch.cuda.synchronize()
+        run.phases.setdefault("refresh", []).append(time.perf_counter() - start)
+        spent[0] = 0.0
+        result = sampler(ids, mask)
+        run.phases.setdefault("prefill", []).append(spent[0])  # every prefill of the rollout (chunks of prompts)
+        return result
+
+    run.phases = {}
     return run, sampler
 
 
@@ -157,22 +200,28 @@ def run_case(name: str, spec: dict, repeats: int, engines: list[str]) -> dict:
 
     if spec.get("lora"):  # each model's default step; with "other_step", the other step too (same call)
         peft_model = add_lora(model)
+        merged = copy.deepcopy(peft_model).merge_and_unload()
+        runners = {"compact_unmerged": compact_runner(peft_model, ids, mask, max_new)}  # default: block kernels
+        if "lora_after_matmul" in engines:  # the block kernels with every LoRA term added after its matmul
+            runners["compact_unmerged_lora_after_matmul"] = compact_runner(peft_model, ids, mask, max_new,
+                                                                           lora_matmul_rows=0)
         other = "other_step" in engines
-        run, sampler = compact_runner(peft_model, ids, mask, max_new)  # default with adapters: the block kernels
-        record("compact_unmerged", timed(run, repeats), dict(sampler.stats))
-        tokens, logprobs, _ = run()  # on-policy: the sampler's log-probabilities against the adapted model's forward
+        if other:
+            runners["compact_unmerged_compiled_step"] = compact_runner(peft_model, ids, mask, max_new,
+                                                                       block_kernels=False)
+        runners["compact_merged"] = compact_runner(merged, ids, mask, max_new)  # default: the compiled step
+        if other:
+            runners["compact_merged_block_step"] = compact_runner(merged, ids, mask, max_new, block_kernels=True)
+        stats = timed_together({name: run for name, (run, _) in runners.items()}, repeats)
+        for engine, (_, sampler) in runners.items():
+            record(engine, stats[engine], dict(sampler.stats))
+        tokens, logprobs, _ = runners["compact_unmerged"][0]()  # on-policy: against the adapted model's forward
         result["unmerged_sampler_vs_forward_bf16"] = sampler_vs_forward(peft_model, ids, tokens, logprobs)
-        if other:
-            run, sampler = compact_runner(peft_model, ids, mask, max_new, block_kernels=False)
-            record("compact_unmerged_compiled_step", timed(run, repeats), dict(sampler.stats))
-        merged = peft_model.merge_and_unload()
-        run, sampler = compact_runner(merged, ids, mask, max_new)  # default without adapters: the compiled step
-        record("compact_merged", timed(run, repeats), dict(sampler.stats))
-        if other:
-            run, sampler = compact_runner(merged, ids, mask, max_new, block_kernels=True)
-            record("compact_merged_block_step", timed(run, repeats), dict(sampler.stats))
         e = result["engines"]
         result["unmerged_over_merged"] = e["compact_unmerged"]["median_s"] / e["compact_merged"]["median_s"]
+        if "compact_unmerged_lora_after_matmul" in e:
+            result["unmerged_lora_after_matmul_over_merged"] = (e["compact_unmerged_lora_after_matmul"]["median_s"]
+                                                                / e["compact_merged"]["median_s"])
         if other:  # the same step both ways
             result["unmerged_over_merged_block_step"] = (e["compact_unmerged"]["median_s"]
                                                          / e["compact_merged_block_step"]["median_s"])

@@ -148,10 +148,10 @@ def rollout_entries(card: str) -> dict[str, dict]:
                               if "calls" in case else "")
         summary[key] = entry(
             key, ratio(low), name_, command,
-            "LoRA r=16 on every linear layer kept unmerged (the block kernels of scgrpo.rollout.norms: A products in "
-            "the norms or matmuls, B products in the matmuls or norms) vs the same weights merged (the faster of its "
-            f"two decode steps in the same call), compact engine, SmolLM2 shape, 64 sequences{calls(low)}; "
-            f"at 512 sequences {ratio(high):.2f}{calls(high)}" if high else "")
+            "LoRA r=16 on every linear layer kept unmerged vs the same weights merged, whole rollouts (weight "
+            f"refresh and prefill included), compact engine, SmolLM2 shape, 64 sequences{calls(low)}; "
+            f"at 512 sequences {ratio(high):.2f}{calls(high)}. " + low.get("ratio_definition", "")
+            if high else "")
     engines = os.path.join(RESULTS, f"bench_smollm2engines_{card}.json")
     if os.path.exists(engines):
         payload = json.load(open(engines))
@@ -231,6 +231,25 @@ def rollout_table(card: str) -> list[str]:
         ratio = case.get("compact_over_hf_static")
         agreement = case.get("greedy_agreement_bf16")
         lines.append(f"| {name} | " + " | ".join(cell(k) for k in present) + f" | {fmt(ratio)} | {fmt(agreement)} |")
+    return lines
+
+
+def lora_matmul_table(card: str) -> list[str]:
+    report, lines = section("tune_lora_matmul", card, "Projections with their LoRA term inside",
+                            "microseconds per call (CUDA graph of 30 calls over 30 copies of the weight, read in turn), "
+                            "bf16, SmolLM2-135M's projections with 16 ranks per adapted layer: `lora_matmul` at its "
+                            "fastest launch setting against cuBLAS without adapters and with the A rows appended (whose "
+                            "B product a block kernel then adds; for q/k/v a `lora_add` launch, counted in).")
+    if not report:
+        return []
+    lines += ["| case | cuBLAS, no LoRA | cuBLAS with A rows (+ lora_add) | lora_matmul, fastest | setting | "
+              "same kernel, no LoRA |", "|---|---|---|---|---|---|"]
+    for name, row in report["cases"].items():
+        best, cublas = row.get("best") or {}, row["cublas"]
+        two = cublas.get("with_a_rows_and_lora_add_us", cublas["with_a_rows_us"])
+        setting = {k: v for k, v in best.items() if k != "us"}
+        lines.append(f"| {name} | {cublas['no_lora_us']:.2f} | {two:.2f} | {best.get('us', float('nan')):.2f} | "
+                     f"{setting} | {fmt(row.get('no_lora_triton_us'))} |")
     return lines
 
 
@@ -316,6 +335,7 @@ def main() -> None:
     for card in cards:
         lines += rollout_table(card)
         lines += add_norm_table(card)
+        lines += lora_matmul_table(card)
     lines += verifier_table()
     lines.append("")
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:

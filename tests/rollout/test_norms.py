@@ -1,7 +1,8 @@
-"""The Triton kernels between the decode step's matmuls (:mod:`scgrpo.rollout.norms`), in fp32: the add-and-norm
-with LoRA terms against the same sums in PyTorch, the gated activation, and the decode step built from them
-against Hugging Face's ``generate`` (LoRA unmerged, updated in place, against the merged model; Qwen2's
-biases). Runs on a GPU, or on CPU under Triton's interpreter (``tests/rollout/test_kernels.py`` runs this
+"""The Triton kernels between the decode step's matmuls (:mod:`scgrpo.rollout.norms`) and the projection with its
+LoRA term inside (:mod:`scgrpo.rollout.lora_matmul`), in fp32: the add-and-norm with LoRA terms against the same
+sums in PyTorch, the gated activation, the LoRA matmul against its two products, the prefill built from them
+against the eager layers, and the decode step against Hugging Face's ``generate`` (LoRA unmerged, in the matmuls
+or after them, updated in place, against the merged model; Qwen2's biases). Runs on a GPU, or on CPU under Triton's interpreter (``tests/rollout/test_kernels.py`` runs this
 module so in a subprocess)."""
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scgrpo.rollout import kernels, norms
+from scgrpo.rollout import kernels, lora_matmul, norms
 from scgrpo.rollout.compact import CompactDecoder, rms_norm
 from scgrpo.rollout.slots import SlotDecoder
 from tests.rollout.test_compact import batch, hf_greedy, tiny, tok, with_lora  # noqa: F401
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels.usable(DEVICE), reason="needs Triton on a GPU, or TRITON_INTERPRET=1")
-NEW = 5 if kernels.INTERPRET else 12
+NEW = 3 if kernels.INTERPRET else 12
 
 
 ROWS_1, ROWS_4 = dict(block_m=1, num_warps=1), dict(block_m=4, num_warps=2, tile=True)
@@ -135,16 +136,80 @@ def test_lora_add_in_bf16_rounds_the_sum_once():
     assert torch.equal(norms.lora_add(y, up)[:, :96], expected)
 
 
+def _lora_projection(sizes, ranks, k, bias, dtype=torch.float32):
+    """A fused projection's tensors as :class:`~scgrpo.rollout.compact.Projection` lays them out: ``[W; A]``,
+    the block-diagonal scaled B^T's, and its ``blocks``."""
+    out, r = sum(sizes), sum(ranks)
+    weight = torch.randn(out + r, k, device=DEVICE, dtype=dtype)
+    up = torch.zeros(r, out, device=DEVICE, dtype=dtype)
+    blocks, start, col = [], 0, 0
+    for size, rank in zip(sizes, ranks):
+        up[col:col + rank, start:start + size] = torch.randn(rank, size, device=DEVICE, dtype=dtype)
+        blocks.append((start, start + size, tuple(range(col, col + rank))))
+        start, col = start + size, col + rank
+    b = torch.randn(out + r, device=DEVICE, dtype=dtype) if bias else None
+    return weight, b, up, tuple(blocks)
+
+
+@pytest.mark.parametrize("launch,bias", [
+    (dict(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=1), True),  # q, k, v each own ranks
+    (dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=1), False),  # 96 not a multiple: all ranks
+])
+def test_lora_matmul_equals_the_two_products_in_pytorch(launch, bias):
+    torch.manual_seed(5)
+    m, k, sizes, ranks = 19, 72, (64, 32, 32), (3, 2, 5)
+    out = sum(sizes)
+    weight, b, up, blocks = _lora_projection(sizes, ranks, k, bias)
+    x = torch.randn(m, k, device=DEVICE)
+    expected = x @ weight[:out].t() + x @ weight[out:].t() @ up + (b[:out] if bias else 0)
+    got = lora_matmul.lora_matmul(x, weight, b, up, blocks, launch=launch)
+    assert got.shape == (m, out) and torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    plain = lora_matmul.lora_matmul(x, weight[:out], None, None, launch=launch)  # no adapters: the base alone
+    assert torch.allclose(plain, x @ weight[:out].t(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="weight"):
+        lora_matmul.lora_matmul(x[:, :-1], weight, b, up)
+
+
+def test_lora_matmul_reads_each_layers_own_ranks_only_where_they_are_laid_out_so():
+    qkv = ((0, 64, (0, 1, 2)), (64, 96, ()), (96, 128, (3, 4)))
+    assert lora_matmul.rank_spans(5, qkv, 32) == ([64, 96], [3, 0, 2], True)
+    assert lora_matmul.rank_spans(4, ((0, 64, (0, 1)), (64, 128, (2, 3))), 32) == ([64, 128], [2, 2, 0], True)
+    everything = ([0, 0], [5, 0, 0], False)
+    assert lora_matmul.rank_spans(5, qkv, 64) == everything  # 96 is not on a tile boundary
+    for blocks in (((0, 64, (1, 2, 3)), (64, 96, ()), (96, 128, (4, 0))),  # not consecutive from 0
+                   ((0, 64, (0, 1, 2)), (64, 96, ()), (96, 128, (2, 3))),  # overlapping
+                   ((0, 64, (0, 1, 2)), (64, 96, ()), (96, 128, (4,)))):  # a gap
+        assert lora_matmul.rank_spans(5, blocks, 32) == everything
+    assert lora_matmul.rank_spans(5, ((0, 64, (0, 1, 2, 3, 4)),), 32) == everything  # one layer
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 on a GPU (the interpreter's bf16 arithmetic is not exact)")
+def test_lora_matmul_in_bf16_rounds_as_the_two_launches_do():
+    """The base (with bias) rounded, z rounded, the LoRA term added in fp32, the sum rounded once: the same bits
+    as the matmul followed by :func:`norms.lora_add`."""
+    torch.manual_seed(5)
+    sizes, ranks = (576, 192, 192), (16, 16, 16)
+    weight, b, up, blocks = _lora_projection(sizes, ranks, 576, True, torch.bfloat16)
+    # integers: every sum exact in fp32 in any order, many of them too wide for bf16 (so the roundings show)
+    weight, b = _small_ints(*weight.shape), _small_ints(*b.shape)
+    b[960:] = 0  # (a projection has no bias on its A rows)
+    up = torch.where(up != 0, _small_ints(*up.shape, scale=2 ** -4), 0)
+    x = _small_ints(64, 576, scale=4)
+    two = norms.lora_add(F.linear(x, weight, b), up)[:, :960]
+    assert torch.equal(lora_matmul.lora_matmul(x, weight, b, up, blocks), two)
+
+
 def _decoder(model, **kwargs):
     decoder = CompactDecoder(model, block_kernels=True, **kwargs)
     assert decoder.block_kernels
     return decoder
 
 
-def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch):
+@pytest.mark.parametrize("lora_matmul_rows", [128, 0])  # LoRA terms inside the matmuls; in the kernels after
+def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch, lora_matmul_rows):
     model = with_lora(tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).to(DEVICE)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
-    decoder = _decoder(model)
+    decoder = _decoder(model, lora_matmul_rows=lora_matmul_rows)
     qkv = decoder.layers[0].qkv
     assert qkv.ranks == (4, 4, 4) and qkv.up.shape == (12, 128) and qkv.weight.shape == (128 + 12, 64)
     sampler = SlotDecoder(decoder, [], 2, NEW, greedy=True)
@@ -159,6 +224,7 @@ def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch)
     decoder.refresh()
     assert tensors() == pointers
     updated = sampler(batch["input_ids"], batch["attention_mask"])[0]
+    assert decoder.prefill_kernels and not decoder.compile_failed  # (no silent fallback)
     merged = model.merge_and_unload()
     assert torch.equal(updated, hf_greedy(merged, batch, NEW))
     assert torch.equal(qkv.weight, before) and not torch.equal(qkv.up, before_up)  # only the B's moved
@@ -180,7 +246,46 @@ def test_some_layers_adapted_with_their_own_ranks_equal_the_merged_model(tok, ba
     assert torch.equal(tokens, hf_greedy(model.merge_and_unload(), batch, NEW))
 
 
-def test_a_failing_kernel_falls_back_to_the_uncompiled_step(tok, batch, monkeypatch, caplog):
+def _random_biases(model):
+    with torch.no_grad():  # (Hugging Face initialises biases to zero: a test of them needs others)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.5)
+    return model
+
+
+@pytest.mark.parametrize("family,adapters", [("llama", "all"), ("llama", None), ("qwen2", "some")])
+def test_the_prefill_with_block_kernels_equals_the_eager_layers(tok, family, adapters):
+    """Logits and cache entries of right-padded prompts of three lengths: LoRA on every projection, none, or some
+    (Qwen2, with q/k/v biases)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _random_biases(tiny(family, len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1))
+    if adapters == "all":
+        model = with_lora(model)
+    elif adapters == "some":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "up_proj"],
+                                                 init_lora_weights=False)).eval()
+    model = model.to(DEVICE)
+    decoder = _decoder(model)
+    torch.manual_seed(4)
+    ids = torch.randint(3, len(tok), (3, 7), device=DEVICE)
+    lengths = torch.tensor([7, 2, 5], device=DEVICE)
+    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    caches = []
+    for kernels_on in (True, False):
+        decoder.prefill_kernels = kernels_on
+        cache = decoder.new_cache(4, 16)
+        caches.append((decoder.prefill(ids, lengths, slots, cache), cache))
+        assert decoder.prefill_kernels == kernels_on  # (a failing kernel would have fallen back)
+    (got, got_cache), (expected, expected_cache) = caches
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    for row, n in zip(slots.tolist(), lengths.tolist()):  # each prompt's own entries (padding's are unread)
+        assert torch.allclose(got_cache[:, :, row, :, :n], expected_cache[:, :, row, :, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("failing", ["add_norm", "lora_matmul"])
+def test_a_failing_kernel_falls_back_to_a_path_that_computes_the_same(tok, batch, monkeypatch, caplog, failing):
     model = with_lora(tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).to(DEVICE)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
     decoder = _decoder(model)
@@ -188,16 +293,22 @@ def test_a_failing_kernel_falls_back_to_the_uncompiled_step(tok, batch, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("out of resources: shared memory")
 
-    monkeypatch.setattr(norms, "add_norm", broken)
+    monkeypatch.setattr(norms if failing == "add_norm" else lora_matmul, failing, broken)
     with caplog.at_level("WARNING", logger="scgrpo.rollout.compact"):
         tokens = SlotDecoder(decoder, [], 2, NEW, greedy=True)(batch["input_ids"], batch["attention_mask"])[0]
-    assert decoder.compile_failed and not decoder.block_kernels
-    assert "block kernels failed (RuntimeError: out of resources" in caplog.text
+    if failing == "add_norm":  # every block kernel off: the uncompiled step, the eager prefill
+        assert decoder.compile_failed and not decoder.block_kernels and not decoder.prefill_kernels
+        assert "block kernels failed (RuntimeError: out of resources" in caplog.text
+        assert "the prefill's block kernels failed (RuntimeError" in caplog.text
+    else:  # only the LoRA matmul off: the terms added by the kernels after the matmuls
+        assert decoder.block_kernels and not decoder.compile_failed and decoder.lora_matmul_rows == 0
+        assert "LoRA matmul kernel failed (RuntimeError: out of resources" in caplog.text
     assert torch.equal(tokens, hf_greedy(model.merge_and_unload(), batch, NEW))
 
 
 def test_the_block_kernels_with_biases_equal_generate(tok, batch):
-    model = tiny("qwen2", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1).to(DEVICE)
+    model = _random_biases(tiny("qwen2", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1))
+    model = model.to(DEVICE)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
     decoder = _decoder(model)
     assert decoder.layers[0].qkv.up is None and decoder.layers[0].qkv.bias is not None

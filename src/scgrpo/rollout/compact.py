@@ -11,8 +11,9 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
   multiply-adds, fused into the kernel that reads the projection where the compiler can). On a GPU, with compile
   on, adapters, plain float weights and no q/k norms, the step between matmuls is instead
   :mod:`scgrpo.rollout.norms`' Triton kernels, which add the up-projections where they read each matmul's
-  output. Sampling thus runs the policy being trained, not a rounded merge of it (the adapters are held in the
-  model dtype: see :mod:`scgrpo.rollout.norms` for the roundings),
+  output, or, for few rows, :mod:`scgrpo.rollout.lora_matmul`'s projections with the whole LoRA term inside (the
+  prefill uses those block kernels wherever they run). Sampling thus runs the policy being trained, not a rounded
+  merge of it (the adapters are held in the model dtype: see :mod:`scgrpo.rollout.norms` for the roundings),
 - its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
   left padding): a row's position is its cache length. On a GPU one Triton kernel per layer
   (:mod:`scgrpo.rollout.kernels`) rotates q and k, writes the cache and attends over each row's own entries;
@@ -36,11 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scgrpo.rollout import kernels, norms
+from scgrpo.rollout import kernels, lora_matmul, norms
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# see CompactDecoder.lora_matmul_rows. On an H100 (SmolLM2 shape, r=16, benchmarks/results/bench_rollout_h100.json)
+# 64-row rollouts took 180.7 ms with every LoRA term inside its matmul against 186.2 ms with the terms after (196.9
+# against 206.1 in another call); at 512 rows q/k/v and o inside or after measured the same (366.9 / 362.8 ms)
+LORA_MATMUL_ROWS = 128
 
 
 class Compiled:
@@ -419,7 +424,8 @@ class CompactDecoder:
     """The decode-time forward of a Llama-family model (see the module docstring); ``model`` may be a peft
     model. Call :meth:`refresh` before each rollout (after the optimiser changed the adapters)."""
 
-    def __init__(self, model, compile_layers: bool = False, block_kernels: Optional[bool] = None) -> None:
+    def __init__(self, model, compile_layers: bool = False, block_kernels: Optional[bool] = None,
+                 lora_matmul_rows: Optional[int] = None) -> None:
         causal_lm = _inner(model)
         self.config = config = causal_lm.config
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
@@ -445,6 +451,13 @@ class CompactDecoder:
                     and kernels.supports(self.head_dim) and not hasattr(backbone.layers[0].self_attn, "q_norm"))
         adapted = any(_lora_parts(m) for m in linears)
         self.block_kernels = possible and (compile_layers and adapted if block_kernels is None else block_kernels)
+        # the prefill with the same kernels wherever they run (fewer launches: a prefill is host-bound), unless the
+        # block kernels were turned off
+        self.prefill_kernels = possible and block_kernels is not False
+        self.prefill_failed = False
+        # with the block kernels, up to this many rows a step an adapted projection's LoRA term is computed inside
+        # its matmul (one launch, :mod:`scgrpo.rollout.lora_matmul`); above, by the kernel that reads its output
+        self.lora_matmul_rows = LORA_MATMUL_ROWS if lora_matmul_rows is None else lora_matmul_rows
         self.layers: list[Layer] = []
         for block in backbone.layers:
             attn, mlp = block.self_attn, block.mlp
@@ -459,8 +472,8 @@ class CompactDecoder:
                 down=Projection([mlp.down_proj], self.dtype),
             ))
         self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        self.attention_in, self.attention_out, _ = layer_functions(self.heads, self.kv_heads, self.head_dim,
-                                                                   self.eps)
+        self.attention_in, self.attention_out, self.split_heads = layer_functions(self.heads, self.kv_heads,
+                                                                                  self.head_dim, self.eps)
         self.compiled = bool(compile_layers and self.fused)  # (the sampling is compiled too)
         self.block_failed = False
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
@@ -558,7 +571,8 @@ class CompactDecoder:
 
     @property
     def compile_failed(self) -> bool:
-        return self.block_failed or any(getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
+        return self.block_failed or self.prefill_failed or any(
+            getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, lens: Tensor, cache: Tensor, length: int) -> Tensor:
@@ -603,20 +617,37 @@ class CompactDecoder:
         return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
 
     def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor, sin_table: Tensor) -> Tensor:
-        """:meth:`decode` as eight launches a block, nine with q/k/v adapters (:mod:`scgrpo.rollout.norms`): LoRA's
-        A products come out of the matmuls (``[x W^T | z]``), its B products go into the kernels that read them."""
+        """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`). LoRA's terms: up to
+        :attr:`lora_matmul_rows` rows an adapted projection is one launch with its term inside
+        (:mod:`scgrpo.rollout.lora_matmul`); above, the A products come out of the matmul (``[x W^T | z]``) and
+        the B products go into the kernel that reads it (a ninth launch for q/k/v)."""
+        inside = x.shape[0] <= self.lora_matmul_rows
+
+        def project(h: Tensor, proj: Projection) -> tuple[Tensor, Optional[Tensor]]:
+            """The output, and the ``up`` still to add to its last columns (None when added)."""
+            if proj.up is not None and inside and max(proj.ranks) <= lora_matmul.MAX_RANK:
+                try:
+                    return lora_matmul.lora_matmul(h, proj.weight, proj.bias, proj.up, proj.blocks), None
+                except Exception as err:  # noqa: BLE001 - the two-launch path computes the same
+                    if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                        raise
+                    self.lora_matmul_rows = 0
+                    log.warning("the LoRA matmul kernel failed (%s: %s); adding LoRA terms after the matmuls",
+                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            return F.linear(h, proj.weight, proj.bias), proj.up
+
         y = up = None
         for i, layer in enumerate(self.layers):
             x, h = norms.add_norm(x, y, up, layer.ln1, self.eps)
-            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)  # [S, out + R]: q, k, v, then their adapters' z
-            if layer.qkv.up is not None:
-                norms.lora_add(qkv, layer.qkv.up)
+            qkv, qkv_up = project(h, layer.qkv)  # [S, out (+ R)]: q, k, v (then their adapters' z)
+            if qkv_up is not None:
+                norms.lora_add(qkv, qkv_up)
             attn = kernels.decode_attention(qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling)
-            y = F.linear(attn, layer.o.weight, layer.o.bias)  # [S, H + r]: o's output, then its z
-            x, h = norms.add_norm(x, y, layer.o.up, layer.ln2, self.eps)
-            gate_up = F.linear(h, layer.gate_up.weight, layer.gate_up.bias)
-            act = norms.silu_mul(gate_up, layer.gate_up.up, layer.gate_up.ranks)
-            y, up = F.linear(act, layer.down.weight, layer.down.bias), layer.down.up
+            y, up = project(attn, layer.o)
+            x, h = norms.add_norm(x, y, up, layer.ln2, self.eps)
+            gate_up, gu_up = project(h, layer.gate_up)
+            act = norms.silu_mul(gate_up, gu_up, layer.gate_up.ranks if gu_up is not None else (0, 0))
+            y, up = project(act, layer.down)
         _, h = norms.add_norm(x, y, up, self.norm, self.eps)
         return F.linear(h, self.head.weight, self.head.bias).float()
 
@@ -624,7 +655,8 @@ class CompactDecoder:
     def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
         """Runs right-padded prompts ``ids`` ``[n, T]`` (``lengths`` ``[n]`` real tokens each) from position 0,
         stores their keys/values in cache rows ``slots`` ``[n]`` and returns the fp32 logits ``[n, V]`` after
-        each prompt's last token."""
+        each prompt's last token. Where the block kernels can run (:attr:`prefill_kernels`), the work between
+        the matmuls is theirs (fewer launches, the decode step's roundings), else the eager layer code's."""
         n, t = ids.shape
         cos, sin = self.rope_tables(cache.shape[4])
         cos, sin = cos[:t].unsqueeze(0), sin[:t].unsqueeze(0)  # [1, T, D]
@@ -632,19 +664,56 @@ class CompactDecoder:
         causal = positions.view(1, t) <= positions.view(t, 1)  # [T, T]
         mask = (causal.unsqueeze(0) & (positions.view(1, 1, t) < lengths.view(n, 1, 1))).unsqueeze(1)  # [n,1,T,T]
         x = F.embedding(ids, self.embed)  # [n, T, H]
+        if self.prefill_kernels:
+            try:
+                return self._prefill_blocks(x, lengths, slots, cache, cos, sin, mask)
+            except Exception as err:  # noqa: BLE001 - as in decode: the eager layers are exact
+                self.prefill_kernels, self.prefill_failed = False, True
+                log.warning("the prefill's block kernels failed (%s: %s); prefilling with the eager layers",
+                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         for i, layer in enumerate(self.layers):
             args = self._args(layer)
             q, k, v = self.attention_in(x, cos, sin, *args[:6])  # [n, T, kv, G, D], [n, T, kv, D] x 2
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [n, kv, T, D]
-            cache[i, 0, slots, :, :t] = k
-            cache[i, 1, slots, :, :t] = v
-            q = q.flatten(2, 3).transpose(1, 2)  # [n, heads, T, D]
-            group = self.heads // self.kv_heads
-            attn = F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                                                  attn_mask=mask, scale=self.scaling)  # [n, heads, T, D]
-            x = self.attention_out(x, attn.transpose(1, 2), *args[6:])
+            x = self.attention_out(x, self._prefill_attention(i, q, k, v, slots, cache, mask), *args[6:])
         last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
         return self.logits(last)
+
+    def _prefill_attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, slots: Tensor, cache: Tensor,
+                           mask: Tensor) -> Tensor:
+        """Layer ``i``'s keys and values ``[n, T, kv, D]`` into the cache rows ``slots``, and the causal attention
+        of ``q`` ``[n, T, kv, G, D]`` over them: ``[n, T, heads, D]``."""
+        t = q.shape[1]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [n, kv, T, D]
+        cache[i, 0, slots, :, :t] = k
+        cache[i, 1, slots, :, :t] = v
+        q = q.flatten(2, 3).transpose(1, 2)  # [n, heads, T, D]
+        group = self.heads // self.kv_heads
+        attn = F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                                              attn_mask=mask, scale=self.scaling)  # [n, heads, T, D]
+        return attn.transpose(1, 2)
+
+    def _prefill_blocks(self, x: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor, cos: Tensor, sin: Tensor,
+                        mask: Tensor) -> Tensor:
+        """:meth:`prefill` with :meth:`_decode_blocks`' kernels between the matmuls (LoRA's B products added by
+        the kernels that read each output), over the ``n T`` positions as rows."""
+        n, t, width = x.shape
+        x = x.reshape(n * t, width)
+        y = up = None
+        for i, layer in enumerate(self.layers):
+            x, h = norms.add_norm(x, y, up, layer.ln1, self.eps)
+            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)  # [n T, out + R]
+            if layer.qkv.up is not None:
+                norms.lora_add(qkv, layer.qkv.up)
+            q, k, v = self.split_heads(qkv[:, : layer.qkv.out].view(n, t, -1), (n, t), cos, sin, None, None)
+            attn = self._prefill_attention(i, q, k, v, slots, cache, mask).reshape(n * t, -1)
+            y, up = F.linear(attn, layer.o.weight, layer.o.bias), layer.o.up
+            x, h = norms.add_norm(x, y, up, layer.ln2, self.eps)
+            gate_up = F.linear(h, layer.gate_up.weight, layer.gate_up.bias)
+            act = norms.silu_mul(gate_up, layer.gate_up.up, layer.gate_up.ranks)
+            y, up = F.linear(act, layer.down.weight, layer.down.bias), layer.down.up
+        last = torch.arange(n, device=x.device) * t + lengths - 1  # each prompt's last position
+        _, h = norms.add_norm(x[last], y[last], up, self.norm, self.eps)
+        return F.linear(h, self.head.weight, self.head.bias).float()
 
 
 def length_bucket(length: int, limit: int) -> int:
