@@ -8,7 +8,7 @@ static cache), in one process on one card, on randomly initialised models with r
 Every case: bf16, prompts of 48 random tokens (no padding), ``max_new`` new tokens forced (end-of-sequence
 banned until then), sampling at T=1. Each engine runs once untimed (CUDA graphs, ``torch.compile`` and
 transformers' static-cache compilation happen there), then ``--repeats`` timed calls bracketed by
-``torch.cuda.synchronize``; the median is reported as new tokens per second and ms per decode step. LoRA cases
+``torch.cuda.synchronize``; the median is reported as new tokens per second and ms per new token. LoRA cases
 compare the compact engine with r=16 adapters on every linear layer kept unmerged against the same weights
 merged (timed in turn, round by round, with each rollout's weight refresh and prefill timed apart too), each with its default decode step (adapters: the Triton block kernels of ``scgrpo.rollout.norms``; none:
 the ``torch.compile``'d step), and with engine ``other_step`` each with the other step too; with engine

@@ -201,7 +201,8 @@ def section(stem: str, card: str, title: str, description: str) -> tuple[dict, l
 
 def rollout_table(card: str) -> list[str]:
     report, lines = section("bench_rollout", card, "Rollout engine",
-                            "new tokens per second (ms per decode step), bf16, random weights, 48-token prompts, new "
+                            "new tokens per second (in brackets: the rollout's ms per new token, prefill and, with "
+                            "LoRA, the weight refresh included), bf16, random weights, 48-token prompts, new "
                             "tokens forced, sampling at T=1; every engine once untimed (graphs, compilation), then the "
                             "median of timed calls.")
     if not report:

@@ -300,9 +300,9 @@ def test_a_failing_kernel_falls_back_to_a_path_that_computes_the_same(tok, batch
         assert decoder.compile_failed and not decoder.block_kernels and not decoder.prefill_kernels
         assert "block kernels failed (RuntimeError: out of resources" in caplog.text
         assert "the prefill's block kernels failed (RuntimeError" in caplog.text
-    else:  # only the LoRA matmul off: the terms added by the kernels after the matmuls
+    else:  # only the LoRA matmul off (at its first failure): the terms added by the kernels after the matmuls
         assert decoder.block_kernels and not decoder.compile_failed and decoder.lora_matmul_rows == 0
-        assert "LoRA matmul kernel failed (RuntimeError: out of resources" in caplog.text
+        assert caplog.text.count("LoRA matmul kernel failed (RuntimeError: out of resources") == 1
     assert torch.equal(tokens, hf_greedy(model.merge_and_unload(), batch, NEW))
 
 

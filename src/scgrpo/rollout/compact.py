@@ -42,9 +42,10 @@ from scgrpo.rollout import kernels, lora_matmul, norms
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# see CompactDecoder.lora_matmul_rows. On an H100 (SmolLM2 shape, r=16, benchmarks/results/bench_rollout_h100.json)
-# 64-row rollouts took 180.7 ms with every LoRA term inside its matmul against 186.2 ms with the terms after (196.9
-# against 206.1 in another call); at 512 rows q/k/v and o inside or after measured the same (366.9 / 362.8 ms)
+# see CompactDecoder.lora_matmul_rows. On an H100 (SmolLM2 shape, r=16, benchmarks/results/session_h100/
+# bench_rollout_lora_call_{d,e}.json) 64-row rollouts took 180.7 ms with every LoRA term inside its matmul against
+# 186.2 ms with the terms after (196.9 against 206.1 in another call, timed one after the other); at 512 rows q/k/v
+# and o inside or after measured the same (366.9 / 362.8 ms)
 LORA_MATMUL_ROWS = 128
 
 
@@ -451,10 +452,9 @@ class CompactDecoder:
                     and kernels.supports(self.head_dim) and not hasattr(backbone.layers[0].self_attn, "q_norm"))
         adapted = any(_lora_parts(m) for m in linears)
         self.block_kernels = possible and (compile_layers and adapted if block_kernels is None else block_kernels)
-        # the prefill with the same kernels wherever they run (fewer launches: a prefill is host-bound), unless the
-        # block kernels were turned off
-        self.prefill_kernels = possible and block_kernels is not False
-        self.prefill_failed = False
+        # the prefill with the same kernels wherever they run, whichever decode step runs (fewer launches: a prefill
+        # is host-bound); a failure falls back to the eager layers for good, with a warning
+        self.prefill_kernels = possible
         # with the block kernels, up to this many rows a step an adapted projection's LoRA term is computed inside
         # its matmul (one launch, :mod:`scgrpo.rollout.lora_matmul`); above, by the kernel that reads its output
         self.lora_matmul_rows = LORA_MATMUL_ROWS if lora_matmul_rows is None else lora_matmul_rows
@@ -571,8 +571,7 @@ class CompactDecoder:
 
     @property
     def compile_failed(self) -> bool:
-        return self.block_failed or self.prefill_failed or any(
-            getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
+        return self.block_failed or any(getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, lens: Tensor, cache: Tensor, length: int) -> Tensor:
@@ -621,11 +620,11 @@ class CompactDecoder:
         :attr:`lora_matmul_rows` rows an adapted projection is one launch with its term inside
         (:mod:`scgrpo.rollout.lora_matmul`); above, the A products come out of the matmul (``[x W^T | z]``) and
         the B products go into the kernel that reads it (a ninth launch for q/k/v)."""
-        inside = x.shape[0] <= self.lora_matmul_rows
+        rows = x.shape[0]
 
         def project(h: Tensor, proj: Projection) -> tuple[Tensor, Optional[Tensor]]:
             """The output, and the ``up`` still to add to its last columns (None when added)."""
-            if proj.up is not None and inside and max(proj.ranks) <= lora_matmul.MAX_RANK:
+            if proj.up is not None and rows <= self.lora_matmul_rows and max(proj.ranks) <= lora_matmul.MAX_RANK:
                 try:
                     return lora_matmul.lora_matmul(h, proj.weight, proj.bias, proj.up, proj.blocks), None
                 except Exception as err:  # noqa: BLE001 - the two-launch path computes the same
@@ -668,7 +667,7 @@ class CompactDecoder:
             try:
                 return self._prefill_blocks(x, lengths, slots, cache, cos, sin, mask)
             except Exception as err:  # noqa: BLE001 - as in decode: the eager layers are exact
-                self.prefill_kernels, self.prefill_failed = False, True
+                self.prefill_kernels = False
                 log.warning("the prefill's block kernels failed (%s: %s); prefilling with the eager layers",
                             type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         for i, layer in enumerate(self.layers):
