@@ -105,8 +105,7 @@ def main() -> None:
     torch.manual_seed(0)
     report = {"card": torch.cuda.get_device_name(), "command": "python scripts/tune_block_kernels.py", "cases": {}}
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    norm_settings = [dict(block_m=m, num_warps=w, tile=t)
-                     for m, w, t in itertools.product((1, 2, 4, 8), (2, 4, 8), (False, True))]
+    norm_settings = [dict(block_m=m, num_warps=w) for m, w in itertools.product((1, 2, 4, 8), (2, 4, 8))]
     silu_settings = {0: [dict(block_m=m, block=b, num_warps=4) for m, b in itertools.product((1, 4), (256, 512, 1024))],
                      RANK: [dict(block_m=m, block=b, num_warps=w)  # (tensor-core dots: 16 rows or more)
                             for m, b, w in itertools.product((16, 32), (32, 64, 128), (2, 4, 8))]}

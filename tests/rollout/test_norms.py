@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not kernels.usable(DEVICE), reason="needs Triton
 NEW = 3 if kernels.INTERPRET else 12
 
 
-ROWS_1, ROWS_4 = dict(block_m=1, num_warps=1), dict(block_m=4, num_warps=2, tile=True)
+ROWS_1, ROWS_4 = dict(block_m=1, num_warps=1), dict(block_m=4, num_warps=2)
 
 
 @pytest.mark.parametrize("launch,r,with_y", [(ROWS_1, 5, True), (ROWS_4, 5, True), (ROWS_4, 0, True), (ROWS_1, 0, False)])
@@ -71,7 +71,7 @@ def test_add_norm_in_bf16_rounds_as_the_model_does(rows):
     weight = torch.rand(d, **bf16) + 0.5
     expected_x = x + (y[:, :d].float() + y[:, d:].float() @ up.float()).to(torch.bfloat16)
     expected_h = rms_norm(expected_x, weight, 1e-5)
-    for launch in (None, dict(block_m=1, num_warps=4), dict(block_m=4, num_warps=8, tile=True)):
+    for launch in (None, dict(block_m=1, num_warps=4), dict(block_m=4, num_warps=8)):
         x_new, h = norms.add_norm(x, y, up, weight, 1e-5, launch=launch)
         assert torch.equal(x_new, expected_x), launch
         # the norm's fp32 sum of squares in another order: a rare rounding of h one step apart, no more

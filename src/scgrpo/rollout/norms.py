@@ -46,7 +46,6 @@ if AVAILABLE:
         h_out, stride_h,  # [M, D] the normed input
         M, eps,
         D: tl.constexpr, R: tl.constexpr, HAS_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_R: tl.constexpr, TILE: tl.constexpr,
     ):
         """Program i: rows i * BLOCK_M ... one after another, each whole in registers; LoRA's term as multiply-adds,
         a rank at a time (the B rows stay in the multiprocessor's cache for the program's next rows)."""
@@ -54,10 +53,6 @@ if AVAILABLE:
         cmask = cols < D
         dtype = h_out.dtype.element_ty
         wv = tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
-        rr = tl.arange(0, BLOCK_R)
-        if TILE and R > 0:  # the B rows as one tile, loaded once for the program's rows
-            bt = tl.load(up + rr[:, None] * stride_up + cols[None, :], mask=(rr[:, None] < R) & cmask[None, :],
-                         other=0.0).to(tl.float32)
         for i in tl.static_range(BLOCK_M):
             row = tl.program_id(0) * BLOCK_M + i
             live = row < M
@@ -65,13 +60,9 @@ if AVAILABLE:
             xv = tl.load(x + row * stride_x + cols, mask=m1, other=0.0).to(tl.float32)
             if HAS_Y:
                 t = tl.load(y + row * stride_y + cols, mask=m1, other=0.0).to(tl.float32)
-                if TILE and R > 0:
-                    zr = tl.load(y + row * stride_y + D + rr, mask=(rr < R) & live, other=0.0).to(tl.float32)
-                    t += tl.sum(zr[:, None] * bt, axis=0)
-                else:
-                    for j in tl.static_range(R):
-                        zj = tl.load(y + row * stride_y + D + j, mask=live, other=0.0).to(tl.float32)
-                        t += zj * tl.load(up + j * stride_up + cols, mask=cmask, other=0.0).to(tl.float32)
+                for j in tl.static_range(R):
+                    zj = tl.load(y + row * stride_y + D + j, mask=live, other=0.0).to(tl.float32)
+                    t += zj * tl.load(up + j * stride_up + cols, mask=cmask, other=0.0).to(tl.float32)
                 xv = (xv + t.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
                 tl.store(x_out + row * stride_xo + cols, xv.to(dtype), mask=m1)
             rstd = tl.rsqrt(tl.sum(xv * xv, axis=0) / D + eps)
@@ -178,8 +169,8 @@ def add_norm(x: Tensor, y: Optional[Tensor], up: Optional[Tensor], weight: Tenso
         _add_norm_kernel[(triton.cdiv(m, launch["block_m"]),)](
             x, x.stride(0), ref, ref.stride(0), up if up is not None else x, up.stride(0) if up is not None else 0,
             weight, x_out, x_out.stride(0), h, h.stride(0), m, eps,
-            D=d, R=r, HAS_Y=y is not None, BLOCK_M=launch["block_m"], BLOCK_D=_pow2(d), BLOCK_R=_pow2(r, 2),
-            TILE=launch.get("tile", False), num_warps=launch["num_warps"])
+            D=d, R=r, HAS_Y=y is not None, BLOCK_M=launch["block_m"], BLOCK_D=_pow2(d),
+            num_warps=launch["num_warps"])
     return x_out, h
 
 
