@@ -53,11 +53,12 @@ PROJECTIONS = {  # name: (layers' outputs, input width)
 
 def tune_matmuls(rows: int, report: dict) -> None:
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    if rows <= 128:
-        shapes = itertools.product((32, 64), (16, 32), (64, 128, 256), ((4, 4), (4, 5)))
+    if rows <= 128:  # (W's rows and the A rows as two operands, or as one)
+        shapes = itertools.product((64 if rows > 32 else 16,), (16, 32), (64, 128), ((4, 4), (4, 5)), (False, True))
     else:
-        shapes = itertools.product((64, 128), (32, 64), (64, 128), ((4, 3), (4, 4), (8, 4)))
-    settings = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, (w, s) in shapes]
+        shapes = itertools.product((64, 128), (32, 64), (64, 128), ((4, 3), (4, 4), (8, 4)), (False,))
+    settings = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, one_dot=d)
+                for m, n, k, (w, s), d in shapes]
     for name, (sizes, width) in PROJECTIONS.items():
         out, r = sum(sizes), RANK * len(sizes)
         x = torch.randn(rows, width, **bf16)

@@ -159,6 +159,6 @@ def test_the_kernels_under_the_interpreter():
     finally:
         stop_interpreter_run()
     skips = [line for line in stdout.splitlines() if line.startswith("SKIPPED")]
-    # everything ran but the bf16 cases, which need a GPU
+    # everything ran but the cases that need a GPU (bf16 arithmetic, compiled code between the kernels)
     assert run.returncode == 0 and " passed" in stdout, stdout[-3000:]
-    assert skips and all("bf16 on a GPU" in line for line in skips), skips
+    assert skips and all("on a GPU" in line for line in skips), skips

@@ -154,6 +154,8 @@ def _lora_projection(sizes, ranks, k, bias, dtype=torch.float32):
 @pytest.mark.parametrize("launch,bias", [
     (dict(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=1), True),  # q, k, v each own ranks
     (dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=1), False),  # 96 not a multiple: all ranks
+    # W's rows and the A rows as one operand of one dot a step, split after the loop
+    (dict(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=1, one_dot=True), True),
 ])
 def test_lora_matmul_equals_the_two_products_in_pytorch(launch, bias):
     torch.manual_seed(5)
@@ -184,7 +186,8 @@ def test_lora_matmul_reads_each_layers_own_ranks_only_where_they_are_laid_out_so
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 on a GPU (the interpreter's bf16 arithmetic is not exact)")
-def test_lora_matmul_in_bf16_rounds_as_the_two_launches_do():
+@pytest.mark.parametrize("one_dot", [False, True])
+def test_lora_matmul_in_bf16_rounds_as_the_two_launches_do(one_dot):
     """The base (with bias) rounded, z rounded, the LoRA term added in fp32, the sum rounded once: the same bits
     as the matmul followed by :func:`norms.lora_add`."""
     torch.manual_seed(5)
@@ -196,7 +199,7 @@ def test_lora_matmul_in_bf16_rounds_as_the_two_launches_do():
     up = torch.where(up != 0, _small_ints(*up.shape, scale=2 ** -4), 0)
     x = _small_ints(64, 576, scale=4)
     two = norms.lora_add(F.linear(x, weight, b), up)[:, :960]
-    assert torch.equal(lora_matmul.lora_matmul(x, weight, b, up, blocks), two)
+    assert torch.equal(lora_matmul.lora_matmul(x, weight, b, up, blocks, launch=dict(one_dot=one_dot)), two)
 
 
 def _decoder(model, **kwargs):
@@ -205,12 +208,58 @@ def _decoder(model, **kwargs):
     return decoder
 
 
-def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch):
-    """(The LoRA terms inside the matmuls; after them, in the kernels that read the outputs: the failing-kernel
-    test below.)"""
-    model = with_lora(tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).to(DEVICE)
+def test_scaled_copy_writes_each_view_with_its_own_strides_and_nothing_else():
+    torch.manual_seed(0)
+    up = torch.zeros(7, 12, device=DEVICE)  # a block-diagonal up: B's [out, r] into transposed blocks
+    weight = torch.zeros(10, 6, device=DEVICE)  # rows of A
+    b1, b2 = torch.randn(5, 3, device=DEVICE), torch.randn(7, 4, device=DEVICE)
+    a = torch.randn(6, 2, device=DEVICE).t()  # a non-contiguous source
+    wide = torch.randn(3, 1100, device=DEVICE)  # more elements than one program's block
+    far = torch.zeros(3, 1100, device=DEVICE)
+    norms.scaled_copy([(up[0:3, 0:5].t(), b1, 2.0), (up[3:7, 5:12].t(), b2, -0.5), (weight[4:6], a, 1.0),
+                       (far, wide, 3.0)])
+    expected = torch.zeros(7, 12, device=DEVICE)
+    expected[0:3, 0:5], expected[3:7, 5:12] = 2.0 * b1.t(), -0.5 * b2.t()
+    assert torch.equal(up, expected)
+    assert torch.equal(weight[4:6], a) and not weight[:4].any() and not weight[6:].any()
+    assert torch.equal(far, 3.0 * wide)
+    tables: dict = {}  # a kept table follows the values in place, and is rebuilt for another tensor
+    norms.scaled_copy([(up[0:3, 0:5].t(), b1, 2.0)], tables=tables)
+    b1.mul_(-1.0)
+    norms.scaled_copy([(up[0:3, 0:5].t(), b1, 2.0)], tables=tables)
+    assert torch.equal(up[0:3, 0:5], 2.0 * b1.t()) and len(tables) == 1
+    other = torch.randn(5, 3, device=DEVICE)
+    norms.scaled_copy([(up[0:3, 0:5].t(), other, 2.0)], tables=tables)
+    assert torch.equal(up[0:3, 0:5], 2.0 * other.t())
+
+
+def test_scaled_copy_rounds_fp32_adapters_once_into_the_model_dtype():
+    torch.manual_seed(0)
+    src = torch.randn(9, 4, device=DEVICE)
+    if DEVICE.type != "cuda":  # (the interpreter's bf16 rounding is not the GPU's: products bf16 holds exactly)
+        src = torch.randint(-20, 21, (9, 4), device=DEVICE).float()
+    dst = torch.zeros(4, 9, dtype=torch.bfloat16, device=DEVICE)
+    norms.scaled_copy([(dst.t(), src, 0.75)])
+    assert torch.equal(dst.t(), (src * 0.75).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="same shape"):
+        norms.scaled_copy([(dst, src, 1.0)])
+
+
+@pytest.mark.parametrize("compile_layers", [False, pytest.param(True, marks=pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="compiled LoRA-free norms between the kernels on a GPU"))])
+def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch, compile_layers, monkeypatch):
+    """The LoRA terms inside the matmuls but down's (128 inputs, over :attr:`lora_matmul_width`), which the next
+    add-and-norm adds (every term inside: the test below; every term after: the failing-kernel test). With
+    compile on, the add-and-norms and the gated activation without LoRA terms are compiled."""
+    model = with_lora(tiny("llama", len(tok), hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                           num_key_value_heads=1)).to(DEVICE)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
-    decoder = _decoder(model)
+    decoder = _decoder(model, compile_layers=compile_layers)
+    assert (decoder._plain_norm is not None) == compile_layers
+    decoder.lora_matmul_width = 64
+    widths = set()
+    inside = lora_matmul.lora_matmul
+    monkeypatch.setattr(lora_matmul, "lora_matmul", lambda x, *a, **k: widths.add(x.shape[1]) or inside(x, *a, **k))
     qkv = decoder.layers[0].qkv
     assert qkv.ranks == (4, 4, 4) and qkv.up.shape == (12, 128) and qkv.weight.shape == (128 + 12, 64)
     sampler = SlotDecoder(decoder, [], 2, NEW, greedy=True)
@@ -226,6 +275,7 @@ def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch)
     assert tensors() == pointers
     updated = sampler(batch["input_ids"], batch["attention_mask"])[0]
     assert decoder.prefill_kernels and not decoder.compile_failed  # (no silent fallback)
+    assert widths == {64}  # (q/k/v, o and gate/up's inputs)
     merged = model.merge_and_unload()
     assert torch.equal(updated, hf_greedy(merged, batch, NEW))
     assert torch.equal(qkv.weight, before) and not torch.equal(qkv.up, before_up)  # only the B's moved

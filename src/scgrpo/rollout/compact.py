@@ -47,6 +47,12 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # 186.2 ms with the terms after (196.9 against 206.1 in another call, timed one after the other); at 512 rows q/k/v
 # and o inside or after measured the same (366.9 / 362.8 ms)
 LORA_MATMUL_ROWS = 128
+# ... and for inputs up to this wide: each of its programs computes its rows' z over the whole input, so a long
+# input with few output tiles (SmolLM2's down projection: 1536 inputs, 36 tiles of 16 outputs at 64 rows) is
+# faster as cuBLAS with the A rows (5.02 us) and the B product in the add-and-norm after it (2.04 against 1.42 us
+# LoRA-free) than inside (5.81 us): scripts/tune_block_kernels.py on an H100; for q/k/v, o and gate/up (576
+# inputs) inside is faster
+LORA_MATMUL_WIDTH = 1024
 
 
 class Compiled:
@@ -225,8 +231,7 @@ class Projection:
         # one device copy per rollout, base weights too: in-place `.data` edits leave no version trace to check
         copies.plain += zip(self._targets, weights)
         for (a_at, b_at), (_, a, b, scale) in zip(self._lora_targets, loras):
-            copies.plain.append((a_at, a))
-            copies.scaled.append((b_at, b, scale))
+            copies.scaled += [(a_at, a, 1.0), (b_at, b, scale)]
         if self.bias is not None:  # cheap, and biases may train while the weights do not
             self.bias[: self.out].copy_(torch.cat([
                 b.bias.detach() if b.bias is not None else torch.zeros(n, dtype=self.dtype, device=device)
@@ -243,20 +248,34 @@ class Projection:
 
 
 class Copies:
-    """Weight copies gathered from many projections, done as a few multi-tensor launches (a model's refresh is
-    hundreds of small tensors: one launch each would cost more host time than a decode step)."""
+    """Weight copies gathered from many projections, done as a few launches (a model's refresh is hundreds of
+    small tensors: one launch each would cost more host time than a decode step). The adapters' A and B go
+    through :func:`~scgrpo.rollout.norms.scaled_copy` where Triton runs (B's into transposed views, and
+    fp32 adapters into a bf16 model, are not what PyTorch's multi-tensor copy does in one launch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tables: Optional[dict] = None) -> None:
         self.plain: list[tuple[Tensor, Tensor]] = []  # (destination, source)
         self.scaled: list[tuple[Tensor, Tensor, float]] = []  # (destination, source, scale): scale * source
+        self.tables = tables  # scaled_copy's, kept by the caller between refreshes
 
     @torch.no_grad()
     def run(self) -> None:
         if self.plain:
             torch._foreach_copy_([d for d, _ in self.plain], [t for _, t in self.plain])
-        if self.scaled:  # scaled in the source's dtype, then rounded once to the destination's
-            scaled = torch._foreach_mul([t for _, t, _ in self.scaled], [k for _, _, k in self.scaled])
-            torch._foreach_copy_([d for d, _, _ in self.scaled], scaled)
+        if self.scaled and kernels.usable(self.scaled[0][0].device):  # scaled in fp32, rounded once
+            try:
+                norms.scaled_copy(self.scaled, tables=self.tables)
+                self.scaled = []
+            except ValueError:  # (adapters on another device than the model's copies: PyTorch's copies)
+                pass
+        if self.scaled:
+            ones = [(d, t) for d, t, k in self.scaled if k == 1.0]
+            if ones:
+                torch._foreach_copy_([d for d, _ in ones], [t for _, t in ones])
+            rest = [(d, t.float(), k) for d, t, k in self.scaled if k != 1.0]
+            if rest:
+                scaled = torch._foreach_mul([t for _, t, _ in rest], [k for _, _, k in rest])
+                torch._foreach_copy_([d for d, _, _ in rest], scaled)
         self.plain, self.scaled = [], []
 
 
@@ -307,6 +326,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add, and :func:`rms_norm` of the sum."""
+    x = x + y
+    return x, rms_norm(x, weight, eps)
+
+
+def silu_gate(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for ``[..., 2 I]`` (gate's columns first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -458,6 +489,7 @@ class CompactDecoder:
         # with the block kernels, up to this many rows a step an adapted projection's LoRA term is computed inside
         # its matmul (one launch, :mod:`scgrpo.rollout.lora_matmul`); above, by the kernel that reads its output
         self.lora_matmul_rows = LORA_MATMUL_ROWS if lora_matmul_rows is None else lora_matmul_rows
+        self.lora_matmul_width = LORA_MATMUL_WIDTH
         self.layers: list[Layer] = []
         for block in backbone.layers:
             attn, mlp = block.self_attn, block.mlp
@@ -480,7 +512,16 @@ class CompactDecoder:
         self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)
         self._spans: Optional[dict] = None
         self._build_steps()
+        # with the block kernels and compile on, a LoRA-free add-and-norm or gated activation (LoRA terms inside
+        # the matmuls, or no adapters) is the compiler's kernel, as in the compiled step: 1.42 against 1.67 us
+        # and 1.31 against 1.47 on an H100 at 64 rows (scripts/profile_rollout.py); the block kernels if it fails
+        self._plain_norm = self._plain_silu = None
+        if self.compiled and self.block_kernels and self.device.type == "cuda":
+            self._plain_norm = Compiled(add_rms_norm, "add and norm",
+                                        fallback=lambda x, y, w, eps: norms.add_norm(x, y, None, w, eps))
+            self._plain_silu = Compiled(silu_gate, "gated activation", fallback=norms.silu_mul)
         self._rope: Optional[tuple[Tensor, Tensor]] = None
+        self._copy_tables: dict = {}
         self.version = 0
 
     def _block_layout(self) -> Optional[dict]:
@@ -520,11 +561,13 @@ class CompactDecoder:
     def refresh(self) -> None:
         """Picks up the adapters' (and any changed base weights') current values, in place where it can;
         ``version`` changes when a tensor had to be rebuilt (recorded CUDA graphs then hold stale pointers)."""
-        copies = Copies()
+        copies = Copies(self._copy_tables)
         rebuilt = self.head.refresh(copies)
         for layer in self.layers:
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 rebuilt |= proj.refresh(copies)
+        if rebuilt:  # (new buffers: tables of their shapes and strides built afresh)
+            self._copy_tables.clear()
         copies.run()
         if rebuilt:
             self.version += 1
@@ -571,7 +614,8 @@ class CompactDecoder:
 
     @property
     def compile_failed(self) -> bool:
-        return self.block_failed or any(getattr(f, "failed", False) for f in (self._first, self._middle, self._last))
+        return self.block_failed or any(getattr(f, "failed", False) for f in (
+            self._first, self._middle, self._last, self._plain_norm, self._plain_silu))
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, lens: Tensor, cache: Tensor, length: int) -> Tensor:
@@ -617,14 +661,16 @@ class CompactDecoder:
 
     def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor, sin_table: Tensor) -> Tensor:
         """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`). LoRA's terms: up to
-        :attr:`lora_matmul_rows` rows an adapted projection is one launch with its term inside
-        (:mod:`scgrpo.rollout.lora_matmul`); above, the A products come out of the matmul (``[x W^T | z]``) and
-        the B products go into the kernel that reads it (a ninth launch for q/k/v)."""
+        :attr:`lora_matmul_rows` rows and :attr:`lora_matmul_width` inputs an adapted projection is one launch
+        with its term inside (:mod:`scgrpo.rollout.lora_matmul`); otherwise the A products come out of the matmul
+        (``[x W^T | z]``) and the B products go into the kernel that reads it (a ninth launch for q/k/v). With
+        compile on, an add-and-norm or gated activation without LoRA terms is ``torch.compile``'d."""
         rows = x.shape[0]
 
         def project(h: Tensor, proj: Projection) -> tuple[Tensor, Optional[Tensor]]:
             """The output, and the ``up`` still to add to its last columns (None when added)."""
-            if proj.up is not None and rows <= self.lora_matmul_rows and max(proj.ranks) <= lora_matmul.MAX_RANK:
+            if (proj.up is not None and rows <= self.lora_matmul_rows and h.shape[1] <= self.lora_matmul_width
+                    and max(proj.ranks) <= lora_matmul.MAX_RANK):
                 try:
                     return lora_matmul.lora_matmul(h, proj.weight, proj.bias, proj.up, proj.blocks), None
                 except Exception as err:  # noqa: BLE001 - the two-launch path computes the same
@@ -635,19 +681,27 @@ class CompactDecoder:
                                 type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             return F.linear(h, proj.weight, proj.bias), proj.up
 
+        def add_norm(x: Tensor, y: Optional[Tensor], up: Optional[Tensor], weight: Tensor) -> tuple[Tensor, Tensor]:
+            if y is not None and up is None and self._plain_norm is not None:
+                return self._plain_norm(x, y, weight, self.eps)
+            return norms.add_norm(x, y, up, weight, self.eps)
+
         y = up = None
         for i, layer in enumerate(self.layers):
-            x, h = norms.add_norm(x, y, up, layer.ln1, self.eps)
+            x, h = add_norm(x, y, up, layer.ln1)
             qkv, qkv_up = project(h, layer.qkv)  # [S, out (+ R)]: q, k, v (then their adapters' z)
             if qkv_up is not None:
                 norms.lora_add(qkv, qkv_up)
             attn = kernels.decode_attention(qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling)
             y, up = project(attn, layer.o)
-            x, h = norms.add_norm(x, y, up, layer.ln2, self.eps)
+            x, h = add_norm(x, y, up, layer.ln2)
             gate_up, gu_up = project(h, layer.gate_up)
-            act = norms.silu_mul(gate_up, gu_up, layer.gate_up.ranks if gu_up is not None else (0, 0))
+            if gu_up is None and self._plain_silu is not None:
+                act = self._plain_silu(gate_up)
+            else:
+                act = norms.silu_mul(gate_up, gu_up, layer.gate_up.ranks if gu_up is not None else (0, 0))
             y, up = project(act, layer.down)
-        _, h = norms.add_norm(x, y, up, self.norm, self.eps)
+        _, h = add_norm(x, y, up, self.norm)
         return F.linear(h, self.head.weight, self.head.bias).float()
 
     @torch.no_grad()

@@ -4,9 +4,10 @@ For the decode step's few rows the projections are launch-bound, not bandwidth-b
 weight is 1.1 MB: a third of a microsecond of an H100's memory time), so a LoRA term done as a second launch
 costs about as much as the matmul itself. Here each program computes a tile of outputs for a block of rows: the
 base product and its adapters' ``z = x A^T`` in the same loop over the input (the A rows follow W's in
-:class:`~scgrpo.rollout.compact.Projection`'s weight), then ``z (s B)^T`` from the block-diagonal ``up``, all as
-tensor-core dots. A program whose columns all belong to one of the fused layers (q, k, v; gate, up) reads only
-that layer's ranks.
+:class:`~scgrpo.rollout.compact.Projection`'s weight; for few rows the tile's W rows and A rows are loaded as one
+operand of one dot, whose output columns are split after the loop), then ``z (s B)^T`` from the block-diagonal
+``up``, all as tensor-core dots. A program whose columns all belong to one of the fused layers (q, k, v; gate,
+up) reads only that layer's ranks.
 
 The roundings are the two-launch path's (see :mod:`scgrpo.rollout.norms`): the base product (plus bias) rounded to
 the model dtype, ``z`` rounded to it, the LoRA term added to the rounded base in fp32 and the sum rounded once, as
@@ -41,7 +42,7 @@ if AVAILABLE:
         S1: tl.constexpr, S2: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
         PER_LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-        PRECISION: tl.constexpr,
+        ONE_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Program (i, j): rows i * BLOCK_M ... by outputs j * BLOCK_N .... With PER_LAYER the layers' output
         boundaries S1, S2 are multiples of BLOCK_N and the program reads only its layer's R0, R1 or R2 ranks."""
@@ -66,16 +67,30 @@ if AVAILABLE:
                          other=0.0)
         if HAS_BIAS:
             bv = tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)
+        if ONE_DOT:  # (BLOCK_R == BLOCK_N) the tile's W rows and its A rows as one [BLOCK_K, 2 BLOCK_N] operand
+            both = tl.arange(0, 2 * BLOCK_N)
+            first = both < BLOCK_N
+            wrow = tl.where(first, col0 + both, OUT + lo + both - BLOCK_N)
+            wlive = tl.where(first, col0 + both < OUT, both - BLOCK_N < n)
+            acc2 = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + kk
             kmask = ks < K
             xt = tl.load(x + rows[:, None] * stride_x + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(w + cols[None, :] * stride_w + ks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
-            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-            if R > 0:
-                at = tl.load(w + (OUT + lo + rr)[None, :] * stride_w + ks[:, None], mask=live[None, :] & kmask[:, None],
+            if ONE_DOT:
+                wt = tl.load(w + wrow[None, :] * stride_w + ks[:, None], mask=wlive[None, :] & kmask[:, None],
                              other=0.0)
-                z = tl.dot(xt, at, z, input_precision=PRECISION)
+                acc2 = tl.dot(xt, wt, acc2, input_precision=PRECISION)
+            else:
+                wt = tl.load(w + cols[None, :] * stride_w + ks[:, None], mask=cmask[None, :] & kmask[:, None],
+                             other=0.0)
+                acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+                if R > 0:
+                    at = tl.load(w + (OUT + lo + rr)[None, :] * stride_w + ks[:, None],
+                                 mask=live[None, :] & kmask[:, None], other=0.0)
+                    z = tl.dot(xt, at, z, input_precision=PRECISION)
+        if ONE_DOT:  # columns [base | z]: split in two
+            acc, z = tl.split(tl.permute(tl.reshape(acc2, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
         if HAS_BIAS:
             acc += bv[None, :]
         if R > 0:  # the base rounded as its matmul would round it, then the LoRA term in fp32, the sum rounded once
@@ -98,14 +113,18 @@ def rank_spans(ranks: int, blocks: Optional[tuple], block_n: int) -> tuple[list[
 
 
 def matmul_launch(rows: int, width: int, outputs: int) -> dict:
-    """How :func:`lora_matmul` runs: ``block_m`` rows by ``block_n`` outputs a program, ``block_k`` inputs a step."""
+    """How :func:`lora_matmul` runs: ``block_m`` rows by ``block_n`` outputs a program, ``block_k`` inputs a step;
+    ``one_dot``: the tile's W rows and its A rows as one operand (one dot a step; used where the ranks a program
+    reads fit in ``block_n``). With 64 rows on an H100 one dot took 3.51, 2.94, 4.66 and 5.81 us for SmolLM2's
+    q/k/v, o, gate/up and down against 3.79, 3.28, 4.86 and 6.41 as two (cuBLAS without adapters: 3.23, 3.15,
+    4.38, 5.10; ``benchmarks/results/tune_lora_matmul_h100.json``)."""
     if INTERPRET:
-        return {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 1}
+        return {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 1, "one_dot": False}
     if rows > 128:
-        return {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+        return {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "one_dot": False}
     # few rows: narrow column tiles, for programs enough to stream the weight (scripts/tune_block_kernels.py)
     return {"block_m": 64 if rows > 32 else 16, "block_n": 32 if outputs >= 2048 else 16,
-            "block_k": 128 if width > 1024 else 64, "num_warps": 4, "num_stages": 5}
+            "block_k": 128 if width > 1024 else 64, "num_warps": 4, "num_stages": 5, "one_dot": True}
 
 
 def lora_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor],
@@ -131,6 +150,9 @@ def lora_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[
     splits, counts, per_layer = rank_spans(r, blocks, bn)
     if _pow2(max(counts)) > MAX_RANK:
         raise ValueError(f"lora_matmul reads at most {MAX_RANK} ranks a program (got {max(counts)})")
+    block_r = _pow2(max(counts))
+    one_dot = bool(launch.get("one_dot")) and r > 0 and block_r <= bn
+    block_r = bn if one_dot else block_r
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     with _device(x):
         _lora_matmul_kernel[(triton.cdiv(m, launch["block_m"]), triton.cdiv(out, bn))](
@@ -138,7 +160,7 @@ def lora_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[
             up if up is not None else x, up.stride(0) if up is not None else 0, y, y.stride(0), m,
             K=k, OUT=out, R=r, S1=splits[0], S2=splits[1], R0=counts[0], R1=counts[1], R2=counts[2],
             PER_LAYER=per_layer, HAS_BIAS=bias is not None, BLOCK_M=launch["block_m"], BLOCK_N=bn,
-            BLOCK_K=min(launch["block_k"], _pow2(k)), BLOCK_R=_pow2(max(counts)),
+            BLOCK_K=min(launch["block_k"], _pow2(k)), BLOCK_R=block_r, ONE_DOT=one_dot,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return y

@@ -126,6 +126,21 @@ if AVAILABLE:
         b = tl.load(up + rr[:, None] * stride_up + cols[None, :], mask=(rr[:, None] < R) & cmask[None, :], other=0.0)
         tl.store(at, tl.dot(z, b, base, input_precision=PRECISION).to(y.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _scaled_copy_kernel(table, scales, src_like, dst_like, BLOCK: tl.constexpr):
+        """Program (i, j): elements ``j BLOCK ...`` (row-major) of copy i, ``dst[a, b] = scale_i src[a, b]`` in
+        fp32, rounded once. Table row i: source and destination addresses, rows, columns, both tensors' strides."""
+        entry = table + tl.program_id(0) * 8
+        cols = tl.load(entry + 3)
+        e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = e < tl.load(entry + 2) * cols
+        a, b = e // cols, e % cols
+        src = tl.load(entry).to(tl.pointer_type(src_like.dtype.element_ty))
+        dst = tl.load(entry + 1).to(tl.pointer_type(dst_like.dtype.element_ty))
+        v = tl.load(src + a * tl.load(entry + 4) + b * tl.load(entry + 5), mask=live, other=0.0).to(tl.float32)
+        v = v * tl.load(scales + tl.program_id(0))
+        tl.store(dst + a * tl.load(entry + 6) + b * tl.load(entry + 7), v.to(dst_like.dtype.element_ty), mask=live)
+
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
@@ -231,3 +246,37 @@ def lora_add(y: Tensor, up: Tensor, launch: Optional[dict] = None) -> Tensor:
             y, y.stride(0), up, up.stride(0), m, OUT=out, R=r, BLOCK_M=launch["block_m"], BLOCK=block,
             BLOCK_R=_pow2(r), PRECISION="ieee" if y.dtype == torch.float32 else "tf32", num_warps=launch["num_warps"])
     return y
+
+
+def scaled_copy(copies: list[tuple[Tensor, Tensor, float]], block: int = 1024, tables: Optional[dict] = None) -> None:
+    """``dst.copy_(scale * src)`` for each ``(dst, src, scale)`` of 2-D tensors on one device, any strides, as
+    one launch per pair of dtypes (a refresh copies hundreds of adapter matrices, many into transposed views,
+    which PyTorch's multi-tensor copy would launch one by one). The product is taken in fp32 and rounded once
+    to ``dst``'s dtype. ``tables``: kept between calls, it holds each launch's table of addresses, shapes and
+    strides, reused while the tensors' addresses and the scales are the same (a caller whose tensors may change
+    shape or strides in place clears it)."""
+    if not AVAILABLE:
+        raise RuntimeError("scaled_copy needs Triton")
+    groups: dict = {}
+    for entry in copies:
+        groups.setdefault((entry[1].dtype, entry[0].dtype), []).append(entry)
+    for dtypes, group in groups.items():
+        dsts, srcs, scales = zip(*group)
+        key = (tuple(map(Tensor.data_ptr, srcs)), tuple(map(Tensor.data_ptr, dsts)), scales)
+        found = None if tables is None else tables.get(dtypes)
+        if found is None or found[0] != key:
+            for dst, src in zip(dsts, srcs):
+                if dst.dim() != 2 or tuple(dst.shape) != tuple(src.shape) or dst.device != src.device:
+                    raise ValueError(f"scaled_copy: {tuple(src.shape)} into {tuple(dst.shape)} (2-D, same shape and "
+                                     "device)")
+            device = dsts[0].device
+            table = torch.tensor([(s.data_ptr(), d.data_ptr(), *d.shape, *s.stride(), *d.stride())
+                                  for d, s in zip(dsts, srcs)], dtype=torch.int64).to(device)
+            found = (key, table, torch.tensor(scales, dtype=torch.float32).to(device), max(d.numel() for d in dsts))
+            if tables is not None:
+                tables[dtypes] = found
+        _, table, scale_t, most = found
+        if most == 0:
+            continue
+        with _device(dsts[0]):
+            _scaled_copy_kernel[(len(group), triton.cdiv(most, block))](table, scale_t, srcs[0], dsts[0], BLOCK=block)
