@@ -136,7 +136,8 @@ def start_interpreter_run() -> None:
     once collection is done, so that the single-threaded interpreter runs beside the rest of the suite)."""
     if INTERPRETED or "run" in _background:
         return
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # one thread: the interpreter is single-threaded Python, and the suite beside it keeps the other core
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     files = [__file__, os.path.join(os.path.dirname(__file__), "test_norms.py")]
     _background["run"] = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "not interpreter", *files],

@@ -156,6 +156,7 @@ def _lora_projection(sizes, ranks, k, bias, dtype=torch.float32):
     (dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=1), False),  # 96 not a multiple: all ranks
     # W's rows and the A rows as one operand of one dot a step, split after the loop
     (dict(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=1, one_dot=True), True),
+    (dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=1, one_dot=True), False),  # all ranks
 ])
 def test_lora_matmul_equals_the_two_products_in_pytorch(launch, bias):
     torch.manual_seed(5)
@@ -356,6 +357,38 @@ def test_a_failing_kernel_falls_back_to_a_path_that_computes_the_same(tok, batch
         assert decoder.block_kernels and not decoder.compile_failed and decoder.lora_matmul_rows == 0
         assert caplog.text.count("LoRA matmul kernel failed (RuntimeError: out of resources") == 1
     assert torch.equal(tokens, hf_greedy(model.merge_and_unload(), batch, NEW))
+
+
+def test_a_failing_adapter_copy_kernel_falls_back_to_pytorchs_copies_for_good(tok, monkeypatch, caplog):
+    model = with_lora(tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).to(DEVICE)
+    decoder = _decoder(model)
+    buffers = lambda: [t.clone() for layer in decoder.layers  # noqa: E731
+                       for p in (layer.qkv, layer.o, layer.gate_up, layer.down) for t in (p.weight, p.up)]
+    with torch.no_grad():  # the optimiser's step
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.5)
+    decoder.refresh()
+    by_kernel = buffers()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.mul_(-1.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(norms, "scaled_copy", broken)
+    with caplog.at_level("WARNING", logger="scgrpo.rollout.compact"):
+        decoder.refresh()
+        decoder.refresh()
+    assert not decoder.copy_kernel and caplog.text.count("adapter copy kernel failed (RuntimeError") == 1
+    flipped = buffers()
+    assert all(torch.equal(f, -b) for f, b in zip(flipped[1::2], by_kernel[1::2]))  # the B blocks: negated
+    monkeypatch.undo()
+    decoder.copy_kernel = True
+    decoder.refresh()
+    assert decoder.copy_kernel and all(torch.equal(a, b) for a, b in zip(buffers(), flipped))
 
 
 def test_the_block_kernels_with_biases_equal_generate(tok, batch):

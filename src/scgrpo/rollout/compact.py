@@ -253,21 +253,26 @@ class Copies:
     through :func:`~scgrpo.rollout.norms.scaled_copy` where Triton runs (B's into transposed views, and
     fp32 adapters into a bf16 model, are not what PyTorch's multi-tensor copy does in one launch)."""
 
-    def __init__(self, tables: Optional[dict] = None) -> None:
+    def __init__(self, tables: Optional[dict] = None, kernel: bool = True) -> None:
         self.plain: list[tuple[Tensor, Tensor]] = []  # (destination, source)
         self.scaled: list[tuple[Tensor, Tensor, float]] = []  # (destination, source, scale): scale * source
         self.tables = tables  # scaled_copy's, kept by the caller between refreshes
+        self.kernel = kernel  # scaled_copy where Triton runs; False after it failed (run's return value)
 
     @torch.no_grad()
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Does the copies; returns False when the copy kernel failed (done the other way instead)."""
+        ok = True
         if self.plain:
             torch._foreach_copy_([d for d, _ in self.plain], [t for _, t in self.plain])
-        if self.scaled and kernels.usable(self.scaled[0][0].device):  # scaled in fp32, rounded once
+        if self.scaled and self.kernel and kernels.usable(self.scaled[0][0].device):  # in fp32, rounded once
             try:
                 norms.scaled_copy(self.scaled, tables=self.tables)
                 self.scaled = []
-            except ValueError:  # (adapters on another device than the model's copies: PyTorch's copies)
-                pass
+            except Exception as err:  # noqa: BLE001 - PyTorch's copies compute the same (the kernel's repeat)
+                ok = False
+                log.warning("the adapter copy kernel failed (%s: %s); copying with PyTorch", type(err).__name__,
+                            str(err).splitlines()[0] if str(err) else "")
         if self.scaled:
             ones = [(d, t) for d, t, k in self.scaled if k == 1.0]
             if ones:
@@ -277,6 +282,7 @@ class Copies:
                 scaled = torch._foreach_mul([t for _, t, _ in rest], [k for _, _, k in rest])
                 torch._foreach_copy_([d for d, _, _ in rest], scaled)
         self.plain, self.scaled = [], []
+        return ok
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[Tensor],
@@ -514,7 +520,11 @@ class CompactDecoder:
         self._build_steps()
         # with the block kernels and compile on, a LoRA-free add-and-norm or gated activation (LoRA terms inside
         # the matmuls, or no adapters) is the compiler's kernel, as in the compiled step: 1.42 against 1.67 us
-        # and 1.31 against 1.47 on an H100 at 64 rows (scripts/profile_rollout.py); the block kernels if it fails
+        # and 1.31 against 1.47 on an H100 at 64 rows (scripts/profile_rollout.py); the block kernels if it fails.
+        # It rounds as the compiled step does (fused operations keep fp32 between them; the Triton kernels round
+        # after each operation, as the model does): the bf16 sampler-vs-trainer log-prob gap of
+        # scripts/bench_rollout.py's 64-row LoRA case measured 0.0059 mean, 0.031 max with it, 0.0058 and 0.035
+        # with the Triton kernels
         self._plain_norm = self._plain_silu = None
         if self.compiled and self.block_kernels and self.device.type == "cuda":
             self._plain_norm = Compiled(add_rms_norm, "add and norm",
@@ -522,6 +532,7 @@ class CompactDecoder:
             self._plain_silu = Compiled(silu_gate, "gated activation", fallback=norms.silu_mul)
         self._rope: Optional[tuple[Tensor, Tensor]] = None
         self._copy_tables: dict = {}
+        self.copy_kernel = True  # the adapters' copies as one launch (norms.scaled_copy) where Triton runs
         self.version = 0
 
     def _block_layout(self) -> Optional[dict]:
@@ -561,14 +572,14 @@ class CompactDecoder:
     def refresh(self) -> None:
         """Picks up the adapters' (and any changed base weights') current values, in place where it can;
         ``version`` changes when a tensor had to be rebuilt (recorded CUDA graphs then hold stale pointers)."""
-        copies = Copies(self._copy_tables)
+        copies = Copies(self._copy_tables, kernel=self.copy_kernel)
         rebuilt = self.head.refresh(copies)
         for layer in self.layers:
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 rebuilt |= proj.refresh(copies)
         if rebuilt:  # (new buffers: tables of their shapes and strides built afresh)
             self._copy_tables.clear()
-        copies.run()
+        self.copy_kernel = copies.run() and self.copy_kernel
         if rebuilt:
             self.version += 1
             if self._compiles_layers and self._block_layout() != self._spans:  # other adapters: other unrolled terms

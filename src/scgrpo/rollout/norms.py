@@ -253,30 +253,30 @@ def scaled_copy(copies: list[tuple[Tensor, Tensor, float]], block: int = 1024, t
     one launch per pair of dtypes (a refresh copies hundreds of adapter matrices, many into transposed views,
     which PyTorch's multi-tensor copy would launch one by one). The product is taken in fp32 and rounded once
     to ``dst``'s dtype. ``tables``: kept between calls, it holds each launch's table of addresses, shapes and
-    strides, reused while the tensors' addresses and the scales are the same (a caller whose tensors may change
-    shape or strides in place clears it)."""
+    strides, reused while the tensors' addresses, the sources' shapes and strides and the scales are the same
+    (a caller whose destinations may change shape or strides at the same address clears it)."""
     if not AVAILABLE:
         raise RuntimeError("scaled_copy needs Triton")
     groups: dict = {}
     for entry in copies:
-        groups.setdefault((entry[1].dtype, entry[0].dtype), []).append(entry)
+        if entry[0].numel():
+            groups.setdefault((entry[1].dtype, entry[0].dtype), []).append(entry)
     for dtypes, group in groups.items():
         dsts, srcs, scales = zip(*group)
-        key = (tuple(map(Tensor.data_ptr, srcs)), tuple(map(Tensor.data_ptr, dsts)), scales)
+        key = (tuple(map(Tensor.data_ptr, srcs)), tuple(map(Tensor.data_ptr, dsts)), tuple(map(Tensor.size, srcs)),
+               tuple(map(Tensor.stride, srcs)), scales)
         found = None if tables is None else tables.get(dtypes)
         if found is None or found[0] != key:
-            for dst, src in zip(dsts, srcs):
-                if dst.dim() != 2 or tuple(dst.shape) != tuple(src.shape) or dst.device != src.device:
-                    raise ValueError(f"scaled_copy: {tuple(src.shape)} into {tuple(dst.shape)} (2-D, same shape and "
-                                     "device)")
             device = dsts[0].device
+            for dst, src in zip(dsts, srcs):
+                if dst.dim() != 2 or dst.shape != src.shape or dst.device != device or src.device != device:
+                    raise ValueError(f"scaled_copy: {tuple(src.shape)} on {src.device} into {tuple(dst.shape)} on "
+                                     f"{dst.device} (2-D, same shape, one device)")
             table = torch.tensor([(s.data_ptr(), d.data_ptr(), *d.shape, *s.stride(), *d.stride())
                                   for d, s in zip(dsts, srcs)], dtype=torch.int64).to(device)
             found = (key, table, torch.tensor(scales, dtype=torch.float32).to(device), max(d.numel() for d in dsts))
             if tables is not None:
                 tables[dtypes] = found
         _, table, scale_t, most = found
-        if most == 0:
-            continue
         with _device(dsts[0]):
             _scaled_copy_kernel[(len(group), triton.cdiv(most, block))](table, scale_t, srcs[0], dsts[0], BLOCK=block)
