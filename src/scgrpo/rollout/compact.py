@@ -11,8 +11,8 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
   multiply-adds, fused into the kernel that reads the projection where the compiler can). On a GPU, with compile
   on, adapters, plain float weights and no q/k norms, the step between matmuls is instead
   :mod:`scgrpo.rollout.norms`' Triton kernels, which add the up-projections where they read each matmul's
-  output, or, for few rows, :mod:`scgrpo.rollout.lora_matmul`'s projections with the whole LoRA term inside (the
-  prefill uses those block kernels wherever they run). Sampling thus runs the policy being trained, not a rounded
+  output, or, for few rows and inputs up to 1024 wide, :mod:`scgrpo.rollout.lora_matmul`'s projections with the
+  whole LoRA term inside (the prefill uses those block kernels wherever they run). Sampling thus runs the policy being trained, not a rounded
   merge of it (the adapters are held in the model dtype: see :mod:`scgrpo.rollout.norms` for the roundings),
 - its own KV cache ``[layers, 2, slots, kv_heads, length, head_dim]`` in which every row starts at index 0 (no
   left padding): a row's position is its cache length. On a GPU one Triton kernel per layer
@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # see CompactDecoder.lora_matmul_rows. On an H100 (SmolLM2 shape, r=16, benchmarks/results/session_h100/
-# bench_rollout_lora_call_{d,e}.json) 64-row rollouts took 180.7 ms with every LoRA term inside its matmul against
-# 186.2 ms with the terms after (196.9 against 206.1 in another call, timed one after the other); at 512 rows q/k/v
-# and o inside or after measured the same (366.9 / 362.8 ms)
+# bench_rollout_lora_call_{f,h}.json) 64-row rollouts took 178.5 ms with the LoRA terms inside the matmuls (down's
+# after) against 192.8 ms with every term after (188.8 against 202.0 in another call, timed in turn); at 512 rows
+# q/k/v and o inside or after measured the same (366.9 / 362.8 ms, calls d and e, before the one-dot kernel)
 LORA_MATMUL_ROWS = 128
 # ... and for inputs up to this wide: each of its programs computes its rows' z over the whole input, so a long
 # input with few output tiles (SmolLM2's down projection: 1536 inputs, 36 tiles of 16 outputs at 64 rows) is

@@ -4,12 +4,15 @@ With these the decode step of a Llama-family block is eight launches: the add-an
 q/k/v matmul, attention (:mod:`scgrpo.rollout.kernels`), the output projection, the add-and-norm before the MLP,
 the gate/up matmul, the gated activation, the down projection (the prefill runs the same kernels over its
 positions). Every projection's weight carries its adapters' A rows after its own
-(:class:`~scgrpo.rollout.compact.Projection`). For few rows an adapted projection is one launch with its LoRA
-term inside (:mod:`scgrpo.rollout.lora_matmul`); otherwise the matmul's output is ``[x W^T | z]`` with
+(:class:`~scgrpo.rollout.compact.Projection`). For few rows an adapted projection whose input is not too wide is
+one launch with its LoRA term inside (:mod:`scgrpo.rollout.lora_matmul`; the add-and-norms and the gated
+activation left without LoRA terms are then ``torch.compile``'d, see
+:class:`~scgrpo.rollout.compact.CompactDecoder`); otherwise the matmul's output is ``[x W^T | z]`` with
 ``z = x A^T``, and ``z (s B)^T`` is added where the output is read anyway: by :func:`add_norm` for the attention
 output and down (before the residual add), by :func:`silu_mul` for gate/up; for q/k/v by :func:`lora_add`, a
 ninth launch, before attention (inside the attention kernel, whose programs each take one row, every row would
-read its own copy of the B's). The B products of many rows at once are tensor-core dots.
+read its own copy of the B's). The B products of many rows at once are tensor-core dots. :func:`scaled_copy`
+copies the adapters into the projections' buffers before each rollout, in one launch.
 
 The arithmetic, in the model dtype with fp32 statistics and accumulation: the base output is rounded by the
 matmul, its LoRA term added in fp32 and the sum rounded once (as peft does with fp32 adapters); the add-and-norm
