@@ -671,17 +671,36 @@ class CompactDecoder:
         return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
 
     def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor, sin_table: Tensor) -> Tensor:
-        """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`). LoRA's terms: up to
-        :attr:`lora_matmul_rows` rows and :attr:`lora_matmul_width` inputs an adapted projection is one launch
-        with its term inside (:mod:`scgrpo.rollout.lora_matmul`); otherwise the A products come out of the matmul
-        (``[x W^T | z]``) and the B products go into the kernel that reads it (a ninth launch for q/k/v). With
-        compile on, an add-and-norm or gated activation without LoRA terms is ``torch.compile``'d."""
+        """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`); see :meth:`_block_layers`."""
+        x, y, up = self._block_layers(x, lambda i, qkv: kernels.decode_attention(
+            qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling), decode=True)
+        _, h = self._add_norm(x, y, up, self.norm, compiled=True)
+        return F.linear(h, self.head.weight, self.head.bias).float()
+
+    def _add_norm(self, x: Tensor, y: Optional[Tensor], up: Optional[Tensor], weight: Tensor,
+                  compiled: bool) -> tuple[Tensor, Tensor]:
+        """:func:`norms.add_norm`, or (``compiled``, no LoRA term to add) its compiled version where there is one."""
+        if compiled and y is not None and up is None and self._plain_norm is not None:
+            return self._plain_norm(x, y, weight, self.eps)
+        return norms.add_norm(x, y, up, weight, self.eps)
+
+    def _block_layers(self, x: Tensor, attend, decode: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """The layers over rows ``x`` ``[M, H]`` with the block kernels between the matmuls; ``attend(i, qkv)``:
+        layer ``i``'s attention output ``[M, heads D]`` from its q/k/v projection (LoRA term added; ``[M, out]``
+        or wider, its first ``out`` columns read). Returns the residual stream, the last down projection's output
+        and the ``up`` still to add to it (the final norm's to do).
+
+        LoRA's terms: in a decode step (``decode``), up to :attr:`lora_matmul_rows` rows and
+        :attr:`lora_matmul_width` inputs an adapted projection is one launch with its term inside
+        (:mod:`scgrpo.rollout.lora_matmul`); otherwise the A products come out of the matmul (``[x W^T | z]``) and
+        the B products go into the kernel that reads it (a ninth launch for q/k/v). With compile on, a decode
+        step's add-and-norm or gated activation without LoRA terms is ``torch.compile``'d."""
         rows = x.shape[0]
 
         def project(h: Tensor, proj: Projection) -> tuple[Tensor, Optional[Tensor]]:
             """The output, and the ``up`` still to add to its last columns (None when added)."""
-            if (proj.up is not None and rows <= self.lora_matmul_rows and h.shape[1] <= self.lora_matmul_width
-                    and max(proj.ranks) <= lora_matmul.MAX_RANK):
+            if (decode and proj.up is not None and rows <= self.lora_matmul_rows
+                    and h.shape[1] <= self.lora_matmul_width and max(proj.ranks) <= lora_matmul.MAX_RANK):
                 try:
                     return lora_matmul.lora_matmul(h, proj.weight, proj.bias, proj.up, proj.blocks), None
                 except Exception as err:  # noqa: BLE001 - the two-launch path computes the same
@@ -692,28 +711,21 @@ class CompactDecoder:
                                 type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             return F.linear(h, proj.weight, proj.bias), proj.up
 
-        def add_norm(x: Tensor, y: Optional[Tensor], up: Optional[Tensor], weight: Tensor) -> tuple[Tensor, Tensor]:
-            if y is not None and up is None and self._plain_norm is not None:
-                return self._plain_norm(x, y, weight, self.eps)
-            return norms.add_norm(x, y, up, weight, self.eps)
-
         y = up = None
         for i, layer in enumerate(self.layers):
-            x, h = add_norm(x, y, up, layer.ln1)
-            qkv, qkv_up = project(h, layer.qkv)  # [S, out (+ R)]: q, k, v (then their adapters' z)
+            x, h = self._add_norm(x, y, up, layer.ln1, decode)
+            qkv, qkv_up = project(h, layer.qkv)  # [M, out (+ R)]: q, k, v (then their adapters' z)
             if qkv_up is not None:
                 norms.lora_add(qkv, qkv_up)
-            attn = kernels.decode_attention(qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling)
-            y, up = project(attn, layer.o)
-            x, h = add_norm(x, y, up, layer.ln2)
+            y, up = project(attend(i, qkv), layer.o)
+            x, h = self._add_norm(x, y, up, layer.ln2, decode)
             gate_up, gu_up = project(h, layer.gate_up)
-            if gu_up is None and self._plain_silu is not None:
+            if decode and gu_up is None and self._plain_silu is not None:
                 act = self._plain_silu(gate_up)
             else:
                 act = norms.silu_mul(gate_up, gu_up, layer.gate_up.ranks if gu_up is not None else (0, 0))
             y, up = project(act, layer.down)
-        _, h = add_norm(x, y, up, self.norm)
-        return F.linear(h, self.head.weight, self.head.bias).float()
+        return x, y, up
 
     @torch.no_grad()
     def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
@@ -761,24 +773,15 @@ class CompactDecoder:
         """:meth:`prefill` with :meth:`_decode_blocks`' kernels between the matmuls (LoRA's B products added by
         the kernels that read each output), over the ``n T`` positions as rows."""
         n, t, width = x.shape
-        x = x.reshape(n * t, width)
-        y = up = None
-        for i, layer in enumerate(self.layers):
-            x, h = norms.add_norm(x, y, up, layer.ln1, self.eps)
-            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)  # [n T, out + R]
-            if layer.qkv.up is not None:
-                norms.lora_add(qkv, layer.qkv.up)
-            q, k, v = self.split_heads(qkv[:, : layer.qkv.out].view(n, t, -1), (n, t), cos, sin, None, None)
-            attn = self._prefill_attention(i, q, k, v, slots, cache, mask).reshape(n * t, -1)
-            y, up = F.linear(attn, layer.o.weight, layer.o.bias), layer.o.up
-            x, h = norms.add_norm(x, y, up, layer.ln2, self.eps)
-            gate_up = F.linear(h, layer.gate_up.weight, layer.gate_up.bias)
-            act = norms.silu_mul(gate_up, layer.gate_up.up, layer.gate_up.ranks)
-            y, up = F.linear(act, layer.down.weight, layer.down.bias), layer.down.up
+
+        def attend(i: int, qkv: Tensor) -> Tensor:
+            q, k, v = self.split_heads(qkv[:, : self.layers[i].qkv.out].view(n, t, -1), (n, t), cos, sin, None, None)
+            return self._prefill_attention(i, q, k, v, slots, cache, mask).reshape(n * t, -1)
+
+        x, y, up = self._block_layers(x.reshape(n * t, width), attend, decode=False)
         last = torch.arange(n, device=x.device) * t + lengths - 1  # each prompt's last position
         _, h = norms.add_norm(x[last], y[last], up, self.norm, self.eps)
         return F.linear(h, self.head.weight, self.head.bias).float()
-
 
 def length_bucket(length: int, limit: int) -> int:
     """Attention length for a step whose longest live row needs ``length`` entries: rounded up to a multiple of
