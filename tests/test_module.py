@@ -107,6 +107,7 @@ def test_training_logs_the_step_statistics(tiny_model_dir, tmp_path):
     assert any(m == m for m in mismatch) and all(m < 1e-4 for m in mismatch if m == m)  # fp32: the same numbers
     val_steps = [r["step"] for r in rows if r.get("val/id/avg@2")]
     assert len(val_steps) == 2  # before training and after step 2
+    assert [float(r["val/global_step"]) for r in rows if r.get("val/id/avg@2")] == [0.0, 2.0]  # optimiser steps done
     with open(os.path.join(trainer.logger.log_dir, "completions.jsonl")) as f:
         lines = f.readlines()
     assert len(lines) == 2 * 2 * 4  # 2 steps x 2 groups x G

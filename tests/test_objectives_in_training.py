@@ -183,6 +183,7 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_stops_at_its_cap(tiny_mode
     module.verifier_runner = None
     batch = PromptBatch(ids=["a", "b"], questions=["q"] * 2, answers=[0, 0])
     batch.rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # group b is uniform
+    batch.rollouts.stats["rollout/sampled"] = 8.0
     calls = []
 
     def fake_verify(pl_module, rollouts):  # extra groups are always uniform: the loop must stop at its cap
@@ -194,8 +195,10 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_stops_at_its_cap(tiny_mode
     DynamicSamplingCallback().on_train_batch_start(trainer, module, batch, 0)
     assert batch.rollouts.num_groups == 1 and batch.rollouts.sample_ids == ["a"] * 4
     assert batch.rollouts.stats["dapo/extra_rounds"] == 2 and len(calls) == 2
+    assert batch.rollouts.stats["rollout/sampled"] == 8 + 2 * 4  # every drawn rollout counts, kept or dropped
 
     batch.rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    batch.rollouts.stats["rollout/sampled"] = 8.0
 
     def mixed_verify(pl_module, rollouts):
         rollouts.rewards = torch.tensor([float(i % 2) for i in range(len(rollouts.completions))])
@@ -203,6 +206,7 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_stops_at_its_cap(tiny_mode
     monkeypatch.setattr("scgrpo.callbacks.rollout.verify_rollouts", mixed_verify)
     DynamicSamplingCallback().on_train_batch_start(trainer, module, batch, 0)
     assert batch.rollouts.num_groups == 2 and batch.rollouts.stats["dapo/extra_rounds"] == 1
+    assert batch.rollouts.stats["rollout/sampled"] == 12
     assert len(mixed_groups(batch.rollouts)) == 8  # every kept group has mixed rewards
 
 

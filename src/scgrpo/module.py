@@ -831,6 +831,8 @@ class RLVRModule(LightningModule):
                     log.info("step %d validation [%s] on %d prompts: %s", self.global_step, split, int(n), summary)
             self.eval_summary = getattr(self, "eval_summary", [])
             self.eval_summary.append({"step": self.global_step, "split": split, **{k_.split("/")[-1]: v for k_, v in metrics.items()}})
+        # the optimiser steps done before this evaluation (the logger's own step column counts differently)
+        self.log("val/global_step", float(self.global_step), on_step=False, on_epoch=True, add_dataloader_idx=False)
 
     def test_step(self, batch: PromptBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.validation_step(batch, batch_idx, dataloader_idx)

@@ -31,6 +31,24 @@ def test_arithmetic_other_operations():
         ArithmeticTask(operations=("/",))
 
 
+def test_arithmetic_ood_alternates_unseen_lengths_and_unseen_operations():
+    plain = ArithmeticTask(operations=("+", "-"), num_eval=16, num_ood=20)
+    mixed = ArithmeticTask(operations=("+", "-"), ood_operations=("*",), num_eval=16, num_ood=20)
+    assert mixed.rows("train") == plain.rows("train") and mixed.rows("id") == plain.rows("id")
+    parsed = [row["question"].removeprefix("What is ").split("?")[0].split() for row in mixed.rows("ood")]
+    for i, ((a, op, b), row) in enumerate(zip(parsed, mixed.rows("ood"))):
+        if i % 2:  # trained length, unseen operation
+            assert op == "*" and 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and row["answer"] == int(a) * int(b)
+        else:  # unseen length, trained operations
+            assert op in "+-" and 100 <= int(a) <= 999 and 100 <= int(b) <= 999
+            assert row["answer"] == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert {op for _, op, _ in parsed[::2]} == {"+", "-"}
+    with pytest.raises(ValueError, match="unseen"):
+        ArithmeticTask(operations=("+", "-"), ood_operations=("-",))
+    with pytest.raises(ValueError, match="ood_operations"):
+        ArithmeticTask(ood_operations=("/",))
+
+
 def test_countdown_problems_are_well_formed():
     task = CountdownTask(num_train=50, num_eval=8)
     for row in task.rows("train") + task.rows("ood"):

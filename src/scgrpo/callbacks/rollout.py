@@ -35,6 +35,7 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         sampler_logprobs=generated.sampler_logprobs,
     )
     rollouts.stats.update(generated.stats)
+    rollouts.stats["rollout/sampled"] = float(len(generated.completions))  # rollouts drawn (DAPO: summed over rounds)
     return rollouts
 
 
@@ -160,8 +161,9 @@ class DynamicSamplingCallback(Callback):
             start = time.perf_counter()
             extra = sample_rollouts(pl_module, datamodule.extra_batch())
             verify_rollouts(pl_module, extra)
+            sampled = extra.stats["rollout/sampled"]
             extra = extra.select(mixed_groups(extra)[: max(target - have, 0) * extra.group_size])
-            extra.stats = {"time/generation_s": time.perf_counter() - start}
+            extra.stats = {"time/generation_s": time.perf_counter() - start, "rollout/sampled": sampled}
             kept.append(extra)
             have += extra.num_groups
         batch.rollouts = concat_rollouts(kept, pl_module.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]

@@ -46,12 +46,15 @@ class ArithmeticTask(PromptSource):
     """Integer arithmetic questions "What is a + b? Answer with just the number.".
 
     Splits: ``train`` (operands with ``digits`` digits), ``id`` (``num_eval`` operand pairs of the same
-    distribution, held out of train), ``ood`` (``num_ood`` pairs with ``ood_digits`` digits: unseen lengths).
+    distribution, held out of train), ``ood`` (``num_ood`` pairs with ``ood_digits`` digits: unseen lengths;
+    with ``ood_operations``, every second one is instead a ``digits``-digit pair under an operation never trained on).
 
     Args:
         digits: digits of each operand in train and id.
         ood_digits: digits of each operand in ood.
         operations: any of "+", "-", "*".
+        ood_operations: operations of the ood split's second half (alternate rows), none of ``operations``;
+            empty: the ood split varies the length alone.
         num_eval: size of the id split.
         num_ood: size of the ood split.
         template: question text with {a}, {op} and {b}.
@@ -67,10 +70,16 @@ class ArithmeticTask(PromptSource):
         num_ood: int = 64,
         template: str = "What is {a} {op} {b}? Answer with just the number.",
         seed: int = 1234,
+        ood_operations: tuple[str, ...] = (),
     ) -> None:
-        bad = [op for op in operations if op not in ("+", "-", "*")]
+        bad = [op for op in (*operations, *ood_operations) if op not in ("+", "-", "*")]
         if bad or not operations:
-            raise ValueError(f"operations={list(operations)}: each must be one of '+', '-', '*'")
+            raise ValueError(f"operations={list(operations)}, ood_operations={list(ood_operations)}: each must be one "
+                             "of '+', '-', '*'")
+        seen = sorted(set(operations) & set(ood_operations))
+        if seen:
+            raise ValueError(f"ood_operations {seen} are also training operations; they must be unseen in training")
+        self.ood_operations = tuple(ood_operations)
         if digits < 1 or ood_digits < 1:
             raise ValueError(f"digits and ood_digits must be >= 1, got {digits} and {ood_digits}")
         self.digits, self.ood_digits, self.operations = digits, ood_digits, tuple(operations)
@@ -104,11 +113,15 @@ class ArithmeticTask(PromptSource):
             return [self._row(split, *p) for p in pairs[: self.num_eval]]
         if split == "train":
             return [self._row(split, *p) for p in pairs[self.num_eval :]]
-        lo, hi = 10 ** (self.ood_digits - 1), 10**self.ood_digits - 1
+        # unseen lengths; with ood_operations, alternately unseen operations at the trained length
+        kinds = [((10 ** (self.ood_digits - 1), 10**self.ood_digits - 1), self.operations)]
+        if self.ood_operations:
+            kinds.append(((lo, hi), self.ood_operations))
         ood_rng = random.Random(self.seed + 1)
         seen, rows = set(), []
         while len(rows) < self.num_ood:
-            p = (ood_rng.randint(lo, hi), ood_rng.choice(self.operations), ood_rng.randint(lo, hi))
+            (lo, hi), operations = kinds[len(rows) % len(kinds)]
+            p = (ood_rng.randint(lo, hi), ood_rng.choice(operations), ood_rng.randint(lo, hi))
             if p not in seen:
                 seen.add(p)
                 rows.append(self._row(split, *p))

@@ -1,0 +1,423 @@
+"""The paper's experiment at this package's scale: methods x seeds (x learning rates), several runs per GPU.
+
+    python scripts/replicate.py --plan main                  # every method of the main table, seeds 0 1 2
+    python scripts/replicate.py --plan lr,main,ablations --per-gpu 4 --deadline-s 560
+    python scripts/replicate.py --list                       # what would run, and what is done
+
+Each run is ``scgrpo fit`` over a task config (``configs/replication/<task>.yaml``) and a method's objective
+layer (``METHODS`` below), with ``--seed_everything`` and ``--data.seed`` set to the seed. Runs go to the GPUs
+in turn, ``--per-gpu`` at a time on each (a 135M model leaves a GPU mostly idle), or one after another on the CPU.
+
+Resumable across separate commands: a run whose result file exists is skipped; every run checkpoints every 25
+steps in ``--work-dir/<run>`` and a run found there unfinished resumes from its ``last.ckpt``. With
+``--deadline-s``, no run starts that would not end in time (the longest run of this command, or ``--run-s``,
+is the estimate), and at the deadline the runs still going are interrupted (each writes ``last.ckpt``) and
+resume in the next command on the same machine.
+
+A finished run's metrics (evaluations, per-step entropy, KL percentiles, routes, timings, rollouts drawn) land in
+``--results-dir/<run>.json``; ``scripts/replication_report.py`` turns those into ``docs/replication.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "replication")
+
+# method -> objective layer (relative to configs/), over the task config
+METHODS = {
+    "grpo": "replication/grpo.yaml",
+    "dapo": "replication/dapo.yaml",
+    "scgrpo": "replication/scgrpo.yaml",
+    "scgrpo-buffer": "ablations/buffer_references.yaml",
+    "selfdistill-fkl": "ablations/additive_forward_kl.yaml",
+    "opsd-oracle": "ablations/opsd_oracle.yaml",
+    # the paper's Table 3: A1 routing, A2 the threshold c, A3 the diversity coefficient
+    "scgrpo-route-partial-only": "ablations/route_partial_only.yaml",
+    "scgrpo-route-single": "ablations/route_single.yaml",
+    "scgrpo-route-all": "ablations/route_all.yaml",
+    "scgrpo-c-p50": "ablations/c_p50.yaml",
+    "scgrpo-c-p90": "ablations/c_p90.yaml",
+    "scgrpo-c-fixed": "ablations/c_fixed.yaml",
+    "scgrpo-alpha-0.2": "ablations/alpha_0.2.yaml",
+}
+MAIN = ["grpo", "dapo", "scgrpo", "scgrpo-buffer", "selfdistill-fkl", "opsd-oracle"]
+ABLATIONS = [m for m in METHODS if m not in MAIN]
+LR_GRID = (1e-4, 2e-4, 5e-4)
+"""The learning rates of the GRPO sweep (--plan lr): GRPO at every seed, SC-GRPO and DAPO at the first seed
+(to show how sensitive they are; the choice is GRPO's alone)."""
+
+# metrics.csv columns kept per step in the result file: name in the file -> column
+STEP_KEYS = {
+    "reward": "train/reward", "accuracy": "train/accuracy", "mixed_groups": "train/mixed_groups",
+    "completion_length": "train/completion_length", "entropy": "policy/entropy",
+    "kl_p25": "credit/kl_p25", "kl_p50": "credit/kl_p50", "kl_p75": "credit/kl_p75", "kl_p95": "credit/kl_p95",
+    "c": "credit/c", "f_mean": "credit/f_mean",
+    "route_partial": "credit/route_partial", "route_solve_none": "credit/route_solve_none",
+    "route_single": "credit/route_single", "route_all": "credit/route_all",
+    "step_s": "time/step_s", "generation_s": "time/generation_s", "verification_s": "time/verification_s",
+    "teacher_s": "time/teacher_s", "train_s": "time/train_s",
+    "rollouts": "rollout/sampled", "dapo_extra_rounds": "dapo/extra_rounds", "nonfinite_skips": "train/nonfinite_skips",
+}
+
+
+def lr_tag(lr: float) -> str:
+    return f"{lr:.0e}".replace("e-0", "e-")
+
+
+def config_lr(task: str) -> float:
+    import yaml
+
+    with open(os.path.join(CONFIGS, "replication", f"{task}.yaml")) as f:
+        return float(yaml.safe_load(f)["model"]["optimizer"]["init_args"]["lr"])
+
+
+@dataclass
+class Run:
+    task: str
+    method: str
+    seed: int
+    lr: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}_{self.method}_lr{lr_tag(self.lr)}_seed{self.seed}"
+
+    def layers(self) -> list[str]:
+        return [f"replication/{self.task}.yaml", METHODS[self.method]]
+
+    def fit_args(self) -> list[str]:
+        args = [f"--config={os.path.join(CONFIGS, layer)}" for layer in self.layers()]
+        args += [f"--seed_everything={self.seed}", f"--data.seed={self.seed}"]
+        if self.lr != config_lr(self.task):
+            args.append(f"--model.optimizer.init_args.lr={self.lr:g}")
+        return args
+
+
+def plan_runs(plans: list[str], tasks: list[str], seeds: list[int], methods: Optional[list[str]] = None) -> list[Run]:
+    """The runs of the named plans, without repeats, in order (a run the learning-rate sweep shares with the
+    main table is listed once)."""
+    runs: list[Run] = []
+    for task in tasks:
+        lr = config_lr(task)
+        for plan in plans:
+            if plan == "lr":
+                for rate in LR_GRID:
+                    runs += [Run(task, "grpo", s, rate) for s in seeds]
+                    runs += [Run(task, m, seeds[0], rate) for m in ("scgrpo", "dapo")]
+            elif plan in ("main", "ablations"):
+                chosen = MAIN if plan == "main" else ABLATIONS
+                runs += [Run(task, m, s, lr) for s in seeds for m in chosen]
+            else:
+                raise SystemExit(f"unknown plan {plan!r}: expected lr, main or ablations")
+    if methods:
+        unknown = sorted(set(methods) - set(METHODS))
+        if unknown:
+            raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        runs = [r for r in runs if r.method in methods]
+    unique: dict[str, Run] = {}
+    for run in runs:
+        unique.setdefault(run.name, run)
+    return list(unique.values())
+
+
+# ------------------------------------------------------------------------------------------------ results
+def _number(value: str) -> Optional[float]:
+    if value in ("", None):
+        return None
+    x = float(value)
+    return round(x, 6) if math.isfinite(x) else None
+
+
+def read_metrics(run_dir: str) -> dict:
+    """Evaluations and per-step series of a run folder's metrics.csv."""
+    with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    evaluations: dict[int, dict] = {}
+    steps: dict[int, dict] = {}
+    for row in rows:
+        if row.get("val/global_step") not in ("", None):  # an evaluation after this many optimiser steps
+            step = int(float(row["val/global_step"]))
+            for column, value in row.items():  # val/<split>/<metric>
+                parts = column.split("/")
+                if len(parts) == 3 and parts[2] != "time_s" and _number(value) is not None:
+                    evaluations.setdefault(step, {"step": step}).setdefault(parts[1], {})[parts[2]] = _number(value)
+        if row.get("time/step_s") not in ("", None):  # training step k is logged at the logger's step k - 1
+            steps[int(float(row["step"])) + 1] = {name: _number(row.get(column, "")) for name, column in STEP_KEYS.items()}
+    ordered = sorted(steps)
+    return {
+        "evaluations": [evaluations[s] for s in sorted(evaluations)],
+        "steps": {"step": ordered, **{name: [steps[s][name] for s in ordered] for name in STEP_KEYS}},
+    }
+
+
+def environment() -> dict:
+    import lightning
+    import peft
+    import torch
+    import transformers
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "peft": peft.__version__, "lightning": lightning.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"card": card, "gpus": torch.cuda.device_count(), "cpus": os.cpu_count(), "versions": versions}
+
+
+@dataclass
+class Slot:
+    gpu: Optional[int]
+    process: Optional[subprocess.Popen] = None
+    run: Optional[Run] = None
+    started: float = 0.0
+    log: object = None
+
+
+@dataclass
+class State:
+    """Per-run bookkeeping kept in the work folder across commands: wall time of each segment."""
+    path: str
+    segments: list = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str) -> "State":
+        if os.path.exists(path):
+            with open(path) as f:
+                return cls(path, json.load(f)["segments"])
+        return cls(path)
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"segments": self.segments}, f)
+
+
+def run_folder(work: str) -> Optional[str]:
+    """The run folder (``<work>/scgrpo/version_N``, the newest) that ``scgrpo fit`` writes with
+    ``--trainer.default_root_dir=<work>``, or None before it made one."""
+    root = os.path.join(work, "scgrpo")
+    if not os.path.isdir(root):
+        return None
+    versions = sorted((d for d in os.listdir(root) if d.startswith("version_")), key=lambda d: int(d.split("_")[1]))
+    return os.path.join(root, versions[-1]) if versions else None
+
+
+def write_result(run: Run, work: str, results_dir: str, command: str, env: dict, per_gpu: int) -> str:
+    folder = run_folder(work)
+    state = State.load(os.path.join(work, "state.json"))
+    result = {
+        "name": run.name, "task": run.task, "method": run.method, "seed": run.seed, "lr": run.lr,
+        "configs": [f"configs/{layer}" for layer in run.layers()],
+        "fit": "scgrpo fit " + " ".join(a.replace(ROOT + os.sep, "") for a in run.fit_args()),
+        "command": command,
+        **env,
+        "runs_per_gpu": per_gpu,
+        "wall_s": round(sum(s["wall_s"] for s in state.segments), 1),
+        "segments": len(state.segments),
+        **read_metrics(folder),
+    }
+    steps = result["steps"]
+    result["rollouts"] = int(sum(r for r in steps["rollouts"] if r is not None))
+    os.makedirs(results_dir, exist_ok=True)
+    path = os.path.join(results_dir, f"{run.name}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ running
+def launch(slot: Slot, run: Run, args, extra: list[str], threads: int) -> None:
+    work = os.path.join(args.work_dir, run.name)
+    os.makedirs(work, exist_ok=True)
+    fit = [sys.executable, "-m", "scgrpo.cli", "fit", *run.fit_args(), f"--trainer.default_root_dir={work}"]
+    if args.model:
+        fit.append(f"--model.model={args.model}")
+    fit += extra
+    folder = run_folder(work)
+    last = os.path.join(folder, "checkpoints", "last.ckpt") if folder else None
+    resumed = bool(last and os.path.exists(last))
+    if resumed:
+        fit.append(f"--ckpt_path={last}")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TORCHINDUCTOR_COMPILE_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    if slot.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu)
+    src = os.path.join(ROOT, "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    slot.log = open(os.path.join(work, "log.txt"), "a")
+    slot.log.write(f"\n=== {time.strftime('%H:%M:%S')} {'resume' if resumed else 'start'}: {' '.join(fit)}\n")
+    slot.log.flush()
+    slot.process = subprocess.Popen(fit, cwd=work, env=env, stdout=slot.log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    slot.run, slot.started = run, time.monotonic()
+    where = f"GPU {slot.gpu}" if slot.gpu is not None else "CPU"
+    print(f"[{time.strftime('%H:%M:%S')}] {'resume' if resumed else 'start '} {run.name} on {where}", flush=True)
+
+
+def finish(slot: Slot, code: int, args, env: dict, per_gpu: int, command: str) -> tuple[bool, float]:
+    run, elapsed = slot.run, time.monotonic() - slot.started
+    work = os.path.join(args.work_dir, run.name)
+    state = State.load(os.path.join(work, "state.json"))
+    state.segments.append({"wall_s": round(elapsed, 1), "exit": code})
+    state.save()
+    slot.log.close()
+    ok = code == 0 and run_folder(work) is not None
+    if ok:
+        path = write_result(run, work, args.results_dir, command, env, per_gpu)
+        print(f"[{time.strftime('%H:%M:%S')}] done   {run.name} in {elapsed:.0f} s -> {os.path.relpath(path, ROOT)}",
+              flush=True)
+    else:
+        with open(os.path.join(work, "log.txt")) as f:
+            tail = f.readlines()[-15:]
+        print(f"[{time.strftime('%H:%M:%S')}] FAILED {run.name} (exit {code}) after {elapsed:.0f} s; "
+              f"{os.path.join(work, 'log.txt')} ends:\n" + "".join("    " + line for line in tail), flush=True)
+    slot.process, slot.run = None, None
+    return ok, elapsed
+
+
+def interrupt(slots: list[Slot], grace_s: float, work_dir: str) -> None:
+    """SIGINT to every running run (Lightning writes last.ckpt on it), then SIGKILL after ``grace_s``."""
+    running = [s for s in slots if s.process is not None]
+    for s in running:
+        os.killpg(s.process.pid, signal.SIGINT)
+    end = time.monotonic() + grace_s
+    for s in running:
+        try:
+            s.process.wait(timeout=max(end - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(s.process.pid, signal.SIGKILL)
+            s.process.wait()
+        print(f"[{time.strftime('%H:%M:%S')}] paused {s.run.name} (resumes from its last checkpoint)", flush=True)
+        s.log.close()
+        state = State.load(os.path.join(work_dir, s.run.name, "state.json"))
+        state.segments.append({"wall_s": round(time.monotonic() - s.started, 1), "exit": "interrupted"})
+        state.save()
+        s.process, s.run = None, None
+
+
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option`` and its value (``--x v`` or ``--x=v``)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            kept.append(a)
+    return kept
+
+
+def bundle(path: str, files: list[str]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=os.path.relpath(f, ROOT))
+    print(f"bundled {len(files)} file(s) into {path}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations")
+    parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--methods", default=None, help="only these methods of the plan (comma-separated)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 0 = CPU)")
+    parser.add_argument("--per-gpu", type=int, default=4, help="runs at a time on each GPU")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time without GPUs")
+    parser.add_argument("--deadline-s", type=float, default=None, help="stop (resumably) after this many seconds")
+    parser.add_argument("--run-s", type=float, default=0.0, help="expected seconds of one run (for the deadline)")
+    parser.add_argument("--grace-s", type=float, default=45.0, help="seconds an interrupted run has to checkpoint")
+    parser.add_argument("--model", default=None, help="model for every run (default: the configs' smollm2)")
+    parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "replication"))
+    parser.add_argument("--results-dir", default=RESULTS)
+    parser.add_argument("--bundle", default=None, help="also pack the result files written into this .tar.gz")
+    parser.add_argument("--list", action="store_true", help="print the runs and whether each is done, then exit")
+    parser.add_argument("extra", nargs="*", help="further scgrpo fit arguments for every run (after --)")
+    args = parser.parse_args()
+    started = time.monotonic()
+    args.work_dir = os.path.abspath(args.work_dir)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = plan_runs(args.plan.split(","), args.tasks.split(","), seeds,
+                     args.methods.split(",") if args.methods else None)
+    done = {r.name for r in runs if os.path.exists(os.path.join(args.results_dir, f"{r.name}.json"))}
+    if args.list:
+        for r in runs:
+            print(f"{'done   ' if r.name in done else 'to run '} {r.name}")
+        print(f"{len(done)} of {len(runs)} done")
+        return
+    todo = [r for r in runs if r.name not in done]
+    print(f"{len(runs)} runs in the plan, {len(done)} done, {len(todo)} to run", flush=True)
+    if not todo:
+        return
+
+    import torch
+
+    if args.model:  # convert a GGUF file once here, not in every run at the same time
+        from scgrpo.models import resolve_model
+
+        args.model = resolve_model(args.model)
+    gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
+    per_gpu = args.per_gpu if gpus else 1
+    slots = [Slot(g) for g in range(gpus) for _ in range(args.per_gpu)] if gpus else [Slot(None) for _ in range(args.jobs)]
+    threads = max((os.cpu_count() or 1) // len(slots), 1)
+    env = environment()
+    command = " ".join(["python scripts/replicate.py", *without_option(sys.argv[1:], "--bundle")])
+    written, failed, longest = [], [], args.run_s
+    pending = list(todo)
+
+    def left() -> float:
+        return math.inf if args.deadline_s is None else args.deadline_s - (time.monotonic() - started)
+
+    while True:
+        for slot in slots:
+            if slot.process is not None and (code := slot.process.poll()) is not None:
+                run = slot.run
+                ok, elapsed = finish(slot, code, args, env, per_gpu, command)
+                if ok:
+                    written.append(os.path.join(args.results_dir, f"{run.name}.json"))
+                    longest = max(longest, elapsed)
+                else:
+                    failed.append(run.name)
+        for slot in slots:
+            if slot.process is None and pending and left() > longest:
+                launch(slot, pending.pop(0), args, args.extra, threads)
+        running = [s for s in slots if s.process is not None]
+        if not running:
+            break
+        if left() <= 0:
+            print(f"[{time.strftime('%H:%M:%S')}] deadline: interrupting {len(running)} run(s)", flush=True)
+            interrupt(slots, args.grace_s, args.work_dir)
+            break
+        time.sleep(2)
+
+    waiting = [r.name for r in todo
+               if r.name not in failed and not os.path.exists(os.path.join(args.results_dir, f"{r.name}.json"))]
+    print(f"finished {len(written)}, failed {len(failed)}, left for a later command {len(waiting)}", flush=True)
+    if args.bundle:
+        bundle(args.bundle, written)
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""scripts/replicate.py: which runs a plan holds, what a finished run's result file records, and that a run
+resumes from its checkpoint and stops cleanly at a deadline."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("replicate", os.path.join(ROOT, "scripts", "replicate.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["replicate"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+replicate = _load()
+
+TINY = ["--trainer.accelerator=cpu", "--model.dtype=float32", "--model.generation.max_new_tokens=5",
+        "--trainer.val_check_interval=2", "--checkpoint.every_n_train_steps=2", "--data.max_eval_prompts=2",
+        "--data.batch_size=2", "--model.log_completions_every_n_steps=0"]
+
+
+def _replicate(tmp_path, tiny_model_dir, *args, extra=(), check=True):
+    command = [sys.executable, os.path.join(ROOT, "scripts", "replicate.py"), "--gpus=0", f"--model={tiny_model_dir}",
+               f"--work-dir={tmp_path / 'work'}", f"--results-dir={tmp_path / 'results'}", *args, "--", *TINY, *extra]
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), SCGRPO_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_plans_name_each_run_once_and_the_sweep_shares_the_main_tables_grpo_runs():
+    lr = replicate.config_lr("arith")
+    main = replicate.plan_runs(["main"], ["arith"], [0, 1, 2])
+    assert len(main) == len(replicate.MAIN) * 3
+    assert {r.method for r in main} == set(replicate.MAIN) and {r.lr for r in main} == {lr}
+    sweep = replicate.plan_runs(["lr"], ["arith"], [0, 1, 2])
+    assert len(sweep) == len(replicate.LR_GRID) * (3 + 2)  # GRPO every seed, SC-GRPO and DAPO the first
+    both = replicate.plan_runs(["lr", "main"], ["arith"], [0, 1, 2])
+    shared = {r.name for r in sweep} & {r.name for r in main}
+    assert lr in replicate.LR_GRID and len(shared) == 3 + 2  # GRPO x 3 seeds, SC-GRPO and DAPO seed 0
+    assert len(both) == len(sweep) + len(main) - len(shared)
+    ablations = replicate.plan_runs(["ablations"], ["arith"], [0])
+    assert {r.method for r in ablations} == set(replicate.ABLATIONS)
+    for method, layer in replicate.METHODS.items():  # every layer exists and holds only an objective
+        import yaml
+
+        with open(os.path.join(ROOT, "configs", layer)) as f:
+            assert set(yaml.safe_load(f)) == {"model"} and set(yaml.safe_load(open(os.path.join(ROOT, "configs", layer)))["model"]) == {"objective"}, method
+    run = replicate.Run("arith", "grpo", 1, 5e-4)
+    assert run.name == "arith_grpo_lr5e-4_seed1" and "--model.optimizer.init_args.lr=0.0005" in run.fit_args()
+    assert not any("optimizer" in a for a in replicate.Run("arith", "grpo", 1, lr).fit_args())
+    with pytest.raises(SystemExit, match="unknown plan"):
+        replicate.plan_runs(["everything"], ["arith"], [0])
+    with pytest.raises(SystemExit, match="unknown methods"):
+        replicate.plan_runs(["main"], ["arith"], [0], ["grpo", "ppo"])
+
+
+def test_finished_runs_record_evaluations_steps_and_rollouts_and_are_skipped(tiny_model_dir, tmp_path):
+    done = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo,dapo", "--seeds=0", "--jobs=2",
+                      extra=["--trainer.max_steps=4"])
+    assert "finished 2, failed 0" in done.stdout
+    grpo = json.load(open(tmp_path / "results" / "arith_grpo_lr2e-4_seed0.json"))
+    assert grpo["method"] == "grpo" and grpo["seed"] == 0 and grpo["segments"] == 1
+    assert grpo["fit"].startswith("scgrpo fit --config=configs/replication/arith.yaml --config=configs/replication/grpo.yaml")
+    assert [e["step"] for e in grpo["evaluations"]] == [0, 2, 4]  # before training, then every 2 steps
+    assert set(grpo["evaluations"][-1]) == {"step", "id", "ood"} and "avg@8" in grpo["evaluations"][-1]["ood"]
+    assert grpo["steps"]["step"] == [1, 2, 3, 4]
+    g = 8  # the replication's G
+    assert grpo["steps"]["rollouts"] == [2.0 * g] * 4 and grpo["rollouts"] == 4 * 2 * g
+    dapo = json.load(open(tmp_path / "results" / "arith_dapo_lr2e-4_seed0.json"))
+    # the tiny model never answers right: every group is uniform, so DAPO draws its 3 extra rounds every step
+    assert dapo["steps"]["dapo_extra_rounds"] == [3.0] * 4 and dapo["rollouts"] == 4 * 4 * 2 * g
+    again = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo,dapo", "--seeds=0",
+                       extra=["--trainer.max_steps=4"])
+    assert "2 done, 0 to run" in again.stdout
+
+
+def test_an_unfinished_run_resumes_from_its_checkpoint(tiny_model_dir, tmp_path):
+    from scgrpo.cli import main
+
+    run = replicate.Run("arith", "scgrpo", 0, replicate.config_lr("arith"))
+    work = tmp_path / "work" / run.name
+    work.mkdir(parents=True)
+    cwd = os.getcwd()
+    os.chdir(work)  # as replicate.py starts it, stopped after 2 of 4 steps
+    try:
+        main(["fit", *run.fit_args(), f"--trainer.default_root_dir={work}", f"--model.model={tiny_model_dir}", *TINY,
+              "--trainer.max_steps=2", "--trainer.enable_progress_bar=false"])
+    finally:
+        os.chdir(cwd)
+    assert (work / "scgrpo" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=scgrpo", "--seeds=0", extra=["--trainer.max_steps=4"])
+    log = (work / "log.txt").read_text()
+    assert "resume" in log and "--ckpt_path=" in log
+    result = json.load(open(tmp_path / "results" / f"{run.name}.json"))
+    assert result["steps"]["step"] == [1, 2, 3, 4] and [e["step"] for e in result["evaluations"]] == [0, 2, 4]
+    assert all(p is not None for p in result["steps"]["kl_p75"])  # SC-GRPO's signal, before and after the resume
+
+
+def test_the_deadline_pauses_runs_without_a_result_and_the_next_command_finishes_them(tiny_model_dir, tmp_path):
+    # a run far longer than the deadline (counted from the command's start, imports included)
+    paused = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0", "--deadline-s=30",
+                        "--grace-s=30", extra=["--trainer.max_steps=100000"])
+    assert "deadline: interrupting 1 run(s)" in paused.stdout and "left for a later command 1" in paused.stdout
+    name = "arith_grpo_lr2e-4_seed0"
+    assert not (tmp_path / "results" / f"{name}.json").exists()
+    state = json.load(open(tmp_path / "work" / name / "state.json"))
+    assert [s["exit"] for s in state["segments"]] == ["interrupted"]
+    last = tmp_path / "work" / name / "scgrpo" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_file()  # written every 2 steps, and on the interruption
+    # no time left for a run as long as --run-s: nothing starts
+    idle = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0", "--deadline-s=5",
+                      "--run-s=60", extra=["--trainer.max_steps=100000"])
+    assert "start" not in idle.stdout and "left for a later command 1" in idle.stdout
+    # the next command resumes it (here with a budget it has already reached, so it ends at once)
+    _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0", extra=["--trainer.max_steps=2"])
+    assert "resume" in (tmp_path / "work" / name / "log.txt").read_text()
+    result = json.load(open(tmp_path / "results" / f"{name}.json"))
+    steps = result["steps"]["step"]
+    assert result["segments"] == 2 and steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+
+
+def test_a_failing_run_is_reported_with_its_log_and_the_command_fails(tiny_model_dir, tmp_path):
+    done = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0",
+                      extra=["--trainer.max_steps=4", "--model.generation.num_generations=1"], check=False)
+    assert done.returncode != 0 and "FAILED arith_grpo_lr2e-4_seed0" in done.stdout
+    assert "num_generations" in done.stdout  # the run's own error, from its log
+    assert not (tmp_path / "results").exists() or not os.listdir(tmp_path / "results")
