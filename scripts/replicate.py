@@ -328,11 +328,14 @@ def without_option(argv: list[str], option: str) -> list[str]:
     return kept
 
 
-def bundle(path: str, files: list[str]) -> None:
+def bundle(path: str, results: list[str], logs: list[str]) -> None:
+    """The result files (by name) and the logs of failed runs (``logs/<run>.txt``) in one .tar.gz."""
     with tarfile.open(path, "w:gz") as tar:
-        for f in files:
-            tar.add(f, arcname=os.path.relpath(f, ROOT))
-    print(f"bundled {len(files)} file(s) into {path}", flush=True)
+        for f in results:
+            tar.add(f, arcname=os.path.basename(f))
+        for f in logs:
+            tar.add(f, arcname=f"logs/{os.path.basename(os.path.dirname(f))}.txt")
+    print(f"bundled {len(results)} result(s) and {len(logs)} log(s) into {path}", flush=True)
 
 
 def main() -> None:
@@ -414,7 +417,7 @@ def main() -> None:
                if r.name not in failed and not os.path.exists(os.path.join(args.results_dir, f"{r.name}.json"))]
     print(f"finished {len(written)}, failed {len(failed)}, left for a later command {len(waiting)}", flush=True)
     if args.bundle:
-        bundle(args.bundle, written)
+        bundle(args.bundle, written, [os.path.join(args.work_dir, name, "log.txt") for name in failed])
     if failed:
         raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
 
