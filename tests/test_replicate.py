@@ -135,3 +135,15 @@ def test_a_failing_run_is_reported_with_its_log_and_the_command_fails(tiny_model
     assert done.returncode != 0 and "FAILED arith_grpo_lr2e-4_seed0" in done.stdout
     assert "num_generations" in done.stdout  # the run's own error, from its log
     assert not (tmp_path / "results").exists() or not os.listdir(tmp_path / "results")
+
+
+def test_the_countdown_task_config_runs_with_a_method_layer(tiny_model_dir, tmp_path, monkeypatch):
+    from scgrpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = replicate.Run("countdown", "scgrpo", 0, replicate.config_lr("countdown"))
+    main(["fit", *run.fit_args(), f"--model.model={tiny_model_dir}", *TINY, "--trainer.max_steps=2",
+          "--data.source.init_args.num_train=20"])
+    metrics = replicate.read_metrics(str(next((tmp_path / "runs" / "scgrpo").glob("version_*"))))
+    assert metrics["steps"]["step"] == [1, 2] and [e["step"] for e in metrics["evaluations"]] == [0, 2]
+    assert metrics["evaluations"][0]["ood"]["avg@8"] == 0.0  # the countdown verifier scored 4-number problems

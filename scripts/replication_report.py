@@ -1,0 +1,666 @@
+"""docs/replication.md, its figures and benchmarks/results/replication/summary.json, from the result files of
+``scripts/replicate.py`` (``benchmarks/results/replication/<run>.json``, and ``calls.json``: the device calls).
+
+    python scripts/replication_report.py                 # writes the page, the figures and the summary
+    python scripts/replication_report.py --no-figures    # the page and the summary only
+
+The page is a function of the result files alone: running this again gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "replication")
+DOC = os.path.join(ROOT, "docs", "replication.md")
+FIGURES = os.path.join(ROOT, "docs", "replication")
+
+MAIN = ["grpo", "dapo", "scgrpo", "scgrpo-buffer", "selfdistill-fkl", "opsd-oracle"]
+LABELS = {
+    "grpo": "GRPO (clip 0.2, per-sequence mean, no KL)",
+    "dapo": "DAPO (clip 0.2/0.28, dynamic sampling, token mean, overlong shaping)",
+    "scgrpo": "SC-GRPO (the paper's defaults)",
+    "scgrpo-buffer": "SC-GRPO with buffer references",
+    "selfdistill-fkl": "GRPO + 0.1 x forward KL to the self-teacher (additive)",
+    "opsd-oracle": "OPSD-oracle (JSD to a teacher shown the answer, no RL term)",
+    "scgrpo-route-partial-only": "A1: partial-solve groups only (no solve-none diversity advantage)",
+    "scgrpo-route-single": "A1: + single-correct groups weighted",
+    "scgrpo-route-all": "A1: + single- and all-correct groups weighted",
+    "scgrpo-c-p50": "A2: c = max(P50, c_min)",
+    "scgrpo-c-p90": "A2: c = max(P90, c_min)",
+    "scgrpo-c-fixed": "A2: c fixed at 0.05",
+    "scgrpo-alpha-0.2": "A3: alpha = 0.2",
+}
+ABLATIONS = [m for m in LABELS if m.startswith("scgrpo-") and m != "scgrpo-buffer"]
+METRICS = [("id", "avg@8"), ("id", "pass@8"), ("ood", "avg@8"), ("ood", "pass@8")]
+SUMMARY_KEYS = {("id", "avg@8"): "id_avg8", ("id", "pass@8"): "id_pass8", ("ood", "avg@8"): "ood_avg8",
+                ("ood", "pass@8"): "ood_pass8"}
+# the paper's Table 1 (Qwen3-8B, Avg@8 in %), as DESIGN §2 item 7 restates it
+PAPER_TABLE1 = {"AIME24": {"grpo": 41.67, "dapo": 43.75, "scgrpo": 51.67},
+                "AIME25": {"grpo": 34.16, "dapo": 37.91, "scgrpo": 42.08}}
+
+
+# --------------------------------------------------------------------------------------------------- data
+def load(results_dir: str) -> list[dict]:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        if isinstance(data, dict) and "steps" in data and "evaluations" in data:
+            runs.append(data)
+    return runs
+
+
+def chosen_lr(results_dir: str, task: str = "arith") -> float:
+    """The learning rate of the task's config (the one every method ran at), from the runs' own records: the
+    rate of the main table's SC-GRPO runs."""
+    rates = {r["lr"] for r in load(results_dir) if r["task"] == task and r["method"] == "scgrpo"}
+    if len(rates) != 1:
+        raise SystemExit(f"expected one learning rate among the {task} SC-GRPO runs, found {sorted(rates)}")
+    return rates.pop()
+
+
+def final(run: dict) -> dict:
+    return run["evaluations"][-1]
+
+
+def value(run: dict, split: str, metric: str) -> Optional[float]:
+    return final(run).get(split, {}).get(metric)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def fmt(x: Optional[float], digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def signed(x: float) -> str:
+    return f"{x:+.3f}"
+
+
+def ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    m, s = mean_std(values)
+    return f"{m:.3f} ± {s:.3f}"
+
+
+def median_of(run: dict, key: str) -> Optional[float]:
+    values = [v for v in run["steps"].get(key, []) if v is not None]
+    return statistics.median(values) if values else None
+
+
+def by_method(runs: list[dict], task: str, lr: float) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for run in sorted(runs, key=lambda r: (r["method"], r["seed"])):
+        if run["task"] == task and run["lr"] == lr:
+            out.setdefault(run["method"], []).append(run)
+    return out
+
+
+def paired(a: list[dict], b: list[dict], split: str, metric: str) -> list[tuple[int, float]]:
+    """(seed, a - b) for the seeds both have."""
+    seeds_b = {r["seed"]: r for r in b}
+    return [(r["seed"], value(r, split, metric) - value(seeds_b[r["seed"]], split, metric))
+            for r in a if r["seed"] in seeds_b]
+
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Two-sided 95% quantiles of Student's t by degrees of freedom (seeds - 1)."""
+
+
+def verdict(diffs: list[float]) -> str:
+    """Whether a paired mean difference is told apart from zero: the 95% t-interval over seeds excludes 0."""
+    if len(diffs) < 2:
+        return "one seed: no verdict"
+    m, s = mean_std(diffs)
+    half = T95.get(len(diffs) - 1, 1.96) * s / math.sqrt(len(diffs))
+    if abs(m) <= half:
+        return "within seed noise"
+    return "higher" if m > 0 else "lower"
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def _series(runs: list[dict], key: str, smooth: int = 1) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, and the mean / min / max over runs of a per-step key (a trailing moving average of ``smooth``)."""
+    steps = runs[0]["steps"]["step"]
+    columns = []
+    for run in runs:
+        values = [v if v is not None else float("nan") for v in run["steps"][key]]
+        if smooth > 1:
+            values = [statistics.fmean([x for x in values[max(0, i - smooth + 1): i + 1] if x == x] or [float("nan")])
+                      for i in range(len(values))]
+        columns.append(values)
+    n = min(len(c) for c in columns)
+    rows = [[c[i] for c in columns] for i in range(n)]
+    return (steps[:n], [statistics.fmean(r) for r in rows], [min(r) for r in rows], [max(r) for r in rows])
+
+
+def figures(groups: dict[str, list[dict]], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out, exist_ok=True)
+    written = []
+    meta = {"Software": None}
+    for split in ("id", "ood"):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for method in MAIN:
+            runs = groups.get(method)
+            if not runs:
+                continue
+            steps = [e["step"] for e in runs[0]["evaluations"]]
+            per_seed = [[e[split]["avg@8"] for e in r["evaluations"]] for r in runs]
+            n = min(len(p) for p in per_seed)
+            mean = [statistics.fmean(p[i] for p in per_seed) for i in range(n)]
+            ax.plot(steps[:n], mean, marker="o", ms=3, label=method, ls="--" if method == "scgrpo-buffer" else "-")
+            ax.fill_between(steps[:n], [min(p[i] for p in per_seed) for i in range(n)],
+                            [max(p[i] for p in per_seed) for i in range(n)], alpha=0.15)
+        ax.set_xlabel("optimiser step")
+        ax.set_ylabel(f"{split.upper()} Avg@8")
+        ax.set_title(f"{split.upper()} Avg@8 (mean over seeds; band: min to max)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        path = os.path.join(out, f"avg8_{split}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110, metadata=meta)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for method in MAIN:
+        if groups.get(method):
+            steps, mean, lo, hi = _series(groups[method], "entropy", smooth=10)
+            ax.plot(steps, mean, label=method, ls="--" if method == "scgrpo-buffer" else "-")
+            ax.fill_between(steps, lo, hi, alpha=0.12)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("mean token entropy of the rollouts (nats)")
+    ax.set_title("Policy entropy (10-step moving average; band: min to max over seeds)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    path = os.path.join(out, "entropy.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata=meta)
+    plt.close(fig)
+    written.append(path)
+
+    if groups.get("scgrpo"):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for key in ("kl_p25", "kl_p50", "kl_p75", "kl_p95"):
+            steps, mean, lo, hi = _series(groups["scgrpo"], key, smooth=10)
+            ax.plot(steps, mean, label=key.replace("kl_p", "P"))
+            ax.fill_between(steps, lo, hi, alpha=0.12)
+        ax.axhspan(0.03, 0.10, color="grey", alpha=0.15, label="the paper's P75 range (0.03-0.10)")
+        ax.set_yscale("log")
+        ax.set_xlabel("optimiser step")
+        ax.set_ylabel("per-token KL(self-teacher || policy)")
+        ax.set_title("SC-GRPO: percentiles of the active tokens' KL (10-step moving average)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        path = os.path.join(out, "kl_percentiles.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110, metadata=meta)
+        plt.close(fig)
+        written.append(path)
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for key in ("route_partial", "route_solve_none", "route_single", "route_all"):
+            steps, mean, lo, hi = _series(groups["scgrpo"], key, smooth=10)
+            ax.plot(steps, mean, label=key.replace("route_", ""))
+        ax.set_xlabel("optimiser step")
+        ax.set_ylabel("share of groups")
+        ax.set_title("SC-GRPO: share of groups by route (mean over seeds, 10-step average)", fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        path = os.path.join(out, "routes.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110, metadata=meta)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------------------------------- page
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def summary_block(runs: list[dict]) -> dict:
+    return {SUMMARY_KEYS[(split, metric)]: {"mean": round(mean_std([value(r, split, metric) for r in runs])[0], 4),
+                                            "std": round(mean_std([value(r, split, metric) for r in runs])[1], 4),
+                                            "seeds": [round(value(r, split, metric), 4) for r in runs]}
+            for split, metric in METRICS}
+
+
+def report(results_dir: str) -> tuple[str, dict, dict[str, list[dict]]]:
+    runs = load(results_dir)
+    if not runs:
+        raise SystemExit(f"no result files in {results_dir}; run scripts/replicate.py first")
+    calls_path = os.path.join(results_dir, "calls.json")
+    calls = json.load(open(calls_path)) if os.path.exists(calls_path) else None
+    lr = chosen_lr(results_dir)
+    groups = by_method(runs, "arith", lr)
+    sample = groups["scgrpo"][0]
+    max_steps = max(e["step"] for r in runs for e in r["evaluations"])
+    short = sorted((r for r in runs if final(r)["step"] != max_steps), key=lambda r: r["name"])
+    out: list[str] = []
+    w = out.append
+
+    w("# The paper's experiment at 135M: SC-GRPO against GRPO, DAPO and the distillation baselines")
+    w("")
+    w("This page is written by `python scripts/replication_report.py` from the result files in "
+      "`benchmarks/results/replication/` (one per run, written by `scripts/replicate.py`); running it again gives "
+      "the same page. The figures are in `docs/replication/`.")
+    w("")
+    w("## Setup")
+    w("")
+    w(f"- Model: SmolLM2-135M-Instruct (the embedded GGUF, dequantised), LoRA r=16 / alpha 32 on all linear layers, "
+      f"bf16, AdamW lr {lr:g} for every method.")
+    w("- Task (`configs/replication/arith.yaml`): train and ID on two-digit addition and subtraction; OOD on "
+      "three-digit addition and subtraction (unseen lengths), alternating with two-digit multiplication (an unseen "
+      "operation). Reward 1 for the exact number, else 0.")
+    w("- Budget per run, the same for every method: G = 8, 16 prompts per step, 200 steps, completions of at most "
+      "64 tokens at temperature 1. DAPO's dynamic sampling draws more (see the rollouts column).")
+    w("- Evaluation every 25 steps and before the first: Avg@8 and Pass@8 (8 samples at temperature 1) and greedy "
+      "accuracy on 256 ID and 256 OOD problems.")
+    w("- Methods: `configs/replication/{grpo,dapo,scgrpo}.yaml` and `configs/ablations/*.yaml` layered over the "
+      "task config (`scripts/replicate.py` lists which file each method is).")
+    seeds = sorted({r["seed"] for r in groups["scgrpo"]})
+    w(f"- Seeds {', '.join(map(str, seeds))} (`--seed_everything` and `--data.seed`: the LoRA initialisation, the "
+      "order of training prompts and the sampling).")
+    w(f"- Card: {sample['card']} ({sample['gpus']} on the machine, {sample['runs_per_gpu']} runs at a time on each); "
+      + ", ".join(f"{k} {v}" for k, v in sample["versions"].items()) + ".")
+    if calls:
+        w(f"- Device: {calls['machine']}, {calls['date']}. Device time used: {calls['device_time_s'] / 60:.1f} min "
+          f"({calls['note']}); wall time of the commands: "
+          f"{sum(c['wall_s'] for c in calls['calls']) / 60:.1f} min. The commands:")
+        w("")
+        for call in calls["calls"]:
+            w(f"  - {call['purpose']} ({call['wall_s']:.0f} s): `{call['command']}`")
+    w("")
+    w("To reproduce on a machine with GPUs: `python scripts/replicate.py --plan lr,main,ablations` (add "
+      "`--tasks arith,countdown` for the countdown runs), then `python scripts/replication_report.py`. "
+      "Commands of at most `--deadline-s` seconds can be repeated until every run is done: finished runs are "
+      "skipped and unfinished ones resume from their checkpoints.")
+    w("")
+
+    # main table
+    w("## Main table (arithmetic, last evaluation)")
+    w("")
+    rows = []
+    for method in MAIN:
+        rs = groups.get(method, [])
+        if not rs:
+            continue
+        rollouts = statistics.fmean(r["rollouts"] for r in rs)
+        rows.append([method, str(len(rs)), *[ms([value(r, s, m) for r in rs]) for s, m in METRICS],
+                     ms([value(r, "id", "greedy") for r in rs]), ms([value(r, "ood", "greedy") for r in rs]),
+                     f"{rollouts:,.0f}"])
+    out += table(["method", "seeds", "ID Avg@8", "ID Pass@8", "OOD Avg@8", "OOD Pass@8", "ID greedy", "OOD greedy",
+                  "rollouts drawn"], rows)
+    w("")
+    w("Mean ± standard deviation over seeds (sample std). Rollouts drawn: per run over its 200 steps (the budget "
+      "is 200 x 16 x 8 = 25,600; DAPO samples until 16 groups with mixed rewards are found, up to 3 extra rounds "
+      "a step). Before training the base model scores "
+      f"ID Avg@8 {sample['evaluations'][0]['id']['avg@8']:.3f}, OOD {sample['evaluations'][0]['ood']['avg@8']:.3f} "
+      f"(greedy {sample['evaluations'][0]['id']['greedy']:.3f} / {sample['evaluations'][0]['ood']['greedy']:.3f}).")
+    w("")
+    w("Per seed:")
+    w("")
+    rows = []
+    for method in MAIN:
+        for r in groups.get(method, []):
+            mark = " *" if final(r)["step"] != max_steps else ""
+            rows.append([method, str(r["seed"]), f"{final(r)['step']}{mark}",
+                         *[fmt(value(r, s, m)) for s, m in METRICS], fmt(value(r, "id", "greedy")),
+                         fmt(value(r, "ood", "greedy")), f"{r['rollouts']:,}"])
+    out += table(["method", "seed", "step", "ID Avg@8", "ID Pass@8", "OOD Avg@8", "OOD Pass@8", "ID greedy",
+                  "OOD greedy", "rollouts"], rows)
+    w("")
+    if short:
+        w("\\* The last evaluation of these runs is not at step 200. They were interrupted at the end of a device "
+          "command and resumed in the next, and a fault of the resume lost or moved the final evaluation: "
+          + ", ".join(f"`{r['name']}` (step {final(r)['step']})" for r in short)
+          + ". Their last evaluation is used as is.")
+        w("")
+
+    # paired differences
+    w("### Paired differences (same seed)")
+    w("")
+    rows = []
+    for other in ("grpo", "dapo"):
+        if not groups.get(other):
+            continue
+        for s, m in METRICS:
+            diffs = paired(groups["scgrpo"], groups[other], s, m)
+            d = [x for _, x in diffs]
+            rows.append([f"SC-GRPO − {other.upper()}", f"{s.upper()} {m.replace('@', '@')}",
+                         ", ".join(f"{signed(x)} (seed {seed})" for seed, x in diffs), signed(statistics.fmean(d)),
+                         verdict(d)])
+    out += table(["difference", "metric", "per seed", "mean", "verdict"], rows)
+    w("")
+    w("Verdict: \"higher\" or \"lower\" when the 95% t-interval of the mean paired difference over seeds "
+      "excludes zero, else \"within seed noise\".")
+    w("")
+    w("### The paper's numbers, for scale (theirs, not ours)")
+    w("")
+    rows = [[bench, *[f"{PAPER_TABLE1[bench][m]:.2f}" for m in ("grpo", "dapo", "scgrpo")],
+             f"{PAPER_TABLE1[bench]['scgrpo'] - PAPER_TABLE1[bench]['grpo']:+.2f}",
+             f"{PAPER_TABLE1[bench]['scgrpo'] - PAPER_TABLE1[bench]['dapo']:+.2f}"] for bench in PAPER_TABLE1]
+    ours = {m: 100 * mean_std([value(r, "id", "avg@8") for r in groups[m]])[0] for m in ("grpo", "dapo", "scgrpo")
+            if groups.get(m)}
+    if len(ours) == 3:
+        rows.append(["ours: arithmetic ID (SmolLM2-135M)", *[f"{ours[m]:.2f}" for m in ("grpo", "dapo", "scgrpo")],
+                     f"{ours['scgrpo'] - ours['grpo']:+.2f}", f"{ours['scgrpo'] - ours['dapo']:+.2f}"])
+    out += table(["Avg@8 (%)", "GRPO", "DAPO", "SC-GRPO", "SC-GRPO − GRPO", "SC-GRPO − DAPO"], rows)
+    w("")
+    w("The paper's rows: Table 1, Qwen3-8B with thinking off, trained on DAPO-Math-17k with responses up to 12,288 "
+      "tokens, evaluated on AIME 2024 and 2025. Over its five benchmarks the paper reports +8.1% Avg@8 over GRPO "
+      "and +5.86% over DAPO.")
+    w("")
+
+    # ablations
+    w("## Ablations (the paper's Table 3)")
+    w("")
+    rows = []
+    base = groups.get("scgrpo", [])
+    for method in ["scgrpo", *ABLATIONS]:
+        rs = groups.get(method, [])
+        if not rs:
+            continue
+        diff = [x for _, x in paired(rs, base, "id", "avg@8")] if method != "scgrpo" else []
+        diff_ood = [x for _, x in paired(rs, base, "ood", "avg@8")] if method != "scgrpo" else []
+        rows.append([LABELS[method], str(len(rs)), ms([value(r, "id", "avg@8") for r in rs]),
+                     ms([value(r, "ood", "avg@8") for r in rs]), ms([value(r, "ood", "pass@8") for r in rs]),
+                     signed(statistics.fmean(diff)) if diff else "", signed(statistics.fmean(diff_ood)) if diff_ood else "",
+                     fmt(statistics.fmean(e for e in (median_of(r, "entropy") for r in rs) if e is not None))])
+    out += table(["variant", "seeds", "ID Avg@8", "OOD Avg@8", "OOD Pass@8", "ΔID vs SC-GRPO", "ΔOOD vs SC-GRPO",
+                  "median entropy"], rows)
+    w("")
+    w("Δ: mean over seeds of the paired difference to SC-GRPO with the paper's defaults. Median entropy: the "
+      "median over steps of the rollouts' mean token entropy, averaged over seeds (the paper reports entropy "
+      "collapse when single-correct groups are weighted).")
+    w("")
+
+    # learning rate
+    sweep = {}
+    for r in runs:
+        if r["task"] == "arith" and r["method"] == "grpo":
+            sweep.setdefault(r["lr"], []).append(r)
+    if len(sweep) > 1:
+        w("## Learning rate")
+        w("")
+        w(f"Every method ran at lr {lr:g}, the rate `configs/grpo_arith_gpu.yaml` had used for GRPO on this model "
+          "before this experiment; it was fixed before these runs, for GRPO, and not tuned for any method. GRPO "
+          "at two other rates, the same seeds, as a check:")
+        w("")
+        rows = [[f"{rate:g}", str(len(rs)), *[ms([value(r, s, m) for r in rs]) for s, m in METRICS]]
+                for rate, rs in sorted(sweep.items())]
+        out += table(["GRPO lr", "seeds", "ID Avg@8", "ID Pass@8", "OOD Avg@8", "OOD Pass@8"], rows)
+        w("")
+
+    # countdown
+    countdown = by_method(runs, "countdown", lr)
+    if countdown:
+        w("## Countdown")
+        w("")
+        w("`configs/replication/countdown.yaml`: reach a target with 3 given numbers (ID) or 4 (OOD) and + - * /, "
+          "the same budget, completions of at most 96 tokens.")
+        w("")
+        rows = []
+        for method, rs in countdown.items():
+            rows.append([method, str(len(rs)), *[ms([value(r, s, m) for r in rs]) for s, m in METRICS],
+                         fmt(max(v for r in rs for v in r["steps"]["reward"] if v is not None)),
+                         f"{statistics.fmean(r['rollouts'] for r in rs):,.0f}"])
+        out += table(["method", "seeds", "ID Avg@8", "ID Pass@8", "OOD Avg@8", "OOD Pass@8", "best step reward",
+                      "rollouts drawn"], rows)
+        w("")
+
+    # figures
+    w("## Figures")
+    w("")
+    w("![ID Avg@8](replication/avg8_id.png)")
+    w("![OOD Avg@8](replication/avg8_ood.png)")
+    w("![entropy](replication/entropy.png)")
+    w("![KL percentiles](replication/kl_percentiles.png)")
+    w("![routes](replication/routes.png)")
+    w("")
+
+    # signal statistics
+    if base:
+        p75 = [v for r in base for v in r["steps"]["kl_p75"] if v is not None]
+        p95 = [v for r in base for v in r["steps"]["kl_p95"] if v is not None]
+        shares = {k: statistics.fmean(v for r in base for v in r["steps"][f"route_{k}"] if v is not None)
+                  for k in ("partial", "solve_none", "single", "all")}
+        w("## The self-teacher's signal (SC-GRPO, paper defaults)")
+        w("")
+        w(f"- KL P75 over steps and seeds: median {statistics.median(p75):.3f}, "
+          f"10th-90th percentile {quantile(p75, 0.1):.3f}-{quantile(p75, 0.9):.3f} (the paper: 0.03-0.10); "
+          f"P95 median {statistics.median(p95):.3f} (the paper: 0.2-0.5).")
+        w("- Share of groups by route over the run: " + ", ".join(f"{k.replace('_', '-')} {v:.2f}"
+                                                                 for k, v in shares.items()) + ".")
+        w("")
+
+    # cost
+    if groups.get("grpo") and base:
+        w("## Cost: SC-GRPO's step over GRPO's")
+        w("")
+        rows = []
+        for key, label in (("step_s", "whole step"), ("generation_s", "rollouts"), ("update", "update phase "
+                                                                                               "(teacher + train)")):
+            def med(r, key=key):
+                if key == "update":
+                    return (median_of(r, "teacher_s") or 0.0) + median_of(r, "train_s")
+                return median_of(r, key)
+            g, s = statistics.fmean(med(r) for r in groups["grpo"]), statistics.fmean(med(r) for r in base)
+            rows.append([label, f"{g:.3f}", f"{s:.3f}", f"{s / g:.2f}"])
+        out += table(["phase (median s per step, mean over seeds)", "GRPO", "SC-GRPO", "SC-GRPO / GRPO"], rows)
+        w("")
+        solve_none = _mean(v for r in base for v in r["steps"]["route_solve_none"] if v is not None)
+        w(f"Each GPU ran {sample['runs_per_gpu']} runs at once (seed s of every main method shared a GPU), so these "
+          "are times under contention, compared within one command; the paper reports +2-13% for the whole step "
+          "and +37-51% for the update. Beyond its teacher pass, SC-GRPO trains on the rollouts of solve-none groups "
+          f"({solve_none:.0%} of its groups here), which GRPO leaves out of the update (their advantage is zero); "
+          "and with answers of a dozen tokens, rollouts are a small part of the step, unlike the paper's.")
+        w("")
+
+    # what the numbers say
+    w("## What the numbers support, and what they do not")
+    w("")
+    for line in conclusions(groups, countdown, sweep, lr):
+        w(line)
+    w("")
+    missing = not_done(groups, countdown, short)
+    if missing:
+        w("## Not done here")
+        w("")
+        for line in missing:
+            w(line)
+        w("")
+    return "\n".join(out) + "\n", summary(groups, countdown, sample, calls, lr), groups
+
+
+def not_done(groups: dict, countdown: dict, short: list[dict]) -> list[str]:
+    lines = []
+    few = [f"{m} ({len(groups.get(m, []))})" for m in [*MAIN, *ABLATIONS] if len(groups.get(m, [])) < 3]
+    if few:
+        lines.append(f"- Fewer than 3 seeds on arithmetic: {', '.join(few)}.")
+    if countdown:
+        absent = [m for m in MAIN if m not in countdown]
+        seeds = sorted({len(rs) for rs in countdown.values()})
+        lines.append(f"- Countdown: {', '.join(countdown)} with {'/'.join(map(str, seeds))} seed(s) only"
+                     + (f"; not run: {', '.join(absent)}" if absent else "") + ", and no ablations.")
+    else:
+        lines.append("- Countdown: not run.")
+    if short:
+        lines.append(f"- {len(short)} run(s) without an evaluation at the last step (marked * above): rerunning them "
+                     "with the resume fault fixed would give their step-200 numbers.")
+    return lines
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def first_difference(a: dict, b: dict) -> int:
+    """The first step at which two runs' rewards differ."""
+    return next(step for step, x, y in zip(a["steps"]["step"], a["steps"]["reward"], b["steps"]["reward"]) if x != y)
+
+
+def _mean(values) -> float:
+    return statistics.fmean(values)
+
+
+def conclusions(groups: dict, countdown: dict, sweep: dict, lr: float) -> list[str]:
+    """The closing paragraph: every claim in it is computed from the result files (numbers and verdicts)."""
+    lines = []
+
+    def diff(a: list[dict], b: list[dict], split: str = "id", metric: str = "avg@8") -> list[float]:
+        return [x for _, x in paired(a, b, split, metric)]
+
+    def said(d: list[float]) -> str:
+        return f"{signed(_mean(d))} ({verdict(d)})"
+
+    sc = groups["scgrpo"]
+    g_id, g_ood = diff(sc, groups["grpo"]), diff(sc, groups["grpo"], "ood")
+    noise = verdict(g_id) == verdict(g_ood) == "within seed noise"
+    lines.append(
+        f"- **SC-GRPO against GRPO** ({len(g_id)} paired seeds): ID Avg@8 {said(g_id)}, OOD Avg@8 {said(g_ood)}. "
+        + ("The paper's gain over GRPO (+8.1% Avg@8, larger out of domain) is not reproduced at this scale; "
+           "neither is a loss: the two are indistinguishable here." if noise else
+           "This differs from the paper's gain over GRPO (+8.1% Avg@8)."))
+    if groups.get("dapo"):
+        d_id, d_ood = diff(sc, groups["dapo"]), diff(sc, groups["dapo"], "ood")
+        ratio = _mean(r["rollouts"] for r in groups["dapo"]) / _mean(r["rollouts"] for r in sc)
+        lines.append(
+            f"- **SC-GRPO against DAPO**: ID Avg@8 {said(d_id)}, OOD Avg@8 {said(d_ood)}. DAPO drew {ratio:.1f}x the "
+            "rollouts of every other method (dynamic sampling refills the batch with groups of mixed rewards), so "
+            "this is not an equal-sample comparison: the budget fixes steps, not rollouts.")
+    entropy = {m: _mean(median_of(r, "entropy") for r in groups[m]) for m in ("grpo", "dapo", "scgrpo") if groups.get(m)}
+    if len(entropy) == 3:
+        lines.append(
+            f"- **Entropy**: the median over steps of the rollouts' token entropy, mean over seeds: SC-GRPO "
+            f"{entropy['scgrpo']:.3f}, GRPO {entropy['grpo']:.3f}, DAPO {entropy['dapo']:.3f}. "
+            + ("As the paper reports, SC-GRPO keeps entropy higher than DAPO (and GRPO) here"
+               + ("; it did not turn that into a higher Avg@8 than either at this budget."
+                  if all(verdict(diff(sc, groups[o], split)) != "higher" for o in ("grpo", "dapo") for split in ("id", "ood"))
+                  else ".")
+               if entropy["scgrpo"] > max(entropy["grpo"], entropy["dapo"]) else
+               "The paper's observation that SC-GRPO keeps entropy higher than DAPO does not hold here."))
+    if groups.get("scgrpo-buffer"):
+        same = [r["seed"] for r, b in zip(sc, groups["scgrpo-buffer"]) if r["steps"]["reward"] == b["steps"]["reward"]]
+        lines.append(
+            "- **Buffer references**: "
+            + (f"seed(s) {', '.join(map(str, same))} trained exactly as SC-GRPO did (the same reward at every one of "
+               "the 200 steps)" + "".join(f"; seed {r['seed']} parted at step {first_difference(r, b)}, where one of "
+                                          "the two runs had been paused and resumed (a resume starts a new sampling "
+                                          "stream)" for r, b in zip(sc, groups["scgrpo-buffer"]) if r["seed"] not in same)
+               + ". " if same else f"ID Avg@8 {said(diff(groups['scgrpo-buffer'], sc))} against SC-GRPO. ")
+            + "A correct answer here is a bare number, so a correct rollout's correct siblings and the buffer's "
+            "entries for its prompt are the same token sequence: there is no distinct reference to draw.")
+    sd, op = groups.get("selfdistill-fkl"), groups.get("opsd-oracle")
+    if sd:
+        lines.append(
+            f"- **Additive self-distillation** (GRPO + 0.1 x forward KL): against SC-GRPO ID Avg@8 {said(diff(sd, sc))}, "
+            f"OOD {said(diff(sd, sc, 'ood'))}; the paper's Table 2 has every additive variant below SC-GRPO.")
+    if op:
+        lines.append(
+            f"- **OPSD-oracle** (no RL term) ends at ID Avg@8 {ms([value(r, 'id', 'avg@8') for r in op])}, near the "
+            f"base model's {op[0]['evaluations'][0]['id']['avg@8']:.3f}: a teacher shown only the final number "
+            "barely teaches the sum, as the paper found OPSD near the base model.")
+    abl = [m for m in ABLATIONS if groups.get(m)]
+    if abl:
+        apart = [f"{m} ({split.upper()} {said(diff(groups[m], sc, split))})" for m in abl for split in ("id", "ood")
+                 if verdict(diff(groups[m], sc, split)) not in ("within seed noise", "one seed: no verdict")]
+        lines.append(
+            "- **Ablations**: " + ("no variant differs from the defaults beyond seed noise in ID or OOD Avg@8, so "
+                                   "the paper's Table 3 ordering (routing, c, alpha) cannot be read from 3 seeds at "
+                                   "this scale." if not apart else "beyond seed noise: " + "; ".join(apart) + "."))
+        if groups.get("scgrpo-route-single"):
+            e_def = _mean(median_of(r, "entropy") for r in sc)
+            e_single = _mean(median_of(r, "entropy") for r in groups["scgrpo-route-single"])
+            lines.append(
+                f"  Weighting single-correct groups did not collapse entropy here (median entropy {e_single:.3f} "
+                f"against {e_def:.3f} with the defaults), unlike the paper's A1.")
+    if sweep and lr in sweep:
+        best = max(sweep, key=lambda rate: _mean(value(r, "id", "avg@8") for r in sweep[rate]))
+        parts = [f"{rate:g}: {_mean(value(r, 'id', 'avg@8') for r in rs):.3f}" for rate, rs in sorted(sweep.items())]
+        lines.append(
+            "- **Learning rate** (GRPO, ID Avg@8): " + ", ".join(parts) + "."
+            + (f" The rate used, {lr:g}, is the best." if best == lr else
+               f" The rate used, {lr:g}, against the best ({best:g}): {said(diff(sweep[lr], sweep[best]))}."))
+    if countdown:
+        found = {m: sum(1 for r in rs for v in r["steps"]["reward"] if v) for m, rs in countdown.items()}
+        steps = {m: sum(len(r["steps"]["reward"]) for r in rs) for m, rs in countdown.items()}
+        line = ("- **Countdown**: training steps with any correct rollout: "
+                + ", ".join(f"{m} {found[m]} of {steps[m]}" for m in countdown)
+                + ". The base model almost never writes a correct equation at temperature 1, so nearly every group "
+                "is solve-none and GRPO's and DAPO's gradients are zero; no method scores on the evaluation.")
+        sc_cd = countdown.get("scgrpo", [])
+        lengths = [(r["evaluations"][0]["id"]["completion_length"], r["evaluations"][-1]["id"]["completion_length"])
+                   for r in sc_cd]
+        if lengths and all(after < 2 for _, after in lengths):
+            line += (" SC-GRPO, whose solve-none diversity advantage is then its only signal, collapsed in every seed "
+                     "to answers of one token (mean ID completion length "
+                     + ", ".join(f"{b:.1f} -> {a:.1f}" for b, a in lengths)
+                     + "). The diversity score averages f(D) over the first min(|o_i|, |o_r|) tokens, so a short "
+                     "rollout or a short reference is scored on its first tokens alone, where the two views differ "
+                     "most; that this drives the collapse is our reading, not a measured cause.")
+        lines.append(line)
+    shares = {k: _mean(v for r in sc for v in r["steps"][f"route_{k}"] if v is not None)
+              for k in ("partial", "solve_none", "single", "all")}
+    lines.append(
+        "- **What this does not show**: anything about the paper's setting (an 8B model, long reasoning, AIME). "
+        f"Here answers are a few tokens; over SC-GRPO's runs {shares['partial']:.0%} of groups were partial-solve "
+        f"(where the KL weight acts on the GRPO gradient), {shares['solve_none']:.0%} solve-none, "
+        f"{shares['single']:.0%} single-correct and {shares['all']:.0%} all-correct. Three seeds resolve differences "
+        "of a few points at best.")
+    return lines
+
+
+def summary(groups: dict, countdown: dict, sample: dict, calls: Optional[dict], lr: float) -> dict:
+    return {
+        "task": "arith",
+        "card": sample["card"],
+        "command": "python scripts/replicate.py --plan lr,main,ablations && python scripts/replication_report.py",
+        "device_commands": [c["command"] for c in calls["calls"]] if calls else [],
+        "lr": lr,
+        "methods": {m: summary_block(groups[m]) for m in MAIN if groups.get(m)},
+        "ablations": {m: summary_block(groups[m]) for m in ABLATIONS if groups.get(m)},
+        "countdown": {m: summary_block(rs) for m, rs in countdown.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results-dir", default=RESULTS)
+    parser.add_argument("--doc", default=DOC)
+    parser.add_argument("--figures-dir", default=FIGURES)
+    parser.add_argument("--no-figures", action="store_true")
+    args = parser.parse_args()
+    page, data, groups = report(args.results_dir)
+    os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
+    with open(args.doc, "w") as f:
+        f.write(page)
+    with open(os.path.join(args.results_dir, "summary.json"), "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    written = [] if args.no_figures else figures(groups, args.figures_dir)
+    print(f"wrote {args.doc}, {os.path.join(args.results_dir, 'summary.json')} and {len(written)} figure(s)")
+
+
+if __name__ == "__main__":
+    main()
