@@ -416,8 +416,14 @@ def report(results_dir: str) -> tuple[str, dict, dict[str, list[dict]]]:
     if countdown:
         w("## Countdown")
         w("")
+        cards = {}
+        for rs in countdown.values():
+            for r in rs:
+                cards.setdefault(r["card"], set()).add(r["seed"])
         w("`configs/replication/countdown.yaml`: reach a target with 3 given numbers (ID) or 4 (OOD) and + - * /, "
-          "the same budget, completions of at most 96 tokens.")
+          "the same budget, completions of at most 96 tokens. Ran on "
+          + "; ".join(f"{card} (seeds {', '.join(map(str, sorted(seeds)))})" for card, seeds in sorted(cards.items()))
+          + ".")
         w("")
         rows = []
         for method, rs in countdown.items():
@@ -499,14 +505,15 @@ def not_done(groups: dict, countdown: dict, short: list[dict]) -> list[str]:
         lines.append(f"- Fewer than 3 seeds on arithmetic: {', '.join(few)}.")
     if countdown:
         absent = [m for m in MAIN if m not in countdown]
-        seeds = sorted({len(rs) for rs in countdown.values()})
-        lines.append(f"- Countdown: {', '.join(countdown)} with {'/'.join(map(str, seeds))} seed(s) only"
-                     + (f"; not run: {', '.join(absent)}" if absent else "") + ", and no ablations.")
+        few_cd = [f"{m} ({len(rs)})" for m, rs in countdown.items() if len(rs) < 3]
+        lines.append("- Countdown: " + "; ".join(
+            [*([f"fewer than 3 seeds: {', '.join(few_cd)}"] if few_cd else []),
+             *([f"not run: {', '.join(absent)}"] if absent else []), "no ablations"]) + ".")
     else:
         lines.append("- Countdown: not run.")
     if short:
-        lines.append(f"- {len(short)} run(s) without an evaluation at the last step (marked * above): rerunning them "
-                     "with the resume fault fixed would give their step-200 numbers.")
+        lines.append(f"- {len(short)} run(s) without an evaluation at the last step (listed under the per-seed "
+                     "table): rerunning them would give their step-200 numbers.")
     return lines
 
 
