@@ -153,82 +153,72 @@ def figures(groups: dict[str, list[dict]], out: str) -> list[str]:
 
     os.makedirs(out, exist_ok=True)
     written = []
-    meta = {"Software": None}
+
+    def figure(name: str, title: str, ylabel: str, draw, log: bool = False) -> None:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        draw(ax)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("optimiser step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = os.path.join(out, name)
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        written.append(path)
+
+    def style(method: str) -> str:
+        return "--" if method == "scgrpo-buffer" else "-"  # it coincides with scgrpo on most seeds
+
+    def avg8(split: str):
+        def draw(ax):
+            for method in MAIN:
+                runs = groups.get(method)
+                if not runs:
+                    continue
+                steps = [e["step"] for e in runs[0]["evaluations"]]
+                per_seed = [[e[split]["avg@8"] for e in r["evaluations"]] for r in runs]
+                n = min(len(p) for p in per_seed)
+                ax.plot(steps[:n], [statistics.fmean(p[i] for p in per_seed) for i in range(n)], marker="o", ms=3,
+                        label=method, ls=style(method))
+                ax.fill_between(steps[:n], [min(p[i] for p in per_seed) for i in range(n)],
+                                [max(p[i] for p in per_seed) for i in range(n)], alpha=0.15)
+        return draw
+
+    def series(runs: list[dict], keys: list[tuple[str, str, str]], band: bool = True):
+        def draw(ax):
+            for key, label, ls in keys:
+                steps, mean, lo, hi = _series(runs, key, smooth=10)
+                ax.plot(steps, mean, label=label, ls=ls)
+                if band:
+                    ax.fill_between(steps, lo, hi, alpha=0.12)
+        return draw
+
     for split in ("id", "ood"):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        figure(f"avg8_{split}.png", f"{split.upper()} Avg@8 (mean over seeds; band: min to max)",
+               f"{split.upper()} Avg@8", avg8(split))
+
+    def entropy(ax):
         for method in MAIN:
-            runs = groups.get(method)
-            if not runs:
-                continue
-            steps = [e["step"] for e in runs[0]["evaluations"]]
-            per_seed = [[e[split]["avg@8"] for e in r["evaluations"]] for r in runs]
-            n = min(len(p) for p in per_seed)
-            mean = [statistics.fmean(p[i] for p in per_seed) for i in range(n)]
-            ax.plot(steps[:n], mean, marker="o", ms=3, label=method, ls="--" if method == "scgrpo-buffer" else "-")
-            ax.fill_between(steps[:n], [min(p[i] for p in per_seed) for i in range(n)],
-                            [max(p[i] for p in per_seed) for i in range(n)], alpha=0.15)
-        ax.set_xlabel("optimiser step")
-        ax.set_ylabel(f"{split.upper()} Avg@8")
-        ax.set_title(f"{split.upper()} Avg@8 (mean over seeds; band: min to max)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        path = os.path.join(out, f"avg8_{split}.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110, metadata=meta)
-        plt.close(fig)
-        written.append(path)
+            if groups.get(method):
+                series(groups[method], [("entropy", method, style(method))])(ax)
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for method in MAIN:
-        if groups.get(method):
-            steps, mean, lo, hi = _series(groups[method], "entropy", smooth=10)
-            ax.plot(steps, mean, label=method, ls="--" if method == "scgrpo-buffer" else "-")
-            ax.fill_between(steps, lo, hi, alpha=0.12)
-    ax.set_yscale("log")
-    ax.set_xlabel("optimiser step")
-    ax.set_ylabel("mean token entropy of the rollouts (nats)")
-    ax.set_title("Policy entropy (10-step moving average; band: min to max over seeds)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    path = os.path.join(out, "entropy.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata=meta)
-    plt.close(fig)
-    written.append(path)
+    figure("entropy.png", "Policy entropy (10-step moving average; band: min to max over seeds)",
+           "mean token entropy of the rollouts (nats)", entropy, log=True)
+    sc = groups.get("scgrpo")
+    if sc:
+        def kl(ax):
+            series(sc, [(f"kl_p{q}", f"P{q}", "-") for q in (25, 50, 75, 95)])(ax)
+            ax.axhspan(0.03, 0.10, color="grey", alpha=0.15, label="the paper's P75 range (0.03-0.10)")
 
-    if groups.get("scgrpo"):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for key in ("kl_p25", "kl_p50", "kl_p75", "kl_p95"):
-            steps, mean, lo, hi = _series(groups["scgrpo"], key, smooth=10)
-            ax.plot(steps, mean, label=key.replace("kl_p", "P"))
-            ax.fill_between(steps, lo, hi, alpha=0.12)
-        ax.axhspan(0.03, 0.10, color="grey", alpha=0.15, label="the paper's P75 range (0.03-0.10)")
-        ax.set_yscale("log")
-        ax.set_xlabel("optimiser step")
-        ax.set_ylabel("per-token KL(self-teacher || policy)")
-        ax.set_title("SC-GRPO: percentiles of the active tokens' KL (10-step moving average)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        path = os.path.join(out, "kl_percentiles.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110, metadata=meta)
-        plt.close(fig)
-        written.append(path)
-
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for key in ("route_partial", "route_solve_none", "route_single", "route_all"):
-            steps, mean, lo, hi = _series(groups["scgrpo"], key, smooth=10)
-            ax.plot(steps, mean, label=key.replace("route_", ""))
-        ax.set_xlabel("optimiser step")
-        ax.set_ylabel("share of groups")
-        ax.set_title("SC-GRPO: share of groups by route (mean over seeds, 10-step average)", fontsize=10)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        path = os.path.join(out, "routes.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110, metadata=meta)
-        plt.close(fig)
-        written.append(path)
+        figure("kl_percentiles.png", "SC-GRPO: percentiles of the active tokens' KL (10-step moving average)",
+               "per-token KL(self-teacher || policy)", kl, log=True)
+        figure("routes.png", "SC-GRPO: share of groups by route (mean over seeds, 10-step average)",
+               "share of groups", series(sc, [(f"route_{r}", r, "-") for r in ("partial", "solve_none", "single", "all")],
+                                         band=False))
     return written
 
 
