@@ -79,6 +79,11 @@ def test_numbers_on_made_up_runs_match_hand_computation(tmp_path):
     assert "| dapo | 2 |" in page and "1,536 |" in page  # mean rollouts drawn (2048 + 1024) / 2
     assert "| scgrpo | 1 | 3 * |" in page and "`arith_scgrpo_lr2e-4_seed1` (step 3)" in page
     assert summary["card"] == "TEST"
+    pytest.importorskip("matplotlib")
+    written = rep.figures(groups, str(tmp_path / "figures"))
+    assert sorted(os.path.basename(p) for p in written) == ["avg8_id.png", "avg8_ood.png", "entropy.png",
+                                                            "kl_percentiles.png", "routes.png"]
+    assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in written)
 
 
 def test_verdicts_use_the_t_interval_over_seeds():
