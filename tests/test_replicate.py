@@ -43,10 +43,10 @@ def test_plans_name_each_run_once_and_the_sweep_shares_the_main_tables_grpo_runs
     assert len(main) == len(replicate.MAIN) * 3
     assert {r.method for r in main} == set(replicate.MAIN) and {r.lr for r in main} == {lr}
     sweep = replicate.plan_runs(["lr"], ["arith"], [0, 1, 2])
-    assert len(sweep) == len(replicate.LR_GRID) * (3 + 2)  # GRPO every seed, SC-GRPO and DAPO the first
+    assert len(sweep) == len(replicate.LR_GRID) * 3 and {r.method for r in sweep} == {"grpo"}
     both = replicate.plan_runs(["lr", "main"], ["arith"], [0, 1, 2])
     shared = {r.name for r in sweep} & {r.name for r in main}
-    assert lr in replicate.LR_GRID and len(shared) == 3 + 2  # GRPO x 3 seeds, SC-GRPO and DAPO seed 0
+    assert lr in replicate.LR_GRID and len(shared) == 3  # GRPO x 3 seeds at the config's rate
     assert len(both) == len(sweep) + len(main) - len(shared)
     ablations = replicate.plan_runs(["ablations"], ["arith"], [0])
     assert {r.method for r in ablations} == set(replicate.ABLATIONS)
@@ -70,6 +70,7 @@ def test_finished_runs_record_evaluations_steps_and_rollouts_and_are_skipped(tin
     assert "finished 2, failed 0" in done.stdout
     grpo = json.load(open(tmp_path / "results" / "arith_grpo_lr2e-4_seed0.json"))
     assert grpo["method"] == "grpo" and grpo["seed"] == 0 and grpo["segments"] == 1
+    assert grpo["commands"] == [grpo["commands"][0]] and "--methods=grpo,dapo" in grpo["commands"][0]
     assert grpo["fit"].startswith("scgrpo fit --config=configs/replication/arith.yaml --config=configs/replication/grpo.yaml")
     assert [e["step"] for e in grpo["evaluations"]] == [0, 2, 4]  # before training, then every 2 steps
     assert set(grpo["evaluations"][-1]) == {"step", "id", "ood"} and "avg@8" in grpo["evaluations"][-1]["ood"]
@@ -120,13 +121,32 @@ def test_the_deadline_pauses_runs_without_a_result_and_the_next_command_finishes
     # no time left for a run as long as --run-s: nothing starts
     idle = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0", "--deadline-s=5",
                       "--run-s=60", extra=["--trainer.max_steps=100000"])
-    assert "start" not in idle.stdout and "left for a later command 1" in idle.stdout
-    # the next command resumes it (here with a budget it has already reached, so it ends at once)
-    _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0", extra=["--trainer.max_steps=2"])
+    assert "resume" not in idle.stdout and "start" not in idle.stdout and "left for a later command 1" in idle.stdout
+    assert len(json.load(open(tmp_path / "work" / name / "state.json"))["segments"]) == 1
+    # the next command resumes it from the checkpoint the interruption wrote and trains 4 more steps
+    import torch
+
+    reached = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+    target = reached - reached % 2 + 4  # even: an evaluation is due after the last step
+    _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0",
+               extra=[f"--trainer.max_steps={target}"])
     assert "resume" in (tmp_path / "work" / name / "log.txt").read_text()
     result = json.load(open(tmp_path / "results" / f"{name}.json"))
-    steps = result["steps"]["step"]
-    assert result["segments"] == 2 and steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    assert result["segments"] == 2 and result["steps"]["step"] == list(range(1, target + 1))
+    assert [e["step"] for e in result["evaluations"]] == list(range(0, target + 1, 2))
+
+
+def test_slots_alternate_gpus_and_unfinished_metrics_are_not_a_result():
+    assert [s.gpu for s in replicate.make_slots(4, 2, 1)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [s.gpu for s in replicate.make_slots(0, 4, 3)] == [None] * 3
+
+    def metrics(steps, evaluated):
+        return {"steps": {"step": steps}, "evaluations": [{"step": e} for e in evaluated]}
+
+    assert replicate.incomplete(metrics([1, 2, 3, 4], [0, 2, 4]), 4, 2) is None
+    assert "missing [3]" in replicate.incomplete(metrics([1, 2, 4, 5], [0, 2, 4]), 4, 2)  # a step logged one ahead
+    assert "no evaluation after its last step 4" in replicate.incomplete(metrics([1, 2, 3, 4], [0, 2]), 4, 2)
+    assert replicate.incomplete(metrics([1, 2, 3], [0, 2]), 3, 2) is None  # no evaluation due after step 3
 
 
 def test_a_failing_run_is_reported_with_its_log_and_the_command_fails(tiny_model_dir, tmp_path):

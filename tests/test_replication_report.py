@@ -75,9 +75,10 @@ def test_numbers_on_made_up_runs_match_hand_computation(tmp_path):
     assert "| grpo | 2 | 0.450 ± 0.071 | 0.550 ± 0.071 | 0.150 ± 0.071 | 0.250 ± 0.071 |" in page
     # paired SC-GRPO - GRPO, ID Avg@8: +0.05 (seed 0), +0.10 (seed 1): mean +0.075, sd 0.0354, half-width of the 95%
     # t-interval 12.706 * 0.0354 / sqrt(2) = 0.318 > 0.075: within noise
-    assert "| SC-GRPO − GRPO | ID avg@8 | +0.050 (seed 0), +0.100 (seed 1) | +0.075 | within seed noise |" in page
+    assert ("| SC-GRPO − GRPO | ID avg@8 | +0.050 (seed 0), +0.100 (seed 1) | +0.075 | [-0.243, +0.393] | "
+            "within seed noise |") in page
     assert "| dapo | 2 |" in page and "1,536 |" in page  # mean rollouts drawn (2048 + 1024) / 2
-    assert "| scgrpo | 1 | 3 * |" in page and "`arith_scgrpo_lr2e-4_seed1` (step 3)" in page
+    assert "| scgrpo | 1 | 3 * |" in page and "`arith_scgrpo_lr2e-4_seed1` (step 3; one segment)" in page
     assert summary["card"] == "TEST"
     pytest.importorskip("matplotlib")
     written = rep.figures(groups, str(tmp_path / "figures"))
