@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import re
@@ -14,6 +15,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 
 from scgrpo.distributed import world_size
 from scgrpo.errors import InputError
@@ -114,6 +116,11 @@ class StepCheckpoint(ModelCheckpoint):
     Unlike ``ModelCheckpoint(every_n_train_steps=...)`` it is made for the module's manual optimisation (a step
     is complete when ``on_train_batch_end`` runs) and does not warn about it.
 
+    A run resumed from any of its checkpoints goes on as the uninterrupted run would have, wherever it stopped:
+    every checkpoint holds the training loop's state as it was at the end of its step (Lightning's own, taken on
+    an exception, would count a batch whose rollout was under way as begun: the resumed run's logger steps and
+    validation schedule would be one ahead).
+
     Args:
         every_n_train_steps: period of ``last.ckpt`` in optimiser steps (0: only at the end and on interruption).
         monitor: the validation metric of ``best-step=N.ckpt``; None: the first evaluation split's
@@ -134,6 +141,7 @@ class StepCheckpoint(ModelCheckpoint):
                          enable_version_counter=False)
         self._monitor_setting = monitor
         self._last_step_saved: Optional[int] = None
+        self._loop_state: Optional[tuple[int, dict]] = None  # (step, the fit loop's state at the end of that step)
 
     @property
     def state_key(self) -> str:  # independent of the monitor found at the first validation
@@ -176,11 +184,30 @@ class StepCheckpoint(ModelCheckpoint):
             state_dict = {**state_dict, "dirpath": self.dirpath}
         super().load_state_dict(state_dict)
 
+    # ------------------------------------------------------------------------------------ resuming
+    def _keep_loop_state(self, trainer) -> None:
+        self._loop_state = (trainer.global_step, copy.deepcopy(trainer.fit_loop.state_dict()))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """The fit loop's state as at the end of the checkpoint's step, wherever the checkpoint is written: the
+        state Lightning resumes from as written (its ``restarted_on_train_batch_end``: the step counted once, the
+        logger's step one on, the step's validation fast-forwarded). Lightning's own state of the moment, taken on
+        an exception during the next step's rollout, counts that batch as begun: the resumed run's logger steps
+        and validations would be one ahead."""
+        loops = checkpoint.get("loops")
+        if trainer.state.fn != TrainerFn.FITTING or not isinstance(loops, dict) or self._loop_state is None:
+            return
+        step, state = self._loop_state
+        if step == trainer.global_step:  # (always so: no checkpoint is written between an update and its step end)
+            loops["fit_loop"] = copy.deepcopy(state)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._keep_loop_state(trainer)  # the restored state (or a new run's): checkpoints before the first step end
+
     def _may_save(self, trainer, pl_module, step_whole: bool = False) -> bool:
         """``step_whole``: called where the step's bookkeeping is known to be done (this callback's
         on_train_batch_end runs after every other callback's: Lightning orders checkpoint callbacks last)."""
-        from lightning.pytorch.trainer.states import TrainerFn
-
         return not (trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
                     or getattr(pl_module, "diverged", False) or getattr(pl_module, "last_step_skipped", False)
                     or (getattr(pl_module, "updating", False) and not step_whole))
@@ -205,6 +232,7 @@ class StepCheckpoint(ModelCheckpoint):
         return True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._keep_loop_state(trainer)  # (the step is whole: the other callbacks' on_train_batch_end ran)
         if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
             self.write_last(trainer, pl_module, step_whole=True)
 
