@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import scgrpo.callbacks.rollout as rollout
 from scgrpo.callbacks import StepCheckpoint
-from scgrpo.runs import RunCSVLogger
+from scgrpo.runs import RunCSVLogger, rows_before
 from tests.helpers import tiny_data, tiny_module, tiny_trainer
 
 STEPS, EVERY = 6, 2  # validation and last.ckpt every 2 steps
@@ -51,7 +51,7 @@ def _lora(state: dict) -> dict:
     return {k.removeprefix("runner.policy.").replace(".default.", "."): v for k, v in state.items()}
 
 
-@pytest.mark.parametrize("where", ["rollout of step 4"])
+@pytest.mark.parametrize("where", ["rollout of step 4", "validation of step 4", "validation of step 6"])
 def test_a_run_stopped_and_resumed_logs_and_validates_as_one_never_stopped(tiny_model_dir, tmp_path, monkeypatch,
                                                                          where):
     """Stopped in step 4's rollout, the checkpoint is written at step 3 with the loop state of step 3's end
@@ -86,6 +86,8 @@ def test_a_run_stopped_and_resumed_logs_and_validates_as_one_never_stopped(tiny_
         [(0, 0), (1, 2), (3, 4), (5, 6)]
     checkpoint = torch.load(last, weights_only=False)
     assert checkpoint["global_step"] == STEPS
+    (state,) = [s for k, s in checkpoint["callbacks"].items() if k.startswith("StepCheckpoint")]
+    assert state["validated_step"] == STEPS
     final = load_file(run / "adapter" / "final" / "adapter_model.safetensors")
     for name, value in _lora(checkpoint["state_dict"]).items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=0)
@@ -94,3 +96,21 @@ def test_a_run_stopped_and_resumed_logs_and_validates_as_one_never_stopped(tiny_
         expected = load_file(straight / "adapter" / "final" / "adapter_model.safetensors")
         for name, value in final.items():
             torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+def test_a_resumed_metrics_file_keeps_the_rows_logged_before_the_checkpoint():
+    """A validation shares its logger step with the training row of its step: the resumed run's first row
+    replaces the old one of the same step and kind and every row logged after it, not the rows before."""
+    rows = [{"step": "0", "val/global_step": "0"}, {"step": "0", "val/global_step": ""},
+            {"step": "1", "val/global_step": ""}, {"step": "1", "val/global_step": "2"},
+            {"step": "2", "val/global_step": ""}]
+    # resumed at step 2 with its validation to make: the training row of step 2 stays
+    assert rows_before(rows, {"step": 1, "val/global_step": 2.0}) == rows[:3]
+    # resumed at step 2, validated: the next training row (logger step 2) is the first one replaced
+    assert rows_before(rows, {"step": 2, "train/reward": 0.5}) == rows[:4]
+    # resumed at step 1 (every step a validation): the validation of step 0 and the training row of step 1 stay
+    one = [{"step": "0", "val/global_step": "0"}, {"step": "0", "val/global_step": ""},
+           {"step": "0", "val/global_step": "1"}, {"step": "1", "val/global_step": ""}]
+    assert rows_before(one, {"step": 0, "val/global_step": 1.0}) == one[:2]
+    # the row to replace was never written (stopped during that validation): every row before its step stays
+    assert rows_before(rows[:3], {"step": 1, "val/global_step": 2.0}) == rows[:3]
