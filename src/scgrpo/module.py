@@ -198,6 +198,9 @@ class RLVRModule(LightningModule):
         # from the step's first weight update to the end of its bookkeeping (data position, buffer, logs: the
         # callbacks' on_train_batch_end): a checkpoint taken in between would hold half a step
         self.updating = False
+        # the RNG state where the run last stood between steps (a step's end, a validation's end, the start): what
+        # a checkpoint written on an exception holds, not the state that a rollout cut short has drawn from
+        self._rng_between_steps: Optional[dict] = None
         self._good_weights: Optional[list[Tensor]] = None  # trainable tensors of the last step with finite values
         self._good_step = 0
         self._self_teacher: Optional[SelfTeacher] = None
@@ -434,6 +437,14 @@ class RLVRModule(LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         self.updating = False  # (runs after every callback's on_train_batch_end: the step is whole)
+        self._rng_between_steps = _rng_state()
+
+    def on_train_start(self) -> None:
+        self._rng_between_steps = _rng_state()
+
+    def on_validation_end(self) -> None:
+        if self._trainer is not None and self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            self._rng_between_steps = _rng_state()  # (the next step draws from here)
 
     # ------------------------------------------------------------------------------------ divergence guard
     @staticmethod
@@ -865,7 +876,10 @@ class RLVRModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # checkpoint["state_dict"] already holds only the trainable tensors (see state_dict)
-        rng = _rng_state()
+        interrupted = self._trainer is not None and self.trainer.interrupted  # (StepCheckpoint's on_exception)
+        # written on an exception, the checkpoint is of the last whole step (see StepCheckpoint): its RNG state
+        # too, so that the resumed run draws the rollout or validation cut short as the uninterrupted run did
+        rng = self._rng_between_steps if interrupted and self._rng_between_steps is not None else _rng_state()
         checkpoint["scgrpo"] = {"nonfinite_skips": self.nonfinite_skips, "consecutive_skips": self.consecutive_skips,
                                 "rng": rng}
         if world_size() > 1:  # every rank samples with its own generator state (Lightning asks every rank)
@@ -890,3 +904,4 @@ class RLVRModule(LightningModule):
             _set_rng_state(per_rank[self.global_rank])
         elif "rng" in state:
             _set_rng_state(state["rng"])
+        self._rng_between_steps = _rng_state()  # (a validation left pending runs before on_train_start)

@@ -19,10 +19,30 @@ DEFAULT_NAME = "scgrpo"
 FILE_LOGGERS = ("CSVLogger", "TensorBoardLogger", "RunCSVLogger")  # class names whose folder is <save_dir>/<name>/<version>
 
 
+def _number(value) -> Optional[float]:
+    return None if value in (None, "") else float(value)
+
+
+def rows_before(rows: list[dict], first: dict) -> list[dict]:
+    """The rows of a run's ``metrics.csv`` (in the order logged) that a process resuming it keeps, ``first`` being
+    the first row it logs: those of earlier steps, and those of ``first``'s step logged before ``first`` was
+    the first time. A validation shares its logger step with the training row of its optimiser step, logged
+    before it (the validation of step k and the training row of step k both at step k-1): they are told apart by
+    ``val/global_step``, which the module logs with each validation only."""
+    step, mark = int(first["step"]), _number(first.get("val/global_step"))
+    kept, found = [], False
+    for row in rows:
+        row_step = int(float(row["step"]))
+        found = found or (row_step == step and _number(row.get("val/global_step")) == mark)
+        if row_step < step or (row_step == step and not found):
+            kept.append(row)
+    return kept
+
+
 class _AppendingWriter(ExperimentWriter):
     """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued rather than deleted: the
-    rows of steps before the first one this process logs are kept, later ones (logged after the checkpoint a
-    run resumed from) are replaced."""
+    rows logged before the checkpoint a run resumed from are kept, those logged after it (which the resumed run
+    logs again) are replaced (see :func:`rows_before`)."""
 
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir)
@@ -34,10 +54,9 @@ class _AppendingWriter(ExperimentWriter):
     def save(self) -> None:
         if not self._continued and self.metrics and self._fs.isfile(self.metrics_file_path):
             self._continued = True
-            first = min(int(m["step"]) for m in self.metrics)
             with self._fs.open(self.metrics_file_path, "r", newline="") as f:
                 reader = csv.DictReader(f)
-                keys, kept = list(reader.fieldnames or []), [r for r in reader if int(float(r["step"])) < first]
+                keys, kept = list(reader.fieldnames or []), rows_before(list(reader), self.metrics[0])
             self.metrics_keys = sorted(set(self.metrics_keys) | set(keys))
             with self._fs.open(self.metrics_file_path, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
@@ -49,8 +68,8 @@ class _AppendingWriter(ExperimentWriter):
 
 class RunCSVLogger(CSVLogger):
     """``CSVLogger`` whose ``metrics.csv`` is continued when the run folder already has one (a resumed run),
-    instead of being deleted: rows of the steps before the resumed one are kept, those from the resumed step
-    on are replaced by the new ones."""
+    instead of being deleted: rows logged before the checkpoint are kept, those logged after it are replaced by
+    the new ones (see :func:`rows_before`)."""
 
     @property
     @rank_zero_experiment

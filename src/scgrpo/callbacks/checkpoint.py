@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import re
@@ -14,7 +15,9 @@ import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 
+from scgrpo.callbacks.validation import run_validation
 from scgrpo.distributed import world_size
 from scgrpo.errors import InputError
 
@@ -114,6 +117,17 @@ class StepCheckpoint(ModelCheckpoint):
     Unlike ``ModelCheckpoint(every_n_train_steps=...)`` it is made for the module's manual optimisation (a step
     is complete when ``on_train_batch_end`` runs) and does not warn about it.
 
+    A run resumed from any of its checkpoints goes on as the uninterrupted run would have, wherever it stopped:
+
+    - every checkpoint holds the training loop's state as it was at the end of its step (Lightning's own, taken
+      on an exception, would count a batch whose rollout was under way as begun: the resumed run's logger steps
+      and validation schedule would be one ahead);
+    - it records the last step validated (``validated_step``). A validation due after the checkpoint's step and
+      not finished (``last.ckpt`` of that step is written before it: the run was stopped during it) is run when
+      the resumed run starts, where Lightning would skip it; when that step is ``max_steps`` (Lightning then
+      skips training altogether) it is run, and the end-of-training hooks (final checkpoint, adapter) after it.
+      ``last.ckpt`` written before a validation is written again after it, marked validated.
+
     Args:
         every_n_train_steps: period of ``last.ckpt`` in optimiser steps (0: only at the end and on interruption).
         monitor: the validation metric of ``best-step=N.ckpt``; None: the first evaluation split's
@@ -134,6 +148,9 @@ class StepCheckpoint(ModelCheckpoint):
                          enable_version_counter=False)
         self._monitor_setting = monitor
         self._last_step_saved: Optional[int] = None
+        self.validated_step: Optional[int] = None  # the step of the last validation finished in fitting
+        self._loop_state: Optional[tuple[int, dict]] = None  # (step, the fit loop's state at the end of that step)
+        self._train_started = False
 
     @property
     def state_key(self) -> str:  # independent of the monitor found at the first validation
@@ -170,17 +187,77 @@ class StepCheckpoint(ModelCheckpoint):
             warnings.filterwarnings("ignore", message=".*exists and is not empty")
             super().setup(trainer, pl_module, stage)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "validated_step": self.validated_step}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("dirpath")  # the same folder, written relative or absolute
         if saved and self.dirpath and os.path.realpath(saved) == os.path.realpath(self.dirpath):
             state_dict = {**state_dict, "dirpath": self.dirpath}
         super().load_state_dict(state_dict)
+        self.validated_step = state_dict.get("validated_step")  # None (a checkpoint without it): nothing is redone
+
+    # ------------------------------------------------------------------------------------ resuming
+    def _keep_loop_state(self, trainer) -> None:
+        self._loop_state = (trainer.global_step, copy.deepcopy(trainer.fit_loop.state_dict()))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """The fit loop's state as at the end of the checkpoint's step, wherever the checkpoint is written: the
+        state Lightning resumes from as written (its ``restarted_on_train_batch_end``: the step counted once, the
+        logger's step one on, the step's validation fast-forwarded; see :meth:`on_train_start` for one that did
+        not happen). Lightning's own state of the moment, taken on an exception during the next step's rollout,
+        counts that batch as begun: the resumed run's logger steps and validations would be one ahead."""
+        loops = checkpoint.get("loops")
+        if trainer.state.fn != TrainerFn.FITTING or not isinstance(loops, dict) or self._loop_state is None:
+            return
+        step, state = self._loop_state
+        if step == trainer.global_step:  # (always so: no checkpoint is written between an update and its step end)
+            loops["fit_loop"] = copy.deepcopy(state)
+
+    def _validation_left_pending(self, trainer) -> bool:
+        """The run resumed from a checkpoint whose step is due a validation (Lightning's own test, on the loop state
+        of that step's end) that did not finish before the checkpoint was written."""
+        step = trainer.global_step
+        if self.validated_step is None or step == 0 or self.validated_step >= step:
+            return False
+        fit_loop = trainer.fit_loop
+        return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """At ``max_steps`` Lightning skips the fit loop, and with it ``on_train_start``: the fit loop's ``run`` is
+        followed, when it was skipped and a validation is left pending, by its ``on_train_start`` hooks (the
+        validation runs in this callback's) and ``on_train_end`` hooks (the final checkpoint and adapter), which
+        the interrupted run did not reach."""
+        self._train_started = False
+        fit_loop = trainer.fit_loop
+        vars(fit_loop).pop("run", None)  # a wrapper left by an earlier fit of this trainer
+        run = fit_loop.run
+
+        def run_then_finish() -> None:
+            run()
+            if not self._train_started and self._validation_left_pending(trainer):
+                fit_loop.on_run_start()
+                fit_loop.on_run_end()
+
+        fit_loop.run = run_then_finish
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        vars(trainer.fit_loop).pop("run", None)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Runs the validation a resumed run's checkpoint left pending (see the class), before Lightning's loop
+        fast-forwards over it; logged where the uninterrupted run logged it."""
+        super().on_train_start(trainer, pl_module)
+        self._train_started = True
+        self._keep_loop_state(trainer)  # the restored state (or a new run's): checkpoints before the first step end
+        if self._validation_left_pending(trainer):
+            if trainer.is_global_zero:
+                log.info("resumed at step %d: running its validation, which did not finish", trainer.global_step)
+            run_validation(trainer)
 
     def _may_save(self, trainer, pl_module, step_whole: bool = False) -> bool:
         """``step_whole``: called where the step's bookkeeping is known to be done (this callback's
         on_train_batch_end runs after every other callback's: Lightning orders checkpoint callbacks last)."""
-        from lightning.pytorch.trainer.states import TrainerFn
-
         return not (trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
                     or getattr(pl_module, "diverged", False) or getattr(pl_module, "last_step_skipped", False)
                     or (getattr(pl_module, "updating", False) and not step_whole))
@@ -205,6 +282,7 @@ class StepCheckpoint(ModelCheckpoint):
         return True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._keep_loop_state(trainer)  # (the step is whole: the other callbacks' on_train_batch_end ran)
         if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
             self.write_last(trainer, pl_module, step_whole=True)
 
@@ -212,12 +290,17 @@ class StepCheckpoint(ModelCheckpoint):
         pass  # the prompt stream has no epochs to speak of: by step and at the end only
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.validated_step = trainer.global_step
         if trainer.global_step == 0 or not self._may_save(trainer, pl_module):
             return  # (step 0: the untrained weights, the base model)
-        if self._find_monitor(trainer) is not None and self._finite(trainer, pl_module):
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
-            if self._last_step_saved == trainer.global_step:  # written before this validation: again, with the
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))  # best so far (a resume's)
+        monitored = self._find_monitor(trainer) is not None
+        again = self._last_step_saved == trainer.global_step  # last.ckpt written before this validation: again,
+        if (monitored or again) and self._finite(trainer, pl_module):  # validated, with the best so far (a resume's)
+            if monitored:
+                self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+            if again:
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
         if not self.write_last(trainer, pl_module) and getattr(pl_module, "last_step_skipped", False) \

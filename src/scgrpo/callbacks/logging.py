@@ -11,6 +11,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from scgrpo.callbacks.checkpoint import write_folder_atomically
+from scgrpo.callbacks.validation import run_validation
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,4 @@ class ValidateBeforeTraining(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_step > 0 or trainer.limit_val_batches == 0:
             return
-        loop = trainer.fit_loop.epoch_loop.val_loop
-        first_iter = trainer._logger_connector._first_loop_iter
-        trainer.validating = True
-        loop.run()
-        trainer.training = True
-        trainer._logger_connector._first_loop_iter = first_iter
+        run_validation(trainer)

@@ -1,0 +1,127 @@
+"""A run stopped by Ctrl-C wherever it is, then resumed from its ``last.ckpt``, logs and validates as the run that
+was never stopped: each step once under its own number, validations at the scheduled steps only, the one cut
+short run on resume (also the final one, after ``max_steps``), the final checkpoint and adapter at the last step."""
+
+import csv
+
+import pytest
+import torch
+from lightning.pytorch import Callback, seed_everything
+from safetensors.torch import load_file
+
+import scgrpo.callbacks.rollout as rollout
+from scgrpo.callbacks import StepCheckpoint
+from scgrpo.runs import RunCSVLogger, rows_before
+from tests.helpers import tiny_data, tiny_module, tiny_trainer
+
+STEPS, EVERY = 6, 2  # validation (and, unless said, last.ckpt) every 2 steps
+
+
+class CtrlCInValidation(Callback):
+    """Ctrl-C in the validation after ``step`` steps, once its first batch is sampled (drawn from the RNG)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def _fit(model_dir, root, ckpt_path=None, callbacks=(), checkpoint_every=EVERY):
+    seed_everything(0)
+    trainer = tiny_trainer(root, max_steps=STEPS, logger=RunCSVLogger(str(root), name="run", version=0),
+                           enable_checkpointing=True, limit_val_batches=1.0, val_check_interval=EVERY,
+                           check_val_every_n_epoch=None,
+                           callbacks=[StepCheckpoint(every_n_train_steps=checkpoint_every), *callbacks])
+    trainer.fit(tiny_module(model_dir, validate_before_training=True), datamodule=tiny_data(), ckpt_path=ckpt_path)
+    return root / "run" / "version_0"
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model_dir, tmp_path_factory):
+    """The run never stopped."""
+    root = tmp_path_factory.mktemp("straight")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SCGRPO_CACHE", str(root / "cache"))
+        return _fit(tiny_model_dir, root)
+
+
+def _rows(run) -> list[dict]:
+    with open(run / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _values(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "memory/")) and not k.endswith("time_s")}
+
+
+def _lora(state: dict) -> dict:
+    """The LoRA tensors of a checkpoint's state dict or an adapter file, by the adapter file's names."""
+    return {k.removeprefix("runner.policy.").replace(".default.", "."): v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("where,checkpoint_every", [("rollout of step 4", EVERY), ("validation of step 4", EVERY),
+                                                   ("validation of step 4", 3), ("validation of step 6", EVERY)])
+def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_path, monkeypatch, straight, where,
+                                                           checkpoint_every):
+    """Stopped in step 4's rollout, the checkpoint is written at step 3 with the loop state of step 3's end
+    (Lightning's own counts step 4 as begun: the resumed run's logger steps and validations were one ahead) and the
+    RNG state of step 3's end (the resumed step 4 draws what the stopped one drew). Stopped in a validation (its
+    step's last.ckpt written before it, or, every 3 steps, on Ctrl-C), the resumed run makes it; Lightning's
+    went on training, or, at max_steps, ended at once. Every logged value and the final weights are the
+    uninterrupted run's."""
+    stopped_at = 3 if where.startswith("rollout") else int(where[-1])
+    with monkeypatch.context() as patch, pytest.raises(SystemExit):  # Lightning's exit after a KeyboardInterrupt
+        stop = []
+        if where.startswith("rollout"):
+            sample = rollout.sample_rollouts
+
+            def stopped_in_rollout(pl_module, batch):
+                rollouts = sample(pl_module, batch)  # (what it drew from the RNG is drawn)
+                if pl_module.global_step == stopped_at:
+                    raise KeyboardInterrupt
+                return rollouts
+
+            patch.setattr(rollout, "sample_rollouts", stopped_in_rollout)
+        else:
+            stop = [CtrlCInValidation(stopped_at)]
+        _fit(tiny_model_dir, tmp_path, callbacks=stop, checkpoint_every=checkpoint_every)
+    run = tmp_path / "run" / "version_0"
+    last = run / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == stopped_at
+
+    _fit(tiny_model_dir, tmp_path, ckpt_path=str(last), checkpoint_every=checkpoint_every)
+    rows = _rows(run)
+    assert [int(r["step"]) for r in rows if r["train/reward"]] == list(range(STEPS))
+    # (logger step, optimiser steps): a validation is logged at the step of its optimiser step's training row
+    assert [(int(r["step"]), int(float(r["val/global_step"]))) for r in rows if r["val/global_step"]] == \
+        [(0, 0), (1, 2), (3, 4), (5, 6)]
+    assert [_values(r) for r in rows] == [_values(r) for r in _rows(straight)]
+    checkpoint = torch.load(last, weights_only=False)
+    assert checkpoint["global_step"] == STEPS
+    (state,) = [s for k, s in checkpoint["callbacks"].items() if k.startswith("StepCheckpoint")]
+    assert state["validated_step"] == STEPS
+    final = load_file(run / "adapter" / "final" / "adapter_model.safetensors")
+    expected = load_file(straight / "adapter" / "final" / "adapter_model.safetensors")
+    for name, value in _lora(checkpoint["state_dict"]).items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=0)
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+def test_a_resumed_metrics_file_keeps_the_rows_logged_before_the_checkpoint():
+    """A validation shares its logger step with the training row of its step: the resumed run's first row
+    replaces the old one of the same step and kind and every row logged after it, not the rows before."""
+    rows = [{"step": "0", "val/global_step": "0"}, {"step": "0", "val/global_step": ""},
+            {"step": "1", "val/global_step": ""}, {"step": "1", "val/global_step": "2"},
+            {"step": "2", "val/global_step": ""}]
+    # resumed at step 2 with its validation to make: the training row of step 2 stays
+    assert rows_before(rows, {"step": 1, "val/global_step": 2.0}) == rows[:3]
+    # resumed at step 2, validated: the next training row (logger step 2) is the first one replaced
+    assert rows_before(rows, {"step": 2, "train/reward": 0.5}) == rows[:4]
+    # resumed at step 1 (every step a validation): the validation of step 0 and the training row of step 1 stay
+    one = [{"step": "0", "val/global_step": "0"}, {"step": "0", "val/global_step": ""},
+           {"step": "0", "val/global_step": "1"}, {"step": "1", "val/global_step": ""}]
+    assert rows_before(one, {"step": 0, "val/global_step": 1.0}) == one[:2]
+    # the row to replace was never written (stopped during that validation): every row before its step stays
+    assert rows_before(rows[:3], {"step": 1, "val/global_step": 2.0}) == rows[:3]
