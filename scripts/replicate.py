@@ -24,6 +24,7 @@ A finished run's metrics (evaluations, per-step entropy, KL percentiles, routes,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -158,7 +159,7 @@ def read_metrics(run_dir: str) -> dict:
                 parts = column.split("/")
                 if len(parts) == 3 and parts[2] != "time_s" and _number(value) is not None:
                     evaluations.setdefault(step, {"step": step}).setdefault(parts[1], {})[parts[2]] = _number(value)
-        if row.get("time/step_s") not in ("", None):  # training step k is logged at the logger's step k - 1
+        if row.get("train/reward") not in ("", None):  # training step k is logged at the logger's step k - 1
             steps[int(float(row["step"])) + 1] = {name: _number(row.get(column, "")) for name, column in STEP_KEYS.items()}
     ordered = sorted(steps)
     return {
@@ -203,14 +204,17 @@ class State:
 
     @classmethod
     def load(cls, path: str) -> "State":
-        if os.path.exists(path):
+        try:
             with open(path) as f:
-                return cls(path, json.load(f)["segments"])
-        return cls(path)
+                return cls(path, list(json.load(f)["segments"]))
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: the record starts again
+            return cls(path)
 
     def save(self) -> None:
-        with open(self.path, "w") as f:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
             json.dump({"segments": self.segments}, f)
+        os.replace(tmp, self.path)
 
 
 def run_folder(work: str) -> Optional[str]:
@@ -242,7 +246,7 @@ def incomplete(metrics: dict, max_steps: int, interval: int) -> Optional[str]:
         return (f"its metrics hold steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'} "
                 f"({len(steps)} rows) instead of 1..{max_steps}" + (f", missing {missing[:5]}" if missing else ""))
     evaluated = [e["step"] for e in metrics["evaluations"]]
-    if interval and max_steps % interval == 0 and max_steps not in evaluated:
+    if evaluated and interval and max_steps % interval == 0 and max_steps not in evaluated:
         return f"no evaluation after its last step {max_steps} (evaluations at {evaluated})"
     return None
 
@@ -305,7 +309,13 @@ def busy(work: str) -> Optional[int]:
             pid = int(f.read().strip() or 0)
     except (FileNotFoundError, ValueError):
         return None
-    return pid if pid and pid != os.getpid() and _alive(pid) else None
+    if not pid or pid == os.getpid() or not _alive(pid):
+        return None
+    try:  # a pid the system has since given to another program does not count
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return pid if work.encode() in f.read() else None
+    except OSError:
+        return pid
 
 
 def remaining_fraction(work: str) -> float:
@@ -324,6 +334,9 @@ def launch(slot: Slot, run: Run, args, extra: list[str], threads: int, command: 
     """Starts ``run`` in ``slot`` (resuming from its last.ckpt if it has one); False if another process is
     already training it."""
     work = os.path.join(args.work_dir, run.name)
+    if os.path.exists(os.path.join(args.results_dir, f"{run.name}.json")):
+        print(f"[{time.strftime('%H:%M:%S')}] skip   {run.name}: finished meanwhile", flush=True)
+        return False
     os.makedirs(work, exist_ok=True)
     other = busy(work)
     if other is not None:
@@ -347,11 +360,11 @@ def launch(slot: Slot, run: Run, args, extra: list[str], threads: int, command: 
     slot.log = open(os.path.join(work, "log.txt"), "a")
     slot.log.write(f"\n=== {time.strftime('%H:%M:%S')} {'resume' if resumed else 'start'}: {' '.join(fit)}\n")
     slot.log.flush()
+    slot.run, slot.started, slot.command = run, time.monotonic(), command
     slot.process = subprocess.Popen(fit, cwd=work, env=env, stdout=slot.log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     with open(os.path.join(work, "pid"), "w") as f:
         f.write(str(slot.process.pid))
-    slot.run, slot.started, slot.command = run, time.monotonic(), command
     where = f"GPU {slot.gpu}" if slot.gpu is not None else "CPU"
     print(f"[{time.strftime('%H:%M:%S')}] {'resume' if resumed else 'start '} {run.name} on {where}", flush=True)
     return True
@@ -364,9 +377,12 @@ def _end_segment(slot: Slot, work_dir: str, exit_code) -> State:
                            "command": slot.command})
     state.save()
     slot.log.close()
-    if os.path.exists(os.path.join(work, "pid")):
-        os.remove(os.path.join(work, "pid"))
     return state
+
+
+def _release(work: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(work, "pid"))
 
 
 def finish(slot: Slot, code: int, args, env: dict, per_gpu: int) -> tuple[bool, float]:
@@ -383,8 +399,11 @@ def finish(slot: Slot, code: int, args, env: dict, per_gpu: int) -> tuple[bool, 
             print(f"[{time.strftime('%H:%M:%S')}] done   {run.name} in {elapsed:.0f} s -> "
                   f"{os.path.relpath(path, ROOT)}", flush=True)
             return True, sum(s["wall_s"] for s in state.segments)
-        except (OSError, ValueError, KeyError) as err:  # an unreadable or unfinished run is a failed one
+        except Exception as err:  # noqa: BLE001 - an unreadable or unfinished run is a failed one, not a crash
             reason = f"{type(err).__name__}: {err}"
+        finally:
+            _release(work)
+    _release(work)
     with open(os.path.join(work, "log.txt")) as f:
         tail = f.readlines()[-15:]
     print(f"[{time.strftime('%H:%M:%S')}] FAILED {run.name} ({reason}) after {elapsed:.0f} s; "
@@ -406,6 +425,7 @@ def interrupt(slots: list[Slot], grace_s: float, work_dir: str) -> None:
             s.process.wait()
         print(f"[{time.strftime('%H:%M:%S')}] paused {s.run.name} (resumes from its last checkpoint)", flush=True)
         _end_segment(s, work_dir, "interrupted")
+        _release(os.path.join(work_dir, s.run.name))
         s.process, s.run = None, None
 
 
@@ -495,17 +515,21 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    def reap() -> None:
+        nonlocal estimate
+        for slot in slots:
+            if slot.process is not None and (code := slot.process.poll()) is not None:
+                run = slot.run
+                ok, wall = finish(slot, code, args, env, per_gpu)
+                if ok:
+                    written.append(os.path.join(args.results_dir, f"{run.name}.json"))
+                    estimate = max(estimate, wall)
+                else:
+                    failed.append(run.name)
+
     try:
         while True:
-            for slot in slots:
-                if slot.process is not None and (code := slot.process.poll()) is not None:
-                    run = slot.run
-                    ok, wall = finish(slot, code, args, env, per_gpu)
-                    if ok:
-                        written.append(os.path.join(args.results_dir, f"{run.name}.json"))
-                        estimate = max(estimate, wall)
-                    else:
-                        failed.append(run.name)
+            reap()
             for slot in slots:
                 while slot.process is None and pending:
                     run = pending[0]
@@ -517,6 +541,8 @@ def main() -> None:
             if not running:
                 break
             if left() <= 0:
+                reap()  # a run that ended just now is finished, not paused
+                running = [s for s in slots if s.process is not None]
                 print(f"[{time.strftime('%H:%M:%S')}] deadline: interrupting {len(running)} run(s)", flush=True)
                 interrupt(slots, args.grace_s, args.work_dir)
                 break

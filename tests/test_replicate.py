@@ -167,3 +167,26 @@ def test_the_countdown_task_config_runs_with_a_method_layer(tiny_model_dir, tmp_
     metrics = replicate.read_metrics(str(next((tmp_path / "runs" / "scgrpo").glob("version_*"))))
     assert metrics["steps"]["step"] == [1, 2] and [e["step"] for e in metrics["evaluations"]] == [0, 2]
     assert metrics["evaluations"][0]["ood"]["avg@8"] == 0.0  # the countdown verifier scored 4-number problems
+
+
+def test_a_pid_file_holds_a_run_only_while_its_process_trains_it_and_a_broken_record_starts_again(tmp_path):
+    work = tmp_path / "work" / "arith_grpo_lr2e-4_seed0"
+    work.mkdir(parents=True)
+    assert replicate.busy(str(work)) is None  # no pid file
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(30)", str(work)])
+    try:
+        (work / "pid").write_text(str(sleeper.pid))
+        assert replicate.busy(str(work)) == sleeper.pid  # alive, and training this folder (its command names it)
+        (work / "pid").write_text(str(os.getppid()))  # alive, but another program: the pid was given away
+        assert replicate.busy(str(work)) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    (work / "pid").write_text(str(sleeper.pid))  # gone
+    assert replicate.busy(str(work)) is None
+    (work / "state.json").write_text('{"segments": [{"wall_s": 1')  # cut off mid-write by a kill
+    state = replicate.State.load(str(work / "state.json"))
+    assert state.segments == []
+    state.segments.append({"wall_s": 2.0, "exit": 0})
+    state.save()
+    assert replicate.State.load(str(work / "state.json")).segments == [{"wall_s": 2.0, "exit": 0}]

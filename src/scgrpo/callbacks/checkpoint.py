@@ -148,7 +148,8 @@ class StepCheckpoint(ModelCheckpoint):
                          enable_version_counter=False)
         self._monitor_setting = monitor
         self._last_step_saved: Optional[int] = None
-        self.validated_step: Optional[int] = None  # the step of the last validation finished in fitting
+        self.validated_step: Optional[int] = -1  # the step of the last validation finished in fitting (-1: none yet;
+        # None: restored from a checkpoint that predates this record, where nothing is redone)
         self._loop_state: Optional[tuple[int, dict]] = None  # (step, the fit loop's state at the end of that step)
         self._train_started = False
 
