@@ -290,9 +290,13 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         pass  # the prompt stream has no epochs to speak of: by step and at the end only
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        # marked here, before any on_validation_end: other checkpoint callbacks write theirs there, and a checkpoint
+        # of this step must not send the resumed run to make this validation again
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.validated_step = trainer.global_step
+
+    def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.global_step == 0 or not self._may_save(trainer, pl_module):
             return  # (step 0: the untrained weights, the base model)
         monitored = self._find_monitor(trainer) is not None
