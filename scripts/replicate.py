@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import json
 import math
 import os
@@ -292,24 +293,16 @@ def make_slots(gpus: int, per_gpu: int, jobs: int) -> list[Slot]:
     return [Slot(g) for _ in range(per_gpu) for g in range(gpus)] if gpus else [Slot(None) for _ in range(jobs)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def busy(work: str) -> Optional[int]:
     """The pid of a live process already training in ``work`` (left by a scheduler that was killed), or None."""
+    from scgrpo.callbacks.checkpoint import pid_alive
+
     try:
         with open(os.path.join(work, "pid")) as f:
             pid = int(f.read().strip() or 0)
     except (FileNotFoundError, ValueError):
         return None
-    if not pid or pid == os.getpid() or not _alive(pid):
+    if not pid or pid == os.getpid() or not pid_alive(pid):
         return None
     try:  # a pid the system has since given to another program does not count
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -318,8 +311,10 @@ def busy(work: str) -> Optional[int]:
         return pid
 
 
+@functools.lru_cache(maxsize=None)
 def remaining_fraction(work: str) -> float:
-    """The share of the run's steps still to train (1 for a run not started)."""
+    """The share of the run's steps still to train (1 for a run not started); read once per command (a run
+    waiting for a slot near the deadline is asked again every poll)."""
     folder = run_folder(work) if os.path.isdir(work) else None
     if folder is None:
         return 1.0

@@ -15,14 +15,17 @@ import json
 import math
 import os
 import statistics
+import sys
 from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from replicate import ABLATIONS, MAIN, config_lr  # noqa: E402  (the method lists and rates the runs were made with)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "replication")
 DOC = os.path.join(ROOT, "docs", "replication.md")
 FIGURES = os.path.join(ROOT, "docs", "replication")
 
-MAIN = ["grpo", "dapo", "scgrpo", "scgrpo-buffer", "selfdistill-fkl", "opsd-oracle"]
 LABELS = {
     "grpo": "GRPO (clip 0.2, per-sequence mean, no KL)",
     "dapo": "DAPO (clip 0.2/0.28, dynamic sampling, token mean, overlong shaping)",
@@ -40,7 +43,6 @@ LABELS = {
 }
 REPRODUCE = ("python scripts/replicate.py --plan lr,main,ablations --per-gpu 6 && python scripts/replicate.py "
              "--plan main --tasks countdown --methods grpo,dapo,scgrpo && python scripts/replication_report.py")
-ABLATIONS = [m for m in LABELS if m.startswith("scgrpo-") and m != "scgrpo-buffer"]
 METRICS = [("id", "avg@8"), ("id", "pass@8"), ("ood", "avg@8"), ("ood", "pass@8")]
 SUMMARY_KEYS = {("id", "avg@8"): "id_avg8", ("id", "pass@8"): "id_pass8", ("ood", "avg@8"): "ood_avg8",
                 ("ood", "pass@8"): "ood_pass8"}
@@ -72,14 +74,6 @@ def arith_draws() -> tuple[int, int, int, int]:
     pairs = (10**d - 10 ** (d - 1)) ** 2 * len(task["operations"])
     steps, batch = config["trainer"]["max_steps"], config["data"]["batch_size"]
     return steps, batch, steps * batch, pairs - task["num_eval"]
-
-
-def config_lr(task: str = "arith") -> float:
-    """The learning rate of the task's config (``configs/replication/<task>.yaml``): the one every method runs at."""
-    import yaml
-
-    with open(os.path.join(ROOT, "configs", "replication", f"{task}.yaml")) as f:
-        return float(yaml.safe_load(f)["model"]["optimizer"]["init_args"]["lr"])
 
 
 def final(run: dict) -> dict:
@@ -260,7 +254,7 @@ def report(results_dir: str) -> tuple[str, dict, dict[str, list[dict]]]:
         raise SystemExit(f"no result files in {results_dir}; run scripts/replicate.py first")
     calls_path = os.path.join(results_dir, "calls.json")
     calls = json.load(open(calls_path)) if os.path.exists(calls_path) else None
-    lr = config_lr()
+    lr = config_lr("arith")
     groups = by_method(runs, "arith", lr)
     sample = groups["scgrpo"][0]
     max_steps = max(e["step"] for r in runs for e in r["evaluations"])

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")  # .<name>.tmp-<pid>: a file or folder being written
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -42,7 +43,7 @@ def remove_stale_temporaries(folder: str) -> None:
         return
     for entry in os.listdir(folder):
         match = _TEMPORARY.match(entry)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
             path = os.path.join(folder, entry)
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
