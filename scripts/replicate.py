@@ -388,17 +388,16 @@ def finish(slot: Slot, code: int, args, env: dict, per_gpu: int) -> tuple[bool, 
     state = _end_segment(slot, args.work_dir, code)
     slot.process, slot.run = None, None
     reason = f"exit {code}"
-    if code == 0:
-        try:
+    try:  # the pid file goes only once the result is written
+        if code == 0:
             path = write_result(run, work, args.results_dir, env, per_gpu)
             print(f"[{time.strftime('%H:%M:%S')}] done   {run.name} in {elapsed:.0f} s -> "
                   f"{os.path.relpath(path, ROOT)}", flush=True)
             return True, sum(s["wall_s"] for s in state.segments)
-        except Exception as err:  # noqa: BLE001 - an unreadable or unfinished run is a failed one, not a crash
-            reason = f"{type(err).__name__}: {err}"
-        finally:
-            _release(work)
-    _release(work)
+    except Exception as err:  # noqa: BLE001 - an unreadable or unfinished run is a failed one, not a crash
+        reason = f"{type(err).__name__}: {err}"
+    finally:
+        _release(work)
     with open(os.path.join(work, "log.txt")) as f:
         tail = f.readlines()[-15:]
     print(f"[{time.strftime('%H:%M:%S')}] FAILED {run.name} ({reason}) after {elapsed:.0f} s; "
