@@ -3,6 +3,15 @@
     python scripts/bench_step.py --suite smollm2        # SmolLM2-135M real weights at TRL's figure's settings
     python scripts/bench_step.py --suite qwen1p5b       # random Qwen2.5-1.5B-shaped model, bf16 LoRA and QLoRA
     python scripts/bench_step.py --suite fsdp --devices 1   # then --devices 2: FSDP throughput at equal per-GPU batch
+    python scripts/bench_step.py --suite qwen8b         # random Qwen3-8B-shaped model, nf4 QLoRA: 4-bit sampling
+                                                        # speeds, 1,024-token steps, a 4,096-token step in 20 GiB
+
+The ``qwen8b`` suite's ``*_sampling_*`` cases time rollouts alone (64 rows, ``--sampling-tokens`` new tokens
+forced, the median of ``--repeats`` calls after one untimed call) for each way the compact decoder multiplies
+by the 4-bit base (``GenerationSettings.four_bit``), and measure the sampler's log-probabilities against the
+trainer's forward pass on 8 of the rows. Its step cases run with ``--warmup``/``--steps`` unless the case
+fixes them; a case with ``memory_fraction_gib`` limits the process with
+``torch.cuda.set_per_process_memory_fraction`` (the allocator fails rather than reserve more).
 
 Each case trains ``--warmup`` steps (not counted: CUDA graphs, allocator, first kernels) then ``--steps``
 measured steps, and reports medians over the measured ones: wall time per step (from one step's start to
@@ -66,19 +75,33 @@ def versions() -> dict[str, str]:
     return out
 
 
-def random_qwen_folder(tokenizer_source: str) -> str:
-    """A randomly initialised model with Qwen2.5-1.5B's shapes, saved in bf16 with SmolLM2's tokenizer (its
-    ids fit the bigger vocabulary), so that the 4-bit path loads it like any checkpoint."""
+# Qwen3-8B's shapes (36 layers, 4096 wide, 32 query and 8 key/value heads of 128, MLP 12288, untied head); built as
+# a Qwen2 model (q/k/v biases, no q/k norms), like the measurements this suite's targets were set against
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def random_qwen_folder(tokenizer_source: str, shape: str = "qwen2.5-1.5b") -> str:
+    """A randomly initialised Qwen2 model with Qwen2.5-1.5B's (or ``shape="qwen3-8b"``: Qwen3-8B's) shapes, saved
+    in bf16 with SmolLM2's tokenizer (its ids fit the bigger vocabulary), so that the 4-bit path loads it like any
+    checkpoint."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    folder = os.path.join(tempfile.gettempdir(), "scgrpo-bench", "qwen2.5-1.5b-shaped")
+    folder = os.path.join(tempfile.gettempdir(), "scgrpo-bench", f"{shape}-shaped")
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    config = Qwen2Config(**QWEN_1P5B, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    dims = QWEN3_8B if shape == "qwen3-8b" else QWEN_1P5B
+    config = Qwen2Config(**dims, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # (an 8B model in fp32 first would take 32 GB)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     del model
@@ -160,7 +183,8 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
     for key in ("memory/rollout_peak_gib", "memory/scoring_peak_gib", "memory/teacher_peak_gib", "memory/update_peak_gib",
                 "wall_s", "time/step_s", "time/generation_s", "time/verification_s", "time/scoring_s",
                 "time/teacher_s", "time/train_s", "tokens/completion", "tokens/train", "tokens/teacher",
-                "train/completion_length", "train/reward"):
+                "train/completion_length", "train/reward", "rollout/slots", "rollout/decode_steps",
+                "rollout/logprob_mismatch_mean", "rollout/logprob_mismatch_max"):
         value = med(key)
         if value is not None:
             out[key.replace("/", "_")] = value
@@ -183,7 +207,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              micro_batch_size: Optional[int] = None, steps: int = 5, warmup: int = 2, devices: int = 1,
              cuda_graphs: bool = True, lr: float = 1e-5, coin_flip_rewards: bool = False,
              decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True,
-             logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None) -> dict[str, Any]:
+             logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None, four_bit: str = "auto",
+             memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -202,7 +227,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         quantization=quantization,
         generation=GenerationSettings(num_generations=group, max_new_tokens=max_new, min_new_tokens=min_new,
                                       cuda_graphs=cuda_graphs, decode_forward=decode_forward, max_slots=max_slots,
-                                      keep_workspace=keep_workspace),
+                                      keep_workspace=keep_workspace, four_bit=four_bit,
+                                      memory_budget_gib=memory_budget_gib),
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
         gradient_checkpointing=gradient_checkpointing,
         micro_batch_size=micro_batch_size,
@@ -228,19 +254,32 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         default_root_dir=root,
         callbacks=[recorder],
     )
+    limited = memory_fraction_gib is not None and torch.cuda.is_available()
+    if limited:  # the allocator may not reserve more than this: a step that needs more fails here
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(memory_fraction_gib * 2**30 / torch.cuda.mem_get_info()[1])
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    trainer.fit(module, data)
+    try:
+        trainer.fit(module, data)
+    finally:
+        if limited:
+            process_peak = torch.cuda.max_memory_reserved() / 2**30
+            torch.cuda.set_per_process_memory_fraction(1.0)
     result = {
         "case": name, "model": model, "objective": objective, "quantization": quantization,
         "prompts_per_gpu": prompts, "group_size": group, "max_new_tokens": max_new, "min_new_tokens": min_new,
         "lora": "r=16 alpha=32 all-linear", "dtype": "bfloat16", "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
         "decode_forward": decode_forward, "max_slots": max_slots, "keep_workspace": keep_workspace,
-        "logprob_chunk_size": logprob_chunk_size,
+        "logprob_chunk_size": logprob_chunk_size, "four_bit": four_bit, "memory_budget_gib": memory_budget_gib,
+        "memory_fraction_gib": memory_fraction_gib,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
     }
     result.update(summarise(recorder.steps[warmup:]))
+    if limited:  # the whole run's (model loading included), not only the measured steps'
+        result["process_peak_reserved_gib"] = process_peak
     if result.get("wall_s"):
         result["completions_per_s_per_gpu"] = prompts * group / result["wall_s"]
     del module, trainer, data
@@ -254,15 +293,118 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
     return result
 
 
+def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: int, group: int, new_tokens: int,
+                       repeats: int) -> list[dict[str, Any]]:
+    """Rollouts alone on one loaded QLoRA policy (nf4 base, LoRA r=16 with non-zero B's), one case per
+    ``four_bit`` setting (and ``chunk``: :data:`scgrpo.rollout.four_bit.STREAM_CHUNK`): ``rows`` rows (``rows /
+    group`` arithmetic prompts x ``group``), ``new_tokens`` forced. Median seconds per call over ``repeats``
+    calls after an untimed one, ms per decode step, and the sampler's log-probabilities of 8 rows against the
+    trainer's forward pass (bf16, the 4-bit layers' own matmuls)."""
+    from scgrpo.data.sources import ArithmeticTask
+    from scgrpo.models import LoraSettings, load_policy
+    from scgrpo.rollout import four_bit as four_bit_module
+    from scgrpo.rollout.engine import GenerationSettings, generate, release_rollout_workspaces
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    policy, tokenizer = load_policy(model, torch.bfloat16, LoraSettings(r=16, alpha=32), "nf4", device)
+    policy.eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # adapters that change the outputs (a fresh B is zero)
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.01)
+    tokenizer.padding_side = "left"
+    questions = [row["question"] for row in ArithmeticTask(seed=0).rows("train")[: rows // group]]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in questions]
+    results = []
+    defaults = (four_bit_module.STREAM_CHUNK, four_bit_module.NF4_KERNEL_ROWS, four_bit_module.NF4_TILES)
+    for name, spec in cases.items():
+        print(f"== {name}", flush=True)
+        four_bit_module.STREAM_CHUNK = spec.get("chunk", defaults[0])
+        four_bit_module.NF4_KERNEL_ROWS = defaults[1] if spec.get("kernel", True) else 0
+        four_bit_module.NF4_TILES = spec.get("tiles", defaults[2])
+        settings = GenerationSettings(num_generations=group, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      four_bit=spec["four_bit"], keep_workspace=True)
+        torch.manual_seed(0)
+        first = time.perf_counter()
+        generate(policy, tokenizer, prompts, group, settings, device)  # records graphs, compiles
+        torch.cuda.synchronize()
+        first = time.perf_counter() - first
+        times = []
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = generate(policy, tokenizer, prompts, group, settings, device)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        gap = sampler_vs_trainer(policy, out, rows=8)
+        seconds = statistics.median(times)
+        result = {"case": name, "model": model, "quantization": "nf4", "lora": "r=16 alpha=32 all-linear",
+                  "four_bit": spec["four_bit"], "stream_chunk": four_bit_module.STREAM_CHUNK,
+                  "nf4_kernel": spec["four_bit"] == "streamed" and four_bit_module.NF4_KERNEL_ROWS >= rows,
+                  "nf4_tiles": four_bit_module.NF4_TILES, "rows": rows,
+                  "new_tokens": new_tokens, "first_call_s": first, "seconds": times, "median_s": seconds,
+                  "ms_per_decode_step": 1000 * seconds / new_tokens, "new_tok_s": rows * new_tokens / seconds,
+                  "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                  "decode_modes": sorted({p.mode for e in _decoders(policy) for p in e}),
+                  "stats": {k: float(v) for k, v in out.stats.items()}, **gap}
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()
+                          if k not in ("seconds", "stats")}), flush=True)
+        results.append(result)
+        release_rollout_workspaces()
+        torch.cuda.empty_cache()
+    four_bit_module.STREAM_CHUNK, four_bit_module.NF4_KERNEL_ROWS, four_bit_module.NF4_TILES = defaults
+    del policy
+    torch.cuda.empty_cache()
+    return results
+
+
+def _decoders(policy) -> list[list]:
+    from scgrpo.rollout.engine import _DECODERS
+
+    entry = _DECODERS.get(policy) or {}
+    decoder = entry.get("decoder")
+    return [decoder._projections] if decoder is not None else []
+
+
+@torch.no_grad()
+def sampler_vs_trainer(policy, generated, rows: int) -> dict[str, float]:
+    """|log pi_sampler - log pi_trainer| over the sampled tokens of the first ``rows`` rows (the trainer: a forward
+    pass of prompt + completion through the policy, bf16 logits -> fp32 log-softmax)."""
+    ids = torch.cat([generated.prompt_ids[:rows], generated.completion_ids[:rows]], 1)
+    mask = torch.cat([generated.prompt_mask[:rows], generated.completion_mask[:rows].long()], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    c = generated.completion_ids.shape[1]
+    gaps = []
+    for i in range(rows):  # one row at a time: [T, V] fp32 logits of a 152k vocabulary
+        logits = policy(input_ids=ids[i : i + 1], attention_mask=mask[i : i + 1],
+                        position_ids=positions[i : i + 1]).logits[0, -c - 1 : -1].float()
+        trainer = torch.log_softmax(logits, -1).gather(1, generated.completion_ids[i].unsqueeze(1)).squeeze(1)
+        keep = generated.completion_mask[i].bool()
+        gaps.append((trainer - generated.sampler_logprobs[i])[keep].abs())
+    gap = torch.cat(gaps)
+    return {"logprob_mismatch_mean": float(gap.mean()), "logprob_mismatch_max": float(gap.max())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--suite", required=True, choices=["smollm2", "qwen1p5b", "fsdp"])
+    parser.add_argument("--suite", required=True, choices=["smollm2", "qwen1p5b", "fsdp", "qwen8b"])
+    parser.add_argument("--sampling-tokens", type=int, default=128,
+                        help="qwen8b: new tokens of each timed rollout of the *_sampling_* cases")
+    parser.add_argument("--repeats", type=int, default=3, help="qwen8b: timed rollouts per sampling case")
+    parser.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "qwen2.5-1.5b"],
+                        help="qwen8b: the random model's shapes (qwen2.5-1.5b: a quick check of the suite)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model", default="smollm2", help="the real model (default: the embedded SmolLM2)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="qwen1p5b, qwen8b: a tokenizer folder for the random model (default: --model's)")
     parser.add_argument("--max-new", type=int, default=None, help="override the suite's completion length")
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "
@@ -271,8 +413,10 @@ def main() -> None:
 
     from scgrpo.models import resolve_model
 
-    smollm2 = resolve_model(args.model)
+    # (random-weight suites read only the tokenizer: --tokenizer names a folder that holds one instead)
+    smollm2 = args.tokenizer or resolve_model(args.model)
     cases: dict[str, dict[str, Any]] = {}
+    sampling: dict[str, dict[str, Any]] = {}
     if args.suite == "smollm2":  # the TRL figure's settings: 32 prompts x G=8, 128 new tokens, LoRA r=16, bf16
         common = dict(model=smollm2, prompts=32, group=8, max_new=128)
         cases["smollm2_grpo"] = dict(objective="grpo", **common)
@@ -298,6 +442,29 @@ def main() -> None:
             for objective in ("grpo", "scgrpo"):
                 cases[f"qwen1p5b_{objective}_{'qlora' if quant else 'bf16_lora'}"] = dict(
                     objective=objective, quantization=quant, **common)
+    elif args.suite == "qwen8b":  # the paper's model size on a 24 GB card: 8 prompts x G=8, nf4 QLoRA, SC-GRPO
+        qwen = random_qwen_folder(smollm2, args.shape)
+        for mode in ("layers", "streamed", "resident"):  # 4-bit sampling, 64 rows: before (layers) and after
+            sampling[f"qwen8b_sampling_{mode}"] = dict(four_bit=mode)
+        # streamed without the fused nf4 kernel: each weight dequantized whole, then cuBLAS (or in runs of 8M)
+        sampling["qwen8b_sampling_streamed_cublas"] = dict(four_bit="streamed", kernel=False)
+        sampling["qwen8b_sampling_streamed_cublas_8m"] = dict(four_bit="streamed", kernel=False, chunk=1 << 23)
+        for tiles in ((64, 256, 4, 3), (32, 128, 4, 4), (16, 512, 4, 3)):  # other tiles of the kernel
+            sampling["qwen8b_sampling_streamed_tiles_" + "_".join(map(str, tiles))] = dict(four_bit="streamed",
+                                                                                         tiles=tiles)
+        common = dict(model=qwen, objective="scgrpo", prompts=8, group=8, gradient_checkpointing=True,
+                      coin_flip_rewards=True, keep_workspace=False)
+        # 1,024 tokens with the issue's settings (micro-batches of 4 rows); four_bit auto: resident on an 80 GB card
+        cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, **common)
+        # ... and as before the 4-bit decode paths: the 4-bit layers' own forwards in the decode step
+        cases["qwen8b_scgrpo_1k_layers"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, four_bit="layers",
+                                               steps=1, warmup=0, **common)
+        # 24 GB consumer settings (configs/qlora_scgrpo_consumer.yaml): the process held to 20 GiB, the sampler
+        # planning for it (streamed 4-bit base, KV cache in waves), micro-batches of 2 rows, logits in 512-token blocks
+        consumer = dict(micro_batch_size=2, logprob_chunk_size=512, memory_budget_gib=20.0, memory_fraction_gib=20.0,
+                        **common)
+        cases["qwen8b_scgrpo_1k_20gib"] = dict(max_new=1024, min_new=1024, **consumer)
+        cases["qwen8b_scgrpo_4k_20gib"] = dict(max_new=4096, min_new=4096, steps=1, warmup=0, **consumer)
     else:  # FSDP throughput: same per-GPU batch on 1 and on N GPUs, fixed lengths
         common = dict(model=smollm2, prompts=16, group=8, max_new=128, min_new=128, devices=args.devices,
                       coin_flip_rewards=True)
@@ -306,18 +473,9 @@ def main() -> None:
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"bench_{args.suite}_{card_tag()}"
                                    f"{'_' + str(args.devices) + 'gpu' if args.suite == 'fsdp' else ''}.json")
     results = []
-    for name, kwargs in cases.items():
-        if wanted and name not in wanted:
-            continue
-        print(f"== {name}", flush=True)
-        if args.max_new:
-            kwargs.update(max_new=args.max_new, min_new=min(kwargs.get("min_new", 0), args.max_new))
-        snapshot = f"{args.memory_snapshot}.{name}.pkl" if args.memory_snapshot else None
-        result = run_case(name, steps=args.steps, warmup=args.warmup, memory_snapshot=snapshot, **kwargs)
-        results.append(result)
-        brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "steps"}
-        print(json.dumps(brief), flush=True)
-        if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:  # after each case: a cut run keeps them
+
+    def save() -> None:  # after each case: a cut run keeps the finished ones
+        if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:
             os.makedirs(os.path.dirname(out), exist_ok=True)
             payload = {"suite": args.suite, "card": card_name(), "gpus": torch.cuda.device_count(),
                        "versions": versions(),
@@ -325,6 +483,25 @@ def main() -> None:
                        "date": time.strftime("%Y-%m-%d"), "cases": results}
             with open(out, "w") as f:
                 json.dump(payload, f, indent=1)
+
+    chosen = {k: v for k, v in sampling.items() if not wanted or k in wanted}
+    if chosen:
+        results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
+                                      repeats=args.repeats)
+        save()
+    for name, kwargs in cases.items():
+        if wanted and name not in wanted:
+            continue
+        print(f"== {name}", flush=True)
+        if args.max_new:
+            kwargs.update(max_new=args.max_new, min_new=min(kwargs.get("min_new", 0), args.max_new))
+        kwargs = {"steps": args.steps, "warmup": args.warmup, **kwargs}
+        snapshot = f"{args.memory_snapshot}.{name}.pkl" if args.memory_snapshot else None
+        result = run_case(name, memory_snapshot=snapshot, **kwargs)
+        results.append(result)
+        brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "steps"}
+        print(json.dumps(brief), flush=True)
+        save()
     print(f"wrote {out}")
 
 

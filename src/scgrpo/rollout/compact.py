@@ -37,11 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scgrpo.rollout import kernels, lora_matmul, norms
+from scgrpo.rollout import four_bit, kernels, lora_matmul, norms
+from scgrpo.rollout.four_bit import Dequantizer, chunk_plan, four_bit_state, streamed_matmul
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FOUR_BIT_MODES = ("auto", "resident", "streamed", "layers")
 # see CompactDecoder.lora_matmul_rows. On an H100 (SmolLM2 shape, r=16, benchmarks/results/session_h100/
 # bench_rollout_lora_call_{f,h}.json) 64-row rollouts took 178.5 ms with the LoRA terms inside the matmuls (down's
 # after) against 192.8 ms with every term after (188.8 against 202.0 in another call, timed in turn); at 512 rows
@@ -166,62 +168,101 @@ class Projection:
     layout changes (shapes, dtypes, which adapters, their ranks), so a CUDA graph that reads it stays valid. Layers
     whose base weight is not a plain float tensor (4-bit) run their own forward instead."""
 
-    def __init__(self, modules: list, dtype: torch.dtype) -> None:
+    def __init__(self, modules: list, dtype: torch.dtype, four_bit: str = "layers") -> None:
         self.modules = modules
         self.dtype = dtype
         self.bases = [_base_layer(m) for m in modules]
-        self.sizes = [b.weight.shape[0] for b in self.bases]
+        states = [four_bit_state(b.weight) for b in self.bases]
+        self.sizes = [int(s.shape[0]) if s is not None else b.weight.shape[0] for b, s in zip(self.bases, states)]
+        self.width = int(states[0].shape[1]) if states[0] is not None else self.bases[0].weight.shape[1]
         self.out = sum(self.sizes)
-        self.fused = all(_is_plain(b.weight) for b in self.bases)
+        # "plain" float weights; a 4-bit base dequantized "resident" (per rollout) or "streamed" (per step) by
+        # bitsandbytes' kernel (:mod:`scgrpo.rollout.four_bit`), or run through the "layers"' own forwards
+        if all(_is_plain(b.weight) for b in self.bases):
+            self.mode = "plain"
+        elif four_bit in ("resident", "streamed") and all(s is not None and s.dtype == dtype for s in states):
+            self.mode = four_bit
+        else:
+            self.mode = "layers"
+        self.fused = self.mode in ("plain", "resident")  # one matmul over ``weight``
+        self.streamed = self.mode == "streamed"
+        self.dequantizers: list[Dequantizer] = []
+        self.plan: list[tuple[int, int, int, int]] = []  # streamed: see four_bit.chunk_plan
+        self.scratch: Optional[Tensor] = None  # streamed: the decoder's shared dequantization buffer
         self.weight: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self.up: Optional[Tensor] = None
+        self.lora_a: Optional[Tensor] = None  # streamed: the adapters' A rows ``[sum r, in]``
         self.ranks: tuple[int, ...] = (0,) * len(modules)
         self.blocks: Optional[tuple] = None  # see :func:`low_rank`
         self._layout = None
         self.refresh()
 
+    @property
+    def chunk_numel(self) -> int:
+        """Streamed: the most weights one run of :attr:`plan` dequantizes (the scratch it needs)."""
+        return max(((end - start) * self.width for _, start, end, _ in self.plan), default=0)
+
+    def dequantized_bytes(self) -> int:
+        """Bytes of a float copy of the 4-bit base weights (0 for others)."""
+        if self.mode == "plain":
+            return 0
+        return sum(n * self.width for n in self.sizes) * torch.empty(0, dtype=self.dtype).element_size()
+
     def release(self) -> None:
         """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`)."""
-        self.weight = self.bias = self.up = None
+        self.weight = self.bias = self.up = self.lora_a = self.scratch = None
+        for d in self.dequantizers:
+            d.release()
         self._layout = None
 
     def refresh(self, copies: Optional["Copies"] = None) -> bool:
         """Returns whether storage was (re)allocated, rather than updated in place. The copies of the weights go
-        into ``copies`` when given (the caller runs them, with other projections'), else are done here."""
-        if not self.fused:
+        into ``copies`` when given (the caller runs them, with other projections'), else are done here. A resident
+        4-bit base is dequantized here, into the concatenated weight."""
+        if self.mode == "layers":
             return False
         loras = [(i, a, b, s) for i, m in enumerate(self.modules) for a, b, s in _lora_parts(m)]
         rank = sum(a.shape[0] for _, a, _, _ in loras)
         weights = [b.weight for b in self.bases]
-        single = len(self.bases) == 1 and not loras and weights[0].dtype == self.dtype
-        layout = (tuple((tuple(w.shape), w.dtype) for w in weights), tuple((i, a.shape[0]) for i, a, _, _ in loras),
+        plain = self.mode == "plain"
+        single = plain and len(self.bases) == 1 and not loras and weights[0].dtype == self.dtype
+        shapes = (tuple((tuple(w.shape), w.dtype) for w in weights) if plain
+                  else tuple((w.data_ptr(), w.quant_state.shape, w.quant_state.dtype) for w in weights))
+        layout = (self.mode, shapes, tuple((i, a.shape[0]) for i, a, _, _ in loras),
                   single, single and weights[0].data_ptr(), tuple(b.bias is not None for b in self.bases))
         allocated = layout != self._layout
         device = weights[0].device
-        width = weights[0].shape[1]
+        width = self.width
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
         if allocated:
             has_bias = any(b.bias is not None for b in self.bases)
-            self.up = self.blocks = None
+            self.up = self.blocks = self.lora_a = None
+            self.weight = None  # (freed before a new copy is made)
             if single:
                 self.weight = weights[0].detach()  # the layer's own tensor: nothing to copy
+            elif self.streamed:  # no base rows: they are dequantized in each step; the A rows apart
+                self.lora_a = torch.empty(rank, width, dtype=self.dtype, device=device) if rank else None
             else:
                 self.weight = torch.empty(self.out + rank, width, dtype=self.dtype, device=device)
+            if not single:
                 self.up = torch.zeros(rank, self.out, dtype=self.dtype, device=device) if rank else None
             self.bias = torch.zeros(self.out + rank, dtype=self.dtype, device=device) if has_bias else None
             self._layout = layout
+            if not plain:
+                self.dequantizers = [Dequantizer(w) for w in weights]
+                self.plan = chunk_plan(self.dequantizers, four_bit.STREAM_CHUNK) if self.streamed else []
             # one pass over the adapters: each layer's rank columns, and where each refresh copies to, as views
             # made once (base rows, A rows, the scaled B's blocks seen as B)
-            self._targets = [] if single else [self.weight[a:b] for a, b in zip(starts, starts[1:])]
+            self._targets = [] if single or self.streamed else [self.weight[a:b] for a, b in zip(starts, starts[1:])]
+            a_rows = self.lora_a if self.streamed else (self.weight[self.out :] if self.weight is not None else None)
             self._lora_targets = []
             ranks: list[list[int]] = [[] for _ in self.sizes]
             col = 0
             for i, a, _, _ in loras:
                 r = a.shape[0]
                 ranks[i] += range(col, col + r)
-                self._lora_targets.append((self.weight[self.out + col : self.out + col + r],
-                                           self.up[col : col + r, starts[i] : starts[i + 1]].t()))
+                self._lora_targets.append((a_rows[col : col + r], self.up[col : col + r, starts[i] : starts[i + 1]].t()))
                 col += r
             self.ranks = tuple(len(r) for r in ranks)
             if rank:
@@ -229,7 +270,16 @@ class Projection:
         own = copies is None
         copies = Copies() if own else copies
         # one device copy per rollout, base weights too: in-place `.data` edits leave no version trace to check
-        copies.plain += zip(self._targets, weights)
+        if plain:
+            copies.plain += zip(self._targets, weights)
+        elif self.streamed:
+            for d in self.dequantizers:
+                d.prepare()  # the fp32 block scales, kept with the workspace
+        else:
+            with torch.no_grad():
+                for target, d in zip(self._targets, self.dequantizers):
+                    d.into(target)
+                    d.release()  # (the scales are needed again only at the next rollout)
         for (a_at, b_at), (_, a, b, scale) in zip(self._lora_targets, loras):
             copies.scaled += [(a_at, a, 1.0), (b_at, b, scale)]
         if self.bias is not None:  # cheap, and biases may train while the weights do not
@@ -240,10 +290,18 @@ class Projection:
             copies.run()
         return allocated
 
+    def matmul(self, x: Tensor) -> Tensor:
+        """Streamed: ``[M, in]`` -> ``[M, out + sum r]``, the base outputs then the adapters' ``x A^T`` (bias
+        added), the layout of a fused projection's matmul."""
+        return streamed_matmul(x, self.dequantizers, self.plan, self.scratch, self.lora_a, self.bias)
+
     def __call__(self, x: Tensor) -> Tensor:
         """``[..., in]`` -> ``[..., sum out]``."""
-        if not self.fused:
+        if self.mode == "layers":
             return torch.cat([m(x) for m in self.modules], dim=-1)
+        if self.streamed:
+            y = low_rank(self.matmul(x.reshape(-1, x.shape[-1])), self.up)
+            return y.view(*x.shape[:-1], -1)
         return fused_linear(x, self.weight, self.bias, self.up)
 
 
@@ -463,7 +521,8 @@ class CompactDecoder:
     model. Call :meth:`refresh` before each rollout (after the optimiser changed the adapters)."""
 
     def __init__(self, model, compile_layers: bool = False, block_kernels: Optional[bool] = None,
-                 lora_matmul_rows: Optional[int] = None) -> None:
+                 lora_matmul_rows: Optional[int] = None, four_bit: str = "auto",
+                 memory_budget: Optional[int] = None) -> None:
         causal_lm = _inner(model)
         self.config = config = causal_lm.config
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
@@ -485,7 +544,23 @@ class CompactDecoder:
         linears = [m for block in backbone.layers for m in (
             block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
             block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj)]
-        possible = (all(_is_plain(_base_layer(m).weight) for m in linears) and kernels.usable(self.device)
+        self.four_bit = self._four_bit_mode(four_bit, linears, memory_budget)
+        self.layers: list[Layer] = []
+        for block in backbone.layers:
+            attn, mlp = block.self_attn, block.mlp
+            self.layers.append(Layer(
+                ln1=block.input_layernorm.weight,
+                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype, self.four_bit),
+                q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+                k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+                o=Projection([attn.o_proj], self.dtype, self.four_bit),
+                ln2=block.post_attention_layernorm.weight,
+                gate_up=Projection([mlp.gate_proj, mlp.up_proj], self.dtype, self.four_bit),
+                down=Projection([mlp.down_proj], self.dtype, self.four_bit),
+            ))
+        self._projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.scratch: Optional[Tensor] = None  # streamed 4-bit projections' shared dequantization buffer
+        possible = (all(p.mode != "layers" for p in self._projections) and kernels.usable(self.device)
                     and kernels.supports(self.head_dim) and not hasattr(backbone.layers[0].self_attn, "q_norm"))
         adapted = any(_lora_parts(m) for m in linears)
         self.block_kernels = possible and (compile_layers and adapted if block_kernels is None else block_kernels)
@@ -496,20 +571,8 @@ class CompactDecoder:
         # its matmul (one launch, :mod:`scgrpo.rollout.lora_matmul`); above, by the kernel that reads its output
         self.lora_matmul_rows = LORA_MATMUL_ROWS if lora_matmul_rows is None else lora_matmul_rows
         self.lora_matmul_width = LORA_MATMUL_WIDTH
-        self.layers: list[Layer] = []
-        for block in backbone.layers:
-            attn, mlp = block.self_attn, block.mlp
-            self.layers.append(Layer(
-                ln1=block.input_layernorm.weight,
-                qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], self.dtype),
-                q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-                k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
-                o=Projection([attn.o_proj], self.dtype),
-                ln2=block.post_attention_layernorm.weight,
-                gate_up=Projection([mlp.gate_proj, mlp.up_proj], self.dtype),
-                down=Projection([mlp.down_proj], self.dtype),
-            ))
-        self.fused = all(p.fused for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.fused = all(p.fused for p in self._projections)
+        self._ensure_scratch()
         self.attention_in, self.attention_out, self.split_heads = layer_functions(self.heads, self.kv_heads,
                                                                                   self.head_dim, self.eps)
         self.compiled = bool(compile_layers and self.fused)  # (the sampling is compiled too)
@@ -574,9 +637,9 @@ class CompactDecoder:
         ``version`` changes when a tensor had to be rebuilt (recorded CUDA graphs then hold stale pointers)."""
         copies = Copies(self._copy_tables, kernel=self.copy_kernel)
         rebuilt = self.head.refresh(copies)
-        for layer in self.layers:
-            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                rebuilt |= proj.refresh(copies)
+        for proj in self._projections:
+            rebuilt |= proj.refresh(copies)
+        rebuilt |= self._ensure_scratch()
         if rebuilt:  # (new buffers: tables of their shapes and strides built afresh)
             self._copy_tables.clear()
         self.copy_kernel = copies.run() and self.copy_kernel
@@ -588,10 +651,45 @@ class CompactDecoder:
     def release(self) -> None:
         """Drops the concatenated weight copies until the next :meth:`refresh` (which reallocates them)."""
         self.head.release()
-        for layer in self.layers:
-            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                proj.release()
+        for proj in self._projections:
+            proj.release()
+        self.scratch = None
         self.version += 1
+
+    @staticmethod
+    def _four_bit_mode(requested: str, linears: list, memory_budget: Optional[int]) -> str:
+        """How 4-bit base layers are multiplied by (see :mod:`scgrpo.rollout.four_bit`): ``requested``, or for
+        "auto" "resident" when a float copy of them takes at most half of the memory left (``memory_budget`` bytes
+        for the whole process, else the card's free memory), "streamed" otherwise."""
+        if requested not in FOUR_BIT_MODES:
+            raise ValueError(f"four_bit={requested!r}: expected one of {FOUR_BIT_MODES}")
+        if requested != "auto":
+            return requested
+        states = [four_bit_state(_base_layer(m).weight) for m in linears]
+        if not any(s is not None for s in states):
+            return "resident"  # (nothing is 4-bit: the setting does not matter)
+        copy = sum(int(s.shape[0]) * int(s.shape[1]) * torch.empty(0, dtype=s.dtype).element_size()
+                   for s in states if s is not None)
+        device = _base_layer(linears[0]).weight.device
+        if device.type != "cuda":
+            return "resident"
+        left = (memory_budget - torch.cuda.memory_allocated(device) if memory_budget is not None
+                else torch.cuda.mem_get_info(device)[0])
+        return "resident" if four_bit.resident_fits(copy, left) else "streamed"
+
+    def _ensure_scratch(self) -> bool:
+        """Allocates the streamed projections' shared buffer when missing or too small; True when it did."""
+        need = max((p.chunk_numel for p in self._projections if p.streamed), default=0)
+        if not need:
+            return False
+        grown = self.scratch is None or self.scratch.numel() < need
+        if grown:
+            self.scratch = None
+            self.scratch = torch.empty(need, dtype=self.dtype, device=self.device)
+        for p in self._projections:
+            if p.streamed:
+                p.scratch = self.scratch
+        return grown
 
     def rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
         """``[length, D]`` cos and sin from the model's own rotary module (any static RoPE scaling)."""
@@ -699,6 +797,8 @@ class CompactDecoder:
 
         def project(h: Tensor, proj: Projection) -> tuple[Tensor, Optional[Tensor]]:
             """The output, and the ``up`` still to add to its last columns (None when added)."""
+            if proj.streamed:  # the 4-bit base dequantized run by run (the A products in its last columns)
+                return proj.matmul(h), proj.up
             if (decode and proj.up is not None and rows <= self.lora_matmul_rows
                     and h.shape[1] <= self.lora_matmul_width and max(proj.ranks) <= lora_matmul.MAX_RANK):
                 try:

@@ -43,6 +43,17 @@ class GenerationSettings:
     max_slots: int = 0
     """Rows decoded at once by the compact forward (its KV cache holds this many); waiting rows take the slots
     of finished ones. 0 = as many as a quarter of the free GPU memory holds (every row on CPU)"""
+    memory_budget_gib: Optional[float] = None
+    """GPU memory (GiB) the whole process may hold while sampling, the weights and optimiser state included: the
+    compact forward's decode slots (its KV cache) are as many as fit in 80% of what the budget leaves, and
+    ``four_bit: auto`` picks by it. Null = the card's free memory (a quarter of it for the KV cache). Set it (with
+    keep_workspace: false) to train on a card smaller than the rollouts' KV cache: rows then decode in waves"""
+    four_bit: str = "auto"
+    """How the compact forward multiplies by a 4-bit (QLoRA) base, with bitsandbytes' own dequantization (the
+    values training multiplies by): "resident" dequantizes the base once per rollout into a copy in the model dtype
+    (2 bytes a weight while sampling), "streamed" a few million weights at a time inside every decode step (no
+    copy; slower), "auto" resident when that copy takes at most half the memory left (see memory_budget_gib), else
+    streamed; "layers" calls the 4-bit layers' own forwards"""
     keep_workspace: bool = True
     """Keep the compact forward's KV cache, CUDA graphs and fused weight copies between rollouts (no
     re-recording; that memory stays allocated during the update). False frees them after each rollout"""
@@ -76,6 +87,10 @@ class GenerationSettings:
             raise ValueError(f"compile={self.compile!r}: expected 'auto', 'on' or 'off'")
         if self.max_slots < 0:
             raise ValueError(f"max_slots must be >= 0 (0 = automatic), got {self.max_slots}")
+        if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
+            raise ValueError(f"memory_budget_gib must be > 0 GiB (or null), got {self.memory_budget_gib}")
+        if self.four_bit not in ("auto", "resident", "streamed", "layers"):
+            raise ValueError(f"four_bit={self.four_bit!r}: expected 'auto', 'resident', 'streamed' or 'layers'")
         if self.merge_lora not in ("auto", "always", "never"):
             raise ValueError(f"merge_lora={self.merge_lora!r}: expected 'auto', 'always' or 'never'")
 
@@ -336,11 +351,20 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
     device = next(model.parameters()).device
     compile_layers = settings.compile == "on" or (
         settings.compile == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None)
-    if entry is None or "decoder" not in entry or entry["compile"] != compile_layers:
-        entry = _DECODERS[model] = {"decoder": CompactDecoder(model, compile_layers=compile_layers),
-                                    "compile": compile_layers, "samplers": {}}
+    options = (compile_layers, settings.four_bit, settings.memory_budget_gib)
+    if entry is None or "decoder" not in entry or entry["options"] != options:
+        if entry is not None:
+            for sampler in entry.get("samplers", {}).values():
+                sampler.release()
+        decoder = CompactDecoder(model, compile_layers=compile_layers, four_bit=settings.four_bit,
+                                 memory_budget=budget_bytes(settings.memory_budget_gib))
+        entry = _DECODERS[model] = {"decoder": decoder, "options": options, "samplers": {}}
     entry["decoder"].refresh()
     return entry
+
+
+def budget_bytes(gib: Optional[float]) -> Optional[int]:
+    return None if gib is None else int(gib * 2**30)
 
 
 def release_rollout_workspaces() -> None:
@@ -356,14 +380,15 @@ def _slot_decoder(entry: dict, settings: GenerationSettings, eos_ids, pad_id: in
     from scgrpo.rollout.slots import SlotDecoder
 
     key = (tuple(eos_ids), pad_id, settings.max_new_tokens, temperature, settings.top_p, settings.top_k, greedy,
-           settings.min_new_tokens, cuda_graphs, settings.max_slots)
+           settings.min_new_tokens, cuda_graphs, settings.max_slots, settings.memory_budget_gib)
     samplers = entry["samplers"]
     if key not in samplers:
         if len(samplers) >= 2:  # training and evaluation settings; drop the oldest other
             samplers.pop(next(iter(samplers))).release()
         samplers[key] = SlotDecoder(
             entry["decoder"], eos_ids, pad_id, settings.max_new_tokens, temperature, settings.top_p, settings.top_k,
-            greedy, settings.min_new_tokens, cuda_graphs=cuda_graphs, max_slots=settings.max_slots)
+            greedy, settings.min_new_tokens, cuda_graphs=cuda_graphs, max_slots=settings.max_slots,
+            memory_budget=budget_bytes(settings.memory_budget_gib))
     sampler = samplers[key]
     sampler.keep_workspace = settings.keep_workspace
     return sampler

@@ -57,13 +57,20 @@ class Outputs:
     count: Tensor  # [N + 1] long tokens produced
 
 
+def slots_within(budget: int, allocated: int, per_row: int, rows: int) -> int:
+    """Decode slots for ``rows`` rows whose KV cache and logits take ``per_row`` bytes each: as many as 80% of
+    what a ``budget`` (bytes, the whole process) leaves beside ``allocated`` holds, at least one."""
+    return max(1, min(rows, int(0.8 * max(budget - allocated, 0) // max(per_row, 1))))
+
+
 class SlotDecoder:
     """Samples completions of many prompts with a :class:`CompactDecoder` (see the module docstring)."""
 
     def __init__(self, decoder: CompactDecoder, eos_ids: Sequence[int], pad_id: int, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                  min_new_tokens: int = 0, cuda_graphs: bool = True, check_every: int = 8,
-                 max_slots: int = 0, refill: bool = True, compaction: bool = True) -> None:
+                 max_slots: int = 0, refill: bool = True, compaction: bool = True,
+                 memory_budget: Optional[int] = None) -> None:
         self.decoder = decoder
         self.device = decoder.device
         self.pad_id, self.max_new = pad_id, max_new_tokens
@@ -72,6 +79,7 @@ class SlotDecoder:
         self.graphs = cuda_graphs and self.device.type == "cuda"
         self.check_every = check_every if self.device.type == "cuda" else 1
         self.max_slots, self.refill, self.compaction = max_slots, refill, compaction
+        self.memory_budget = memory_budget
         vocab = decoder.embed.shape[0]
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=self.device)
@@ -225,14 +233,24 @@ class SlotDecoder:
         return new
 
     def slot_budget(self, rows: int, cache_len: int) -> int:
-        """Slots for ``rows`` rows: ``max_slots`` when set, else as many as a quarter of the free GPU memory holds
-        (all rows on CPU)."""
+        """Slots for ``rows`` rows: ``max_slots`` when set; else, with a memory budget (bytes for the whole
+        process), as many as 80% of what it leaves holds (each slot's KV cache and its fp32 logits, a few copies);
+        else as many as a quarter of the free GPU memory holds (all rows on CPU)."""
         if self.max_slots:
             return max(1, min(rows, self.max_slots))
         if self.device.type != "cuda":
             return rows
-        free, _ = torch.cuda.mem_get_info(self.device)
-        fit = int(0.25 * free // max(self.decoder.cache_bytes_per_row(cache_len), 1))
+        per_row = self.decoder.cache_bytes_per_row(cache_len) + 16 * self.decoder.embed.shape[0]
+        if self.memory_budget is not None:
+            allocated = torch.cuda.memory_allocated(self.device)
+            if self.memory_budget - allocated < per_row / 0.8:
+                log.warning("the memory budget (%.1f GiB) leaves no room for one row's KV cache (%.2f GiB at %d "
+                            "positions) beside the %.1f GiB allocated; decoding one row at a time",
+                            self.memory_budget / 2**30, per_row / 2**30, cache_len, allocated / 2**30)
+            return slots_within(self.memory_budget, allocated, per_row, rows)
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            fit = int(0.25 * free // max(self.decoder.cache_bytes_per_row(cache_len), 1))
         return max(1, min(rows, fit))
 
     # ------------------------------------------------------------------------------------------ the loop

@@ -1,0 +1,222 @@
+"""The compact decoder over a 4-bit (bitsandbytes) base: the dequantized runs equal bitsandbytes' own
+dequantization bit for bit, and resident and streamed decoding sample the model the trainer multiplies by (CPU,
+bitsandbytes' CPU kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from scgrpo.rollout import four_bit  # noqa: E402
+from scgrpo.rollout.compact import CompactDecoder  # noqa: E402
+from scgrpo.rollout.four_bit import Dequantizer, chunk_plan, streamed_matmul  # noqa: E402
+from scgrpo.rollout.slots import SlotDecoder, slots_within  # noqa: E402
+from tests.rollout.test_compact import tiny, with_lora  # noqa: E402
+
+
+def packed(weight: torch.Tensor, quant_type: str = "nf4", storage=torch.uint8, nested: bool = True):
+    """A quantized ``Params4bit`` of ``weight`` (CPU), as QLoRA's loader makes it."""
+    param = bnb.nn.Params4bit(weight.detach().clone(), requires_grad=False, compress_statistics=nested,
+                              quant_type=quant_type, quant_storage=storage)
+    return param.to("cpu")
+
+
+def quantize_linears(model, quant_type: str = "nf4", storage=torch.uint8):
+    """Every decoder block's linear layer as a bitsandbytes ``Linear4bit`` (the head and embeddings stay)."""
+    for block in model.model.layers:
+        for parent in (block.self_attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if not isinstance(child, torch.nn.Linear):
+                    continue
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=child.weight.dtype, quant_type=quant_type,
+                                          quant_storage=storage)
+                layer.weight = packed(child.weight.data, quant_type, storage)
+                if child.bias is not None:
+                    layer.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
+                setattr(parent, name, layer)
+    return model
+
+
+def dequantized_copy(model4, family: str, vocab: int):
+    """The same network with each 4-bit weight replaced by bitsandbytes' dequantization of it, as plain floats."""
+    plain = tiny(family, vocab)
+    plain.load_state_dict({k: v for k, v in model4.state_dict().items() if k in plain.state_dict()
+                           and v.shape == plain.state_dict()[k].shape}, strict=False)
+    for block4, block in zip(model4.model.layers, plain.model.layers):
+        for parent4, parent in ((block4.self_attn, block.self_attn), (block4.mlp, block.mlp)):
+            for name, child in parent4.named_children():
+                if isinstance(child, bnb.nn.Linear4bit):
+                    w = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state)
+                    getattr(parent, name).weight.data.copy_(w)
+    return plain
+
+
+@pytest.mark.parametrize("quant_type,storage,nested", [("nf4", torch.uint8, True), ("nf4", torch.bfloat16, True),
+                                                       ("fp4", torch.uint8, False)])
+@pytest.mark.parametrize("shape", [(48, 128), (40, 96), (7, 64)])
+def test_chunked_dequantization_is_bitsandbytes_own(quant_type, storage, nested, shape):
+    torch.manual_seed(0)
+    weight = packed(torch.randn(*shape, dtype=torch.bfloat16), quant_type, storage, nested)
+    expected = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    d = Dequantizer(weight)
+    assert d.row_step() == (1 if shape[1] % 64 == 0 else 2)  # 96 columns: two rows make whole 64-blocks
+    for chunk in (64, 3 * shape[1], 10**6):  # one row, a few rows, the whole weight at once
+        plan = chunk_plan([d], chunk)
+        assert [(s, e) for _, s, e, _ in plan][0][0] == 0 and plan[-1][2] == shape[0]
+        assert all(e - s > 0 and s % d.row_step() == 0 for _, s, e, _ in plan)
+        out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+        for _, start, end, at in plan:
+            d.into(out[start:end], start, end)
+        assert torch.equal(out, expected)
+
+
+def test_streamed_matmul_lays_out_outputs_then_adapter_rows():
+    torch.manual_seed(0)
+    weights = [packed(torch.randn(24, 64)), packed(torch.randn(8, 64))]
+    ds = [Dequantizer(w) for w in weights]
+    full = torch.cat([bnb.functional.dequantize_4bit(w.data, w.quant_state) for w in weights])  # [32, 64]
+    x, lora_a, bias = torch.randn(5, 64), torch.randn(3, 64), torch.randn(35)
+    plan = chunk_plan(ds, 5 * 64)  # runs of 5 rows, across both weights
+    scratch = torch.empty(5 * 64)
+    y = streamed_matmul(x, ds, plan, scratch, lora_a, bias)
+    torch.testing.assert_close(y, torch.cat([x @ full.t(), x @ lora_a.t()], 1) + bias, rtol=1e-5, atol=1e-5)
+    assert y.is_contiguous() and y.shape == (5, 35)
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    from tests.rollout.test_compact import tiny as make
+
+    model4 = quantize_linears(make("qwen2", len(tok)))  # q/k/v biases; fp32 compute
+    plain = dequantized_copy(model4, "qwen2", len(tok))
+    model4, plain = with_lora(model4), with_lora(plain)
+    adapters = {k: v for k, v in model4.named_parameters() if "lora_" in k}
+    with torch.no_grad():
+        for k, v in plain.named_parameters():
+            if "lora_" in k:
+                v.copy_(adapters[k])
+    return model4, plain
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tests.conftest import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def prompts(tok):
+    texts = ["hello there", "a", "what is 2+2? answer:", "zzz", "The quick brown fox"]
+    return tok(texts, return_tensors="pt", padding=True)
+
+
+def test_resident_and_streamed_decode_the_dequantized_model(models, tok, monkeypatch):
+    model4, plain = models
+    batch = prompts(tok)
+    monkeypatch.setattr(four_bit, "STREAM_CHUNK", 3 * 32)  # runs of three rows: many runs per projection
+    reference = CompactDecoder(plain)
+    resident = CompactDecoder(model4, four_bit="resident")
+    streamed = CompactDecoder(model4, four_bit="streamed")
+    layers = CompactDecoder(model4, four_bit="layers")
+    assert {p.mode for p in resident._projections} == {"resident"} and resident.fused
+    assert {p.mode for p in streamed._projections} == {"streamed"} and not streamed.fused
+    assert {p.mode for p in layers._projections} == {"layers"}
+    # runs of at most 96 weights on whole 64-weight blocks: two rows of 32 inputs, one row of down's 64
+    assert streamed.scratch.numel() == max(p.chunk_numel for p in streamed._projections) == 64
+    assert min(len(p.plan) for p in streamed._projections) > 4
+    # resident: the dequantized weights in the plain path, bit for bit
+    for a, b in zip(resident._projections, reference._projections):
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.up, b.up)
+    runs = {}
+    for name, decoder in (("reference", reference), ("resident", resident), ("streamed", streamed), ("layers", layers)):
+        sampler = SlotDecoder(decoder, [], 2, 12, greedy=True)
+        runs[name] = sampler(batch["input_ids"], batch["attention_mask"])[0]
+    assert torch.equal(runs["resident"], runs["reference"])
+    assert torch.equal(runs["streamed"], runs["reference"])
+    assert torch.equal(runs["layers"], runs["reference"])  # bitsandbytes' own forward agrees
+
+
+def test_streamed_logits_match_the_4bit_models_forward(models, tok):
+    model4, _ = models
+    batch = prompts(tok)
+    decoder = CompactDecoder(model4, four_bit="streamed")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    lengths = mask.sum(1)
+    right = torch.stack([torch.cat([r[m.bool()], r[~m.bool()]]) for r, m in zip(ids, mask)])  # right-padded
+    cache = decoder.new_cache(len(ids), 64)
+    logits = decoder.prefill(right, lengths, torch.arange(len(ids)), cache)
+    with torch.no_grad():
+        expected = model4(input_ids=ids, attention_mask=mask).logits[:, -1].float()
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_streamed_runs_follow_adapter_updates_in_place(models, tok):
+    model4, _ = models
+    decoder = CompactDecoder(model4, four_bit="streamed")
+    proj = decoder.layers[0].qkv
+    lora_a, version = proj.lora_a, decoder.version
+    a = model4.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+    with torch.no_grad():
+        a.add_(1.0)
+        decoder.refresh()
+        assert proj.lora_a is lora_a and decoder.version == version  # same storage: recorded graphs stay valid
+        assert torch.equal(proj.lora_a[: a.shape[0]], a)
+        a.sub_(1.0)
+    decoder.refresh()
+
+
+def test_budget_picks_slots_and_rejects_bad_settings():
+    from scgrpo.rollout.engine import GenerationSettings
+
+    gib = 2**30
+    assert slots_within(budget=20 * gib, allocated=8 * gib, per_row=gib // 2, rows=64) == 19  # 0.8 * 12 / 0.5
+    assert slots_within(budget=20 * gib, allocated=8 * gib, per_row=gib // 2, rows=10) == 10
+    assert slots_within(budget=8 * gib, allocated=9 * gib, per_row=gib // 2, rows=64) == 1  # none fits: one
+    with pytest.raises(ValueError, match="four_bit"):
+        GenerationSettings(four_bit="fast")
+    with pytest.raises(ValueError, match="memory_budget_gib"):
+        GenerationSettings(memory_budget_gib=0)
+    assert four_bit.resident_fits(copy=6 * gib, left=12 * gib) and not four_bit.resident_fits(copy=7 * gib, left=12 * gib)
+
+
+def _kernel_device() -> str:
+    from scgrpo.rollout import kernels
+
+    if kernels.usable(torch.device("cpu")):
+        return "cpu"  # TRITON_INTERPRET=1
+    if torch.cuda.is_available() and kernels.AVAILABLE:
+        return "cuda"
+    pytest.skip("needs Triton on a GPU, or TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(40, 256), (64, 512)])
+def test_nf4_kernel_multiplies_by_bitsandbytes_values(storage, shape):
+    """The fused kernel's weights are bitsandbytes' dequantization bit for bit (one-hot rows read them out), its
+    products are the dequantized matmul's, and it writes a column slice of a wider output with the bias added."""
+    device = _kernel_device()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # (the interpreter's dots read bf16 as bits)
+    torch.manual_seed(0)
+    weight = packed(torch.randn(*shape, dtype=dtype), "nf4", storage)
+    if device == "cuda":
+        weight = weight.cuda()
+    full = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)  # [N, K]
+    d = Dequantizer(weight)
+    n, k = shape
+    eye = torch.eye(k, dtype=dtype, device=full.device)[:96]
+    assert d.kernel_runs(96) and not d.kernel_runs(129)  # decode-sized row counts only
+    out = torch.zeros(eye.shape[0], n, dtype=dtype, device=full.device)
+    d.matmul_into(eye, out)
+    assert torch.equal(out, full.t()[: eye.shape[0]])
+    x = torch.randn(5, k, dtype=dtype, device=full.device)
+    bias = torch.randn(n, dtype=dtype, device=full.device)
+    wide = torch.zeros(5, n + 7, dtype=dtype, device=full.device)
+    d.matmul_into(x, wide[:, 3 : 3 + n], bias)
+    expected = (x.float() @ full.float().t() + bias.float())
+    torch.testing.assert_close(wide[:, 3 : 3 + n].float(), expected, rtol=2e-2, atol=2e-2)
+    assert bool((wide[:, :3] == 0).all()) and bool((wide[:, 3 + n :] == 0).all())
