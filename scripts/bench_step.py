@@ -318,12 +318,10 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                for q in questions]
     results = []
-    defaults = (four_bit_module.STREAM_CHUNK, four_bit_module.NF4_KERNEL_ROWS, four_bit_module.NF4_TILES)
+    default_chunk = four_bit_module.STREAM_CHUNK
     for name, spec in cases.items():
         print(f"== {name}", flush=True)
-        four_bit_module.STREAM_CHUNK = spec.get("chunk", defaults[0])
-        four_bit_module.NF4_KERNEL_ROWS = defaults[1] if spec.get("kernel", True) else 0
-        four_bit_module.NF4_TILES = spec.get("tiles", defaults[2])
+        four_bit_module.STREAM_CHUNK = spec.get("chunk", default_chunk)
         settings = GenerationSettings(num_generations=group, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                       four_bit=spec["four_bit"], keep_workspace=True)
         torch.manual_seed(0)
@@ -342,9 +340,7 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
         gap = sampler_vs_trainer(policy, out, rows=8)
         seconds = statistics.median(times)
         result = {"case": name, "model": model, "quantization": "nf4", "lora": "r=16 alpha=32 all-linear",
-                  "four_bit": spec["four_bit"], "stream_chunk": four_bit_module.STREAM_CHUNK,
-                  "nf4_kernel": spec["four_bit"] == "streamed" and four_bit_module.NF4_KERNEL_ROWS >= rows,
-                  "nf4_tiles": four_bit_module.NF4_TILES, "rows": rows,
+                  "four_bit": spec["four_bit"], "stream_chunk": four_bit_module.STREAM_CHUNK, "rows": rows,
                   "new_tokens": new_tokens, "first_call_s": first, "seconds": times, "median_s": seconds,
                   "ms_per_decode_step": 1000 * seconds / new_tokens, "new_tok_s": rows * new_tokens / seconds,
                   "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -356,7 +352,7 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
         results.append(result)
         release_rollout_workspaces()
         torch.cuda.empty_cache()
-    four_bit_module.STREAM_CHUNK, four_bit_module.NF4_KERNEL_ROWS, four_bit_module.NF4_TILES = defaults
+    four_bit_module.STREAM_CHUNK = default_chunk
     del policy
     torch.cuda.empty_cache()
     return results
@@ -446,13 +442,8 @@ def main() -> None:
         qwen = random_qwen_folder(smollm2, args.shape)
         for mode in ("layers", "streamed", "resident"):  # 4-bit sampling, 64 rows: before (layers) and after
             sampling[f"qwen8b_sampling_{mode}"] = dict(four_bit=mode)
-        # streamed without the fused nf4 kernel: each weight dequantized whole, then cuBLAS (or in runs of 8M)
-        sampling["qwen8b_sampling_streamed_cublas"] = dict(four_bit="streamed", kernel=False)
-        sampling["qwen8b_sampling_streamed_cublas_8m"] = dict(four_bit="streamed", kernel=False, chunk=1 << 23)
-        for tiles in ((64, 256, 4, 3), (32, 128, 4, 4), (16, 512, 4, 3)):  # other tiles of the kernel
-            sampling["qwen8b_sampling_streamed_tiles_" + "_".join(map(str, tiles))] = dict(four_bit="streamed",
-                                                                                         tiles=tiles)
-        common = dict(model=qwen, objective="scgrpo", prompts=8, group=8, gradient_checkpointing=True,
+        sampling["qwen8b_sampling_streamed_8m"] = dict(four_bit="streamed", chunk=1 << 23)  # in runs of 8M weights
+        common = dict(model=qwen, objective="scgrpo", quantization="nf4", prompts=8, group=8, gradient_checkpointing=True,
                       coin_flip_rewards=True, keep_workspace=False)
         # 1,024 tokens with the settings (micro-batches of 4 rows); four_bit auto: resident on an 80 GB card
         cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, **common)
@@ -484,14 +475,17 @@ def main() -> None:
             with open(out, "w") as f:
                 json.dump(payload, f, indent=1)
 
+    unknown = wanted - set(cases) - set(sampling)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; this suite has {sorted(cases) + sorted(sampling)}")
     chosen = {k: v for k, v in sampling.items() if not wanted or k in wanted}
     if chosen:
         results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
                                       repeats=args.repeats)
         save()
-    for name, kwargs in cases.items():
-        if wanted and name not in wanted:
-            continue
+    order = [n for n in args.cases.split(",") if n in cases] if wanted else list(cases)  # as --cases lists them
+    for name in order:
+        kwargs = cases[name]
         print(f"== {name}", flush=True)
         if args.max_new:
             kwargs.update(max_new=args.max_new, min_new=min(kwargs.get("min_new", 0), args.max_new))

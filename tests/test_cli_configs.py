@@ -39,7 +39,8 @@ def test_there_are_configs():
     assert {"route_partial_only.yaml", "route_single.yaml", "route_all.yaml", "c_p50.yaml", "c_p75.yaml", "c_p90.yaml",
             "c_fixed.yaml", "alpha_0.1.yaml", "alpha_0.2.yaml", "additive_forward_kl.yaml", "opsd_oracle.yaml",
             "buffer_references.yaml"} <= ablations
-    assert {"qlora_scgrpo_arith.yaml", "qlora_grpo_arith.yaml", "fsdp_scgrpo_arith.yaml", "fsdp_grpo_arith.yaml"} <= names
+    assert {"qlora_scgrpo_arith.yaml", "qlora_grpo_arith.yaml", "qlora_scgrpo_consumer.yaml", "fsdp_scgrpo_arith.yaml",
+            "fsdp_grpo_arith.yaml"} <= names
 
 
 SINGLE_PROCESS = [c for c in CONFIGS if not os.path.basename(c).startswith("fsdp_")]  # fsdp: tests/distributed

@@ -218,7 +218,7 @@ def test_4bit_runs_are_bitsandbytes_own_dequantization_on_the_gpu(storage):
     assert torch.equal(out, expected)
 
 
-def test_4bit_resident_and_streamed_decoding_in_graphs(tiny_model_dir):
+def test_4bit_resident_and_streamed_decoding_in_graphs(tmp_path):
     """A QLoRA policy (nf4, bf16 compute, LoRA with non-zero B's) on the GPU: the resident copy is bitsandbytes'
     dequantization, and the streamed runs (block kernels, CUDA graphs) decode the same model: greedy tokens agree
     up to bf16's rounding in other matmul orders."""
@@ -226,8 +226,13 @@ def test_4bit_resident_and_streamed_decoding_in_graphs(tiny_model_dir):
     import bitsandbytes as bnb
 
     from scgrpo.models import LoraSettings, load_policy
+    from tests.conftest import build_tokenizer
+    from tests.rollout.test_compact import tiny
 
-    policy, tok = load_policy(tiny_model_dir, torch.bfloat16, LoraSettings(r=4, alpha=8), "nf4", torch.device("cuda"))
+    tok = build_tokenizer()  # a Qwen2 block with heads of 32 (the attention and block kernels' smallest)
+    tiny("qwen2", len(tok), hidden_size=128, num_attention_heads=4, intermediate_size=256).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    policy, tok = load_policy(str(tmp_path), torch.bfloat16, LoraSettings(r=4, alpha=8), "nf4", torch.device("cuda"))
     policy.eval()
     torch.manual_seed(1)
     with torch.no_grad():

@@ -22,8 +22,9 @@ SiLU-gated MLP. :class:`CompactDecoder` runs that block with
 
 Nothing here is tied to a fixed batch or length: :mod:`scgrpo.rollout.slots` records the decode step as a CUDA
 graph per slot count (and, for PyTorch attention, per length bucket). Models it cannot run exactly (another block, sliding windows that a run can
-reach, dynamic RoPE, DoRA, 4-bit linear layers with fused projections unsupported, sharded weights) are
-reported by :func:`unsupported_reason` and decoded through the Hugging Face forward instead.
+reach, dynamic RoPE, DoRA, sharded weights) are reported by :func:`unsupported_reason` and decoded through the
+Hugging Face forward instead. A 4-bit (bitsandbytes) base is dequantized with bitsandbytes' own kernel, once per
+rollout or inside each step (:mod:`scgrpo.rollout.four_bit`), or run through its layers' own forwards.
 """
 
 from __future__ import annotations

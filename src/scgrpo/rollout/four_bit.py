@@ -22,69 +22,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from scgrpo.rollout.kernels import AVAILABLE
-from scgrpo.rollout.kernels import usable as triton_usable
-
-# weights dequantized at a time by a streamed projection whose rows the nf4 kernel does not take (prefills, fp4):
-# whole weights (on an H100, 8B shape, 64 rows: 20.4 ms a decode step, against 23.4 ms in runs of 8M weights
-# sized for the L2 cache: scripts/bench_step.py --suite qwen8b, benchmarks/results/bench_qwen8b_sampling_h100.json)
+# weights dequantized at a time by a streamed projection: whole weights (on an H100, 8B shape, 64 rows: 20.4 ms a
+# decode step, against 23.4 ms in runs of 8M weights sized for the L2 cache; scripts/bench_step.py --suite qwen8b,
+# benchmarks/results/bench_qwen8b_sampling_dequant_h100.json)
 STREAM_CHUNK = 1 << 30
-# rows up to which a streamed nf4 projection is the fused kernel below (decode steps); above, dequantize + cuBLAS
-NF4_KERNEL_ROWS = 128
-# the kernel's tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) for every width when set; see nf4_launch
-NF4_TILES: Optional[tuple] = None
-
-if AVAILABLE:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _nf4_matmul_kernel(
-        x, stride_x,  # [M, K] in the model dtype
-        packed,  # [N * K / 2] bytes: element 2j of the flattened weight in byte j's high nibble, 2j + 1 in its low
-        scales,  # [N * K / BLOCKSIZE] fp32 block scales
-        code,  # [16] fp32: the 4-bit code's values
-        bias,  # [N] (HAS_BIAS)
-        out, stride_out,  # [M, N] (a column slice of a wider output: row stride stride_out)
-        M, N,
-        K: tl.constexpr, BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        """Program (j, i): outputs j * BLOCK_N ... of rows i * BLOCK_M .... Each weight is dequantized as
-        bitsandbytes does, the code value times the block's fp32 scale rounded once to the model dtype, and
-        multiplied by x's even and odd columns apart (two dots, no interleaving)."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        half = tl.arange(0, BLOCK_K // 2)
-        rmask, cmask = rows < M, cols < N
-        dtype = out.dtype.element_ty
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            even = k0 + 2 * half  # [BK/2]
-            byte = tl.load(packed + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
-            scale = tl.load(scales + cols[:, None] * (K // BLOCKSIZE) + (even // BLOCKSIZE)[None, :],
-                            mask=cmask[:, None], other=0.0)
-            w_even = (tl.load(code + ((byte >> 4) & 15).to(tl.int32)) * scale).to(dtype)  # [BN, BK/2]
-            w_odd = (tl.load(code + (byte & 15).to(tl.int32)) * scale).to(dtype)
-            x_even = tl.load(x + rows[:, None] * stride_x + even[None, :], mask=rmask[:, None], other=0.0)
-            x_odd = tl.load(x + rows[:, None] * stride_x + (even + 1)[None, :], mask=rmask[:, None], other=0.0)
-            acc = tl.dot(x_even, tl.trans(w_even), acc)
-            acc = tl.dot(x_odd, tl.trans(w_odd), acc)
-        if HAS_BIAS:
-            acc += tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out + rows[:, None] * stride_out + cols[None, :], acc.to(dtype), mask=rmask[:, None] & cmask[None, :])
-
-
-def nf4_launch(rows: int, n: int, k: int) -> Optional[dict]:
-    """The kernel's tiles for ``rows`` x ``k`` inputs and ``n`` outputs, or None where it does not run (``k`` not a
-    multiple of a tile)."""
-    block_n, block_k, warps, stages = NF4_TILES or (32 if n <= 8192 else 64, 256, 4, 3)
-    while block_k > 32 and k % block_k:
-        block_k //= 2
-    if k % block_k:
-        return None
-    block_m = max(16, min(64, 1 << max(0, (rows - 1).bit_length())))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
 def resident_fits(copy: int, left: int) -> bool:
@@ -114,19 +55,6 @@ def block_scales(state) -> Tensor:
     absmax = dequantize_blockwise(state.absmax, state.state2)
     absmax += state.offset
     return absmax.float()
-
-
-_CODES: dict = {}
-
-
-def code_table(quant_type: str, device: torch.device) -> Tensor:
-    """The 16 fp32 values of a 4-bit code (bitsandbytes' own table), one copy per device."""
-    key = (quant_type, str(device))
-    if key not in _CODES:
-        from bitsandbytes.functional import get_4bit_type
-
-        _CODES[key] = get_4bit_type(quant_type, device=device).float().contiguous()
-    return _CODES[key]
 
 
 class Dequantizer:
@@ -166,28 +94,6 @@ class Dequantizer:
 
     def release(self) -> None:
         self.scales = None
-
-    def kernel_runs(self, rows: int) -> bool:
-        """Whether :meth:`matmul_into` takes ``rows`` rows (nf4, whole blocks per weight row, Triton's device)."""
-        return (self.quant_type == "nf4" and rows <= NF4_KERNEL_ROWS and self.cols % self.blocksize == 0
-                and self.cols % 2 == 0 and triton_usable(self.weight.device)
-                and nf4_launch(rows, self.rows, self.cols) is not None)
-
-    def matmul_into(self, x: Tensor, out: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-        """``x W^T (+ bias)`` into ``out`` ``[M, N]`` (rows contiguous; a column slice is fine) with the fused
-        kernel: the weight dequantized tile by tile as :meth:`into` would, never written out."""
-        self.prepare()
-        packed = self.weight.data.reshape(-1)
-        if packed.dtype != torch.uint8:
-            packed = packed.view(torch.uint8)
-        m = x.shape[0]
-        launch = nf4_launch(m, self.rows, self.cols)
-        grid = (triton.cdiv(self.rows, launch["BLOCK_N"]), triton.cdiv(m, launch["BLOCK_M"]))
-        code = code_table(self.quant_type, x.device)
-        _nf4_matmul_kernel[grid](x, x.stride(0), packed, self.scales, code, bias if bias is not None else x,
-                                 out, out.stride(0), m, self.rows, K=self.cols, BLOCKSIZE=self.blocksize,
-                                 HAS_BIAS=bias is not None, **launch)
-        return out
 
     def into(self, out: Tensor, start: int = 0, end: Optional[int] = None) -> Tensor:
         """Rows ``[start, end)`` of the weight, dequantized into ``out`` (contiguous, ``[end - start, K]``, the
@@ -232,16 +138,6 @@ def streamed_matmul(x: Tensor, dequantizers: list[Dequantizer], plan: list[tuple
     m = x.shape[0]
     out = sum(d.rows for d in dequantizers)
     rank = 0 if lora_a is None else lora_a.shape[0]
-    if all(d.kernel_runs(m) for d in dequantizers):  # decode steps: nf4 tiles dequantized inside the matmul
-        x = x.contiguous()
-        y = torch.empty(m, out + rank, dtype=x.dtype, device=x.device)
-        at = 0
-        for d in dequantizers:
-            d.matmul_into(x, y[:, at : at + d.rows], None if bias is None else bias[at : at + d.rows])
-            at += d.rows
-        if rank:
-            y[:, out:] = x @ lora_a.t() if bias is None else torch.addmm(bias[out:], x, lora_a.t())
-        return y
     y_t = torch.empty(out + rank, m, dtype=x.dtype, device=x.device)
     x_t = x.t()
     cols = dequantizers[0].cols
