@@ -149,7 +149,19 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
             + f". Sampler-trainer log-prob mismatch (8 rows) {after['logprob_mismatch_mean']:.3f} mean resident, "
               f"{before['logprob_mismatch_mean']:.3f} with the layers' forwards",
         )
-    one_k = steps.get("qwen8b_scgrpo_1k")
+    one_k, old = steps.get("qwen8b_scgrpo_1k"), steps.get("qwen8b_scgrpo_1k_layers")
+    if (one_k and old and old.get("quantization") == one_k.get("quantization") == "nf4"
+            and old["file"] == one_k["file"]):  # the rollouts inside full 1,024-token steps, one call: preferred
+        name = "qlora_8b_sampling_over_before"
+        summary[name] = entry(
+            name, old["time_generation_s"] / one_k["time_generation_s"], one_k["card"], one_k["command"],
+            "random Qwen3-8B-shaped model, nf4 + LoRA r=16, the rollouts (8 prompts x G=8, 1,024 tokens forced) of "
+            f"SC-GRPO steps in one call ({one_k['file']}): the 4-bit layers' own forwards in the decode step "
+            f"(four_bit: layers, the engine before) {old['time_generation_s']:.1f} s "
+            f"({1000 * old['time_generation_s'] / 1024:.1f} ms a decode step), four_bit auto "
+            f"{one_k['time_generation_s']:.1f} s ({1000 * one_k['time_generation_s'] / 1024:.1f} ms); "
+            + summary.get(name, {}).get("note", ""),
+        )
     if one_k and one_k.get("quantization") == "nf4":
         name = "qlora_8b_1k_step_s"
         summary[name] = entry(

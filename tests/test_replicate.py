@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -175,6 +176,11 @@ def test_a_pid_file_holds_a_run_only_while_its_process_trains_it_and_a_broken_re
     assert replicate.busy(str(work)) is None  # no pid file
     sleeper = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(30)", str(work)])
     try:
+        for _ in range(200):  # until the child has exec'd (before, its command line is still this process's)
+            with open(f"/proc/{sleeper.pid}/cmdline", "rb") as f:
+                if str(work).encode() in f.read():
+                    break
+            time.sleep(0.01)
         (work / "pid").write_text(str(sleeper.pid))
         assert replicate.busy(str(work)) == sleeper.pid  # alive, and training this folder (its command names it)
         (work / "pid").write_text(str(os.getppid()))  # alive, but another program: the pid was given away

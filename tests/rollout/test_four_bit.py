@@ -183,3 +183,24 @@ def test_budget_picks_slots_and_rejects_bad_settings():
         GenerationSettings(memory_budget_gib=0)
     assert four_bit.resident_fits(copy=6 * gib, left=12 * gib) and not four_bit.resident_fits(copy=7 * gib, left=12 * gib)
 
+
+
+@pytest.mark.parametrize("mode", ["resident", "streamed"])
+def test_release_frees_every_copy(models, mode):
+    """After ``release`` (keep_workspace: false) no concatenated weight, A rows, scratch or fp32 scale is left alive
+    (a view that refresh writes through would keep a whole resident copy: 2 bytes a weight of an 8B model)."""
+    import gc
+    import weakref
+
+    model4, _ = models
+    decoder = CompactDecoder(model4, four_bit=mode)
+    held = [weakref.ref(t) for p in decoder._projections
+            for t in (p.weight, p.lora_a, p.up, *(d.scales for d in p.dequantizers)) if t is not None]
+    if decoder.scratch is not None:
+        held.append(weakref.ref(decoder.scratch))
+    assert len(held) >= 2 * len(decoder._projections)
+    decoder.release()
+    gc.collect()
+    assert [r for r in held if r() is not None] == []
+    decoder.refresh()  # rebuilt, and decodes as before
+    assert all(p.weight is not None for p in decoder._projections) == (mode == "resident")

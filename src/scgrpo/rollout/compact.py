@@ -211,8 +211,10 @@ class Projection:
         return sum(n * self.width for n in self.sizes) * torch.empty(0, dtype=self.dtype).element_size()
 
     def release(self) -> None:
-        """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`)."""
+        """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`), and the views into
+        them that refresh writes through (a view keeps its whole storage alive)."""
         self.weight = self.bias = self.up = self.lora_a = self.scratch = None
+        self._targets, self._lora_targets = [], []
         for d in self.dequantizers:
             d.release()
         self._layout = None
