@@ -184,7 +184,6 @@ def test_budget_picks_slots_and_rejects_bad_settings():
     assert four_bit.resident_fits(copy=6 * gib, left=12 * gib) and not four_bit.resident_fits(copy=7 * gib, left=12 * gib)
 
 
-
 @pytest.mark.parametrize("mode", ["resident", "streamed"])
 def test_release_frees_every_copy(models, mode):
     """After ``release`` (keep_workspace: false) no concatenated weight, A rows, scratch or fp32 scale is left alive
@@ -204,3 +203,27 @@ def test_release_frees_every_copy(models, mode):
     assert [r for r in held if r() is not None] == []
     decoder.refresh()  # rebuilt, and decodes as before
     assert all(p.weight is not None for p in decoder._projections) == (mode == "resident")
+
+
+def test_new_decoder_options_free_the_old_decoders_copies_first(models, tok, monkeypatch):
+    """Changing four_bit/memory_budget_gib rebuilds the decoder: the old one's resident copy is released before the
+    new one is built (else both copies are held at once, and ``auto`` counts the old one as used memory)."""
+    from scgrpo.rollout import compact
+    from scgrpo.rollout.engine import GenerationSettings, compact_decoder, release_rollout_workspaces
+
+    model4, _ = models
+    old = compact_decoder(model4, GenerationSettings(four_bit="resident"), 64)["decoder"]
+    assert old.layers[0].qkv.weight is not None
+    seen = []
+
+    original = compact.CompactDecoder.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(old.layers[0].qkv.weight is None)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(compact.CompactDecoder, "__init__", spy)
+    new = compact_decoder(model4, GenerationSettings(four_bit="streamed"), 64)["decoder"]
+    assert seen == [True] and new.four_bit == "streamed"
+    release_rollout_workspaces()
+    assert all(d.scales is None for p in new._projections for d in p.dequantizers) and new.scratch is None

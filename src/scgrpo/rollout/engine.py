@@ -51,9 +51,10 @@ class GenerationSettings:
     four_bit: str = "auto"
     """How the compact forward multiplies by a 4-bit (QLoRA) base, with bitsandbytes' own dequantization (the
     values training multiplies by): "resident" dequantizes the base once per rollout into a copy in the model dtype
-    (2 bytes a weight while sampling), "streamed" a few million weights at a time inside every decode step (no
-    copy; slower), "auto" resident when that copy takes at most half the memory left (see memory_budget_gib), else
-    streamed; "layers" calls the 4-bit layers' own forwards"""
+    (2 bytes a weight while sampling), "streamed" one weight at a time inside every decode step (no copy: a
+    scratch as big as the largest weight, and fp32 block scales; slower), "auto" resident when that copy takes at
+    most half the memory left (see memory_budget_gib), else streamed; "layers" calls the 4-bit layers' own
+    forwards"""
     keep_workspace: bool = True
     """Keep the compact forward's KV cache, CUDA graphs and fused weight copies between rollouts (no
     re-recording; that memory stays allocated during the update). False frees them after each rollout"""
@@ -353,9 +354,10 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
         settings.compile == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None)
     options = (compile_layers, settings.four_bit, settings.memory_budget_gib)
     if entry is None or "decoder" not in entry or entry["options"] != options:
-        if entry is not None:
-            for sampler in entry.get("samplers", {}).values():
-                sampler.release()
+        if entry is not None:  # the old workspaces and weight copies go before the new decoder takes its own
+            _release_entry(entry)
+            _DECODERS.pop(model, None)
+            entry = None
         decoder = CompactDecoder(model, compile_layers=compile_layers, four_bit=settings.four_bit,
                                  memory_budget=budget_bytes(settings.memory_budget_gib))
         entry = _DECODERS[model] = {"decoder": decoder, "options": options, "samplers": {}}
@@ -367,11 +369,18 @@ def budget_bytes(gib: Optional[float]) -> Optional[int]:
     return None if gib is None else int(gib * 2**30)
 
 
+def _release_entry(entry: dict) -> None:
+    """Frees an entry's samplers' workspaces and its decoder's weight copies (whatever still refers to them)."""
+    for sampler in entry.get("samplers", {}).values():
+        sampler.release()
+    if "decoder" in entry:
+        entry["decoder"].release()
+
+
 def release_rollout_workspaces() -> None:
-    """Frees every kept compact-engine workspace (KV caches, CUDA graphs) and forgets the decoders."""
+    """Frees every kept compact-engine workspace (KV caches, CUDA graphs, weight copies) and forgets the decoders."""
     for entry in list(_DECODERS.values()):
-        for sampler in entry.get("samplers", {}).values():
-            sampler.release()
+        _release_entry(entry)
     _DECODERS.clear()
 
 

@@ -7,8 +7,8 @@ dequantization, so it samples with exactly the values the trainer multiplies by 
 - **resident**: once per rollout, into the projection's concatenated bf16 weight (2 bytes a weight for the
   rollout's length; the plain-weight decode path then runs unchanged: block kernels, LoRA inside the matmuls,
   CUDA graphs);
-- **streamed**: in every decode step, a few million weights at a time into one scratch buffer that each matmul
-  reads while it is still in the GPU's L2 cache (a few tens of MB of scratch in all, instead of 2 bytes a
+- **streamed**: in every decode step, one whole weight at a time (:data:`STREAM_CHUNK`) into one scratch buffer
+  that the next matmul reads (the largest weight's size in all, ~100 MB for an 8B model, instead of 2 bytes a
   weight). The double-quantised block scales are expanded to fp32 once per workspace, as bitsandbytes
   expands them before each dequantization.
 
