@@ -442,11 +442,15 @@ def main() -> None:
         qwen = random_qwen_folder(smollm2, args.shape)
         for mode in ("layers", "streamed", "resident"):  # 4-bit sampling, 64 rows: before (layers) and after
             sampling[f"qwen8b_sampling_{mode}"] = dict(four_bit=mode)
+        sampling["qwen8b_sampling_streamed_whole"] = dict(four_bit="streamed", chunk=1 << 30)  # (the default)
         sampling["qwen8b_sampling_streamed_8m"] = dict(four_bit="streamed", chunk=1 << 23)  # in runs of 8M weights
         common = dict(model=qwen, objective="scgrpo", quantization="nf4", prompts=8, group=8, gradient_checkpointing=True,
                       coin_flip_rewards=True, keep_workspace=False)
         # 1,024 tokens with the issue's settings (micro-batches of 4 rows); four_bit auto: resident on an 80 GB card
         cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, **common)
+        # the same step with the base in bf16 (no quantization): the bf16 level of the sampler-trainer mismatch
+        cases["qwen8b_bf16_lora_scgrpo_1k"] = dict(common, max_new=1024, min_new=1024, micro_batch_size=4,
+                                                   quantization=None)
         # ... and as before the 4-bit decode paths: the 4-bit layers' own forwards in the decode step
         cases["qwen8b_scgrpo_1k_layers"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, four_bit="layers",
                                                steps=1, warmup=0, **common)

@@ -227,3 +227,14 @@ def test_new_decoder_options_free_the_old_decoders_copies_first(models, tok, mon
     assert seen == [True] and new.four_bit == "streamed"
     release_rollout_workspaces()
     assert all(d.scales is None for p in new._projections for d in p.dequantizers) and new.scratch is None
+
+
+def test_auto_keeps_a_resident_copy_only_while_sampling(models):
+    """``four_bit: auto`` dequantizes the base into a resident copy only when the workspace is freed after each
+    rollout (else the copy would sit through the update: 2 bytes a weight); kept workspaces stream."""
+    model4, plain = models
+    for model, kept, expected in ((model4, True, "streamed"), (model4, False, "resident"), (plain, True, "resident")):
+        decoder = CompactDecoder(model, four_bit="auto", keep_workspace=kept)
+        assert decoder.four_bit == expected
+    with pytest.raises(ValueError, match="four_bit"):
+        CompactDecoder(model4, four_bit="fast")

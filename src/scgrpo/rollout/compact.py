@@ -185,6 +185,9 @@ class Projection:
             self.mode = four_bit
         else:
             self.mode = "layers"
+            if four_bit in ("resident", "streamed") and all(s is not None for s in states):
+                log.info("4-bit weights stored for %s, the model computes in %s: their layers' own forwards decode them",
+                         states[0].dtype, dtype)
         self.fused = self.mode in ("plain", "resident")  # one matmul over ``weight``
         self.streamed = self.mode == "streamed"
         self.dequantizers: list[Dequantizer] = []
@@ -525,7 +528,7 @@ class CompactDecoder:
 
     def __init__(self, model, compile_layers: bool = False, block_kernels: Optional[bool] = None,
                  lora_matmul_rows: Optional[int] = None, four_bit: str = "auto",
-                 memory_budget: Optional[int] = None) -> None:
+                 memory_budget: Optional[int] = None, keep_workspace: bool = False) -> None:
         causal_lm = _inner(model)
         self.config = config = causal_lm.config
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
@@ -547,7 +550,7 @@ class CompactDecoder:
         linears = [m for block in backbone.layers for m in (
             block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
             block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj)]
-        self.four_bit = self._four_bit_mode(four_bit, linears, memory_budget)
+        self.four_bit = self._four_bit_mode(four_bit, linears, memory_budget, keep_workspace)
         self.layers: list[Layer] = []
         for block in backbone.layers:
             attn, mlp = block.self_attn, block.mlp
@@ -581,7 +584,8 @@ class CompactDecoder:
         self.compiled = bool(compile_layers and self.fused)  # (the sampling is compiled too)
         self.block_failed = False
         # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
-        self.fused_attention = self.fused and kernels.usable(self.device) and kernels.supports(self.head_dim)
+        self.fused_attention = (all(p.mode != "layers" for p in self._projections) and kernels.usable(self.device)
+                                and kernels.supports(self.head_dim))
         self._spans: Optional[dict] = None
         self._build_steps()
         # with the block kernels and compile on, a LoRA-free add-and-norm or gated activation (LoRA terms inside
@@ -660,10 +664,12 @@ class CompactDecoder:
         self.version += 1
 
     @staticmethod
-    def _four_bit_mode(requested: str, linears: list, memory_budget: Optional[int]) -> str:
+    def _four_bit_mode(requested: str, linears: list, memory_budget: Optional[int], keep_workspace: bool) -> str:
         """How 4-bit base layers are multiplied by (see :mod:`scgrpo.rollout.four_bit`): ``requested``, or for
-        "auto" "resident" when a float copy of them takes at most half of the memory left (``memory_budget`` bytes
-        for the whole process, else the card's free memory), "streamed" otherwise."""
+        "auto" "resident" when the workspace is freed after each rollout (``keep_workspace`` false: the copy then
+        lives only while sampling, not through the update) and a float copy of the layers takes at most half of
+        the memory left (``memory_budget`` bytes for the whole process, else the card's free memory), "streamed"
+        otherwise."""
         if requested not in FOUR_BIT_MODES:
             raise ValueError(f"four_bit={requested!r}: expected one of {FOUR_BIT_MODES}")
         if requested != "auto":
@@ -673,6 +679,8 @@ class CompactDecoder:
             return "resident"  # (nothing is 4-bit: the setting does not matter)
         copy = sum(int(s.shape[0]) * int(s.shape[1]) * torch.empty(0, dtype=s.dtype).element_size()
                    for s in states if s is not None)
+        if keep_workspace:
+            return "streamed"
         device = _base_layer(linears[0]).weight.device
         if device.type != "cuda":
             return "resident"

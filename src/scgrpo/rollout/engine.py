@@ -52,9 +52,9 @@ class GenerationSettings:
     """How the compact forward multiplies by a 4-bit (QLoRA) base, with bitsandbytes' own dequantization (the
     values training multiplies by): "resident" dequantizes the base once per rollout into a copy in the model dtype
     (2 bytes a weight while sampling), "streamed" one weight at a time inside every decode step (no copy: a
-    scratch as big as the largest weight, and fp32 block scales; slower), "auto" resident when that copy takes at
-    most half the memory left (see memory_budget_gib), else streamed; "layers" calls the 4-bit layers' own
-    forwards"""
+    scratch as big as the largest weight, and fp32 block scales; slower), "auto" resident when keep_workspace is
+    false (the copy is then freed before the update) and the copy takes at most half the memory left (see
+    memory_budget_gib), else streamed; "layers" calls the 4-bit layers' own forwards"""
     keep_workspace: bool = True
     """Keep the compact forward's KV cache, CUDA graphs and fused weight copies between rollouts (no
     re-recording; that memory stays allocated during the update). False frees them after each rollout"""
@@ -352,14 +352,15 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
     device = next(model.parameters()).device
     compile_layers = settings.compile == "on" or (
         settings.compile == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None)
-    options = (compile_layers, settings.four_bit, settings.memory_budget_gib)
+    options = (compile_layers, settings.four_bit, settings.memory_budget_gib, settings.keep_workspace)
     if entry is None or "decoder" not in entry or entry["options"] != options:
         if entry is not None:  # the old workspaces and weight copies go before the new decoder takes its own
             _release_entry(entry)
             _DECODERS.pop(model, None)
             entry = None
         decoder = CompactDecoder(model, compile_layers=compile_layers, four_bit=settings.four_bit,
-                                 memory_budget=budget_bytes(settings.memory_budget_gib))
+                                 memory_budget=budget_bytes(settings.memory_budget_gib),
+                                 keep_workspace=settings.keep_workspace)
         entry = _DECODERS[model] = {"decoder": decoder, "options": options, "samplers": {}}
     entry["decoder"].refresh()
     return entry
