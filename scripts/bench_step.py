@@ -122,9 +122,11 @@ class CoinFlipVerifier(Verifier):
 class StepRecorder(Callback):
     """Per step: the module's own phase timings and token counts, wall time and peak GPU memory."""
 
-    def __init__(self, snapshot: Optional[str] = None, snapshot_step: int = -1) -> None:
+    def __init__(self, snapshot: Optional[str] = None, snapshot_step: int = -1, profile: Optional[str] = None) -> None:
         self.steps: list[dict[str, float]] = []
         self._start: Optional[float] = None
+        # torch.profiler over the snapshot step (the last measured one), its kernel table written to ``profile``
+        self.profile, self._profiler = profile, None
         # the allocator's trace of every step up to this one, to a file (scripts/memory_peaks.py reads it)
         self.snapshot, self.snapshot_step = snapshot, snapshot_step
         self._calls = 0
@@ -146,6 +148,12 @@ class StepRecorder(Callback):
             if self.snapshot:
                 self.step_start_mark()
         self._calls += 1
+        if self.profile and self._calls - 1 == self.snapshot_step:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
         now = time.perf_counter()
         if self._start is not None and self.steps:
             self.steps[-1]["wall_s"] = now - self._start  # one step's start to the next one's
@@ -166,12 +174,31 @@ class StepRecorder(Callback):
                 torch.cuda.memory._record_memory_history(enabled=None)
                 with open(self.snapshot, "wb") as f:
                     pickle.dump(trace, f)
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            write_profile(self._profiler, self.profile)
+            self._profiler = None
         record["end_s"] = time.perf_counter() - self._start
         self.steps.append(record)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.steps and "wall_s" not in self.steps[-1]:
             self.steps[-1]["wall_s"] = self.steps[-1]["end_s"]  # the last step has no successor
+
+
+def write_profile(profiler, path: str) -> None:
+    """A step's profile as text: the phases (``scgrpo.*`` ranges: sampling, teacher pass, update) and the 40
+    operations with the most GPU time (self time, so that nested calls are not counted twice)."""
+    events = profiler.key_averages()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    total = "device_time_total" if hasattr(events[0], "device_time_total") else f"{device}_time_total"
+    phases = sorted((e for e in events if e.key.startswith("scgrpo.")), key=lambda e: e.key)
+    lines = ["phase  wall (CPU-side) ms  GPU ms"]
+    lines += [f"{e.key}  {e.cpu_time_total / 1e3:.1f}  {getattr(e, total, 0) / 1e3:.1f}" for e in phases]
+    sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else f"self_{device}_time_total"
+    lines += ["", events.table(sort_by=sort, row_limit=40, max_name_column_width=80)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
 
 
 def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
@@ -208,7 +235,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              cuda_graphs: bool = True, lr: float = 1e-5, coin_flip_rewards: bool = False,
              decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True,
              logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None, four_bit: str = "auto",
-             memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None) -> dict[str, Any]:
+             memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None,
+             profile: Optional[str] = None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -238,7 +266,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         verifier=CoinFlipVerifier() if coin_flip_rewards else None,
     )
     data = PromptDataModule(source="arithmetic", batch_size=prompts, eval_splits=[])
-    recorder = StepRecorder(memory_snapshot, warmup + steps - 1)
+    recorder = StepRecorder(memory_snapshot, warmup + steps - 1, profile)
     root = tempfile.mkdtemp(prefix="scgrpo-bench-")
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
@@ -402,6 +430,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="qwen1p5b, qwen8b: a tokenizer folder for the random model (default: --model's)")
     parser.add_argument("--max-new", type=int, default=None, help="override the suite's completion length")
+    parser.add_argument("--profile", default=None,
+                        help="write a torch.profiler table of each case's last step to PATH (case name appended): "
+                             "GPU time of the phases and of the 40 heaviest operations")
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "
                              "for scripts/memory_peaks.py")
@@ -495,7 +526,8 @@ def main() -> None:
             kwargs.update(max_new=args.max_new, min_new=min(kwargs.get("min_new", 0), args.max_new))
         kwargs = {"steps": args.steps, "warmup": args.warmup, **kwargs}
         snapshot = f"{args.memory_snapshot}.{name}.pkl" if args.memory_snapshot else None
-        result = run_case(name, memory_snapshot=snapshot, **kwargs)
+        profile = f"{args.profile}.{name}.txt" if args.profile else None
+        result = run_case(name, memory_snapshot=snapshot, profile=profile, **kwargs)
         results.append(result)
         brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "steps"}
         print(json.dumps(brief), flush=True)

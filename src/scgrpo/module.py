@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
+from torch.profiler import record_function
 
 from scgrpo.callbacks import (
     AdapterExport,
@@ -334,7 +335,7 @@ class RLVRModule(LightningModule):
         policy is sharded, its parameters are gathered once for the whole decode loop."""
 
         def run() -> Generated:
-            with full_parameters(self.runner):
+            with full_parameters(self.runner), record_function("scgrpo.sample"):
                 settings = self.generation
                 if self.sharded and settings.merge_lora == "always":
                     settings = dataclasses.replace(settings, merge_lora="never")  # weights are FSDP's views
@@ -397,7 +398,8 @@ class RLVRModule(LightningModule):
                 rollouts.stats["time/scoring_s"] = time.perf_counter() - start
             # verification and DAPO's extra rounds belong to the rollout phase; the scoring pass, when run, to its own
             self.phase_peak(rollouts.stats, "scoring" if "time/scoring_s" in rollouts.stats else "rollout")
-            signal = self.run_self_teacher(rollouts)
+            with record_function("scgrpo.teacher"):
+                signal = self.run_self_teacher(rollouts)
             if signal is not None:
                 self.phase_peak(rollouts.stats, "teacher")
             start = time.perf_counter()
@@ -410,7 +412,8 @@ class RLVRModule(LightningModule):
         for iteration in range(objective.num_iterations):
             self._first_pass = iteration == 0
             if reason is None:
-                self.accumulate_gradients(rollouts, plan, sums)
+                with record_function("scgrpo.update"):
+                    self.accumulate_gradients(rollouts, plan, sums)
                 reason = self._clip_gradients(plan, sums)
                 if reason is None and iteration == 0:
                     self._keep_good_weights()
