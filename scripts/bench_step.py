@@ -526,7 +526,8 @@ def main() -> None:
             kwargs.update(max_new=args.max_new, min_new=min(kwargs.get("min_new", 0), args.max_new))
         kwargs = {"steps": args.steps, "warmup": args.warmup, **kwargs}
         snapshot = f"{args.memory_snapshot}.{name}.pkl" if args.memory_snapshot else None
-        profile = f"{args.profile}.{name}.txt" if args.profile else None
+        rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+        profile = f"{args.profile}.{name}{'.rank' + str(rank) if rank else ''}.txt" if args.profile else None
         result = run_case(name, memory_snapshot=snapshot, profile=profile, **kwargs)
         results.append(result)
         brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k != "steps"}

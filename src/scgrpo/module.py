@@ -409,22 +409,22 @@ class RLVRModule(LightningModule):
         scheduler = self.lr_schedulers()
         sums: dict[str, float] = defaultdict(float)
         self._mismatch = defaultdict(float)
-        for iteration in range(objective.num_iterations):
-            self._first_pass = iteration == 0
-            if reason is None:
-                with record_function("scgrpo.update"):
+        with record_function("scgrpo.update"):  # (a profiler's range; nothing when none runs)
+            for iteration in range(objective.num_iterations):
+                self._first_pass = iteration == 0
+                if reason is None:
                     self.accumulate_gradients(rollouts, plan, sums)
-                reason = self._clip_gradients(plan, sums)
-                if reason is None and iteration == 0:
-                    self._keep_good_weights()
-            if reason is not None:
-                optimizer.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights, on any rank
-            self.updating = True  # until on_train_batch_end
-            optimizer.step()  # without gradients (a skipped step) no weight moves; the step still counts
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-        self._sync()
+                    reason = self._clip_gradients(plan, sums)
+                    if reason is None and iteration == 0:
+                        self._keep_good_weights()
+                if reason is not None:
+                    optimizer.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights, on any rank
+                self.updating = True  # until on_train_batch_end
+                optimizer.step()  # without gradients (a skipped step) no weight moves; the step still counts
+                optimizer.zero_grad(set_to_none=True)
+                if scheduler is not None:
+                    scheduler.step()
+            self._sync()
         train_time = time.perf_counter() - start
         self.phase_peak(rollouts.stats, "update")
         self._count_skip(reason)

@@ -255,3 +255,31 @@ def test_4bit_resident_and_streamed_decoding_in_graphs(tmp_path):
     agree = (tokens["resident"] == tokens["streamed"]).float().mean().item()
     _report("qlora_tiny_streamed_vs_resident_greedy_agreement", agree)
     assert agree > 0.8  # bf16: the same weights in other matmul orders
+
+
+def test_4bit_streamed_eager_step_with_the_attention_kernel_qwen3(tmp_path):
+    """Streamed 4-bit projections outside the block kernels (compile off; a Qwen3 block, whose per-head q/k norms
+    the block kernels do not take): the eager step in CUDA graphs with the attention kernel decodes the tokens the
+    resident copy decodes (fp32 compute: exact up to matmul order)."""
+    pytest.importorskip("bitsandbytes")
+    from scgrpo.models import LoraSettings, load_policy
+    from tests.conftest import build_tokenizer
+    from tests.rollout.test_compact import tiny
+
+    tok = build_tokenizer()
+    tiny("qwen3", len(tok), hidden_size=128, num_attention_heads=4, head_dim=32, intermediate_size=256).save_pretrained(
+        tmp_path)
+    tok.save_pretrained(tmp_path)
+    policy, tok = load_policy(str(tmp_path), torch.float32, LoraSettings(r=4, alpha=8), "nf4", torch.device("cuda"))
+    policy.eval()
+    tok.padding_side = "left"
+    enc = _encode(tok, [f"question {i}: " + "x" * (i % 7) for i in range(12)])
+    tokens = {}
+    for mode in ("resident", "streamed"):
+        decoder = CompactDecoder(policy, compile_layers=False, four_bit=mode)
+        assert decoder.fused_attention and not decoder.block_kernels and decoder.four_bit == mode
+        sampler = SlotDecoder(decoder, [], tok.pad_token_id, 24, greedy=True, cuda_graphs=True)
+        tokens[mode] = sampler(enc["input_ids"], enc["attention_mask"])[0]
+        assert sampler.stats["rollout/graphs_recorded"] == 1  # one graph per slot count, not per length bucket
+    agree = (tokens["resident"] == tokens["streamed"]).float().mean().item()
+    assert agree > 0.9

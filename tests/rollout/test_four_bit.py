@@ -229,12 +229,15 @@ def test_new_decoder_options_free_the_old_decoders_copies_first(models, tok, mon
     assert all(d.scales is None for p in new._projections for d in p.dequantizers) and new.scratch is None
 
 
-def test_auto_keeps_a_resident_copy_only_while_sampling(models):
-    """``four_bit: auto`` dequantizes the base into a resident copy only when the workspace is freed after each
-    rollout (else the copy would sit through the update: 2 bytes a weight); kept workspaces stream."""
+def test_auto_sizes_the_resident_copy_to_the_memory_left(models):
+    """``four_bit: auto`` makes the resident copy when it takes at most half of the memory left, or a quarter when
+    the kept workspace holds it (with the KV cache) through the update; on a CPU always."""
     model4, plain = models
-    for model, kept, expected in ((model4, True, "streamed"), (model4, False, "resident"), (plain, True, "resident")):
+    gib = 2**30
+    assert four_bit.resident_fits(copy=6 * gib, left=12 * gib) and not four_bit.resident_fits(6 * gib, 12 * gib, kept=True)
+    assert four_bit.resident_fits(copy=3 * gib, left=12 * gib, kept=True)
+    for model, kept in ((model4, True), (model4, False), (plain, True)):
         decoder = CompactDecoder(model, four_bit="auto", keep_workspace=kept)
-        assert decoder.four_bit == expected
+        assert decoder.four_bit == "resident"
     with pytest.raises(ValueError, match="four_bit"):
         CompactDecoder(model4, four_bit="fast")

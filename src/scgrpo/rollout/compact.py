@@ -185,9 +185,6 @@ class Projection:
             self.mode = four_bit
         else:
             self.mode = "layers"
-            if four_bit in ("resident", "streamed") and all(s is not None for s in states):
-                log.info("4-bit weights stored for %s, the model computes in %s: their layers' own forwards decode them",
-                         states[0].dtype, dtype)
         self.fused = self.mode in ("plain", "resident")  # one matmul over ``weight``
         self.streamed = self.mode == "streamed"
         self.dequantizers: list[Dequantizer] = []
@@ -565,6 +562,10 @@ class CompactDecoder:
                 down=Projection([mlp.down_proj], self.dtype, self.four_bit),
             ))
         self._projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if self.four_bit in ("resident", "streamed") and any(
+                p.mode == "layers" and four_bit_state(p.bases[0].weight) is not None for p in self._projections):
+            log.info("4-bit weights not stored for %s (the model's dtype): their layers' own forwards decode them",
+                     self.dtype)
         self.scratch: Optional[Tensor] = None  # streamed 4-bit projections' shared dequantization buffer
         possible = (all(p.mode != "layers" for p in self._projections) and kernels.usable(self.device)
                     and kernels.supports(self.head_dim) and not hasattr(backbone.layers[0].self_attn, "q_norm"))
@@ -583,7 +584,7 @@ class CompactDecoder:
                                                                                   self.head_dim, self.eps)
         self.compiled = bool(compile_layers and self.fused)  # (the sampling is compiled too)
         self.block_failed = False
-        # the Triton attention kernel where it runs (GPUs) and the projections are plain matmuls
+        # the Triton attention kernel where it runs (GPUs) and no projection runs its layers' own forwards
         self.fused_attention = (all(p.mode != "layers" for p in self._projections) and kernels.usable(self.device)
                                 and kernels.supports(self.head_dim))
         self._spans: Optional[dict] = None
@@ -666,10 +667,9 @@ class CompactDecoder:
     @staticmethod
     def _four_bit_mode(requested: str, linears: list, memory_budget: Optional[int], keep_workspace: bool) -> str:
         """How 4-bit base layers are multiplied by (see :mod:`scgrpo.rollout.four_bit`): ``requested``, or for
-        "auto" "resident" when the workspace is freed after each rollout (``keep_workspace`` false: the copy then
-        lives only while sampling, not through the update) and a float copy of the layers takes at most half of
-        the memory left (``memory_budget`` bytes for the whole process, else the card's free memory), "streamed"
-        otherwise."""
+        "auto" "resident" when a float copy of the layers takes at most half of the memory left (``memory_budget``
+        bytes for the whole process, else the card's free memory), or a quarter when ``keep_workspace`` keeps it
+        (with the KV cache) through the update, "streamed" otherwise; "resident" on a CPU."""
         if requested not in FOUR_BIT_MODES:
             raise ValueError(f"four_bit={requested!r}: expected one of {FOUR_BIT_MODES}")
         if requested != "auto":
@@ -679,14 +679,12 @@ class CompactDecoder:
             return "resident"  # (nothing is 4-bit: the setting does not matter)
         copy = sum(int(s.shape[0]) * int(s.shape[1]) * torch.empty(0, dtype=s.dtype).element_size()
                    for s in states if s is not None)
-        if keep_workspace:
-            return "streamed"
         device = _base_layer(linears[0]).weight.device
         if device.type != "cuda":
             return "resident"
         left = (memory_budget - torch.cuda.memory_allocated(device) if memory_budget is not None
                 else torch.cuda.mem_get_info(device)[0])
-        return "resident" if four_bit.resident_fits(copy, left) else "streamed"
+        return "resident" if four_bit.resident_fits(copy, left, kept=keep_workspace) else "streamed"
 
     def _ensure_scratch(self) -> bool:
         """Allocates the streamed projections' shared buffer when missing or too small; True when it did."""

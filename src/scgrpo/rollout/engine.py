@@ -52,12 +52,13 @@ class GenerationSettings:
     """How the compact forward multiplies by a 4-bit (QLoRA) base, with bitsandbytes' own dequantization (the
     values training multiplies by): "resident" dequantizes the base once per rollout into a copy in the model dtype
     (2 bytes a weight while sampling), "streamed" one weight at a time inside every decode step (no copy: a
-    scratch as big as the largest weight, and fp32 block scales; slower), "auto" resident when keep_workspace is
-    false (the copy is then freed before the update) and the copy takes at most half the memory left (see
-    memory_budget_gib), else streamed; "layers" calls the 4-bit layers' own forwards"""
+    scratch as big as the largest weight, and fp32 block scales; slower), "auto" resident when the copy takes at
+    most half the memory left (see memory_budget_gib), or a quarter when keep_workspace keeps it through the
+    update, else streamed; "layers" calls the 4-bit layers' own forwards"""
     keep_workspace: bool = True
     """Keep the compact forward's KV cache, CUDA graphs and fused weight copies between rollouts (no
-    re-recording; that memory stays allocated during the update). False frees them after each rollout"""
+    re-recording; that memory stays allocated during the update). False frees them after each rollout (with
+    ``four_bit: auto`` a 4-bit base's resident copy may then take up to half the memory left while sampling)"""
     min_new_tokens: int = 0
     """Forbid end-of-sequence before this many tokens (benchmarks fix lengths with it)"""
     cuda_graphs: bool = True

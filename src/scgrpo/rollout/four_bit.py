@@ -28,10 +28,11 @@ from torch import Tensor
 STREAM_CHUNK = 1 << 30
 
 
-def resident_fits(copy: int, left: int) -> bool:
-    """Whether a float copy of the 4-bit base (``copy`` bytes) may be kept while sampling: at most half of the
-    memory ``left`` (the rest is for the KV cache)."""
-    return copy <= 0.5 * left
+def resident_fits(copy: int, left: int, kept: bool = False) -> bool:
+    """Whether a float copy of the 4-bit base (``copy`` bytes) may be made for sampling: at most half of the memory
+    ``left`` when it is freed after each rollout (the rest is for the KV cache), a quarter when it is ``kept``
+    through the update with the KV cache (which takes up to another quarter by default)."""
+    return copy <= (0.25 if kept else 0.5) * left
 
 
 def four_bit_state(weight) -> Optional[object]:
