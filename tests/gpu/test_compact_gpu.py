@@ -283,3 +283,21 @@ def test_4bit_streamed_eager_step_with_the_attention_kernel_qwen3(tmp_path):
         assert sampler.stats["rollout/graphs_recorded"] == 1  # one graph per slot count, not per length bucket
     agree = (tokens["resident"] == tokens["streamed"]).float().mean().item()
     assert agree > 0.9
+
+
+def test_fp32_head_from_bf16_operands_equals_the_upcast_matmul():
+    """The teacher pass's fp32 logits from a bf16 head: tensor-core products with fp32 output equal the fp32
+    matmul of the upcast operands up to summation order (no bf16 rounding of the logits)."""
+    import torch.nn.functional as F
+
+    from scgrpo.objectives.functional import fp32_head, fp32_output_mm_works
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(512, 4096, bias=False).cuda().to(torch.bfloat16)
+    hidden = torch.randn(3, 100, 512, device="cuda", dtype=torch.bfloat16)
+    assert fp32_output_mm_works(hidden.device)
+    ours = fp32_head(head)(hidden)
+    exact = F.linear(hidden.float(), head.weight.float())
+    assert ours.dtype == torch.float32 and ours.shape == (3, 100, 4096)
+    rounded = F.linear(hidden, head.weight).float()  # bf16 logits: what the fp32 path avoids
+    assert float((ours - exact).abs().max()) < 1e-4 < float((rounded - exact).abs().max())
