@@ -479,6 +479,9 @@ def main() -> None:
                       coin_flip_rewards=True, keep_workspace=False)
         # 1,024 tokens with the settings (micro-batches of 4 rows); four_bit auto: resident on an 80 GB card
         cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, **common)
+        # ... without gradient checkpointing (an 80 GB card holds the activations of 2-row micro-batches)
+        cases["qwen8b_scgrpo_1k_no_checkpointing"] = dict(common, max_new=1024, min_new=1024, micro_batch_size=2,
+                                                          gradient_checkpointing=False)
         # the same step with the base in bf16 (no quantization): the bf16 level of the sampler-trainer mismatch
         cases["qwen8b_bf16_lora_scgrpo_1k"] = dict(common, max_new=1024, min_new=1024, micro_batch_size=4,
                                                    quantization=None)
