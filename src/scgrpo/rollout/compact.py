@@ -204,12 +204,6 @@ class Projection:
         """Streamed: the most weights one run of :attr:`plan` dequantizes (the scratch it needs)."""
         return max(((end - start) * self.width for _, start, end, _ in self.plan), default=0)
 
-    def dequantized_bytes(self) -> int:
-        """Bytes of a float copy of the 4-bit base weights (0 for others)."""
-        if self.mode == "plain":
-            return 0
-        return sum(n * self.width for n in self.sizes) * torch.empty(0, dtype=self.dtype).element_size()
-
     def release(self) -> None:
         """Drops the concatenated copies (rebuilt, in new storage, by the next :meth:`refresh`), and the views into
         them that refresh writes through (a view keeps its whole storage alive)."""

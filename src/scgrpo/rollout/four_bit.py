@@ -72,11 +72,9 @@ class Dequantizer:
         self.blocksize = int(state.blocksize)
         self.quant_type = state.quant_type
         self.dtype = state.dtype
+        packed = weight.data.reshape(-1)  # the packed bytes, whatever word type stores them (a view, made once)
+        self.packed = packed if packed.dtype == torch.uint8 else packed.view(torch.uint8)
         self.scales: Optional[Tensor] = None
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
 
     def row_aligned(self, rows: int) -> bool:
         """Whether a run of ``rows`` whole rows starts on a block and a byte boundary."""
@@ -101,11 +99,8 @@ class Dequantizer:
         state's dtype). ``start`` and ``end - start`` must be multiples of :meth:`row_step` (or the whole)."""
         end = self.rows if end is None else end
         self.prepare()
-        packed = self.weight.data.reshape(-1)
-        if packed.dtype != torch.uint8:
-            packed = packed.view(torch.uint8)
         lo, hi = start * self.cols, end * self.cols
-        part = packed[lo // 2 : hi // 2].unsqueeze(1)
+        part = self.packed[lo // 2 : hi // 2].unsqueeze(1)
         scales = self.scales[lo // self.blocksize : -(-hi // self.blocksize)]
         shape = (end - start, self.cols)
         op = torch.ops.bitsandbytes.dequantize_4bit
