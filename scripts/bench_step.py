@@ -131,6 +131,30 @@ class StepRecorder(Callback):
         self.snapshot, self.snapshot_step = snapshot, snapshot_step
         self._calls = 0
 
+    def watch(self, module, case: str) -> None:
+        """Prints a line as each phase of a step ends (elapsed time, peak reserved so far): a long step cut by a
+        time limit still tells how far it got."""
+        for method, phase in (("sample", "sampling"), ("run_self_teacher", "teacher pass")):
+            inner = getattr(module, method)
+
+            def timed(*args, _inner=inner, _phase=phase, **kwargs):
+                out = _inner(*args, **kwargs)
+                self.progress(case, _phase)
+                return out
+
+            setattr(module, method, timed)
+        self._case = case
+
+    def progress(self, case: str, phase: str) -> None:
+        if self._start is None:
+            return
+        reserved = ""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            reserved = f", peak reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB"
+        print(f"[{case}] step {self._calls}: {phase} done at {time.perf_counter() - self._start:.1f} s{reserved}",
+              flush=True)
+
     def on_train_start(self, trainer, pl_module) -> None:
         if self.snapshot and torch.cuda.is_available():
             torch.cuda.memory._record_memory_history(max_entries=4_000_000)
@@ -180,6 +204,8 @@ class StepRecorder(Callback):
             self._profiler = None
         record["end_s"] = time.perf_counter() - self._start
         self.steps.append(record)
+        if getattr(self, "_case", None):
+            self.progress(self._case, "step")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.steps and "wall_s" not in self.steps[-1]:
@@ -267,6 +293,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
     )
     data = PromptDataModule(source="arithmetic", batch_size=prompts, eval_splits=[])
     recorder = StepRecorder(memory_snapshot, warmup + steps - 1, profile)
+    recorder.watch(module, name)
     root = tempfile.mkdtemp(prefix="scgrpo-bench-")
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
@@ -322,12 +349,13 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
 
 
 def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: int, group: int, new_tokens: int,
-                       repeats: int) -> list[dict[str, Any]]:
+                       repeats: int, profile: Optional[str] = None) -> list[dict[str, Any]]:
     """Rollouts alone on one loaded QLoRA policy (nf4 base, LoRA r=16 with non-zero B's), one case per
     ``four_bit`` setting (and ``chunk``: :data:`scgrpo.rollout.four_bit.STREAM_CHUNK`): ``rows`` rows (``rows /
     group`` arithmetic prompts x ``group``), ``new_tokens`` forced. Median seconds per call over ``repeats``
     calls after an untimed one, ms per decode step, and the sampler's log-probabilities of 8 rows against the
-    trainer's forward pass (bf16, the 4-bit layers' own matmuls)."""
+    trainer's forward pass (bf16, the 4-bit layers' own matmuls). With ``profile``, one more call runs under
+    torch.profiler and its kernel table goes to ``profile.<case>.txt``."""
     from scgrpo.data.sources import ArithmeticTask
     from scgrpo.models import LoraSettings, load_policy
     from scgrpo.rollout import four_bit as four_bit_module
@@ -367,6 +395,14 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
             times.append(time.perf_counter() - start)
         gap = sampler_vs_trainer(policy, out, rows=8)
         seconds = statistics.median(times)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
+
+            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                generate(policy, tokenizer, prompts, group, settings, device)
+                torch.cuda.synchronize()
+            write_profile(prof, f"{profile}.{name}.txt")
         result = {"case": name, "model": model, "quantization": "nf4", "lora": "r=16 alpha=32 all-linear",
                   "four_bit": spec["four_bit"], "stream_chunk": four_bit_module.STREAM_CHUNK, "rows": rows,
                   "new_tokens": new_tokens, "first_call_s": first, "seconds": times, "median_s": seconds,
@@ -519,7 +555,7 @@ def main() -> None:
     chosen = {k: v for k, v in sampling.items() if not wanted or k in wanted}
     if chosen:
         results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
-                                      repeats=args.repeats)
+                                      repeats=args.repeats, profile=args.profile)
         save()
     order = [n for n in args.cases.split(",") if n in cases] if wanted else list(cases)  # as --cases lists them
     for name in order:
