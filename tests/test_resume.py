@@ -3,6 +3,8 @@ was never stopped: each step once under its own number, validations at the sched
 short run on resume (also the final one, after ``max_steps``), the final checkpoint and adapter at the last step."""
 
 import csv
+import os
+import signal
 
 import pytest
 import torch
@@ -11,6 +13,8 @@ from safetensors.torch import load_file
 
 import scgrpo.callbacks.rollout as rollout
 from scgrpo.callbacks import StepCheckpoint
+from scgrpo.callbacks.checkpoint import STEP_END_INTERRUPT, HeldInterrupt
+from scgrpo.module import RLVRModule
 from scgrpo.runs import RunCSVLogger, rows_before
 from tests.helpers import tiny_data, tiny_module, tiny_trainer
 
@@ -63,7 +67,8 @@ def _lora(state: dict) -> dict:
 
 
 @pytest.mark.parametrize("where,checkpoint_every", [("rollout of step 4", EVERY), ("validation of step 4", EVERY),
-                                                   ("validation of step 4", 3), ("validation of step 6", EVERY)])
+                                                   ("validation of step 4", 3), ("validation of step 6", EVERY),
+                                                   ("end of step 3", EVERY), ("checkpoint of step 4", EVERY)])
 def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_path, monkeypatch, straight, where,
                                                            checkpoint_every):
     """Stopped in step 4's rollout, the checkpoint is written at step 3 with the loop state of step 3's end
@@ -71,7 +76,9 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
     RNG state of step 3's end (the resumed step 4 draws what the stopped one drew). Stopped in a validation (its
     step's last.ckpt written before it, or, every 3 steps, on Ctrl-C), the resumed run makes it; Lightning's
     went on training, or, at max_steps, ended at once. Every logged value and the final weights are the
-    uninterrupted run's."""
+    uninterrupted run's. A SIGINT at a step's end, after the module's last hook ("end of step 3", no periodic
+    checkpoint there) or as the step's checkpoint is written ("checkpoint of step 4"), came before Lightning logged
+    the step's row: the checkpoint of that step was left without it, and the resumed run never logged it."""
     stopped_at = 3 if where.startswith("rollout") else int(where[-1])
     with monkeypatch.context() as patch, pytest.raises(SystemExit):  # Lightning's exit after a KeyboardInterrupt
         stop = []
@@ -85,6 +92,24 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
                 return rollouts
 
             patch.setattr(rollout, "sample_rollouts", stopped_in_rollout)
+        elif where.startswith("end"):
+            end = RLVRModule.on_train_batch_end
+
+            def signalled_at_end(self, *args):
+                end(self, *args)
+                if self.global_step == stopped_at:
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            patch.setattr(RLVRModule, "on_train_batch_end", signalled_at_end)
+        elif where.startswith("checkpoint"):
+            save = StepCheckpoint._save_last_checkpoint
+
+            def signalled_after_writing(self, trainer, candidates):
+                save(self, trainer, candidates)
+                if trainer.global_step == stopped_at and not trainer.validating:
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            patch.setattr(StepCheckpoint, "_save_last_checkpoint", signalled_after_writing)
         else:
             stop = [CtrlCInValidation(stopped_at)]
         _fit(tiny_model_dir, tmp_path, callbacks=stop, checkpoint_every=checkpoint_every)
@@ -142,3 +167,24 @@ def test_a_resumed_metrics_file_keeps_the_rows_logged_before_the_checkpoint():
     assert rows_before(one, {"step": 0, "val/global_step": 1.0}) == one[:2]
     # the row to replace was never written (stopped during that validation): every row before its step stays
     assert rows_before(rows[:3], {"step": 1, "val/global_step": 2.0}) == rows[:3]
+
+
+def test_a_held_ctrl_c_takes_effect_on_release_and_a_second_one_at_once():
+    held = HeldInterrupt()
+    before = signal.getsignal(signal.SIGINT)
+    held.hold()
+    os.kill(os.getpid(), signal.SIGINT)  # held: nothing raised here
+    assert held.holding
+    with pytest.raises(KeyboardInterrupt):
+        held.release()
+    assert signal.getsignal(signal.SIGINT) is before and not held.holding
+    held.hold()
+    os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+    assert signal.getsignal(signal.SIGINT) is before
+    held.hold()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert held.release(deliver=False)  # dropped (the run is ending anyway)
+    assert not held.release() and signal.getsignal(signal.SIGINT) is before
+    assert not STEP_END_INTERRUPT.holding  # (no test leaves the process-wide one held)

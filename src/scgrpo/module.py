@@ -22,6 +22,7 @@ from scgrpo.callbacks import (
     CompletionsTable,
     CreditLogging,
     DynamicSamplingCallback,
+    ReleaseHeldInterrupt,
     RolloutCallback,
     ValidateBeforeTraining,
     VerificationCallback,
@@ -270,7 +271,8 @@ class RLVRModule(LightningModule):
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def configure_callbacks(self):
-        callbacks = [RolloutCallback(), VerificationCallback()]
+        # first: a Ctrl-C that StepCheckpoint held at the last step's end takes effect before the next rollout
+        callbacks = [ReleaseHeldInterrupt(), RolloutCallback(), VerificationCallback()]
         if self.objective.dynamic_sampling:
             callbacks.append(DynamicSamplingCallback())
         callbacks += [CompletionsTable(self.log_completions_every_n_steps), AdapterExport(self.save_adapter_every_n_steps)]

@@ -1,7 +1,7 @@
 """Callbacks: rollout generation, verification, dynamic sampling, logging of completions and credit, adapters,
 checkpoints by step."""
 
-from scgrpo.callbacks.checkpoint import AtomicCheckpointIO, StepCheckpoint
+from scgrpo.callbacks.checkpoint import AtomicCheckpointIO, ReleaseHeldInterrupt, StepCheckpoint
 from scgrpo.callbacks.credit import CreditLogging
 from scgrpo.callbacks.logging import AdapterExport, CompletionsTable, ValidateBeforeTraining
 from scgrpo.callbacks.rollout import DynamicSamplingCallback, RolloutCallback, VerificationCallback
@@ -12,6 +12,7 @@ __all__ = [
     "CompletionsTable",
     "CreditLogging",
     "DynamicSamplingCallback",
+    "ReleaseHeldInterrupt",
     "RolloutCallback",
     "StepCheckpoint",
     "ValidateBeforeTraining",

@@ -8,12 +8,14 @@ import logging
 import os
 import re
 import shutil
+import signal
+import threading
 import warnings
 from typing import Any, Callable, Literal, Optional
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -106,6 +108,81 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_file_atomically(lambda f: torch.save(checkpoint, f), os.fspath(path))
 
 
+class HeldInterrupt:
+    """Ctrl-C (SIGINT) held back from the end of a training step until Lightning has logged the step's metrics row.
+
+    A step's checkpoint is written at its end (every ``every_n_train_steps``, or by the Ctrl-C itself) before
+    Lightning hands the step's row to the loggers; a Ctrl-C in between left a checkpoint of step N without row N,
+    which the resumed run, starting at step N + 1, never logs. Held, the Ctrl-C takes effect once the row is
+    logged (at the next step's start, a validation's start or the end of training). A second Ctrl-C while one is
+    held interrupts at once. Only the main thread can hold it (elsewhere nothing is held)."""
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+        self._pending = False
+
+    @property
+    def holding(self) -> bool:
+        return self._previous is not None
+
+    def hold(self) -> None:
+        if self.holding or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            previous = signal.signal(signal.SIGINT, self._handle)
+        except (ValueError, OSError):  # (not the main interpreter's main thread)
+            return
+        self._previous = signal.SIG_DFL if previous is None else previous  # (None: a handler set outside Python)
+
+    def _handle(self, signum, frame) -> None:
+        if self._pending:  # the second: at once
+            self.release(deliver=False)
+            raise KeyboardInterrupt
+        self._pending = True
+        log.warning("Ctrl-C: stopping once this step's metrics are logged (Ctrl-C again to stop at once)")
+
+    def release(self, deliver: bool = True) -> bool:
+        """Puts the former handler back; with ``deliver``, a Ctrl-C met meanwhile then takes effect (the default
+        handler raises KeyboardInterrupt here). Returns whether one was met."""
+        if not self.holding:
+            return False
+        previous, self._previous = self._previous, None
+        pending, self._pending = self._pending, False
+        signal.signal(signal.SIGINT, previous)
+        if pending and deliver:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+        return pending
+
+
+STEP_END_INTERRUPT = HeldInterrupt()
+"""The one hold of the process (signal handlers are the process's): StepCheckpoint holds it at each step's end"""
+
+
+class ReleaseHeldInterrupt(Callback):
+    """Lets a Ctrl-C held by :class:`StepCheckpoint` through as soon as the step's row is logged: at the next step's
+    start before any rollout (the module lists it before its rollout callback), at a validation's start; at the
+    end of training the run ends anyway, and it is dropped."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        STEP_END_INTERRUPT.release()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        STEP_END_INTERRUPT.release()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if STEP_END_INTERRUPT.release(deliver=False) and trainer.is_global_zero:
+            log.info("Ctrl-C in the last step: the run ends as planned")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        STEP_END_INTERRUPT.release(deliver=False)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        STEP_END_INTERRUPT.release(deliver=False)
+
+
 class StepCheckpoint(ModelCheckpoint):
     """The run's checkpoints, in ``<run folder>/checkpoints``: ``last.ckpt`` every ``every_n_train_steps``
     optimiser steps, at the end of training and, with ``save_on_exception``, when training stops on Ctrl-C or
@@ -119,6 +196,9 @@ class StepCheckpoint(ModelCheckpoint):
     is complete when ``on_train_batch_end`` runs) and does not warn about it.
 
     A run resumed from any of its checkpoints goes on as the uninterrupted run would have, wherever it stopped:
+
+    - a Ctrl-C at a step's end is held until Lightning has logged the step's row (:class:`HeldInterrupt`), so no
+      checkpoint of a step exists without its row;
 
     - every checkpoint holds the training loop's state as it was at the end of its step (Lightning's own, taken
       on an exception, would count a batch whose rollout was under way as begun: the resumed run's logger steps
@@ -283,7 +363,12 @@ class StepCheckpoint(ModelCheckpoint):
         self._last_step_saved = trainer.global_step
         return True
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        STEP_END_INTERRUPT.release()  # (ReleaseHeldInterrupt, listed before the rollout, has done it already)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._may_save(trainer, pl_module, step_whole=True):
+            STEP_END_INTERRUPT.hold()  # until the step's row is logged (see HeldInterrupt)
         self._keep_loop_state(trainer)  # (the step is whole: the other callbacks' on_train_batch_end ran)
         if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
             self.write_last(trainer, pl_module, step_whole=True)
@@ -297,6 +382,13 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.validated_step = trainer.global_step
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        STEP_END_INTERRUPT.release()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        STEP_END_INTERRUPT.release(deliver=False)
+        super().teardown(trainer, pl_module, stage)
+
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.global_step == 0 or not self._may_save(trainer, pl_module):
             return  # (step 0: the untrained weights, the base model)
@@ -309,12 +401,14 @@ class StepCheckpoint(ModelCheckpoint):
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
+        STEP_END_INTERRUPT.release(deliver=False)  # (the run ends here anyway)
         if not self.write_last(trainer, pl_module) and getattr(pl_module, "last_step_skipped", False) \
                 and not getattr(pl_module, "diverged", False) and trainer.is_global_zero:
             log.warning("the last step met non-finite values: no checkpoint written at the end (the last one: %s)",
                         self.last_model_path or "none")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        STEP_END_INTERRUPT.release(deliver=False)
         if not self.save_on_exception or world_size() > 1 or trainer.global_step == 0 or self.dirpath is None:
             return  # (step 0: nothing trained yet, or the run did not get as far as setting up)
         try:
