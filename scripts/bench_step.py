@@ -125,8 +125,10 @@ class StepRecorder(Callback):
     def __init__(self, snapshot: Optional[str] = None, snapshot_step: int = -1, profile: Optional[str] = None) -> None:
         self.steps: list[dict[str, float]] = []
         self._start: Optional[float] = None
-        # torch.profiler over the snapshot step (the last measured one), its kernel table written to ``profile``
-        self.profile, self._profiler = profile, None
+        # torch.profiler over the snapshot step (the last measured one), its kernel table written to ``profile``:
+        # with a watched module, from the end of its sampling (the rollouts have their own cases and profiles; a
+        # whole 8B step's trace takes minutes to reduce) to the step's end: the teacher pass and the update
+        self.profile, self._profiler, self._armed, self._watching = profile, None, False, False
         # the allocator's trace of every step up to this one, to a file (scripts/memory_peaks.py reads it)
         self.snapshot, self.snapshot_step = snapshot, snapshot_step
         self._calls = 0
@@ -140,10 +142,20 @@ class StepRecorder(Callback):
             def timed(*args, _inner=inner, _phase=phase, **kwargs):
                 out = _inner(*args, **kwargs)
                 self.progress(case, _phase)
+                if _phase == "sampling" and self._armed:  # the profiled step: from here to its end
+                    self._start_profiler()
                 return out
 
             setattr(module, method, timed)
-        self._case = case
+        self._case, self._watching = case, True
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._armed = False
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
 
     def progress(self, case: str, phase: str) -> None:
         if self._start is None:
@@ -173,11 +185,9 @@ class StepRecorder(Callback):
                 self.step_start_mark()
         self._calls += 1
         if self.profile and self._calls - 1 == self.snapshot_step:
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._profiler = profile(activities=activities)
-            self._profiler.__enter__()
+            self._armed = True  # started once the step's rollouts are sampled (see watch); else here
+            if not self._watching:
+                self._start_profiler()
         now = time.perf_counter()
         if self._start is not None and self.steps:
             self.steps[-1]["wall_s"] = now - self._start  # one step's start to the next one's
@@ -467,7 +477,8 @@ def main() -> None:
                         help="qwen1p5b, qwen8b: a tokenizer folder for the random model (default: --model's)")
     parser.add_argument("--max-new", type=int, default=None, help="override the suite's completion length")
     parser.add_argument("--profile", default=None,
-                        help="write a torch.profiler table of each case's last step to PATH (case name appended): "
+                        help="write a torch.profiler table of each case's last step after its sampling (a sampling "
+                             "case: one more rollout) to PATH (case name appended): "
                              "GPU time of the phases and of the 40 heaviest operations")
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "
