@@ -178,6 +178,10 @@ class StepRecorder(Callback):
         torch.empty(1, device="cuda")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self._start is not None and self.steps and "wall_s" not in self.steps[-1]:
+            # one step's start to the next one's, less the writing of the last step's profile
+            self.steps[-1]["wall_s"] = self.steps[-1]["end_s"] if self.steps[-1].get("profiled") else now - self._start
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -188,10 +192,7 @@ class StepRecorder(Callback):
             self._armed = True  # started once the step's rollouts are sampled (see watch); else here
             if not self._watching:
                 self._start_profiler()
-        now = time.perf_counter()
-        if self._start is not None and self.steps:
-            self.steps[-1]["wall_s"] = now - self._start  # one step's start to the next one's
-        self._start = now
+        self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         record = {k: float(v) for k, v in pl_module.last_step_metrics.items()}
@@ -208,11 +209,12 @@ class StepRecorder(Callback):
                 torch.cuda.memory._record_memory_history(enabled=None)
                 with open(self.snapshot, "wb") as f:
                     pickle.dump(trace, f)
+        record["end_s"] = time.perf_counter() - self._start  # (before the profile is reduced and written)
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             write_profile(self._profiler, self.profile)
             self._profiler = None
-        record["end_s"] = time.perf_counter() - self._start
+            record["profiled"] = 1.0  # its phase times include the profiler's overhead
         self.steps.append(record)
         if getattr(self, "_case", None):
             self.progress(self._case, "step")
@@ -223,7 +225,7 @@ class StepRecorder(Callback):
 
 
 def write_profile(profiler, path: str) -> None:
-    """A step's profile as text: the phases (``scgrpo.*`` ranges: sampling, teacher pass, update) and the 40
+    """A profile as text: the phases (``scgrpo.*`` ranges met: teacher pass, update) and the 40
     operations with the most GPU time (self time, so that nested calls are not counted twice)."""
     events = profiler.key_averages()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -478,7 +480,8 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=None, help="override the suite's completion length")
     parser.add_argument("--profile", default=None,
                         help="write a torch.profiler table of each case's last step after its sampling (a sampling "
-                             "case: one more rollout) to PATH (case name appended): "
+                             "case: one more rollout) to PATH (case name appended); that step's times include the "
+                             "profiler's overhead (time with a run without it): "
                              "GPU time of the phases and of the 40 heaviest operations")
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "

@@ -434,8 +434,8 @@ def main() -> None:
               "`max_memory_allocated` (GiB).", "",
               "| case | card | GPUs | objective | base | prompts x G | new tokens | step (wall) | generation | teacher | train | gen tok/s | teacher tok/s | train tok/s | peak GiB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    cases = {f"{name_}": case for card in cards for name_, case in per_card[card].items()}
-    for name_, case in cases.items():
+    cases = {(card, name_): case for card in cards for name_, case in per_card[card].items()}
+    for (_, name_), case in cases.items():
         base = case.get("quantization") or case.get("dtype", "")
         lines.append(
             f"| {name_} | {case['card']} | {case.get('devices', 1)} | {case.get('objective', 'grpo (TRL)')} | {base} | "

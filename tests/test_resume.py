@@ -32,6 +32,12 @@ class CtrlCInValidation(Callback):
             raise KeyboardInterrupt
 
 
+@pytest.fixture(autouse=True)
+def no_interrupt_left_held():
+    yield
+    assert not STEP_END_INTERRUPT.holding and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def _fit(model_dir, root, ckpt_path=None, callbacks=(), checkpoint_every=EVERY, validate_first=True):
     seed_everything(0)
     trainer = tiny_trainer(root, max_steps=STEPS, logger=RunCSVLogger(str(root), name="run", version=0),
@@ -68,7 +74,8 @@ def _lora(state: dict) -> dict:
 
 @pytest.mark.parametrize("where,checkpoint_every", [("rollout of step 4", EVERY), ("validation of step 4", EVERY),
                                                    ("validation of step 4", 3), ("validation of step 6", EVERY),
-                                                   ("end of step 3", EVERY), ("checkpoint of step 4", EVERY)])
+                                                   ("end of step 3", EVERY), ("checkpoint of step 4", EVERY),
+                                                   ("logging of validation 4", 3)])
 def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_path, monkeypatch, straight, where,
                                                            checkpoint_every):
     """Stopped in step 4's rollout, the checkpoint is written at step 3 with the loop state of step 3's end
@@ -78,7 +85,10 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
     went on training, or, at max_steps, ended at once. Every logged value and the final weights are the
     uninterrupted run's. A SIGINT at a step's end, after the module's last hook ("end of step 3", no periodic
     checkpoint there) or as the step's checkpoint is written ("checkpoint of step 4"), came before Lightning logged
-    the step's row: the checkpoint of that step was left without it, and the resumed run never logged it."""
+    the step's row: the checkpoint of that step was left without it, and the resumed run never logged it. One in
+    the module's end of a validation ("logging of validation 4", no periodic checkpoint there) came after the
+    validation was marked done and before its row was logged: the checkpoint written on it skipped the validation
+    on resume, and its row was lost."""
     stopped_at = 3 if where.startswith("rollout") else int(where[-1])
     with monkeypatch.context() as patch, pytest.raises(SystemExit):  # Lightning's exit after a KeyboardInterrupt
         stop = []
@@ -101,6 +111,15 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
                     os.kill(os.getpid(), signal.SIGINT)
 
             patch.setattr(RLVRModule, "on_train_batch_end", signalled_at_end)
+        elif where.startswith("logging"):
+            validation_end = RLVRModule.on_validation_epoch_end
+
+            def signalled_before_logging(self):
+                if self.global_step == stopped_at:
+                    os.kill(os.getpid(), signal.SIGINT)
+                validation_end(self)
+
+            patch.setattr(RLVRModule, "on_validation_epoch_end", signalled_before_logging)
         elif where.startswith("checkpoint"):
             save = StepCheckpoint._save_last_checkpoint
 
@@ -187,4 +206,9 @@ def test_a_held_ctrl_c_takes_effect_on_release_and_a_second_one_at_once():
     os.kill(os.getpid(), signal.SIGINT)
     assert held.release(deliver=False)  # dropped (the run is ending anyway)
     assert not held.release() and signal.getsignal(signal.SIGINT) is before
-    assert not STEP_END_INTERRUPT.holding  # (no test leaves the process-wide one held)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignored (a background job): left so
+    try:
+        held.hold()
+        assert not held.holding and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

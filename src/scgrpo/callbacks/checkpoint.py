@@ -109,13 +109,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class HeldInterrupt:
-    """Ctrl-C (SIGINT) held back from the end of a training step until Lightning has logged the step's metrics row.
+    """Ctrl-C (SIGINT) held back while Lightning has yet to log rows that a checkpoint already counts.
 
     A step's checkpoint is written at its end (every ``every_n_train_steps``, or by the Ctrl-C itself) before
-    Lightning hands the step's row to the loggers; a Ctrl-C in between left a checkpoint of step N without row N,
-    which the resumed run, starting at step N + 1, never logs. Held, the Ctrl-C takes effect once the row is
-    logged (at the next step's start, a validation's start or the end of training). A second Ctrl-C while one is
-    held interrupts at once. Only the main thread can hold it (elsewhere nothing is held)."""
+    Lightning hands the step's row to the loggers, and a validation is marked done before its row is logged; a
+    Ctrl-C in between left a checkpoint without the row, which the resumed run never logs. Held, the Ctrl-C takes
+    effect once the rows are logged: at the next step's start or a validation's start; at the end of training it
+    is dropped (the run ends anyway). A second Ctrl-C while one is held interrupts at once. Nothing is held off the
+    main thread or where SIGINT has another handler than Python's default (ignored, or the application's own)."""
 
     def __init__(self) -> None:
         self._previous: Any = None
@@ -126,13 +127,14 @@ class HeldInterrupt:
         return self._previous is not None
 
     def hold(self) -> None:
-        if self.holding or threading.current_thread() is not threading.main_thread():
+        if (self.holding or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
             return
+        self._pending = False
         try:
-            previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = signal.signal(signal.SIGINT, self._handle)
         except (ValueError, OSError):  # (not the main interpreter's main thread)
-            return
-        self._previous = signal.SIG_DFL if previous is None else previous  # (None: a handler set outside Python)
+            self._previous = None
 
     def _handle(self, signum, frame) -> None:
         if self._pending:  # the second: at once
@@ -142,18 +144,15 @@ class HeldInterrupt:
         log.warning("Ctrl-C: stopping once this step's metrics are logged (Ctrl-C again to stop at once)")
 
     def release(self, deliver: bool = True) -> bool:
-        """Puts the former handler back; with ``deliver``, a Ctrl-C met meanwhile then takes effect (the default
-        handler raises KeyboardInterrupt here). Returns whether one was met."""
+        """Puts Python's default handler back; with ``deliver``, a Ctrl-C met meanwhile then raises
+        KeyboardInterrupt here. Returns whether one was met."""
         if not self.holding:
             return False
-        previous, self._previous = self._previous, None
+        signal.signal(signal.SIGINT, self._previous)  # (first: a Ctrl-C from here on is the default handler's)
+        self._previous = None
         pending, self._pending = self._pending, False
-        signal.signal(signal.SIGINT, previous)
         if pending and deliver:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            elif previous == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
+            raise KeyboardInterrupt
         return pending
 
 
@@ -162,9 +161,9 @@ STEP_END_INTERRUPT = HeldInterrupt()
 
 
 class ReleaseHeldInterrupt(Callback):
-    """Lets a Ctrl-C held by :class:`StepCheckpoint` through as soon as the step's row is logged: at the next step's
-    start before any rollout (the module lists it before its rollout callback), at a validation's start; at the
-    end of training the run ends anyway, and it is dropped."""
+    """Lets a Ctrl-C held by :class:`StepCheckpoint` through once the rows are logged: at the next step's start
+    before any rollout (the module lists it before its rollout callback), at a validation's start; at the end of
+    training the run ends anyway, and it is dropped."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         STEP_END_INTERRUPT.release()
@@ -197,8 +196,9 @@ class StepCheckpoint(ModelCheckpoint):
 
     A run resumed from any of its checkpoints goes on as the uninterrupted run would have, wherever it stopped:
 
-    - a Ctrl-C at a step's end is held until Lightning has logged the step's row (:class:`HeldInterrupt`), so no
-      checkpoint of a step exists without its row;
+    - a Ctrl-C at a step's end or a validation's end is held until Lightning has logged its row
+      (:class:`HeldInterrupt`), so no checkpoint that a Ctrl-C leaves counts a row that is not logged (one
+      process; a killed process can still lose the logger's unflushed rows);
 
     - every checkpoint holds the training loop's state as it was at the end of its step (Lightning's own, taken
       on an exception, would count a batch whose rollout was under way as begun: the resumed run's logger steps
@@ -344,6 +344,12 @@ class StepCheckpoint(ModelCheckpoint):
                     or getattr(pl_module, "diverged", False) or getattr(pl_module, "last_step_skipped", False)
                     or (getattr(pl_module, "updating", False) and not step_whole))
 
+    def _holds(self, trainer, pl_module) -> bool:
+        """Whether a Ctrl-C is held until the rows are logged: only where a checkpoint may be written now or on
+        that Ctrl-C, in a single process (with several, each would hold alone; none writes on an exception)."""
+        return (world_size() == 1 and self.dirpath is not None and self._may_save(trainer, pl_module, step_whole=True)
+                and (self.save_on_exception or bool(self._every_n_train_steps)))
+
     def _finite(self, trainer, pl_module) -> bool:
         """The weights' log-probs are finite (an update can leave finite weights that overflow: the next step
         would only find out when sampling). Every rank must call it when sharded."""
@@ -367,7 +373,7 @@ class StepCheckpoint(ModelCheckpoint):
         STEP_END_INTERRUPT.release()  # (ReleaseHeldInterrupt, listed before the rollout, has done it already)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if self._may_save(trainer, pl_module, step_whole=True):
+        if self._holds(trainer, pl_module):
             STEP_END_INTERRUPT.hold()  # until the step's row is logged (see HeldInterrupt)
         self._keep_loop_state(trainer)  # (the step is whole: the other callbacks' on_train_batch_end ran)
         if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
@@ -381,6 +387,8 @@ class StepCheckpoint(ModelCheckpoint):
         # of this step must not send the resumed run to make this validation again
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.validated_step = trainer.global_step
+            if self._holds(trainer, pl_module):  # a checkpoint from here on says validated: held until its row is
+                STEP_END_INTERRUPT.hold()  # logged and the module took its RNG state (released at the next step)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         STEP_END_INTERRUPT.release()

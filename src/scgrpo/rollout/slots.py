@@ -316,6 +316,9 @@ class SlotDecoder:
         self.stats.update({"rollout/decode_steps": float(steps), "rollout/prefills": float(prefills),
                            "rollout/compactions": float(compactions), "rollout/slots": float(slots),
                            "rollout/compiled": float(self.decoder.compiled and not self.decoder.compile_failed),
+                           # share of the projections that dequantize a 4-bit base in every step (four_bit streamed)
+                           "rollout/four_bit_streamed": sum(p.mode == "streamed" for p in self.decoder._projections)
+                           / max(len(self.decoder._projections), 1),
                            # tokens made by decode steps (each row's first comes from its prefill) per slot-step
                            "rollout/slot_use": float(counts.sum() - n) / max(slot_steps, 1.0)})
         result = out.tokens[:n, :width].clone(), out.logprobs[:n, :width].clone(), out.entropy[:n].clone()
