@@ -158,7 +158,7 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
         warmed = old.get("warmup_steps", 0) > 0
         text = (f"in SC-GRPO steps (8 prompts x G=8, 1,024 tokens forced, one call, {one_k['file']}): four_bit layers "
                 f"{old['time_generation_s']:.1f} s ({1000 * old['time_generation_s'] / 1024:.1f} ms a decode step"
-                + ("" if warmed else ", its run's first step: CUDA graph captures included") + "), four_bit auto "
+                + ("" if warmed else ", its run's first step, against a second step of auto") + "), four_bit auto "
                 f"{one_k['time_generation_s']:.1f} s ({1000 * one_k['time_generation_s'] / 1024:.1f} ms), "
                 f"{in_step:.2f}x")
         if warmed or name not in summary:  # a warmed in-step ratio is the issue's own measure; else a note
