@@ -141,7 +141,8 @@ class StepRecorder(Callback):
 
             def timed(*args, _inner=inner, _phase=phase, **kwargs):
                 out = _inner(*args, **kwargs)
-                self.progress(case, _phase)
+                if out is not None:  # (an objective without a self-teacher has no teacher pass)
+                    self.progress(case, _phase)
                 if _phase == "sampling" and self._armed:  # the profiled step: from here to its end
                     self._start_profiler()
                 return out
