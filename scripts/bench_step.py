@@ -6,6 +6,10 @@
     python scripts/bench_step.py --suite qwen8b         # random Qwen3-8B-shaped model, nf4 QLoRA: 4-bit sampling
                                                         # speeds, 1,024-token steps, a 4,096-token step in 20 GiB
 
+With ``--before-src DIR`` (an earlier commit's ``src``: ``git archive <commit> src | tar -x -C DIR``) the
+``qwen8b`` suite first times the same rollouts with that source tree, in a subprocess of the same call
+(``qwen8b_sampling_before``): the same-call baseline of the 4-bit sampling speed-up.
+
 The ``qwen8b`` suite's ``*_sampling_*`` cases time rollouts alone (64 rows, ``--sampling-tokens`` new tokens
 forced, the median of ``--repeats`` calls after one untimed call) for each way the compact decoder multiplies
 by the 4-bit base (``GenerationSettings.four_bit``), and measure the sampler's log-probabilities against the
@@ -435,6 +439,28 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
     return results
 
 
+def run_before(source: str, model: str, *, rows: int, group: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """``qwen8b_sampling_before``: rollouts alone as :func:`run_sampling_cases` times them, by the package's source
+    tree ``source`` (an earlier commit), in a subprocess (scripts/sampling_probe.py)."""
+    import subprocess
+
+    print("== qwen8b_sampling_before", flush=True)
+    here = os.path.join(ROOT, "src")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != here]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(source), *paths]))
+    probe = os.path.join(ROOT, "scripts", "sampling_probe.py")
+    done = subprocess.run([sys.executable, probe, model, str(rows), str(group), str(new_tokens), str(repeats)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the probe of {source} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result.update(case="qwen8b_sampling_before", model=model, quantization="nf4", lora="r=16 alpha=32 all-linear",
+                  four_bit="before", stream_chunk=0, before_src=source, logprob_mismatch_mean=float("nan"),
+                  logprob_mismatch_max=float("nan"))
+    print(json.dumps({k: v for k, v in result.items() if k != "seconds"}), flush=True)
+    return result
+
+
 def _decoders(policy) -> list[list]:
     from scgrpo.rollout.engine import _DECODERS
 
@@ -484,6 +510,10 @@ def main() -> None:
                              "case: one more rollout) to PATH (case name appended); that step's times include the "
                              "profiler's overhead (time with a run without it): "
                              "GPU time of the phases and of the 40 heaviest operations")
+    parser.add_argument("--before-src", default=None,
+                        help="qwen8b: also time rollouts alone with the package's source tree in DIR (an earlier "
+                             "commit's `src`, e.g. from `git archive`), in a subprocess of this call, as the case "
+                             "qwen8b_sampling_before (scripts/sampling_probe.py)")
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "
                              "for scripts/memory_peaks.py")
@@ -567,6 +597,10 @@ def main() -> None:
     unknown = wanted - set(cases) - set(sampling)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; this suite has {sorted(cases) + sorted(sampling)}")
+    if args.before_src and args.suite == "qwen8b":  # first, while this process holds no model
+        results.append(run_before(args.before_src, qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
+                                  repeats=args.repeats))
+        save()
     chosen = {k: v for k, v in sampling.items() if not wanted or k in wanted}
     if chosen:
         results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,

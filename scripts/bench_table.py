@@ -137,6 +137,17 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
         before, after = cases["qwen8b_sampling_layers"], cases["qwen8b_sampling_resident"]
         streamed = cases.get("qwen8b_sampling_streamed_whole") or cases.get("qwen8b_sampling_streamed")
         name = "qlora_8b_sampling_over_before"
+        earlier = cases.get("qwen8b_sampling_before")  # the source tree before the 4-bit paths, same call
+        if earlier is not None:
+            summary[name] = entry(
+                name, earlier["ms_per_decode_step"] / after["ms_per_decode_step"], after["card"], after["command"],
+                f"random Qwen3-8B-shaped model, nf4 + LoRA r=16, 64 rows x {after['new_tokens']} new tokens forced, "
+                f"rollouts alone, one call ({path}): the package before the 4-bit paths ({earlier['before_src']}) "
+                f"{earlier['ms_per_decode_step']:.1f} ms a decode step, four_bit resident "
+                f"{after['ms_per_decode_step']:.1f} ms, four_bit layers {before['ms_per_decode_step']:.1f} ms"
+                + (f", streamed {streamed['ms_per_decode_step']:.1f} ms "
+                   f"({earlier['ms_per_decode_step'] / streamed['ms_per_decode_step']:.2f}x)" if streamed else ""))
+            continue
         if name in summary:
             continue  # the first file of the card
         summary[name] = entry(
