@@ -5,7 +5,8 @@ to time an earlier source tree of the package (``git archive <commit> src``) in 
 
 Uses only the API both trees share (``load_policy``, ``GenerationSettings``, ``generate``, the arithmetic task), the
 same policy and prompts as ``bench_step.run_sampling_cases`` (nf4 base, LoRA r=16 with B drawn from N(0, 0.01) under
-seed 1, 64 rows), and prints one JSON line: the median of ``REPEATS`` timed calls after an untimed one.
+seed 1, 64 rows), and prints one JSON line: the median of ``REPEATS`` timed calls after an untimed one. The setup
+repeats ``run_sampling_cases``'s on purpose: importing ``bench_step`` would put this tree's ``src`` first on the path.
 """
 
 from __future__ import annotations
