@@ -279,7 +279,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True,
              logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None, four_bit: str = "auto",
              memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None,
-             profile: Optional[str] = None) -> dict[str, Any]:
+             profile: Optional[str] = None, fused_lora: bool = False) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -293,7 +293,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
     module = RLVRModule(
         model=model,
         objective=SCGRPO() if objective == "scgrpo" else GRPO(),
-        lora=LoraSettings(r=16, alpha=32),
+        lora=LoraSettings(r=16, alpha=32, fused_4bit=fused_lora),
         dtype="bfloat16",
         quantization=quantization,
         generation=GenerationSettings(num_generations=group, max_new_tokens=max_new, min_new_tokens=min_new,
@@ -345,7 +345,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
         "decode_forward": decode_forward, "max_slots": max_slots, "keep_workspace": keep_workspace,
         "logprob_chunk_size": logprob_chunk_size, "four_bit": four_bit, "memory_budget_gib": memory_budget_gib,
-        "memory_fraction_gib": memory_fraction_gib,
+        "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
     }
@@ -560,6 +560,9 @@ def main() -> None:
                       coin_flip_rewards=True, keep_workspace=False)
         # 1,024 tokens with the settings (micro-batches of 4 rows); four_bit auto: resident on an 80 GB card
         cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, **common)
+        # ... with the adapter terms of the 4-bit layers added by one addmm (LoraSettings.fused_4bit)
+        cases["qwen8b_scgrpo_1k_fused_lora"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, fused_lora=True,
+                                                   **common)
         # ... without gradient checkpointing (an 80 GB card holds the activations of 2-row micro-batches)
         cases["qwen8b_scgrpo_1k_no_checkpointing"] = dict(common, max_new=1024, min_new=1024, micro_batch_size=2,
                                                           gradient_checkpointing=False)
