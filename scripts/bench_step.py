@@ -6,7 +6,7 @@
     python scripts/bench_step.py --suite qwen8b         # random Qwen3-8B-shaped model, nf4 QLoRA: 4-bit sampling
                                                         # speeds, 1,024-token steps, a 4,096-token step in 20 GiB
 
-With ``--before-src DIR`` (an earlier commit's ``src``: ``git archive <commit> src | tar -x -C DIR``) the
+With ``--before-src DIR`` (an earlier commit's tree: ``git archive <commit> src | tar -x -C DIR``) the
 ``qwen8b`` suite first times the same rollouts with that source tree, in a subprocess of the same call
 (``qwen8b_sampling_before``): the same-call baseline of the 4-bit sampling speed-up.
 
@@ -445,18 +445,27 @@ def run_before(source: str, model: str, *, rows: int, group: int, new_tokens: in
     import subprocess
 
     print("== qwen8b_sampling_before", flush=True)
-    here = os.path.join(ROOT, "src")
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != here]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(source), *paths]))
+    tree = next((os.path.realpath(d) for d in (source, os.path.join(source, "src"))
+                 if os.path.isfile(os.path.join(d, "scgrpo", "__init__.py"))), None)
+    if tree is None:
+        raise SystemExit(f"--before-src {source}: no scgrpo/__init__.py in it or in its src/")
+    here = os.path.realpath(os.path.join(ROOT, "src"))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != here]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, *paths]))
     probe = os.path.join(ROOT, "scripts", "sampling_probe.py")
-    done = subprocess.run([sys.executable, probe, model, str(rows), str(group), str(new_tokens), str(repeats)],
-                          env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the probe of {source} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "before.json")
+        done = subprocess.run([sys.executable, probe, model, str(rows), str(group), str(new_tokens), str(repeats), path],
+                              env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0 or not os.path.exists(path):
+            raise RuntimeError(f"the probe of {tree} failed:\n{done.stderr[-3000:]}")
+        with open(path) as f:
+            result = json.load(f)
+    if not os.path.realpath(result["source"]).startswith(tree + os.sep):
+        raise RuntimeError(f"the probe imported {result['source']}, not the tree in {tree}")
     result.update(case="qwen8b_sampling_before", model=model, quantization="nf4", lora="r=16 alpha=32 all-linear",
-                  four_bit="before", stream_chunk=0, before_src=source, logprob_mismatch_mean=float("nan"),
-                  logprob_mismatch_max=float("nan"))
+                  four_bit="before", stream_chunk=0, before_src=source,
+                  logprob_mismatch_mean=None, logprob_mismatch_max=None)
     print(json.dumps({k: v for k, v in result.items() if k != "seconds"}), flush=True)
     return result
 
@@ -511,8 +520,10 @@ def main() -> None:
                              "profiler's overhead (time with a run without it): "
                              "GPU time of the phases and of the 40 heaviest operations")
     parser.add_argument("--before-src", default=None,
-                        help="qwen8b: also time rollouts alone with the package's source tree in DIR (an earlier "
-                             "commit's `src`, e.g. from `git archive`), in a subprocess of this call, as the case "
+                        help="qwen8b, with sampling cases: also time rollouts alone with the package's source in DIR "
+                             "or DIR/src (an earlier commit's, e.g. `git archive <commit> src | tar -x -C DIR`; name DIR "
+                             "after the commit: the results record DIR), in a "
+                             "subprocess of this call, as the case "
                              "qwen8b_sampling_before (scripts/sampling_probe.py)")
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "
@@ -600,11 +611,11 @@ def main() -> None:
     unknown = wanted - set(cases) - set(sampling)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; this suite has {sorted(cases) + sorted(sampling)}")
-    if args.before_src and args.suite == "qwen8b":  # first, while this process holds no model
+    chosen = {k: v for k, v in sampling.items() if not wanted or k in wanted}
+    if args.before_src and args.suite == "qwen8b" and chosen:  # first, while this process holds no model
         results.append(run_before(args.before_src, qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
                                   repeats=args.repeats))
         save()
-    chosen = {k: v for k, v in sampling.items() if not wanted or k in wanted}
     if chosen:
         results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
                                       repeats=args.repeats, profile=args.profile)

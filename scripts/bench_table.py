@@ -142,7 +142,8 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
             summary[name] = entry(
                 name, earlier["ms_per_decode_step"] / after["ms_per_decode_step"], after["card"], after["command"],
                 f"random Qwen3-8B-shaped model, nf4 + LoRA r=16, 64 rows x {after['new_tokens']} new tokens forced, "
-                f"rollouts alone, one call ({path}): the package before the 4-bit paths ({earlier['before_src']}) "
+                f"rollouts alone, one call ({path}): the package before the 4-bit paths "
+                f"({earlier['before_src']}) "
                 f"{earlier['ms_per_decode_step']:.1f} ms a decode step, four_bit resident "
                 f"{after['ms_per_decode_step']:.1f} ms, four_bit layers {before['ms_per_decode_step']:.1f} ms"
                 + (f", streamed {streamed['ms_per_decode_step']:.1f} ms "
@@ -318,7 +319,7 @@ def sampling_table(card: str) -> list[str]:
             chunk = "" if c["four_bit"] != "streamed" else ("whole weights" if c["stream_chunk"] >= 1 << 30
                                                             else f"{c['stream_chunk'] / 2**20:.0f}M weights")
             lines.append(f"| {name} | {c['four_bit']} | {chunk} | {c['ms_per_decode_step']:.2f} | {c['new_tok_s']:.0f} | "
-                         f"{c['logprob_mismatch_mean']:.4f} | {c['logprob_mismatch_max']:.3f} |")
+                         f"{fmt(c['logprob_mismatch_mean'], 4)} | {fmt(c['logprob_mismatch_max'], 3)} |")
     return lines
 
 

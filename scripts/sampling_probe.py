@@ -1,11 +1,11 @@
 """Times rollouts alone with whatever ``scgrpo`` is on ``PYTHONPATH``: run by ``bench_step.py --before-src DIR``
 to time an earlier source tree of the package (``git archive <commit> src``) in the same call as the current one.
 
-    PYTHONPATH=DIR python scripts/sampling_probe.py MODEL_FOLDER ROWS GROUP NEW_TOKENS REPEATS
+    PYTHONPATH=DIR python scripts/sampling_probe.py MODEL_FOLDER ROWS GROUP NEW_TOKENS REPEATS OUT_JSON
 
 Uses only the API both trees share (``load_policy``, ``GenerationSettings``, ``generate``, the arithmetic task), the
 same policy and prompts as ``bench_step.run_sampling_cases`` (nf4 base, LoRA r=16 with B drawn from N(0, 0.01) under
-seed 1, 64 rows), and prints one JSON line: the median of ``REPEATS`` timed calls after an untimed one. The setup
+seed 1, 64 rows), and writes ``OUT_JSON``: the median of ``REPEATS`` timed calls after an untimed one. The setup
 repeats ``run_sampling_cases``'s on purpose: importing ``bench_step`` would put this tree's ``src`` first on the path.
 """
 
@@ -26,6 +26,7 @@ def sync() -> None:
 
 def main() -> None:
     model, rows, group, new_tokens, repeats = sys.argv[1], *map(int, sys.argv[2:6])
+    out_path = sys.argv[6]
     import scgrpo
     from scgrpo.data.sources import ArithmeticTask
     from scgrpo.models import LoraSettings, load_policy
@@ -45,6 +46,7 @@ def main() -> None:
                for q in questions]
     settings = GenerationSettings(num_generations=group, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     torch.manual_seed(0)
+    sync()
     first = time.perf_counter()
     generate(policy, tokenizer, prompts, group, settings, device)
     sync()
@@ -57,9 +59,10 @@ def main() -> None:
         sync()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    print(json.dumps({"source": scgrpo.__file__, "rows": rows, "new_tokens": new_tokens, "first_call_s": first,
-                      "seconds": times, "median_s": seconds, "ms_per_decode_step": 1000 * seconds / new_tokens,
-                      "new_tok_s": rows * new_tokens / seconds}))
+    with open(out_path, "w") as f:
+        json.dump({"source": scgrpo.__file__, "rows": rows, "new_tokens": new_tokens, "first_call_s": first,
+                   "seconds": times, "median_s": seconds, "ms_per_decode_step": 1000 * seconds / new_tokens,
+                   "new_tok_s": rows * new_tokens / seconds}, f)
 
 
 if __name__ == "__main__":

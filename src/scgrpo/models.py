@@ -268,38 +268,9 @@ def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings], qua
         )
         model = get_peft_model(model, config)
         if lora.fused_4bit:
-            fuse_4bit_lora_adds(model)
+            log.info("lora.fused_4bit: the adapter terms of %d 4-bit layers are added by one matmul each (0: no "
+                     "4-bit base, nothing changes)", fuse_4bit_lora_adds(model))
     return model, tokenizer
-
-
-_FUSED_CLASS: dict = {}
-
-
-def _fused_lora_4bit_class():
-    """peft's LoRA layer over a bitsandbytes ``Linear4bit`` whose forward adds the adapter term as one
-    ``addmm`` (see :attr:`LoraSettings.fused_4bit`); anything else (adapters disabled or merged, several
-    adapters, a variant such as DoRA, an adapter bias, autocast on) takes peft's own forward."""
-    if "class" not in _FUSED_CLASS:
-        from peft.tuners.lora.bnb import Linear4bit
-
-        class FusedLoraLinear4bit(Linear4bit):
-            def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-                names = self.active_adapters
-                name = names[0] if len(names) == 1 else None
-                if (name is None or self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None
-                        or name not in self.lora_A or name in self.lora_variant
-                        or self.lora_B[name].bias is not None or torch.is_autocast_enabled()):
-                    return super().forward(x, *args, **kwargs)
-                result = self.base_layer(x, *args, **kwargs)  # [..., out], the compute dtype
-                dtype = result.dtype
-                z = torch.nn.functional.linear(self.lora_dropout[name](x).to(dtype),
-                                               self.lora_A[name].weight.to(dtype))  # [..., r]
-                up = (self.lora_B[name].weight * self.scaling[name]).to(dtype)  # [out, r]
-                out = torch.addmm(result.reshape(-1, result.shape[-1]), z.reshape(-1, z.shape[-1]), up.t())
-                return out.view(result.shape)
-
-        _FUSED_CLASS["class"] = FusedLoraLinear4bit
-    return _FUSED_CLASS["class"]
 
 
 def fuse_4bit_lora_adds(model) -> int:
@@ -307,12 +278,13 @@ def fuse_4bit_lora_adds(model) -> int:
     how many. The layers keep their parameters and peft type (a subclass)."""
     try:
         from peft.tuners.lora.bnb import Linear4bit
+
+        from scgrpo.lora4bit import FusedLoraLinear4bit
     except ImportError:  # (no bitsandbytes: no 4-bit layers)
         return 0
-    fused = _fused_lora_4bit_class()
     count = 0
     for module in model.modules():
         if type(module) is Linear4bit:
-            module.__class__ = fused
+            module.__class__ = FusedLoraLinear4bit
             count += 1
     return count
