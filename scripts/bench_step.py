@@ -373,23 +373,13 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
     calls after an untimed one, ms per decode step, and the sampler's log-probabilities of 8 rows against the
     trainer's forward pass (bf16, the 4-bit layers' own matmuls). With ``profile``, one more call runs under
     torch.profiler and its kernel table goes to ``profile.<case>.txt``."""
-    from scgrpo.data.sources import ArithmeticTask
-    from scgrpo.models import LoraSettings, load_policy
+    from sampling_probe import qlora_policy_and_prompts
+
     from scgrpo.rollout import four_bit as four_bit_module
     from scgrpo.rollout.engine import GenerationSettings, generate, release_rollout_workspaces
 
     device = torch.device("cuda", torch.cuda.current_device())
-    policy, tokenizer = load_policy(model, torch.bfloat16, LoraSettings(r=16, alpha=32), "nf4", device)
-    policy.eval()
-    torch.manual_seed(1)
-    with torch.no_grad():  # adapters that change the outputs (a fresh B is zero)
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.01)
-    tokenizer.padding_side = "left"
-    questions = [row["question"] for row in ArithmeticTask(seed=0).rows("train")[: rows // group]]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in questions]
+    policy, tokenizer, prompts = qlora_policy_and_prompts(model, rows, group, device)
     results = []
     default_chunk = four_bit_module.STREAM_CHUNK
     for name, spec in cases.items():

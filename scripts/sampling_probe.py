@@ -5,8 +5,8 @@ to time an earlier source tree of the package (``git archive <commit> src``) in 
 
 Uses only the API both trees share (``load_policy``, ``GenerationSettings``, ``generate``, the arithmetic task), the
 same policy and prompts as ``bench_step.run_sampling_cases`` (nf4 base, LoRA r=16 with B drawn from N(0, 0.01) under
-seed 1, 64 rows), and writes ``OUT_JSON``: the median of ``REPEATS`` timed calls after an untimed one. The setup
-repeats ``run_sampling_cases``'s on purpose: importing ``bench_step`` would put this tree's ``src`` first on the path.
+seed 1, 64 rows), and writes ``OUT_JSON``: the median of ``REPEATS`` timed calls after an untimed one. It imports
+nothing of ``bench_step`` (which would put this tree's ``src`` first on the path); ``bench_step`` imports its setup.
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
-    model, rows, group, new_tokens, repeats = sys.argv[1], *map(int, sys.argv[2:6])
-    out_path = sys.argv[6]
-    import scgrpo
+def qlora_policy_and_prompts(model: str, rows: int, group: int, device: torch.device):
+    """The sampling cases' policy (nf4 base, LoRA r=16 whose B's are drawn from N(0, 0.01) under seed 1: adapters
+    that change the outputs) in eval mode, its tokenizer (left padding) and ``rows / group`` arithmetic prompts;
+    ``bench_step.run_sampling_cases`` uses it too."""
     from scgrpo.data.sources import ArithmeticTask
     from scgrpo.models import LoraSettings, load_policy
-    from scgrpo.rollout.engine import GenerationSettings, generate
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     policy, tokenizer = load_policy(model, torch.bfloat16, LoraSettings(r=16, alpha=32), "nf4", device)
     policy.eval()
     torch.manual_seed(1)
@@ -44,6 +42,17 @@ def main() -> None:
     questions = [row["question"] for row in ArithmeticTask(seed=0).rows("train")[: rows // group]]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                for q in questions]
+    return policy, tokenizer, prompts
+
+
+def main() -> None:
+    model, rows, group, new_tokens, repeats = sys.argv[1], *map(int, sys.argv[2:6])
+    out_path = sys.argv[6]
+    import scgrpo
+    from scgrpo.rollout.engine import GenerationSettings, generate
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    policy, tokenizer, prompts = qlora_policy_and_prompts(model, rows, group, device)
     settings = GenerationSettings(num_generations=group, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     torch.manual_seed(0)
     sync()

@@ -44,7 +44,7 @@ from scgrpo.rollout.four_bit import Dequantizer, chunk_plan, four_bit_state, str
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-FOUR_BIT_MODES = ("auto", "resident", "streamed", "layers")
+FOUR_BIT_MODES = four_bit.MODES
 # see CompactDecoder.lora_matmul_rows. On an H100 (SmolLM2 shape, r=16, benchmarks/results/session_h100/
 # bench_rollout_lora_call_{f,h}.json) 64-row rollouts took 178.5 ms with the LoRA terms inside the matmuls (down's
 # after) against 192.8 ms with every term after (188.8 against 202.0 in another call, timed in turn); at 512 rows

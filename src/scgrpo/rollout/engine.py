@@ -12,6 +12,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from scgrpo.rollout.four_bit import MODES as FOUR_BIT_MODES
 from scgrpo.rollout.graphs import warmup_stream
 from scgrpo.rollout.sampling import sample_from_logits, sample_tokens  # noqa: F401 (sample_from_logits: re-exported)
 
@@ -91,8 +92,8 @@ class GenerationSettings:
             raise ValueError(f"max_slots must be >= 0 (0 = automatic), got {self.max_slots}")
         if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
             raise ValueError(f"memory_budget_gib must be > 0 GiB (or null), got {self.memory_budget_gib}")
-        if self.four_bit not in ("auto", "resident", "streamed", "layers"):
-            raise ValueError(f"four_bit={self.four_bit!r}: expected 'auto', 'resident', 'streamed' or 'layers'")
+        if self.four_bit not in FOUR_BIT_MODES:
+            raise ValueError(f"four_bit={self.four_bit!r}: expected one of {', '.join(map(repr, FOUR_BIT_MODES))}")
         if self.merge_lora not in ("auto", "always", "never"):
             raise ValueError(f"merge_lora={self.merge_lora!r}: expected 'auto', 'always' or 'never'")
 

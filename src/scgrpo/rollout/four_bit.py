@@ -25,6 +25,8 @@ from torch import Tensor
 # weights dequantized at a time by a streamed projection: whole weights (on an H100, 8B shape, 64 rows: 20.4 ms a
 # decode step, against 23.4 ms in runs of 8M weights sized for the L2 cache; scripts/bench_step.py --suite qwen8b,
 # benchmarks/results/bench_qwen8b_sampling_dequant_h100.json)
+MODES = ("auto", "resident", "streamed", "layers")
+"""GenerationSettings.four_bit's values (see scgrpo.rollout.engine)"""
 STREAM_CHUNK = 1 << 30
 
 

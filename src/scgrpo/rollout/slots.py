@@ -248,9 +248,8 @@ class SlotDecoder:
                             "positions) beside the %.1f GiB allocated; decoding one row at a time",
                             self.memory_budget / 2**30, per_row / 2**30, cache_len, allocated / 2**30)
             return slots_within(self.memory_budget, allocated, per_row, rows)
-        else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            fit = int(0.25 * free // max(self.decoder.cache_bytes_per_row(cache_len), 1))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fit = int(0.25 * free // max(self.decoder.cache_bytes_per_row(cache_len), 1))
         return max(1, min(rows, fit))
 
     # ------------------------------------------------------------------------------------------ the loop
