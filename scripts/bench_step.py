@@ -279,7 +279,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True,
              logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None, four_bit: str = "auto",
              memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None,
-             profile: Optional[str] = None, fused_lora: bool = False) -> dict[str, Any]:
+             profile: Optional[str] = None, fused_lora: bool = True) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -559,20 +559,23 @@ def main() -> None:
         sampling["qwen8b_sampling_streamed_8m"] = dict(four_bit="streamed", chunk=1 << 23)  # in runs of 8M weights
         common = dict(model=qwen, objective="scgrpo", quantization="nf4", prompts=8, group=8, gradient_checkpointing=True,
                       coin_flip_rewards=True, keep_workspace=False)
-        # 1,024 tokens with the issue's settings (micro-batches of 4 rows); four_bit auto: resident on an 80 GB card
-        cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, **common)
-        # ... with the adapter terms of the 4-bit layers added by one addmm (LoraSettings.fused_4bit)
-        cases["qwen8b_scgrpo_1k_fused_lora"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, fused_lora=True,
-                                                   **common)
+        # 1,024 tokens with the issue's settings (micro-batches of 4 rows), peft's LoRA forward on the 4-bit layers
+        # (lora.fused_4bit false); four_bit auto: resident on an 80 GB card
+        cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, fused_lora=False, **common)
+        # ... with the adapter terms of the 4-bit layers added by one addmm (LoraSettings.fused_4bit, the default)
+        cases["qwen8b_scgrpo_1k_fused_lora"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, **common)
         # ... without gradient checkpointing (an 80 GB card holds the activations of 2-row micro-batches)
         cases["qwen8b_scgrpo_1k_no_checkpointing"] = dict(common, max_new=1024, min_new=1024, micro_batch_size=2,
-                                                          gradient_checkpointing=False)
+                                                          gradient_checkpointing=False, fused_lora=False)
+        # ... fused adapter terms and no checkpointing, micro-batches of 4 rows (about 50 GiB in the update)
+        cases["qwen8b_scgrpo_1k_fused_no_checkpointing"] = dict(common, max_new=1024, min_new=1024, micro_batch_size=4,
+                                                                gradient_checkpointing=False)
         # the same step with the base in bf16 (no quantization): the bf16 level of the sampler-trainer mismatch
         cases["qwen8b_bf16_lora_scgrpo_1k"] = dict(common, max_new=1024, min_new=1024, micro_batch_size=4,
                                                    quantization=None)
         # ... and as before the 4-bit decode paths: the 4-bit layers' own forwards in the decode step
         cases["qwen8b_scgrpo_1k_layers"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, four_bit="layers",
-                                               steps=1, warmup=0, **common)
+                                               steps=1, warmup=0, fused_lora=False, **common)
         # 24 GB consumer settings (configs/qlora_scgrpo_consumer.yaml): the process held to 20 GiB, the sampler
         # planning for it (streamed 4-bit base, KV cache in waves), micro-batches of 2 rows, logits in 512-token blocks
         consumer = dict(micro_batch_size=2, logprob_chunk_size=512, memory_budget_gib=20.0, memory_fraction_gib=20.0,

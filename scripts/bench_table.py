@@ -127,34 +127,58 @@ def sampling_cases(card: str) -> dict[str, dict]:
     return out
 
 
+BASELINE_TREE = "1718b3f"
+"""main where the 8B QLoRA targets were set (4-bit layers decoded through the Hugging Face forward): its 4-bit
+sampling, 780 new tok/s at 64 rows x 1,024 tokens on an H100, is the rate they were set against (783), so "4x
+the sampling speed" is taken against this tree"""
+
+
+def sampling_over_before(card: str) -> dict[str, dict]:
+    """``qlora_8b_sampling_over_before`` of ``card``: the tree the targets were set on (:data:`BASELINE_TREE`, run by
+    ``bench_step.py --before-src``) against four_bit resident, both timed in one call; other earlier trees timed
+    the same way are noted. Without such a file, the 4-bit layers' own forwards (the engine before the 4-bit
+    paths) stand in for the baseline, as labelled."""
+    name = "qlora_8b_sampling_over_before"
+    files = {path: cases for path, cases in sampling_cases(card).items() if "qwen8b_sampling_resident" in cases}
+    filed = [path for path, cases in files.items()
+             if BASELINE_TREE in cases.get("qwen8b_sampling_before", {}).get("before_src", "")]
+    others = [f"{c['before_src'].rstrip('/').split('/')[-1]} at {c['new_tokens']} tokens "
+              f"{c['ms_per_decode_step']:.1f} ms against resident {files[path]['qwen8b_sampling_resident']['ms_per_decode_step']:.1f} "
+              f"({c['ms_per_decode_step'] / files[path]['qwen8b_sampling_resident']['ms_per_decode_step']:.2f}x, {path})"
+              for path in files if path not in filed
+              for c in [files[path].get("qwen8b_sampling_before")] if c]
+    if filed:
+        path = filed[-1]
+        cases = files[path]
+        base, label = cases["qwen8b_sampling_before"], f"the package where the targets were set ({BASELINE_TREE}: 4-bit layers through the Hugging Face forward)"
+    else:
+        path = next((p for p, cases in files.items() if "qwen8b_sampling_layers" in cases), None)
+        if path is None:
+            return {}
+        cases = files[path]
+        base, label = cases["qwen8b_sampling_layers"], "the 4-bit layers' own forwards in the decode step"
+    after = cases["qwen8b_sampling_resident"]
+    streamed = cases.get("qwen8b_sampling_streamed_whole") or cases.get("qwen8b_sampling_streamed")
+    layers = cases.get("qwen8b_sampling_layers")
+    note = (f"random Qwen3-8B-shaped model, nf4 + LoRA r=16, 64 rows x {after['new_tokens']} new tokens forced, "
+            f"rollouts alone, one call ({path}): {label} {base['ms_per_decode_step']:.1f} ms a decode step "
+            f"({base['new_tok_s']:.0f} new tok/s), the base dequantized once per rollout (four_bit: resident, what "
+            f"auto picks with room) {after['ms_per_decode_step']:.1f} ms"
+            + (f", four_bit layers {layers['ms_per_decode_step']:.1f} ms" if layers and layers is not base else "")
+            + (f", dequantized in every step (streamed, what a 20 GiB budget picks) {streamed['ms_per_decode_step']:.1f} "
+               f"ms ({base['ms_per_decode_step'] / streamed['ms_per_decode_step']:.2f}x)" if streamed else "")
+            + f". Sampler-trainer log-prob mismatch (8 rows) {after['logprob_mismatch_mean']:.3f} mean resident"
+            + (f", {layers['logprob_mismatch_mean']:.3f} with the layers' forwards" if layers else "")
+            + (". Against the tree just before the 4-bit decode paths, which already ran the 4-bit layers inside the "
+               "compact decoder's graphs: " + "; ".join(others) if others else ""))
+    return {name: entry(name, base["ms_per_decode_step"] / after["ms_per_decode_step"], after["card"],
+                        after["command"], note)}
+
+
 def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
-    """The 8B QLoRA figures (Qwen3-8B shape, nf4) measured on ``card``: sampling against the 4-bit layers' own
-    forwards in the same call, the 1,024-token step, the 4,096-token step's peak in a 20 GiB process."""
-    summary = {}
-    for path, cases in sampling_cases(card).items():
-        if "qwen8b_sampling_layers" not in cases or "qwen8b_sampling_resident" not in cases:
-            continue
-        before, after = cases["qwen8b_sampling_layers"], cases["qwen8b_sampling_resident"]
-        streamed = cases.get("qwen8b_sampling_streamed_whole") or cases.get("qwen8b_sampling_streamed")
-        name = "qlora_8b_sampling_over_before"
-        baseline = cases.get("qwen8b_sampling_before")  # the source tree before the 4-bit paths, same call
-        if baseline is None and name in summary:
-            continue  # the first file of the card (a file with the earlier tree's timing replaces it)
-        base = baseline or before
-        label = (f"the package before the 4-bit paths ({baseline['before_src']})" if baseline
-                 else "the 4-bit layers' own forwards in the decode step (the engine before)")
-        summary[name] = entry(
-            name, base["ms_per_decode_step"] / after["ms_per_decode_step"], after["card"], after["command"],
-            f"random Qwen3-8B-shaped model, nf4 + LoRA r=16, 64 rows x {after['new_tokens']} new tokens forced, "
-            f"rollouts alone, one call ({path}): {label} {base['ms_per_decode_step']:.1f} ms a decode step, "
-            f"the base dequantized once per rollout (four_bit: resident, what auto picks with room) "
-            f"{after['ms_per_decode_step']:.1f} ms"
-            + (f", four_bit layers {before['ms_per_decode_step']:.1f} ms" if baseline else "")
-            + (f", dequantized in every step (streamed, what a 20 GiB budget picks) {streamed['ms_per_decode_step']:.1f} ms "
-               f"({base['ms_per_decode_step'] / streamed['ms_per_decode_step']:.2f}x)" if streamed else "")
-            + f". Sampler-trainer log-prob mismatch (8 rows) {after['logprob_mismatch_mean']:.3f} mean resident, "
-              f"{before['logprob_mismatch_mean']:.3f} with the layers' forwards",
-        )
+    """The 8B QLoRA figures (Qwen3-8B shape, nf4) measured on ``card``: sampling against the tree the targets were
+    set on, in the same call, the 1,024-token step, the 4,096-token step's peak in a 20 GiB process."""
+    summary = sampling_over_before(card)
     one_k, old = steps.get("qwen8b_scgrpo_1k"), steps.get("qwen8b_scgrpo_1k_layers")
     if (one_k and old and old.get("quantization") == one_k.get("quantization") == "nf4"
             and old["file"] == one_k["file"]):  # the rollouts inside full 1,024-token steps, one call
@@ -166,13 +190,14 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
                 + ("" if warmed else ", its run's first step, against a second step of auto") + "), four_bit auto "
                 f"{one_k['time_generation_s']:.1f} s ({1000 * one_k['time_generation_s'] / 1024:.1f} ms), "
                 f"{in_step:.2f}x")
-        if warmed or name not in summary:  # a warmed in-step ratio is the issue's own measure; else a note
+        if name in summary:
+            summary[name]["note"] += "; " + text
+        else:
             summary[name] = entry(name, in_step, one_k["card"], one_k["command"],
                                   "random Qwen3-8B-shaped model, nf4 + LoRA r=16, the rollouts " + text)
-        else:
-            summary[name]["note"] += "; " + text
     settings = [c for c in (one_k, steps.get("qwen8b_scgrpo_1k_no_checkpointing"),
-                            steps.get("qwen8b_scgrpo_1k_fused_lora")) if c and c.get("quantization") == "nf4"]
+                            steps.get("qwen8b_scgrpo_1k_fused_lora"), steps.get("qwen8b_scgrpo_1k_fused_no_checkpointing"))
+                if c and c.get("quantization") == "nf4"]
     one_k = min(settings, key=lambda c: c["wall_s"]) if settings else None  # the fastest setting (the note says which)
     if one_k is not None:
         name = "qlora_8b_1k_step_s"
@@ -185,7 +210,10 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
             f"forced, {setting}, four_bit auto (resident on this card): generation "
             f"{one_k['time_generation_s']:.1f} s ({1000 * one_k['time_generation_s'] / 1024:.1f} ms a decode step), "
             f"teacher pass {one_k['time_teacher_s']:.1f} s, update {one_k['time_train_s']:.1f} s; sampler-trainer "
-            f"mismatch {one_k['rollout_logprob_mismatch_mean']:.3f} nats mean",
+            f"mismatch {one_k['rollout_logprob_mismatch_mean']:.3f} nats mean ({one_k['file']}). Other settings: "
+            + "; ".join(f"{c['case']} {c['wall_s']:.1f} s (generation {c['time_generation_s']:.1f}, teacher "
+                        f"{c['time_teacher_s']:.1f}, update {c['time_train_s']:.1f}; {c['file']})"
+                        for c in settings if c is not one_k),
         )
     four_k = steps.get("qwen8b_scgrpo_4k_20gib")
     if four_k:
@@ -194,7 +222,9 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
             name, four_k["process_peak_reserved_gib"], four_k["card"], four_k["command"],
             "random Qwen3-8B-shaped model, nf4, SC-GRPO, 8 prompts x G=8, 4,096 tokens forced, the process limited "
             "to 20 GiB (set_per_process_memory_fraction), memory_budget_gib 20, four_bit auto (streamed within this "
-            "budget), checkpointing, micro-batches of 2 rows, logits in 512-token blocks: peak max_memory_reserved of "
+            "budget), checkpointing, micro-batches of 2 rows, logits in 512-token blocks"
+            + (", LoRA terms of the 4-bit layers fused (lora.fused_4bit)" if four_k.get("fused_lora") else "")
+            + ": peak max_memory_reserved of "
             f"the whole run, model loading included (step {four_k['wall_s']:.0f} s: generation "
             f"{four_k['time_generation_s']:.0f} s in {four_k.get('rollout_slots', 0):.0f} decode slots, "
             f"{1000 * four_k['time_generation_s'] / max(four_k.get('rollout_decode_steps', 1), 1):.1f} ms a decode "

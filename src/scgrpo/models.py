@@ -45,10 +45,11 @@ class LoraSettings:
     """Which linear layers get adapters: "all-linear" or a list of module names"""
     extra: dict = field(default_factory=dict)
     """Further peft.LoraConfig arguments"""
-    fused_4bit: bool = False
+    fused_4bit: bool = True
     """On a 4-bit (QLoRA) base, add each adapter's term as one matmul into the base output (``addmm``, in the
     compute dtype, as autocast would run it) instead of peft's fp32 branch (a copy of the output, x cast to
-    fp32, an fp32 term scaled and cast back); the fp32 adapter weights stay the trained ones"""
+    fp32, an fp32 term scaled and cast back); the fp32 adapter weights stay the trained ones. False: peft's
+    forward. (8B nf4 SC-GRPO step at 1,024 tokens on an H100: 30.3 s against 33.6 s, same call)"""
 
 
 def cache_root() -> Path:
@@ -267,9 +268,9 @@ def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings], qua
             **lora.extra,
         )
         model = get_peft_model(model, config)
-        if lora.fused_4bit:
-            log.info("lora.fused_4bit: the adapter terms of %d 4-bit layers are added by one matmul each (0: no "
-                     "4-bit base, nothing changes)", fuse_4bit_lora_adds(model))
+        if lora.fused_4bit and quantization:
+            log.info("lora.fused_4bit: the adapter terms of %d 4-bit layers are added by one matmul each",
+                     fuse_4bit_lora_adds(model))
     return model, tokenizer
 
 

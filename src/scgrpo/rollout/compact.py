@@ -89,6 +89,13 @@ def _base_layer(module):
     return module.get_base_layer() if hasattr(module, "get_base_layer") else module
 
 
+def memory_free(device: torch.device) -> int:
+    """Bytes that new tensors on the GPU ``device`` can take: the card's free memory plus what PyTorch's caching
+    allocator holds reserved but unused (after an update that peaked high, most of what the card lacks)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def _is_plain(weight: Tensor) -> bool:
     """A float weight used as it is (not a bitsandbytes 4/8-bit parameter, which may even have a float dtype
     when its packed storage is bf16)."""
@@ -662,7 +669,7 @@ class CompactDecoder:
     def _four_bit_mode(requested: str, linears: list, memory_budget: Optional[int], keep_workspace: bool) -> str:
         """How 4-bit base layers are multiplied by (see :mod:`scgrpo.rollout.four_bit`): ``requested``, or for
         "auto" "resident" when a float copy of the layers takes at most half of the memory left (``memory_budget``
-        bytes for the whole process, else the card's free memory), or a quarter when ``keep_workspace`` keeps it
+        bytes for the whole process, else :func:`memory_free`), or a quarter when ``keep_workspace`` keeps it
         (with the KV cache) through the update, "streamed" otherwise; "resident" on a CPU."""
         if requested not in FOUR_BIT_MODES:
             raise ValueError(f"four_bit={requested!r}: expected one of {FOUR_BIT_MODES}")
@@ -677,7 +684,7 @@ class CompactDecoder:
         if device.type != "cuda":
             return "resident"
         left = (memory_budget - torch.cuda.memory_allocated(device) if memory_budget is not None
-                else torch.cuda.mem_get_info(device)[0])
+                else memory_free(device))
         return "resident" if four_bit.resident_fits(copy, left, kept=keep_workspace) else "streamed"
 
     def _ensure_scratch(self) -> bool:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from scgrpo.rollout.compact import CompactDecoder, Compiled, length_bucket
+from scgrpo.rollout.compact import CompactDecoder, Compiled, length_bucket, memory_free
 from scgrpo.rollout.graphs import warmup_stream
 from scgrpo.rollout.sampling import draw, sampling_distribution
 
@@ -235,7 +235,8 @@ class SlotDecoder:
     def slot_budget(self, rows: int, cache_len: int) -> int:
         """Slots for ``rows`` rows: ``max_slots`` when set; else, with a memory budget (bytes for the whole
         process), as many as 80% of what it leaves holds (each slot's KV cache and its fp32 logits, a few copies);
-        else as many as a quarter of the free GPU memory holds (all rows on CPU)."""
+        else as many as a quarter of the free GPU memory holds (:func:`~scgrpo.rollout.compact.memory_free`; all
+        rows on CPU)."""
         if self.max_slots:
             return max(1, min(rows, self.max_slots))
         if self.device.type != "cuda":
@@ -248,8 +249,7 @@ class SlotDecoder:
                             "positions) beside the %.1f GiB allocated; decoding one row at a time",
                             self.memory_budget / 2**30, per_row / 2**30, cache_len, allocated / 2**30)
             return slots_within(self.memory_budget, allocated, per_row, rows)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        fit = int(0.25 * free // max(self.decoder.cache_bytes_per_row(cache_len), 1))
+        fit = int(0.25 * memory_free(self.device) // max(self.decoder.cache_bytes_per_row(cache_len), 1))
         return max(1, min(rows, fit))
 
     # ------------------------------------------------------------------------------------------ the loop
