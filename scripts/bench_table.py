@@ -34,18 +34,27 @@ TARGETS = {
 }
 
 
-def load(card: str) -> dict[str, dict]:
-    """Training-step cases of one card by name (the first file in name order wins a name both hold)."""
-    cases = {}
+def load_rows(card: str) -> list[dict]:
+    """Every training-step case of one card, file by file in name order (with the file's card, command,
+    versions and path)."""
+    rows = []
     for path in sorted(glob.glob(os.path.join(RESULTS, f"bench_*_{card}*.json"))):
         payload = json.load(open(path))
         if not isinstance(payload.get("cases"), list):
             continue  # rollout benchmarks: their own table
         for case in payload["cases"]:
-            if case["case"] in cases or "wall_s" not in case:
+            if "wall_s" not in case:
                 continue  # (rollout-only cases: sampling_cases)
-            cases[case["case"]] = {**case, "card": payload["card"], "command": payload["command"],
-                                   "versions": payload["versions"], "file": os.path.relpath(path, ROOT)}
+            rows.append({**case, "card": payload["card"], "command": payload["command"],
+                         "versions": payload["versions"], "file": os.path.relpath(path, ROOT)})
+    return rows
+
+
+def load(card: str) -> dict[str, dict]:
+    """Training-step cases of one card by name (the first file in name order wins a name both hold)."""
+    cases: dict[str, dict] = {}
+    for row in load_rows(card):
+        cases.setdefault(row["case"], row)
     return cases
 
 
@@ -119,7 +128,7 @@ def step_entries(c: dict[str, dict]) -> dict[str, dict]:
 def sampling_cases(card: str) -> dict[str, dict]:
     """Rollout-only cases (``bench_step.py --suite qwen8b``'s ``*_sampling_*``) of one card by file, then name."""
     out = {}
-    for path in sorted(glob.glob(os.path.join(RESULTS, f"bench_qwen8b_sampling*_{card}.json"))):
+    for path in sorted(glob.glob(os.path.join(RESULTS, f"bench_qwen8b*_{card}.json"))):
         payload = json.load(open(path))
         out[os.path.relpath(path, ROOT)] = {c["case"]: {**c, "card": payload["card"], "command": payload["command"],
                                                         "file_note": payload.get("note")}
@@ -142,15 +151,22 @@ def sampling_over_before(card: str) -> dict[str, dict]:
     files = {path: cases for path, cases in sampling_cases(card).items() if "qwen8b_sampling_resident" in cases}
     filed = [path for path, cases in files.items()
              if BASELINE_TREE in cases.get("qwen8b_sampling_before", {}).get("before_src", "")]
-    others = [f"{c['before_src'].rstrip('/').split('/')[-1]} at {c['new_tokens']} tokens "
-              f"{c['ms_per_decode_step']:.1f} ms against resident {files[path]['qwen8b_sampling_resident']['ms_per_decode_step']:.1f} "
+
+    def tree(case: dict) -> str:  # the folder --before-src named (DIR or DIR/src)
+        parts = case["before_src"].rstrip("/").split("/")
+        return parts[-2] if parts[-1] == "src" and len(parts) > 1 else parts[-1]
+
+    others = [f"{tree(c)} at {c['new_tokens']} tokens {c['ms_per_decode_step']:.1f} ms against resident "
+              f"{files[path]['qwen8b_sampling_resident']['ms_per_decode_step']:.1f} "
               f"({c['ms_per_decode_step'] / files[path]['qwen8b_sampling_resident']['ms_per_decode_step']:.2f}x, {path})"
-              for path in files if path not in filed
+              for path in files if path not in filed[-1:]
               for c in [files[path].get("qwen8b_sampling_before")] if c]
     if filed:
         path = filed[-1]
         cases = files[path]
-        base, label = cases["qwen8b_sampling_before"], f"the package where the targets were set ({BASELINE_TREE}: 4-bit layers through the Hugging Face forward)"
+        base = cases["qwen8b_sampling_before"]
+        label = (f"the package where the targets were set ({BASELINE_TREE}: 4-bit layers through the Hugging Face "
+                 f"forward; the targets' 783 new tok/s is 81.7 ms a decode step)")
     else:
         path = next((p for p, cases in files.items() if "qwen8b_sampling_layers" in cases), None)
         if path is None:
@@ -169,13 +185,18 @@ def sampling_over_before(card: str) -> dict[str, dict]:
                f"ms ({base['ms_per_decode_step'] / streamed['ms_per_decode_step']:.2f}x)" if streamed else "")
             + f". Sampler-trainer log-prob mismatch (8 rows) {after['logprob_mismatch_mean']:.3f} mean resident"
             + (f", {layers['logprob_mismatch_mean']:.3f} with the layers' forwards" if layers else "")
-            + (". Against the tree just before the 4-bit decode paths, which already ran the 4-bit layers inside the "
-               "compact decoder's graphs: " + "; ".join(others) if others else ""))
+            + (". Other earlier trees, each timed in one call with the current decoder: " + "; ".join(others)
+               if others else ""))
     return {name: entry(name, base["ms_per_decode_step"] / after["ms_per_decode_step"], after["card"],
                         after["command"], note)}
 
 
-def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
+ONE_K_SETTINGS = ("qwen8b_scgrpo_1k", "qwen8b_scgrpo_1k_no_checkpointing", "qwen8b_scgrpo_1k_fused_lora",
+                  "qwen8b_scgrpo_1k_fused_no_checkpointing")
+"""The 1,024-token step's settings of the Qwen2-block model (the key takes the fastest; the note lists them all)"""
+
+
+def qlora_8b_entries(card: str, steps: dict[str, dict], rows: list[dict]) -> dict[str, dict]:
     """The 8B QLoRA figures (Qwen3-8B shape, nf4) measured on ``card``: sampling against the tree the targets were
     set on, in the same call, the 1,024-token step, the 4,096-token step's peak in a 20 GiB process."""
     summary = sampling_over_before(card)
@@ -195,9 +216,7 @@ def qlora_8b_entries(card: str, steps: dict[str, dict]) -> dict[str, dict]:
         else:
             summary[name] = entry(name, in_step, one_k["card"], one_k["command"],
                                   "random Qwen3-8B-shaped model, nf4 + LoRA r=16, the rollouts " + text)
-    settings = [c for c in (one_k, steps.get("qwen8b_scgrpo_1k_no_checkpointing"),
-                            steps.get("qwen8b_scgrpo_1k_fused_lora"), steps.get("qwen8b_scgrpo_1k_fused_no_checkpointing"))
-                if c and c.get("quantization") == "nf4"]
+    settings = [c for c in rows if c["case"] in ONE_K_SETTINGS and c.get("quantization") == "nf4"]  # every file
     one_k = min(settings, key=lambda c: c["wall_s"]) if settings else None  # the fastest setting (the note says which)
     if one_k is not None:
         name = "qlora_8b_1k_step_s"
@@ -441,6 +460,7 @@ def main() -> None:
     args = parser.parse_args()
     cards = args.cards.split(",")
     summary: dict[str, dict] = {}
+    all_rows = {card: load_rows(card) for card in cards}
     per_card = {card: load(card) for card in cards}
     for card in cards:
         try:
@@ -448,7 +468,7 @@ def main() -> None:
         except KeyError:
             pass  # this card's results do not hold the step suites' cases
         summary.update(rollout_entries(card))
-        for key, item in qlora_8b_entries(card, per_card[card]).items():
+        for key, item in qlora_8b_entries(card, per_card[card], all_rows[card]).items():
             earlier = summary.get(key)
             if earlier is not None and earlier["card"] != item["card"]:  # the later card's figure, the other's noted
                 item["note"] += f". {earlier['card']}: {earlier['value']} ({earlier['note']})"
@@ -468,13 +488,13 @@ def main() -> None:
               "Times in seconds per step; tok/s: sampled tokens per second of generation, teacher-input tokens per "
               "second of the teacher pass, trained sequence tokens per second of forward+backward+optimizer; peak: "
               "`max_memory_allocated` (GiB).", "",
-              "| case | card | GPUs | objective | base | prompts x G | new tokens | step (wall) | generation | teacher | train | gen tok/s | teacher tok/s | train tok/s | peak GiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    cases = {(card, name_): case for card in cards for name_, case in per_card[card].items()}
-    for (_, name_), case in cases.items():
+              "| case | file | card | GPUs | objective | base | prompts x G | new tokens | step (wall) | generation | teacher | train | gen tok/s | teacher tok/s | train tok/s | peak GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cases = {(card, row["file"], row["case"]): row for card in cards for row in all_rows[card]}
+    for (_, file_, name_), case in cases.items():
         base = case.get("quantization") or case.get("dtype", "")
         lines.append(
-            f"| {name_} | {case['card']} | {case.get('devices', 1)} | {case.get('objective', 'grpo (TRL)')} | {base} | "
+            f"| {name_} | {os.path.basename(file_)} | {case['card']} | {case.get('devices', 1)} | {case.get('objective', 'grpo (TRL)')} | {base} | "
             f"{case['prompts_per_gpu']} x {case['group_size']} | {case['max_new_tokens']} | {fmt(case['wall_s'])} | "
             f"{fmt(case.get('time_generation_s'))} | {fmt(case.get('time_teacher_s'))} | {fmt(case.get('time_train_s'))} | "
             f"{fmt(case.get('generation_tok_s'), 0)} | {fmt(case.get('teacher_tok_s'), 0)} | {fmt(case.get('train_tok_s'), 0)} | "

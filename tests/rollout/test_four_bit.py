@@ -247,7 +247,8 @@ def test_auto_sizes_the_resident_copy_to_the_memory_left(models):
 
 def test_auto_counts_the_allocators_unused_reserve_as_memory_left(monkeypatch):
     """Without a budget, the memory left is the card's free memory plus what PyTorch's caching allocator holds
-    reserved but unused: after an update that filled the cache, a copy that fits in the two is made resident."""
+    reserved but unused: after an update that filled the cache, a copy that fits in the two is made resident,
+    and the KV cache gets the slots that fit in a quarter of the two."""
     from types import SimpleNamespace
 
     from scgrpo.rollout import compact
@@ -268,6 +269,12 @@ def test_auto_counts_the_allocators_unused_reserve_as_memory_left(monkeypatch):
     # a budget counts what is allocated against it, whatever the allocator caches
     assert CompactDecoder._four_bit_mode("auto", linears, 1000 * mib + 200 * mib, False) == "streamed"
     assert CompactDecoder._four_bit_mode("auto", linears, 1000 * mib + 300 * mib, False) == "resident"
+    # slots: a quarter of the memory left over 10 MiB of KV cache a row (the fp32 logits count only with a budget)
+    slots = SimpleNamespace(max_slots=0, device=torch.device("cuda", 0), memory_budget=None,
+                            decoder=SimpleNamespace(cache_bytes_per_row=lambda length: 10 * mib, embed=torch.empty(8, 1)))
+    assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 7  # 0.25 * 300 MiB / 10 MiB
+    reserved["value"] = 0
+    assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 2  # 0.25 * 100 MiB / 10 MiB
 
 
 @pytest.mark.parametrize("dtype,tol,grad_tol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 3e-2, 0.1)])
