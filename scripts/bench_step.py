@@ -80,7 +80,8 @@ def versions() -> dict[str, str]:
 
 
 # Qwen3-8B's shapes (36 layers, 4096 wide, 32 query and 8 key/value heads of 128, MLP 12288, untied head); built as
-# a Qwen2 model (q/k/v biases, no q/k norms), like the measurements this suite's targets were set against
+# a Qwen2 model (q/k/v biases, no q/k norms) like the measurements this suite's targets were set against, or with
+# --blocks qwen3 as a Qwen3 model
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -617,6 +618,8 @@ def main() -> None:
     if args.before_src and args.suite == "qwen8b" and chosen:  # first, while this process holds no model
         results.append(run_before(args.before_src, qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
                                   repeats=args.repeats))
+        if args.blocks != "qwen2":
+            results[-1]["case"] += f"_{args.blocks}_blocks"
         save()
     if chosen:
         results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,

@@ -185,7 +185,7 @@ def sampling_over_before(card: str) -> dict[str, dict]:
                f"ms ({base['ms_per_decode_step'] / streamed['ms_per_decode_step']:.2f}x)" if streamed else "")
             + f". Sampler-trainer log-prob mismatch (8 rows) {after['logprob_mismatch_mean']:.3f} mean resident"
             + (f", {layers['logprob_mismatch_mean']:.3f} with the layers' forwards" if layers else "")
-            + (". Other earlier trees, each timed in one call with the current decoder: " + "; ".join(others)
+            + (". Other timings of earlier trees, each against the resident path of its own call: " + "; ".join(others)
                if others else ""))
     return {name: entry(name, base["ms_per_decode_step"] / after["ms_per_decode_step"], after["card"],
                         after["command"], note)}
@@ -348,12 +348,13 @@ def sampling_table(card: str) -> list[str]:
         if not cases:
             continue
         first = next(iter(cases.values()))
-        lines += ["", f"## 4-bit sampling, Qwen3-8B shape ({first['card']})", "",
+        blocks = ", Qwen3 blocks" if "qwen3-blocks" in first.get("model", "") else ""
+        lines += ["", f"## 4-bit sampling, Qwen3-8B shape{blocks} ({first['card']})", "",
                   f"`{first['command']}` -> `{path}`: 64 rows x {first['new_tokens']} new tokens forced, nf4 base + "
                   "LoRA r=16, the median of the timed rollouts after an untimed one (graphs recorded, kernels built); "
                   "mismatch: |log pi_sampler - log pi_trainer| of 8 rows' sampled tokens (random weights: "
-                  "near-uniform next-token distributions). Peak memory is not shown: in the earlier calls a resident "
-                  "case's copy stayed allocated into the cases after it (fixed since)."
+                  "near-uniform next-token distributions). Peak memory is left in the result files: in the first calls a "
+                  "resident case's copy stayed allocated into the cases after it (fixed since)."
                   + (f" This file: {first['file_note']}." if first.get("file_note") else ""), "",
                   "| case | four_bit | dequantized at a time | ms per decode step | new tok/s | mismatch mean | max |",
                   "|---|---|---|---|---|---|---|"]

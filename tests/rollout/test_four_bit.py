@@ -245,38 +245,6 @@ def test_auto_sizes_the_resident_copy_to_the_memory_left(models):
         CompactDecoder(model4, four_bit="fast")
 
 
-def test_auto_counts_the_allocators_unused_reserve_as_memory_left(monkeypatch):
-    """Without a budget, the memory left is the card's free memory plus what PyTorch's caching allocator holds
-    reserved but unused: after an update that filled the cache, a copy that fits in the two is made resident,
-    and the KV cache gets the slots that fit in a quarter of the two."""
-    from types import SimpleNamespace
-
-    from scgrpo.rollout import compact
-
-    mib = 2**20
-    linears = [SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda", 0))) for _ in range(4)]
-    monkeypatch.setattr(compact, "four_bit_state", lambda w: SimpleNamespace(shape=(4096, 4096), dtype=torch.bfloat16))
-    reserved = {"value": 0}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * mib, 80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000 * mib)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1000 * mib + reserved["value"])
-    mode = lambda kept=False: CompactDecoder._four_bit_mode("auto", linears, None, kept)  # noqa: E731
-    assert compact.memory_free(torch.device("cuda", 0)) == 100 * mib
-    assert mode() == "streamed"  # a 128 MiB copy, 100 MiB free, nothing cached
-    reserved["value"] = 200 * mib
-    assert compact.memory_free(torch.device("cuda", 0)) == 300 * mib
-    assert mode() == "resident" and mode(kept=True) == "streamed"  # half of 300 MiB holds it, a quarter does not
-    # a budget counts what is allocated against it, whatever the allocator caches
-    assert CompactDecoder._four_bit_mode("auto", linears, 1000 * mib + 200 * mib, False) == "streamed"
-    assert CompactDecoder._four_bit_mode("auto", linears, 1000 * mib + 300 * mib, False) == "resident"
-    # slots: a quarter of the memory left over 10 MiB of KV cache a row (the fp32 logits count only with a budget)
-    slots = SimpleNamespace(max_slots=0, device=torch.device("cuda", 0), memory_budget=None,
-                            decoder=SimpleNamespace(cache_bytes_per_row=lambda length: 10 * mib, embed=torch.empty(8, 1)))
-    assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 7  # 0.25 * 300 MiB / 10 MiB
-    reserved["value"] = 0
-    assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 2  # 0.25 * 100 MiB / 10 MiB
-
-
 @pytest.mark.parametrize("dtype,tol,grad_tol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 3e-2, 0.1)])
 def test_fused_lora_add_on_4bit_layers_equals_pefts_branch(dtype, tol, grad_tol, monkeypatch):
     """LoraSettings.fused_4bit: the adapter term added by one addmm gives peft's outputs and gradients: in fp32 to
