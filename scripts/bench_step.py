@@ -159,11 +159,8 @@ class StepRecorder(Callback):
         self._case, self._watching = case, True
 
     def _start_profiler(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
         self._armed = False
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._profiler = profile(activities=activities)
+        self._profiler = new_profiler()
         self._profiler.__enter__()
 
     def progress(self, case: str, phase: str) -> None:
@@ -231,6 +228,13 @@ class StepRecorder(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.steps and "wall_s" not in self.steps[-1]:
             self.steps[-1]["wall_s"] = self.steps[-1]["end_s"]  # the last step has no successor
+
+
+def new_profiler():
+    """A torch.profiler over the CPU and, where there is one, the GPU (enter it to start)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
 
 
 def write_profile(profiler, path: str) -> None:
@@ -407,10 +411,7 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
         gap = sampler_vs_trainer(policy, out, rows=8)
         seconds = statistics.median(times)
         if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as profiler
-
-            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with new_profiler() as prof:
                 generate(policy, tokenizer, prompts, group, settings, device)
                 torch.cuda.synchronize()
             write_profile(prof, f"{profile}.{name}.txt")
@@ -433,12 +434,13 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
     return results
 
 
-def run_before(source: str, model: str, *, rows: int, group: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+def run_before(source: str, model: str, *, rows: int, group: int, new_tokens: int, repeats: int,
+               case: str = "qwen8b_sampling_before") -> dict[str, Any]:
     """``qwen8b_sampling_before``: rollouts alone as :func:`run_sampling_cases` times them, by the package's source
     tree ``source`` (an earlier commit), in a subprocess (scripts/sampling_probe.py)."""
     import subprocess
 
-    print("== qwen8b_sampling_before", flush=True)
+    print(f"== {case}", flush=True)
     tree = next((os.path.realpath(d) for d in (source, os.path.join(source, "src"))
                  if os.path.isfile(os.path.join(d, "scgrpo", "__init__.py"))), None)
     if tree is None:
@@ -457,7 +459,7 @@ def run_before(source: str, model: str, *, rows: int, group: int, new_tokens: in
             result = json.load(f)
     if not os.path.realpath(result["source"]).startswith(tree + os.sep):
         raise RuntimeError(f"the probe imported {result['source']}, not the tree in {tree}")
-    result.update(case="qwen8b_sampling_before", model=model, quantization="nf4", lora="r=16 alpha=32 all-linear",
+    result.update(case=case, model=model, quantization="nf4", lora="r=16 alpha=32 all-linear",
                   four_bit="before", stream_chunk=0, before_src=source,
                   logprob_mismatch_mean=None, logprob_mismatch_max=None)
     print(json.dumps({k: v for k, v in result.items() if k != "seconds"}), flush=True)
@@ -531,6 +533,7 @@ def main() -> None:
 
     # (random-weight suites read only the tokenizer: --tokenizer names a folder that holds one instead)
     smollm2 = args.tokenizer or resolve_model(args.model)
+    suffix = "" if args.blocks == "qwen2" else f"_{args.blocks}_blocks"  # (qwen8b: case names by kind of block)
     cases: dict[str, dict[str, Any]] = {}
     sampling: dict[str, dict[str, Any]] = {}
     if args.suite == "smollm2":  # the TRL figure's settings: 32 prompts x G=8, 128 new tokens, LoRA r=16, bf16
@@ -589,9 +592,9 @@ def main() -> None:
                         **common)
         cases["qwen8b_scgrpo_1k_20gib"] = dict(max_new=1024, min_new=1024, **consumer)
         cases["qwen8b_scgrpo_4k_20gib"] = dict(max_new=4096, min_new=4096, steps=1, warmup=0, **consumer)
-        if args.blocks != "qwen2":  # other blocks, other names: the summary's figures stay those of one kind of block
-            cases = {f"{k}_{args.blocks}_blocks": v for k, v in cases.items()}
-            sampling = {f"{k}_{args.blocks}_blocks": v for k, v in sampling.items()}
+        if suffix:  # other blocks, other names: the summary's figures stay those of one kind of block
+            cases = {k + suffix: v for k, v in cases.items()}
+            sampling = {k + suffix: v for k, v in sampling.items()}
     else:  # FSDP throughput: same per-GPU batch on 1 and on N GPUs, fixed lengths
         common = dict(model=smollm2, prompts=16, group=8, max_new=128, min_new=128, devices=args.devices,
                       coin_flip_rewards=True)
@@ -617,9 +620,7 @@ def main() -> None:
     chosen = {k: v for k, v in sampling.items() if not wanted or k in wanted}
     if args.before_src and args.suite == "qwen8b" and chosen:  # first, while this process holds no model
         results.append(run_before(args.before_src, qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
-                                  repeats=args.repeats))
-        if args.blocks != "qwen2":
-            results[-1]["case"] += f"_{args.blocks}_blocks"
+                                  repeats=args.repeats, case="qwen8b_sampling_before" + suffix))
         save()
     if chosen:
         results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,

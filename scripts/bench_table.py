@@ -149,7 +149,7 @@ def sampling_over_before(card: str) -> dict[str, dict]:
     paths) stand in for the baseline, as labelled."""
     name = "qlora_8b_sampling_over_before"
     files = {path: cases for path, cases in sampling_cases(card).items() if "qwen8b_sampling_resident" in cases}
-    filed = [path for path, cases in files.items()
+    baseline_files = [path for path, cases in files.items()
              if BASELINE_TREE in cases.get("qwen8b_sampling_before", {}).get("before_src", "")]
 
     def tree(case: dict) -> str:  # the folder --before-src named (DIR or DIR/src)
@@ -159,10 +159,10 @@ def sampling_over_before(card: str) -> dict[str, dict]:
     others = [f"{tree(c)} at {c['new_tokens']} tokens {c['ms_per_decode_step']:.1f} ms against resident "
               f"{files[path]['qwen8b_sampling_resident']['ms_per_decode_step']:.1f} "
               f"({c['ms_per_decode_step'] / files[path]['qwen8b_sampling_resident']['ms_per_decode_step']:.2f}x, {path})"
-              for path in files if path not in filed[-1:]
+              for path in files if path not in baseline_files[-1:]
               for c in [files[path].get("qwen8b_sampling_before")] if c]
-    if filed:
-        path = filed[-1]
+    if baseline_files:
+        path = baseline_files[-1]
         cases = files[path]
         base = cases["qwen8b_sampling_before"]
         label = (f"the package where the targets were set ({BASELINE_TREE}: 4-bit layers through the Hugging Face "
