@@ -569,7 +569,7 @@ def main() -> None:
         sampling["qwen8b_sampling_streamed_8m"] = dict(four_bit="streamed", chunk=1 << 23)  # in runs of 8M weights
         common = dict(model=qwen, objective="scgrpo", quantization="nf4", prompts=8, group=8, gradient_checkpointing=True,
                       coin_flip_rewards=True, keep_workspace=False)
-        # 1,024 tokens with the issue's settings (micro-batches of 4 rows), peft's LoRA forward on the 4-bit layers
+        # 1,024 tokens with the targets' settings (micro-batches of 4 rows), peft's LoRA forward on the 4-bit layers
         # (lora.fused_4bit false); four_bit auto: resident on an 80 GB card
         cases["qwen8b_scgrpo_1k"] = dict(max_new=1024, min_new=1024, micro_batch_size=4, fused_lora=False, **common)
         # ... with the adapter terms of the 4-bit layers added by one addmm (LoraSettings.fused_4bit, the default)

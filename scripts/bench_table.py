@@ -232,7 +232,9 @@ def qlora_8b_entries(card: str, steps: dict[str, dict], rows: list[dict]) -> dic
             f"mismatch {one_k['rollout_logprob_mismatch_mean']:.3f} nats mean ({one_k['file']}). Other settings: "
             + "; ".join(f"{c['case']} {c['wall_s']:.1f} s (generation {c['time_generation_s']:.1f}, teacher "
                         f"{c['time_teacher_s']:.1f}, update {c['time_train_s']:.1f}; {c['file']})"
-                        for c in settings if c is not one_k),
+                        for c in settings if c is not one_k)
+            + "".join(f". With Qwen3's blocks, {c['case']} {c['wall_s']:.1f} s ({c['file']})" for c in rows
+                      if c["case"] in {s + "_qwen3_blocks" for s in ONE_K_SETTINGS}),
         )
     four_k = steps.get("qwen8b_scgrpo_4k_20gib")
     if four_k:
