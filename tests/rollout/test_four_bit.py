@@ -1,6 +1,12 @@
 """The compact decoder over a 4-bit (bitsandbytes) base: the dequantized runs equal bitsandbytes' own
 dequantization bit for bit, and resident and streamed decoding sample the model the trainer multiplies by (CPU,
-bitsandbytes' CPU kernels)."""
+bitsandbytes' CPU kernels).
+
+On a CPU with AVX-512, bitsandbytes' (0.50) CPU dequantization of an ``(m, n)`` weight reads ``n / 64`` blocks a
+row, where its quantizer (and CUDA's kernel) lays 64-blocks over the flattened weight: the two agree only where a
+row is whole blocks. So the reference here is the flat-block definition written out (:func:`flat_dequantized`),
+checked against bitsandbytes' own where a row is whole blocks, and the models whose bitsandbytes forward is compared
+have rows of whole blocks (64 and 128 inputs)."""
 
 from __future__ import annotations
 
@@ -25,8 +31,29 @@ def packed(weight: torch.Tensor, quant_type: str = "nf4", storage=torch.uint8, n
     return param.to("cpu")
 
 
+def flat_dequantized(data: torch.Tensor, state, scales=None) -> torch.Tensor:
+    """bitsandbytes' blockwise 4-bit dequantization written out: the flattened weight's codes (two a byte, the high
+    nibble first) in blocks of ``state.blocksize``, each times its block's fp32 scale (``scales``, else the state's:
+    for double quantisation the 8-bit scales dequantized plus the offset), rounded once to the state's dtype. The
+    same on every device (CUDA's kernel, bitsandbytes' quantizer)."""
+    data = data.reshape(-1)
+    data = data if data.dtype == torch.uint8 else data.view(torch.uint8)
+    rows, cols = state.shape
+    if scales is None:
+        scales = state.absmax.float()
+        if state.nested:
+            scales = (bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
+    codes = torch.stack([data >> 4, data & 0xF], 1).reshape(-1)[: rows * cols].long()
+    table = bnb.functional.get_4bit_type(state.quant_type, device="cpu").float()
+    values = table[codes] * scales.repeat_interleave(state.blocksize)[: rows * cols]
+    return values.to(state.dtype).reshape(rows, cols)
+
+
 def quantize_linears(model, quant_type: str = "nf4", storage=torch.uint8):
-    """Every decoder block's linear layer as a bitsandbytes ``Linear4bit`` (the head and embeddings stay)."""
+    """Every decoder block's linear layer as a bitsandbytes ``Linear4bit`` (the head and embeddings stay), in the
+    flat layout CUDA runs: on a CPU with AVX512-BF16, ``Linear4bit``'s first forward in eval mode without gradients
+    would repack its weight for a bf16 CPU gemm (bf16 inputs and scales; none on CUDA, and none on a CPU without
+    AVX512-BF16), which :func:`test_dequantizer_reads_bitsandbytes_cpu_layout` covers."""
     for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name, child in list(parent.named_children()):
@@ -35,6 +62,7 @@ def quantize_linears(model, quant_type: str = "nf4", storage=torch.uint8):
                 layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                           compute_dtype=child.weight.dtype, quant_type=quant_type,
                                           quant_storage=storage)
+                layer.support_avx512bf16_for_cpu = False  # (bitsandbytes' CPU repacking, see above)
                 layer.weight = packed(child.weight.data, quant_type, storage)
                 if child.bias is not None:
                     layer.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
@@ -42,16 +70,17 @@ def quantize_linears(model, quant_type: str = "nf4", storage=torch.uint8):
     return model
 
 
-def dequantized_copy(model4, family: str, vocab: int):
+def dequantized_copy(model4, family: str, vocab: int, **overrides):
     """The same network with each 4-bit weight replaced by bitsandbytes' dequantization of it, as plain floats."""
-    plain = tiny(family, vocab)
+    plain = tiny(family, vocab, **overrides)
     plain.load_state_dict({k: v for k, v in model4.state_dict().items() if k in plain.state_dict()
                            and v.shape == plain.state_dict()[k].shape}, strict=False)
     for block4, block in zip(model4.model.layers, plain.model.layers):
         for parent4, parent in ((block4.self_attn, block.self_attn), (block4.mlp, block.mlp)):
             for name, child in parent4.named_children():
                 if isinstance(child, bnb.nn.Linear4bit):
-                    w = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state)
+                    w = flat_dequantized(child.weight.data, child.weight.quant_state)
+                    assert torch.equal(w, bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state))
                     getattr(parent, name).weight.data.copy_(w)
     return plain
 
@@ -62,7 +91,9 @@ def dequantized_copy(model4, family: str, vocab: int):
 def test_chunked_dequantization_is_bitsandbytes_own(quant_type, storage, nested, shape):
     torch.manual_seed(0)
     weight = packed(torch.randn(*shape, dtype=torch.bfloat16), quant_type, storage, nested)
-    expected = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    expected = flat_dequantized(weight.data, weight.quant_state)
+    if shape[1] % weight.quant_state.blocksize == 0:  # (rows of whole blocks: bitsandbytes' own on every CPU)
+        assert torch.equal(bnb.functional.dequantize_4bit(weight.data, weight.quant_state), expected)
     d = Dequantizer(weight)
     assert d.row_step() == (1 if shape[1] % 64 == 0 else 2)  # 96 columns: two rows make whole 64-blocks
     for chunk in (64, 3 * shape[1], 10**6):  # one row, a few rows, the whole weight at once
@@ -73,6 +104,28 @@ def test_chunked_dequantization_is_bitsandbytes_own(quant_type, storage, nested,
         for _, start, end, at in plan:
             d.into(out[start:end], start, end)
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("storage,nested", [(torch.uint8, True), (torch.bfloat16, True), (torch.uint8, False)])
+def test_dequantizer_reads_bitsandbytes_cpu_layout(storage, nested):
+    """A weight that bitsandbytes repacked for its CPU gemm (on a CPU with AVX512-BF16, in a ``Linear4bit``'s
+    first eval forward without gradients) dequantizes to the same codes times the bf16 scales that gemm multiplies
+    by, in the state's original dtype; the repacking itself runs on any CPU."""
+    convert = getattr(bnb.functional, "_convert_weight_packed_for_cpu", None)
+    if convert is None:
+        pytest.skip("bitsandbytes without its CPU repacking")
+    torch.manual_seed(0)
+    weight = packed(torch.randn(96, 128), "nf4", storage, nested)  # fp32 dequantization
+    codes, state = weight.data.clone(), weight.quant_state
+    expected = flat_dequantized(codes, state, four_bit.block_scales(state).bfloat16().float())
+    weight.data, _ = convert(weight.data, state)
+    assert four_bit.cpu_packed(state) and state.dtype == torch.bfloat16 and weight.data.shape == (96, 64)
+    d = Dequantizer(weight)
+    assert d.dtype == torch.float32 and torch.equal(d.packed, codes.reshape(-1).view(torch.uint8))
+    out = torch.full((96, 128), float("nan"))
+    for _, start, end, _ in chunk_plan([d], 5 * 128):
+        d.into(out[start:end], start, end)
+    assert torch.equal(out, expected)
 
 
 def test_streamed_matmul_lays_out_outputs_then_adapter_rows():
@@ -88,12 +141,17 @@ def test_streamed_matmul_lays_out_outputs_then_adapter_rows():
     assert y.is_contiguous() and y.shape == (5, 35)
 
 
+WIDE = dict(hidden_size=64, intermediate_size=128)
+"""the 4-bit decoding models' widths: rows of whole 64-blocks, where bitsandbytes' CPU forward dequantizes as its
+quantizer lays the blocks (see the module's note; runs that start inside a row: the chunked test above)"""
+
+
 @pytest.fixture(scope="module")
 def models(tok):
     from tests.rollout.test_compact import tiny as make
 
-    model4 = quantize_linears(make("qwen2", len(tok)))  # q/k/v biases; fp32 compute
-    plain = dequantized_copy(model4, "qwen2", len(tok))
+    model4 = quantize_linears(make("qwen2", len(tok), **WIDE))  # q/k/v biases; fp32 compute
+    plain = dequantized_copy(model4, "qwen2", len(tok), **WIDE)
     model4, plain = with_lora(model4), with_lora(plain)
     adapters = {k: v for k, v in model4.named_parameters() if "lora_" in k}
     with torch.no_grad():
@@ -120,7 +178,7 @@ def prompts(tok):
 def test_resident_and_streamed_decode_the_dequantized_model(models, tok, monkeypatch):
     model4, plain = models
     batch = prompts(tok)
-    monkeypatch.setattr(four_bit, "STREAM_CHUNK", 3 * 32)  # runs of three rows: many runs per projection
+    monkeypatch.setattr(four_bit, "STREAM_CHUNK", 3 * 64)  # runs of three rows: many runs per projection
     reference = CompactDecoder(plain)
     resident = CompactDecoder(model4, four_bit="resident")
     streamed = CompactDecoder(model4, four_bit="streamed")
@@ -128,8 +186,9 @@ def test_resident_and_streamed_decode_the_dequantized_model(models, tok, monkeyp
     assert {p.mode for p in resident._projections} == {"resident"} and resident.fused
     assert {p.mode for p in streamed._projections} == {"streamed"} and not streamed.fused
     assert {p.mode for p in layers._projections} == {"layers"}
-    # runs of at most 96 weights on whole 64-weight blocks: two rows of 32 inputs, one row of down's 64
-    assert streamed.scratch.numel() == max(p.chunk_numel for p in streamed._projections) == 64
+    # runs of at most 192 weights on whole 64-weight blocks: three rows of 64 inputs, one row of down's 128
+    assert streamed.scratch.numel() == max(p.chunk_numel for p in streamed._projections) == 3 * 64
+    assert {p.chunk_numel for p in streamed._projections} == {3 * 64, 128}
     assert min(len(p.plan) for p in streamed._projections) > 4
     # resident: the dequantized weights in the plain path, bit for bit
     for a, b in zip(resident._projections, reference._projections):

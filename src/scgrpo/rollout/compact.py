@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from scgrpo.rollout import four_bit, kernels, lora_matmul, norms
-from scgrpo.rollout.four_bit import Dequantizer, chunk_plan, four_bit_state, streamed_matmul
+from scgrpo.rollout.four_bit import Dequantizer, chunk_plan, four_bit_state, state_dtype, streamed_matmul
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class Projection:
         # bitsandbytes' kernel (:mod:`scgrpo.rollout.four_bit`), or run through the "layers"' own forwards
         if all(_is_plain(b.weight) for b in self.bases):
             self.mode = "plain"
-        elif four_bit in ("resident", "streamed") and all(s is not None and s.dtype == dtype for s in states):
+        elif four_bit in ("resident", "streamed") and all(s is not None and state_dtype(s) == dtype for s in states):
             self.mode = four_bit
         else:
             self.mode = "layers"

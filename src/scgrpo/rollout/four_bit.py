@@ -48,9 +48,36 @@ def four_bit_state(weight) -> Optional[object]:
     return state
 
 
+def cpu_packed(state) -> bool:
+    """Whether ``state`` is in bitsandbytes' CPU inference layout: on a CPU with AVX512-BF16, ``Linear4bit``'s
+    first forward in eval mode without gradients (bitsandbytes 0.50) repacks its weight for a bf16 gemm
+    (``bitsandbytes.functional._convert_weight_packed_for_cpu``): the codes interleaved in blocks of 32 rows, the
+    scales as bf16 ``[K / blocksize, N]``, ``nested`` off and ``dtype`` bf16 (the original in ``original_dtype``).
+    It is never made on CUDA (``Params4bit.cuda`` undoes it)."""
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def state_dtype(state) -> torch.dtype:
+    """The float dtype ``state`` dequantizes to (the one it had before a CPU repacking, see :func:`cpu_packed`)."""
+    return getattr(state, "original_dtype", state.dtype) if cpu_packed(state) else state.dtype
+
+
+def unpack_cpu_layout(data: Tensor, rows: int, cols: int, block_n: int = 32) -> Tensor:
+    """The flat packed bytes (two codes a byte, the high nibble first, row-major) of a weight in bitsandbytes' CPU
+    layout (:func:`cpu_packed`): ``data`` ``[N, K / 2]`` holds, for each ``block_n`` rows and each pair of columns,
+    the ``block_n`` first codes of the pairs in the low nibbles and the second in the high ones."""
+    packed = data.reshape(-1, block_n)
+    pairs = torch.cat([packed & 0xF, packed >> 4], dim=-1)  # [N / B * K / 2, 2B]: (row in block, pair slot)
+    codes = pairs.reshape(rows // block_n, cols // 2, block_n, 2).transpose(1, 2).reshape(-1)  # row-major
+    return (codes[0::2] << 4) | codes[1::2]
+
+
 def block_scales(state) -> Tensor:
     """The fp32 per-block scales of ``state``, computed as ``bitsandbytes.functional.dequantize_4bit`` computes
-    them (double quantisation: the 8-bit scales dequantized blockwise, plus the offset)."""
+    them (double quantisation: the 8-bit scales dequantized blockwise, plus the offset); for a weight in
+    bitsandbytes' CPU layout, the bf16 scales its CPU kernel multiplies by, in the flat blocks' order."""
+    if cpu_packed(state):
+        return state.absmax.t().float().reshape(-1)  # (K is a multiple of the blocksize there: whole blocks a row)
     if not getattr(state, "nested", False):
         return state.absmax.float()
     from bitsandbytes.functional import dequantize_blockwise
@@ -73,9 +100,11 @@ class Dequantizer:
         self.rows, self.cols = (int(d) for d in state.shape)
         self.blocksize = int(state.blocksize)
         self.quant_type = state.quant_type
-        self.dtype = state.dtype
+        self.dtype = state_dtype(state)
         packed = weight.data.reshape(-1)  # the packed bytes, whatever word type stores them (a view, made once)
-        self.packed = packed if packed.dtype == torch.uint8 else packed.view(torch.uint8)
+        packed = packed if packed.dtype == torch.uint8 else packed.view(torch.uint8)
+        # (a weight that bitsandbytes repacked for its CPU gemm: its flat bytes, a copy, on the CPU only)
+        self.packed = unpack_cpu_layout(packed, self.rows, self.cols) if cpu_packed(state) else packed
         self.scales: Optional[Tensor] = None
 
     def row_aligned(self, rows: int) -> bool:
@@ -106,10 +135,13 @@ class Dequantizer:
         scales = self.scales[lo // self.blocksize : -(-hi // self.blocksize)]
         shape = (end - start, self.cols)
         op = torch.ops.bitsandbytes.dequantize_4bit
-        if out.device.type == "cuda":
+        if out.device.type == "cuda":  # (the kernel reads flat blocks over out.numel() weights; shape is out's)
             op.out(part, scales, self.blocksize, self.quant_type, shape, self.dtype, out=out)
-        else:  # (bitsandbytes registers the in-place variant for CUDA only)
-            out.copy_(op.default(part, scales, self.blocksize, self.quant_type, shape, self.dtype).reshape(shape))
+        else:  # (bitsandbytes registers the in-place variant for CUDA only.) The run as one flat row: given
+            # ``(m, n)``, bitsandbytes' CPU kernel on a CPU with AVX-512 (0.50) reads ``n / blocksize`` blocks a
+            # row, not the flat blocks its quantizer wrote, wrong where a row is not whole blocks
+            flat = op.default(part, scales, self.blocksize, self.quant_type, (shape[0] * shape[1],), self.dtype)
+            out.copy_(flat.view(shape))
         return out
 
 
