@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -105,15 +104,17 @@ def main(argv: list[str] | None = None) -> None:
     share = args.prompts // world * args.group
     local = rollouts.select(torch.arange(rank * share, (rank + 1) * share, device=device))
     from scgrpo.distributed import full_state
+    from scgrpo.update import StepSums
 
     results = {}
     for name in names:  # each objective's step from the same weights (no optimizer step is taken)
         module.objective = objectives[name]()
         for p in module.parameters():
             p.grad = None
-        plan = module.plan_step(local, module.run_self_teacher(local))
-        sums: dict[str, float] = defaultdict(float)
-        module.accumulate_gradients(local, plan, sums)
+        update = module.policy_update()
+        plan = update.plan(local, module.run_self_teacher(local))
+        sums = StepSums()
+        update.accumulate(local, plan, sums)
         grads = {n: p.grad for n, p in module.named_parameters() if p.requires_grad}
         missing = [n for n, g in grads.items() if g is None]
         if missing:

@@ -55,5 +55,5 @@ def sampler_vs_trainer(module: RLVRModule, generated) -> tuple[torch.Tensor, tor
     attention = torch.cat([generated.prompt_mask, generated.completion_mask.long()], 1)
     module.policy.eval()
     with torch.no_grad():
-        trainer = module.token_logprobs(module.policy, ids, attention, c, entropy=False)[0]
+        trainer = module.actor.token_logprobs(ids, attention, c, entropy=False)[0]
     return (trainer - generated.sampler_logprobs).abs(), generated.completion_mask.bool()

@@ -1,6 +1,7 @@
 import csv
+import dataclasses
+import math
 import os
-from collections import defaultdict
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from scgrpo import GRPO
 from scgrpo.rollout.engine import GenerationSettings, generate
 from scgrpo.rollout.types import RolloutBatch
+from scgrpo.update import MismatchMeter, StepSums, sampler_correction
 from tests.helpers import tiny_data, tiny_module, tiny_trainer
 from tests.verifiers.helpers import AlwaysRight, RaisingVerifier
 
@@ -68,10 +70,10 @@ def test_leaving_out_zero_advantage_rows_gives_the_full_batch_gradient(tiny_mode
     def grads(rows):
         for p in params:
             p.grad = None
-        plan = module.plan_step(rollouts)
-        assert plan["norms"]["num_tokens"] == n_tok and plan["norms"]["num_rows"] == n_rows  # every row counts
-        plan.update(rows=rows, chunks=[rows], num_chunks=1)
-        module.accumulate_gradients(rollouts, plan, defaultdict(float))
+        update = module.policy_update()
+        plan = update.plan(rollouts)
+        assert plan.norms.num_tokens == n_tok and plan.norms.num_rows == n_rows  # every row counts
+        update.accumulate(rollouts, dataclasses.replace(plan, rows=rows, chunks=[rows], num_chunks=1), StepSums())
         return [p.grad.clone() for p in params]
 
     full = grads(torch.arange(8))
@@ -156,7 +158,7 @@ def test_nonfinite_loss_skips_the_update(tiny_model_dir, tmp_path, caplog):
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     tiny_trainer(tmp_path, max_steps=2).fit(module, datamodule=tiny_data())
-    assert module.nonfinite_skips > 0 and "non-finite loss" in caplog.text
+    assert module.guard.nonfinite_skips > 0 and "non-finite loss" in caplog.text
     assert all(torch.equal(p, before[n]) for n, p in module.policy.named_parameters())
 
 
@@ -180,8 +182,8 @@ def test_reference_logprobs_come_from_the_base_model(tiny_model_dir):
     c = rollouts.completion_ids.shape[1]
     with torch.no_grad():
         with module.policy.disable_adapter():
-            base, _ = module.token_logprobs(module.policy, rollouts.input_ids, rollouts.attention_mask, c)
-        policy, _ = module.token_logprobs(module.policy, rollouts.input_ids, rollouts.attention_mask, c)
+            base, _ = module.actor.token_logprobs(rollouts.input_ids, rollouts.attention_mask, c)
+        policy, _ = module.actor.token_logprobs(rollouts.input_ids, rollouts.attention_mask, c)
     torch.testing.assert_close(rollouts.ref_logprobs, base)
     torch.testing.assert_close(rollouts.old_logprobs, policy)
     assert (base - policy).abs().max() > 1e-4  # the adapters change the distribution
@@ -195,31 +197,51 @@ def test_logprobs_of_left_padded_rows_match_the_unpadded_sequence(tiny_model_dir
     row = torch.tensor([[5, 6, 7, 8, 9, 10]])
     padded = torch.tensor([[2, 2, 5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        bare, _ = module.token_logprobs(module.policy, row, torch.ones_like(row), 3)
-        pad, _ = module.token_logprobs(module.policy, padded, torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]), 3)
+        bare, _ = module.actor.token_logprobs(row, torch.ones_like(row), 3)
+        pad, _ = module.actor.token_logprobs(padded, torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]), 3)
     torch.testing.assert_close(bare, pad, atol=1e-5, rtol=1e-5)
 
 
-def test_sampler_mismatch_metrics_and_tis_weights_by_hand(tiny_model_dir):
-    module = tiny_module(tiny_model_dir, tis_cap=2.0)
-    module._mismatch = defaultdict(float)
+def test_sampler_mismatch_metrics_and_tis_weights_by_hand():
+    meter = MismatchMeter()
     trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -4.0, -1.0]])
     sampler = torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -3.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    weights = module._sampler_correction(trainer, sampler, mask, torch.full((2, 3), 0.5))
+    weights = sampler_correction(trainer, sampler, mask, torch.full((2, 3), 0.5), 2.0, meter)
     log_ratio = torch.tensor([[0.5, -1.0, 0.0], [0.0, -1.0, 8.0]])
     expected = 0.5 * torch.tensor([[1.6487213, 0.3678794, 0.0], [1.0, 0.3678794, 2.0]])  # min(ratio, 2), masked
     torch.testing.assert_close(weights, expected)
-    metrics = module._mismatch_metrics()
+    metrics = meter.metrics()
     kept = log_ratio[mask.bool()]
     assert metrics["rollout/logprob_mismatch_mean"] == pytest.approx(float(kept.abs().mean()))
     assert metrics["rollout/logprob_mismatch_max"] == pytest.approx(8.0)
     assert metrics["rollout/mismatch_kl"] == pytest.approx(float((kept.exp() - 1 - kept).mean()), rel=1e-5)
-    before = dict(module._mismatch)
-    module._sampler_correction(trainer, sampler + 5.0, mask, None, book=False)  # a rank's zero-weight pass
-    assert dict(module._mismatch) == before
-    module.tis_cap = 0.0  # off: the weights pass through, the mismatch is still measured
-    assert module._sampler_correction(trainer, sampler, mask, None) is None
+    # tis_cap 0 (off): the weights pass through, the mismatch is still measured
+    assert sampler_correction(trainer, sampler, mask, None, 0.0, meter) is None
+    assert meter.tokens == 2 * float(mask.sum())
+    assert all(math.isnan(v) for v in MismatchMeter().metrics().values())  # no token compared
+
+
+def test_mismatch_is_booked_on_the_first_pass_of_real_rows_only(tiny_model_dir):
+    """A rank's zero-weight pass (``book=False``) and the later optimisation passes leave the mismatch as it was."""
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir)
+    module.configure_model()
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    rollouts.sampler_logprobs = torch.full(rollouts.completion_mask.shape, -1.0) * rollouts.completion_mask
+    update = module.policy_update()
+    plan, rows = update.plan(rollouts), torch.tensor([0, 1])
+    update.micro_batch_loss(rollouts, rows, plan, book=False)
+    assert update.mismatch.tokens == 0
+    update.micro_batch_loss(rollouts, rows, plan)
+    assert update.mismatch.tokens == float(rollouts.completion_mask[rows].sum()) > 0
+    booked = dataclasses.asdict(update.mismatch)
+    update.first_pass = False
+    update.micro_batch_loss(rollouts, torch.tensor([2, 3]), plan)
+    assert dataclasses.asdict(update.mismatch) == booked
+
+
+def test_tis_cap_below_one_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="tis_cap"):
         tiny_module(tiny_model_dir, tis_cap=0.5)
 
@@ -237,7 +259,7 @@ def test_tis_scales_each_tokens_gradient_by_the_capped_ratio(tiny_model_dir, gap
     c = rollouts.completion_ids.shape[1]
     module.policy.eval()  # no dropout: the training forward gives the same log-probs
     with torch.no_grad():
-        trainer = module.token_logprobs(module.policy, rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
+        trainer = module.actor.token_logprobs(rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
     rollouts.sampler_logprobs = (trainer - math.log(gap)) * rollouts.completion_mask
     params = [p for p in module.policy.parameters() if p.requires_grad]
 
@@ -245,7 +267,8 @@ def test_tis_scales_each_tokens_gradient_by_the_capped_ratio(tiny_model_dir, gap
         module.tis_cap = cap
         for p in params:
             p.grad = None
-        module.accumulate_gradients(rollouts, module.plan_step(rollouts), defaultdict(float))
+        update = module.policy_update()
+        update.accumulate(rollouts, update.plan(rollouts), StepSums())
         return [p.grad.clone() for p in params]
 
     plain, corrected = grads(0.0), grads(2.0)

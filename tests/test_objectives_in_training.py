@@ -1,4 +1,3 @@
-from collections import defaultdict
 
 """The objectives inside the training loop: SC-GRPO's reduction to GRPO, DAPO's sampling, the baselines."""
 
@@ -12,6 +11,7 @@ from scgrpo.objectives import DAPO, GRPO, OPSD, SCGRPO, HighEntropyGRPO, SelfDis
 from scgrpo.objectives.dapo import overlong_penalty
 from scgrpo.rollout.engine import GenerationSettings, generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
+from scgrpo.update import StepSums
 from tests.helpers import tiny_data, tiny_module, tiny_trainer
 
 
@@ -26,12 +26,13 @@ def _rollouts(module, rewards, group_size=4):
 def _gradients(module, rollouts):
     """Loss and LoRA gradients of one training step's math, without the optimizer."""
     module.manual_backward = lambda loss: loss.backward()
-    plan = module.plan_step(rollouts, module.run_self_teacher(rollouts))  # credit, rows in the loss, denominators
+    update = module.policy_update()
+    plan = update.plan(rollouts, module.run_self_teacher(rollouts))  # credit, rows in the loss, denominators
     params = [p for p in module.policy.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    sums = defaultdict(float)
-    module.accumulate_gradients(rollouts, plan, sums)
+    sums = StepSums()
+    update.accumulate(rollouts, plan, sums)
     return torch.tensor(sums["loss"]), [p.grad.clone() for p in params], plan
 
 
@@ -45,7 +46,7 @@ def test_single_and_all_correct_groups_give_exactly_grpo(tiny_model_dir):
     grpo_loss, grpo_grads, _ = _gradients(module, rollouts)
     module.objective = SCGRPO()
     sc_loss, sc_grads, plan = _gradients(module, rollouts)
-    assert not plan["signal"].has_teacher.any()
+    assert not plan.signal.has_teacher.any()
     assert torch.equal(sc_loss, grpo_loss)
     for a, b in zip(sc_grads, grpo_grads):
         assert torch.equal(a, b)
@@ -68,12 +69,12 @@ def test_one_step_equals_the_hand_written_weighted_surrogate(tiny_model_dir):
         module.policy.get_base_model().model.norm.weight.mul_(8.0)
     rollouts = _rollouts(module, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     loss, grads, plan = _gradients(module, rollouts)
-    signal = plan["signal"]
+    signal = plan.signal
     mask = rollouts.completion_mask
     active = mask.bool() & signal.has_teacher.unsqueeze(1)
     c = max(float(torch.quantile(signal.divergence[active], 0.75)), 1e-4)
     f = torch.where(signal.has_teacher.unsqueeze(1), signal.divergence / (signal.divergence + c), torch.ones_like(mask))
-    advantages = plan["credit"].advantages
+    advantages = plan.credit.advantages
     std = torch.tensor([1.0, 1.0, 0.0, 0.0]).std()
     torch.testing.assert_close(advantages[:4], torch.tensor([0.5, 0.5, -0.5, -0.5]) / (std + 1e-4))  # Eq. 1 by hand
     assert (advantages[4:] != 0).any()  # the solve-none group carries the diversity advantage (tested by hand apart)
@@ -119,7 +120,7 @@ def test_self_distillation_without_any_reference_is_grpo_not_nan(tiny_model_dir)
     grpo_loss, grpo_grads, _ = _gradients(module, rollouts)
     module.objective = SelfDistillation()
     loss, grads, plan = _gradients(module, rollouts)
-    assert not plan["signal"].has_teacher.any()
+    assert not plan.signal.has_teacher.any()
     assert torch.isfinite(loss) and torch.equal(loss, grpo_loss)
     for a, b in zip(grads, grpo_grads):
         torch.testing.assert_close(a, b)
@@ -134,8 +135,8 @@ def test_distillation_with_full_fine_tuning_trains_the_head_through_the_distilla
     module.configure_model()
     rollouts = _rollouts(module, [1.0] * 8)
     loss, grads, plan = _gradients(module, rollouts)
-    assert (plan["credit"].advantages == 0).all() and plan["signal"].has_teacher.all() and loss != 0
-    head = module.lm_head().weight
+    assert (plan.credit.advantages == 0).all() and plan.signal.has_teacher.all() and loss != 0
+    head = module.actor.lm_head().weight
     index = [i for i, p in enumerate(p for p in module.policy.parameters() if p.requires_grad) if p is head]
     assert index and grads[index[0]].abs().sum() > 0
 

@@ -172,7 +172,7 @@ def test_teacher_sees_the_reference_in_its_system_message_and_scores_the_same_to
     has_system, base = system_prompt_layout(module.tokenizer, None)
     assert has_system and base == ""  # the test template has no default system message
     # the teacher's text: reference in the system turn only, the user turn is the student's question
-    ids, _, _ = module.self_teacher.teacher_inputs(module, rollouts, [2], [signal.references[2]])
+    ids, _, _ = module.self_teacher.teacher_inputs(module.actor, rollouts, [2], [signal.references[2]])
     text = module.tokenizer.decode(ids[0], skip_special_tokens=False)
     system_part, user_part = text.split("<|im_start|>user\n")
     assert signal.references[2] in system_part and "<|im_start|>system" in system_part
@@ -224,9 +224,9 @@ def test_teacher_and_entropy_passes_run_without_dropout(tiny_model_dir):
     second = module.run_self_teacher(rollouts).divergence
     assert torch.equal(first, second) and first.abs().sum() > 0
     torch.manual_seed(1)
-    e1 = module._batch_entropy(rollouts)
+    e1 = module.actor.batch_entropy(rollouts, module.micro_batch_size)
     torch.manual_seed(2)
-    assert torch.equal(e1, module._batch_entropy(rollouts))
+    assert torch.equal(e1, module.actor.batch_entropy(rollouts, module.micro_batch_size))
     assert module.policy.training  # the passes restore train mode
 
 
@@ -237,7 +237,7 @@ def test_a_reference_too_long_for_the_model_is_cut_and_counted(tiny_model_dir):
     limit = module.policy.config.max_position_embeddings  # 512 for the tiny model
     rollouts.completions[0] = "HEAD " + "7 " * 400 + "TAIL"  # 800+ byte-level tokens
     rollouts.completions[1] = rollouts.completions[0]
-    ids, mask, cut = module.self_teacher.teacher_inputs(module, rollouts, [1, 2], [rollouts.completions[0], "short"])
+    ids, mask, cut = module.self_teacher.teacher_inputs(module.actor, rollouts, [1, 2], [rollouts.completions[0], "short"])
     assert cut == 1 and ids.shape[1] <= limit
     text = module.tokenizer.decode(ids[0], skip_special_tokens=False)
     assert "TAIL" in text and "HEAD" not in text  # the reference keeps its end (where the answer is)

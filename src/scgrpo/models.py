@@ -290,3 +290,22 @@ def fuse_4bit_lora_adds(model) -> int:
             module.__class__ = FusedLoraLinear4bit
             count += 1
     return count
+
+
+def max_sequence_length(policy) -> Optional[int]:
+    """The longest sequence ``policy`` takes (its config's ``max_position_embeddings``), if it states one."""
+    limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+def check_model_settings(model: str, lora: Optional["LoraSettings"], quantization: Optional[str], dtype: str) -> None:
+    """One clear error, at configuration time, for a model, quantization or dtype that cannot be loaded."""
+    check_model_name(model)
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization={quantization!r}: expected null or one of {QUANTIZATIONS}")
+    if quantization is not None and lora is None:
+        raise ValueError("a quantised base cannot be trained; set lora (QLoRA) or quantization: null")
+    if quantization is not None and not torch.cuda.is_available():
+        raise ValueError("quantization (QLoRA) needs a GPU: bitsandbytes' 4-bit layers run on CUDA; "
+                         "set model.quantization: null to train in model.dtype")
+    parse_dtype(dtype, "cpu")  # fail early on an unknown name

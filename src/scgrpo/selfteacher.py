@@ -21,60 +21,29 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, ContextManager, Optional, Protocol, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from scgrpo.data.buffer import VerifiedBuffer
-from scgrpo.rollout.types import RolloutBatch
+from scgrpo.distributed import full_parameters
+from scgrpo.models import max_sequence_length
+from scgrpo.objectives.functional import chunked_divergence
+from scgrpo.rollout.types import (  # noqa: F401 - the signal's types, importable from here too
+    ALL,
+    DEFAULT_TEACHER_TEMPLATE,
+    PARTIAL,
+    ROUTES,
+    SINGLE,
+    SOLVE_NONE,
+    RolloutBatch,
+    TeacherSignal,
+    TeacherSpec,
+)
 
 log = logging.getLogger(__name__)
-
-ROUTES = ("partial", "solve_none", "single", "all")
-"""Group cases by the number of correct rollouts n_c: 2 <= n_c < G, n_c = 0, n_c = 1, n_c = G"""
-PARTIAL, SOLVE_NONE, SINGLE, ALL = range(4)
-
-DEFAULT_TEACHER_TEMPLATE = (
-    "Below is a verified solution to the problem you will be given. Use it as a guide, but answer in your "
-    "own words.\n\nVerified solution:\n{reference}"
-)
-"""Guide instruction + reference, appended to the base system prompt in the teacher's view only"""
-
-
-@dataclass
-class TeacherSpec:
-    """What self-teacher an objective asks for (objectives expose it as ``objective.teacher``)."""
-
-    routes: tuple[str, ...] = ("partial", "solve_none")
-    """Group cases (``ROUTES``) whose rollouts get a teacher; the others are plain GRPO rows"""
-    template: str = DEFAULT_TEACHER_TEMPLATE
-    """Guide instruction with ``{reference}``, appended to the base system prompt"""
-    weights: Literal["policy", "base"] = "policy"
-    """"policy": the current weights without gradient; "base": the same network with adapters disabled"""
-    output: Literal["divergence", "hidden"] = "divergence"
-    """"divergence": per-token D (no gradient); "hidden": the teacher's hidden states, for distillation terms"""
-    divergence: str = "forward_kl"
-    """forward_kl = KL(teacher || student) (the paper's), reverse_kl or jsd"""
-    buffer_references: bool = False
-    """A correct rollout with no distinct correct sibling takes a reference from the verified buffer"""
-    privileged: bool = False
-    """The reference is the row's ground-truth answer (OPSD-oracle), for every row"""
-    seed: int = 0
-    """Seeds the reference choice, with the step, the prompt id and the place in the group"""
-
-    def __post_init__(self) -> None:
-        unknown = [r for r in self.routes if r not in ROUTES]
-        if unknown:
-            raise ValueError(f"unknown route(s) {unknown}; expected some of {ROUTES}")
-        if "{reference}" not in self.template:
-            raise ValueError("the teacher template must contain {reference}")
-        if self.weights not in ("policy", "base"):
-            raise ValueError(f"teacher={self.weights!r}: expected 'policy' or 'base'")
-        if self.output not in ("divergence", "hidden"):
-            raise ValueError(f"teacher output {self.output!r}: expected 'divergence' or 'hidden'")
-
 
 @dataclass
 class RoutePlan:
@@ -86,24 +55,6 @@ class RoutePlan:
     reference_rows: list[Optional[int]]
     is_reference: list[bool]
     diversity_length: list[int]
-
-
-@dataclass
-class TeacherSignal:
-    """What the self-teacher hands the objective for a batch of ``N`` rollouts with ``C`` completion slots."""
-
-    route: Tensor  # [N] long, the group's case (index into ROUTES)
-    has_teacher: Tensor  # [N] bool, the row was scored by a teacher
-    is_reference: Tensor  # [N] bool, the reference rollout of a solve-none group (its advantage is 0)
-    diversity_mask: Tensor  # [N, C] float, tokens t <= L_i of solve-none rows with a teacher
-    references: list[Optional[str]]  # [N] the reference text each teacher saw
-    divergence: Optional[Tensor] = None  # [N, C] fp32 D_i,t >= 0; 0 at padding and rows without a teacher
-    teacher_hidden: Optional[Tensor] = None  # [N, C, H] teacher states (output="hidden"); 0 where no teacher
-    stats: dict[str, float] = field(default_factory=dict)  # route shares, truncations, tokens, time
-
-    @property
-    def num_rows(self) -> int:
-        return self.route.shape[0]
 
 
 def group_routes(rewards: Tensor, group_size: int, threshold: float) -> Tensor:
@@ -201,9 +152,29 @@ def system_prompt_layout(tokenizer, system_prompt: Optional[str]) -> tuple[bool,
     return True, ""
 
 
+class TeacherModel(Protocol):
+    """What the self-teacher needs of the policy it conditions (:class:`scgrpo.policy.Policy` is one)."""
+
+    tokenizer: Any
+    system_prompt: Optional[str]
+    runner: nn.Module  # every pass runs inside it (FSDP's root when sharded)
+    model: nn.Module  # the network (a peft model: ``disable_adapter`` for the base weights)
+    temperature: float
+    logprob_chunk_size: int
+
+    def lm_head(self) -> nn.Module: ...
+
+    def completion_hidden(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                          model: Optional[nn.Module] = None) -> Tensor: ...
+
+    def eval_mode(self) -> ContextManager[None]: ...
+
+    def sync(self) -> None: ...
+
+
 class SelfTeacher:
     """Routes a scored rollout batch, builds the teacher's inputs, runs the teacher pass and returns a
-    :class:`TeacherSignal`. ``module`` is the :class:`~scgrpo.module.RLVRModule` whose policy is the teacher.
+    :class:`TeacherSignal`. ``policy`` (a :class:`TeacherModel`) is both the student and, conditioned, the teacher.
 
     Truncation rule: when the teacher's context (system block with the reference, question, completion
     slots) would exceed the model's maximum length, the reference loses tokens from its *start* (its end,
@@ -218,16 +189,16 @@ class SelfTeacher:
         self._warned_truncation = False
 
     # ---------------------------------------------------------------------------------------- inputs
-    def teacher_prompts(self, module, questions: Sequence[str], references: Sequence[str]) -> list[str]:
+    def teacher_prompts(self, policy: TeacherModel, questions: Sequence[str], references: Sequence[str]) -> list[str]:
         """The teacher's prompts: the base system prompt + the guide instruction with the reference as the
         system message, then the student's own user turn (or, for a template without a system role, the
         block before the user turn)."""
         if self._layout is None:
-            self._layout = system_prompt_layout(module.tokenizer, module.system_prompt)
+            self._layout = system_prompt_layout(policy.tokenizer, policy.system_prompt)
         has_system, base = self._layout
         blocks = [self.spec.template.format(reference=ref) for ref in references]
         systems = [f"{base}\n\n{block}" if base else block for block in blocks]
-        if not getattr(module.tokenizer, "chat_template", None):
+        if not getattr(policy.tokenizer, "chat_template", None):
             return [f"{s}\n\n{q}" for s, q in zip(systems, questions)]
         prompts = []
         for system, question in zip(systems, questions):
@@ -236,17 +207,17 @@ class SelfTeacher:
                 messages.insert(0, {"role": "system", "content": system})
             else:
                 messages[0]["content"] = f"{system}\n\n{question}"
-            prompts.append(module.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            prompts.append(policy.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         return prompts
 
-    def _fit_references(self, module, questions: list[str], references: list[str], prompt_ids: list[list[int]],
+    def _fit_references(self, policy: TeacherModel, questions: list[str], references: list[str], prompt_ids: list[list[int]],
                         completion_len: int) -> tuple[list[str], list[int]]:
         """References cut at their start so that every teacher sequence fits the model (see the class doc);
         returns them and the positions that were cut."""
-        limit = max_sequence_length(module)
+        limit = max_sequence_length(policy.model)
         if limit is None:
             return references, []
-        tok = module.tokenizer
+        tok = policy.tokenizer
         out, cut = list(references), []
         for k, (ids, ref) in enumerate(zip(prompt_ids, references)):
             over = len(ids) + completion_len - limit
@@ -267,16 +238,16 @@ class SelfTeacher:
             self._warned_truncation = True
         return out, cut
 
-    def teacher_inputs(self, module, rollouts: RolloutBatch, rows: list[int], references: list[str]) -> tuple[Tensor, Tensor, int]:
+    def teacher_inputs(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], references: list[str]) -> tuple[Tensor, Tensor, int]:
         """Input ids and attention mask ``[n, Tt + C]`` of the teacher view for ``rows``: the teacher's prompt
         (left-padded), then the very completion tokens the rollout sampled. Also the number of cut references."""
-        tok = module.tokenizer
+        tok = policy.tokenizer
         questions = [rollouts.questions[i] for i in rows]
         c = rollouts.completion_ids.shape[1]
-        prompt_ids = tok(self.teacher_prompts(module, questions, references), add_special_tokens=False)["input_ids"]
-        references, cut = self._fit_references(module, questions, list(references), prompt_ids, c)
+        prompt_ids = tok(self.teacher_prompts(policy, questions, references), add_special_tokens=False)["input_ids"]
+        references, cut = self._fit_references(policy, questions, list(references), prompt_ids, c)
         if cut:  # only the cut rows are rendered and tokenised again
-            redone = tok(self.teacher_prompts(module, [questions[k] for k in cut], [references[k] for k in cut]),
+            redone = tok(self.teacher_prompts(policy, [questions[k] for k in cut], [references[k] for k in cut]),
                          add_special_tokens=False)["input_ids"]
             for k, ids in zip(cut, redone):
                 prompt_ids[k] = ids
@@ -288,10 +259,14 @@ class SelfTeacher:
         return ids, mask, len(cut)
 
     # ------------------------------------------------------------------------------------------ pass
-    def __call__(self, module, rollouts: RolloutBatch, buffer: Optional[VerifiedBuffer] = None, step: int = 0) -> TeacherSignal:
+    def __call__(self, policy: TeacherModel, rollouts: RolloutBatch, threshold: float,
+                 micro_batch_size: Optional[int] = None, buffer: Optional[VerifiedBuffer] = None,
+                 step: int = 0) -> TeacherSignal:
+        """The signal for ``rollouts``: rollouts with reward >= ``threshold`` are correct; the passes run
+        ``micro_batch_size`` rows at a time (None: all); ``buffer`` and ``step`` as :func:`route_rollouts`."""
         start = time.perf_counter()
         spec = self.spec
-        plan = route_rollouts(rollouts, spec, module.success_threshold, buffer, step)
+        plan = route_rollouts(rollouts, spec, threshold, buffer, step)
         n, c = rollouts.completion_ids.shape
         device = rollouts.completion_ids.device
         rows = [i for i in range(n) if plan.references[i] is not None]
@@ -303,8 +278,9 @@ class SelfTeacher:
                             < torch.tensor(plan.diversity_length, device=device).unsqueeze(1)).float(),
             references=plan.references,
         )
-        cut, tokens = module.runner(lambda: self._passes(module, rollouts, rows, plan.references, signal))
-        module._sync()
+        micro = micro_batch_size or max(len(rows), 1)
+        cut, tokens = policy.runner(lambda: self._passes(policy, rollouts, rows, plan.references, signal, micro))
+        policy.sync()
         groups = max(len(plan.route) // max(rollouts.group_size, 1), 1)
         group_route = signal.route.view(-1, rollouts.group_size)[:, 0] if n else signal.route
         signal.stats = {f"credit/route_{name}": float((group_route == k).sum()) / groups for k, name in enumerate(ROUTES)}
@@ -317,61 +293,43 @@ class SelfTeacher:
         return signal
 
     @torch.no_grad()
-    def _passes(self, module, rollouts: RolloutBatch, rows: list[int], references: list[Optional[str]],
-                signal: TeacherSignal) -> tuple[int, int]:
-        """Teacher (and student) passes over ``rows`` in micro-batches, eval mode (no dropout), weights
-        gathered once when sharded. Fills the signal's divergence or teacher states."""
-        from scgrpo.distributed import full_parameters
-        from scgrpo.objectives.functional import chunked_divergence
-
+    def _passes(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], references: list[Optional[str]],
+                signal: TeacherSignal, micro: int) -> tuple[int, int]:
+        """Teacher (and student) passes over ``rows`` in micro-batches of ``micro`` rows, eval mode (no dropout),
+        weights gathered once when sharded. Fills the signal's divergence or teacher states."""
         n, c = rollouts.completion_ids.shape
         device = rollouts.completion_ids.device
         spec = self.spec
-        policy, head = module.policy, module.lm_head()
+        head = policy.lm_head()
         if spec.output == "divergence":
             signal.divergence = torch.zeros(n, c, dtype=torch.float32, device=device)
         else:
             signal.teacher_hidden = None  # allocated at the first pass, in the model's dtype
         cut = tokens = 0
-        micro = module.micro_batch_size or max(len(rows), 1)
-        was_training = policy.training
-        policy.eval()
-        try:
-            with full_parameters(module.runner):
-                for k in range(0, len(rows), micro):
-                    chunk = rows[k : k + micro]
-                    index = torch.tensor(chunk, device=device)
-                    ids, mask, cut_here = self.teacher_inputs(module, rollouts, chunk, [references[i] for i in chunk])
-                    cut, tokens = cut + cut_here, tokens + ids.numel()
-                    teacher_hidden = self._teacher_hidden(module, ids, mask, c)  # [n, C, H]
-                    if spec.output == "hidden":
-                        if signal.teacher_hidden is None:
-                            signal.teacher_hidden = teacher_hidden.new_zeros(n, c, teacher_hidden.shape[-1])
-                        signal.teacher_hidden[index] = teacher_hidden
-                        continue
-                    student_hidden = module.completion_hidden(
-                        policy, rollouts.input_ids[index], rollouts.attention_mask[index], c)  # [n, C, H]
-                    divergence = chunked_divergence(
-                        teacher_hidden, student_hidden, head, spec.divergence, module.generation.temperature,
-                        module.logprob_chunk_size)  # [n, C]
-                    signal.divergence[index] = divergence * rollouts.completion_mask[index]
-        finally:
-            policy.train(was_training)
+        with policy.eval_mode(), full_parameters(policy.runner):
+            for k in range(0, len(rows), micro):
+                chunk = rows[k : k + micro]
+                index = torch.tensor(chunk, device=device)
+                ids, mask, cut_here = self.teacher_inputs(policy, rollouts, chunk, [references[i] for i in chunk])
+                cut, tokens = cut + cut_here, tokens + ids.numel()
+                teacher_hidden = self._teacher_hidden(policy, ids, mask, c)  # [n, C, H]
+                if spec.output == "hidden":
+                    if signal.teacher_hidden is None:
+                        signal.teacher_hidden = teacher_hidden.new_zeros(n, c, teacher_hidden.shape[-1])
+                    signal.teacher_hidden[index] = teacher_hidden
+                    continue
+                student_hidden = policy.completion_hidden(
+                    rollouts.input_ids[index], rollouts.attention_mask[index], c)  # [n, C, H]
+                divergence = chunked_divergence(
+                    teacher_hidden, student_hidden, head, spec.divergence, policy.temperature,
+                    policy.logprob_chunk_size)  # [n, C]
+                signal.divergence[index] = divergence * rollouts.completion_mask[index]
         return cut, tokens
 
-    def _teacher_hidden(self, module, ids: Tensor, mask: Tensor, c: int) -> Tensor:
-        policy = module.policy
+    def _teacher_hidden(self, policy: TeacherModel, ids: Tensor, mask: Tensor, c: int) -> Tensor:
         if self.spec.weights == "base":
-            if not hasattr(policy, "disable_adapter"):
+            if not hasattr(policy.model, "disable_adapter"):
                 raise ValueError("teacher='base' runs the base model with adapters disabled; it needs LoRA")
-            with policy.disable_adapter():
-                return module.completion_hidden(policy, ids, mask, c)
-        return module.completion_hidden(policy, ids, mask, c)
-
-
-def max_sequence_length(module) -> Optional[int]:
-    """The longest sequence the policy takes (its config's ``max_position_embeddings``), if it states one."""
-    policy = module.policy
-    config = getattr(policy, "config", None)
-    limit = getattr(config, "max_position_embeddings", None)
-    return int(limit) if isinstance(limit, int) and limit > 0 else None
+            with policy.model.disable_adapter():
+                return policy.completion_hidden(ids, mask, c)
+        return policy.completion_hidden(ids, mask, c)

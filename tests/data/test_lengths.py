@@ -32,7 +32,7 @@ def _exact(module, question: str) -> int:
 
 
 def _teacher_exact(module, question: str) -> int:
-    prompt = module.self_teacher.teacher_prompts(module, [question], [""])
+    prompt = module.self_teacher.teacher_prompts(module.actor, [question], [""])
     return len(module.tokenizer(prompt, add_special_tokens=False)["input_ids"][0])
 
 

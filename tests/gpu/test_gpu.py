@@ -4,7 +4,6 @@ Skipped without a GPU (and, for QLoRA, without bitsandbytes)."""
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 
 import pytest
 import torch
@@ -68,6 +67,7 @@ def test_qlora_step_with_teacher_and_reference_views(tiny_model_dir):
     prompts = ["What is 1 + 1?", "What is 2 + 3?"]
     g = module.sample(module.format_prompts(prompts), 4)
     from scgrpo.rollout.types import RolloutBatch
+    from scgrpo.update import StepSums
 
     rollouts = RolloutBatch(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.truncated, 4,
                             ["a"] * 4 + ["b"] * 4, [prompts[0]] * 4 + [prompts[1]] * 4, [2] * 4 + [5] * 4,
@@ -76,9 +76,10 @@ def test_qlora_step_with_teacher_and_reference_views(tiny_model_dir):
     module.score_rollouts(rollouts)  # the reference view: adapters off on the 4-bit base
     assert rollouts.ref_logprobs is not None and torch.isfinite(rollouts.ref_logprobs).all()
     signal = module.run_self_teacher(rollouts)
-    plan = module.plan_step(rollouts, signal)
-    sums = defaultdict(float)
-    module.accumulate_gradients(rollouts, plan, sums)
+    update = module.policy_update()
+    plan = update.plan(rollouts, signal)
+    sums = StepSums()
+    update.accumulate(rollouts, plan, sums)
     assert sums["nonfinite"] == 0 and torch.isfinite(torch.tensor(sums["loss"]))
     divergences = signal.divergence[signal.has_teacher]
     assert signal.has_teacher.any() and (divergences >= 0).all() and divergences.sum() > 0  # the teacher saw references

@@ -11,7 +11,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from scgrpo.callbacks.logging import run_dir
-from scgrpo.selfteacher import ROUTES
+from scgrpo.rollout.types import ROUTES
 
 
 def weight_colour(weight: float) -> str:

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback
 
 from scgrpo.distributed import all_reduce
+from scgrpo.guard import nonfinite_inputs
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
+from scgrpo.step_log import phase_peak
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +96,12 @@ class RolloutCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
         stats: dict = {}
-        pl_module.phase_peak(stats, "before")  # starts the sampling phase's peak
+        phase_peak(stats, pl_module.device, "before")  # starts the sampling phase's peak
         start = time.perf_counter()
         rollouts = sample_rollouts(pl_module, batch)
-        pl_module._sync()
+        pl_module.actor.sync()
         rollouts.stats["time/generation_s"] = time.perf_counter() - start
-        pl_module.phase_peak(rollouts.stats, "rollout")
+        phase_peak(rollouts.stats, pl_module.device, "rollout")
         batch.rollouts = rollouts
 
 
@@ -143,7 +145,7 @@ class DynamicSamplingCallback(Callback):
         objective = pl_module.objective
         if not getattr(objective, "dynamic_sampling", False) or batch.rollouts is None:
             return
-        diverged = float(pl_module.nonfinite_inputs(batch.rollouts) is not None)
+        diverged = float(nonfinite_inputs(batch.rollouts) is not None)
         if all_reduce([diverged], "max", pl_module.device)[0] > 0:  # on any rank: all ranks sample as many rounds
             return  # a diverged sampler's groups all look alike: keep them for the module's guard to see and skip
         target = batch.rollouts.num_groups

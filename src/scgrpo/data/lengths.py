@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from scgrpo.errors import InputError
+from scgrpo.models import max_sequence_length
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,8 @@ def prompt_limits(module, max_prompt_tokens: Optional[int]) -> PromptLimits:
     self-teacher prompt gets the same minus room for a reference of ``max_new_tokens``. Where ``max_new_tokens`` is
     half the context or more, that room is not kept (no prompt would fit): the teacher's view must then fit with an
     empty reference, and references are cut to fit as :class:`~scgrpo.selfteacher.SelfTeacher` describes."""
-    from scgrpo.selfteacher import max_sequence_length  # the teacher's own limit (imported here: it imports data)
-
     new = int(module.generation.max_new_tokens)
-    context = max_sequence_length(module)
+    context = max_sequence_length(module.policy)
     if context is None:  # the model states no maximum length: only data.max_prompt_tokens, if set
         return PromptLimits(max_prompt_tokens, None, "data.max_prompt_tokens", new, 0)
     room = context - new
@@ -121,7 +120,7 @@ def drop_long_rows(module, rows: list[dict], limits: PromptLimits, where: str) -
         teacher = module.self_teacher
 
         def render(qs: list[str]) -> list[str]:
-            return teacher.teacher_prompts(module, qs, [""] * len(qs))
+            return teacher.teacher_prompts(module.actor, qs, [""] * len(qs))
 
         viewed = _token_counts(tok, render, questions, limits.teacher)  # the teacher's prompt, empty reference
         too_long = [bad or n > limits.teacher for bad, n in zip(too_long, viewed)]

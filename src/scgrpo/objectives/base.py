@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from scgrpo.selfteacher import TeacherSignal, TeacherSpec
+    from scgrpo.rollout.types import TeacherSignal, TeacherSpec
 
 
 @dataclass

@@ -11,7 +11,7 @@ from scgrpo.objectives import functional as Fn
 from scgrpo.objectives.base import Credit, LossInputs, LossOutput
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.objectives.scgrpo import check_teacher_template
-from scgrpo.selfteacher import TeacherSignal, TeacherSpec
+from scgrpo.rollout.types import TeacherSignal, TeacherSpec
 
 ORACLE_TEMPLATE = ("The correct final answer to the problem you will be given is: {reference}\n"
                    "Work towards it in your own words.")

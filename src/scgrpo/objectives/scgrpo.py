@@ -11,7 +11,7 @@ from scgrpo.distributed import gather_values
 from scgrpo.objectives import functional as Fn
 from scgrpo.objectives.base import Credit
 from scgrpo.objectives.grpo import GRPO
-from scgrpo.selfteacher import DEFAULT_TEACHER_TEMPLATE, SOLVE_NONE, TeacherSignal, TeacherSpec
+from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE, SOLVE_NONE, TeacherSignal, TeacherSpec
 
 KL_PERCENTILES = (25, 50, 75, 95)
 

@@ -11,7 +11,7 @@ from scgrpo.objectives import functional as Fn
 from scgrpo.objectives.base import Credit, LossInputs, LossOutput
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.objectives.scgrpo import check_teacher_template
-from scgrpo.selfteacher import DEFAULT_TEACHER_TEMPLATE, TeacherSignal, TeacherSpec
+from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE, TeacherSignal, TeacherSpec
 
 
 class SelfDistillation(GRPO):

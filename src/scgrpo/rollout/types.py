@@ -1,9 +1,9 @@
-"""Typed containers that flow from the data module through the callbacks to the loss."""
+"""Typed containers that flow from the data module through the callbacks and the self-teacher to the loss."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -86,3 +86,65 @@ class RolloutBatch:
             entropy_sum=pick(self.entropy_sum),
             sampler_logprobs=pick(self.sampler_logprobs),
         )
+
+
+ROUTES = ("partial", "solve_none", "single", "all")
+"""Group cases by the number of correct rollouts n_c: 2 <= n_c < G, n_c = 0, n_c = 1, n_c = G"""
+PARTIAL, SOLVE_NONE, SINGLE, ALL = range(4)
+
+DEFAULT_TEACHER_TEMPLATE = (
+    "Below is a verified solution to the problem you will be given. Use it as a guide, but answer in your "
+    "own words.\n\nVerified solution:\n{reference}"
+)
+"""Guide instruction + reference, appended to the base system prompt in the teacher's view only"""
+
+
+@dataclass
+class TeacherSpec:
+    """What self-teacher an objective asks for (objectives expose it as ``objective.teacher``)."""
+
+    routes: tuple[str, ...] = ("partial", "solve_none")
+    """Group cases (``ROUTES``) whose rollouts get a teacher; the others are plain GRPO rows"""
+    template: str = DEFAULT_TEACHER_TEMPLATE
+    """Guide instruction with ``{reference}``, appended to the base system prompt"""
+    weights: Literal["policy", "base"] = "policy"
+    """"policy": the current weights without gradient; "base": the same network with adapters disabled"""
+    output: Literal["divergence", "hidden"] = "divergence"
+    """"divergence": per-token D (no gradient); "hidden": the teacher's hidden states, for distillation terms"""
+    divergence: str = "forward_kl"
+    """forward_kl = KL(teacher || student) (the paper's), reverse_kl or jsd"""
+    buffer_references: bool = False
+    """A correct rollout with no distinct correct sibling takes a reference from the verified buffer"""
+    privileged: bool = False
+    """The reference is the row's ground-truth answer (OPSD-oracle), for every row"""
+    seed: int = 0
+    """Seeds the reference choice, with the step, the prompt id and the place in the group"""
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.routes if r not in ROUTES]
+        if unknown:
+            raise ValueError(f"unknown route(s) {unknown}; expected some of {ROUTES}")
+        if "{reference}" not in self.template:
+            raise ValueError("the teacher template must contain {reference}")
+        if self.weights not in ("policy", "base"):
+            raise ValueError(f"teacher={self.weights!r}: expected 'policy' or 'base'")
+        if self.output not in ("divergence", "hidden"):
+            raise ValueError(f"teacher output {self.output!r}: expected 'divergence' or 'hidden'")
+
+
+@dataclass
+class TeacherSignal:
+    """What the self-teacher hands the objective for a batch of ``N`` rollouts with ``C`` completion slots."""
+
+    route: Tensor  # [N] long, the group's case (index into ROUTES)
+    has_teacher: Tensor  # [N] bool, the row was scored by a teacher
+    is_reference: Tensor  # [N] bool, the reference rollout of a solve-none group (its advantage is 0)
+    diversity_mask: Tensor  # [N, C] float, tokens t <= L_i of solve-none rows with a teacher
+    references: list[Optional[str]]  # [N] the reference text each teacher saw
+    divergence: Optional[Tensor] = None  # [N, C] fp32 D_i,t >= 0; 0 at padding and rows without a teacher
+    teacher_hidden: Optional[Tensor] = None  # [N, C, H] teacher states (output="hidden"); 0 where no teacher
+    stats: dict[str, float] = field(default_factory=dict)  # route shares, truncations, tokens, time
+
+    @property
+    def num_rows(self) -> int:
+        return self.route.shape[0]

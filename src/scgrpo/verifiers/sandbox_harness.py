@@ -15,6 +15,9 @@ The worker runs the program under test. It holds neither pipe, nor the token, no
 and it cannot read the judge's memory or file descriptors (the judge is not dumpable): all it can do is answer
 each question, and a wrong answer fails the test. Values cross as tagged JSON (plain data only), so an object
 whose ``__eq__`` always returns True cannot reach a comparison.
+
+Why one file of this length: the sandbox runs this file's text alone (``python -c``, inside a new root where the
+package is not importable), so the judge, the worker and the JSON codec they share cannot be split into modules.
 """
 
 import ast

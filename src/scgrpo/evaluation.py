@@ -1,0 +1,81 @@
+"""Evaluation on held-out prompts: k sampled completions per prompt, verified, as Avg@k and Pass@k, and greedy
+accuracy, per split (the paper reports Avg@8 and Pass@8)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from scgrpo.distributed import sum_over_ranks
+from scgrpo.policy import Policy
+from scgrpo.rollout.types import PromptBatch
+from scgrpo.verifiers import VerifierRunner
+
+log = logging.getLogger(__name__)
+
+
+class Evaluation:
+    """Accumulates one validation (or test) epoch's results per split and turns them into metrics.
+
+    Args:
+        k: completions sampled per prompt (Avg@k: mean accuracy; Pass@k: any correct).
+        temperature: sampling temperature (None: the training temperature).
+        greedy: also measure greedy accuracy.
+        success_threshold: a completion is correct when its reward is >= this.
+    """
+
+    def __init__(self, k: int, temperature: Optional[float], greedy: bool, success_threshold: float) -> None:
+        if k < 1:
+            raise ValueError(f"eval_samples must be >= 1, got {k}")
+        self.k, self.temperature, self.greedy, self.success_threshold = k, temperature, greedy, success_threshold
+        self.sums: dict[str, dict[str, float]] = {}  # per split: prompts and the sums of each metric
+        self.started = time.perf_counter()
+
+    def start(self) -> None:
+        self.sums, self.started = {}, time.perf_counter()
+
+    def add(self, batch: PromptBatch, policy: Policy, verifier: VerifierRunner) -> None:
+        """Samples, verifies and counts one batch of held-out prompts."""
+        prompts = policy.format_prompts(batch.questions)
+        k = self.k
+        sampled = policy.sample(prompts, k, temperature=self.temperature)
+        ids = [i for i in batch.ids for _ in range(k)]
+        answers = [a for a in batch.answers for _ in range(k)]
+        questions = [q for q in batch.questions for _ in range(k)]
+        scores = torch.tensor([r.score for r in verifier(sampled.completions, answers, questions, ids)])
+        correct = (scores >= self.success_threshold).float().view(-1, k)  # [P, k]
+        acc = self.sums.setdefault(batch.split, defaultdict(float))
+        acc["prompts"] += correct.shape[0]
+        acc["avg"] += float(correct.mean(1).sum())
+        acc["pass"] += float(correct.max(1).values.sum())
+        acc["length"] += float(sampled.completion_mask.sum(1).view(-1, k).mean(1).sum())
+        acc["truncated"] += float(sampled.truncated.float().view(-1, k).mean(1).sum())
+        if self.greedy:
+            greedy = policy.sample(prompts, 1, greedy=True)
+            results = verifier(greedy.completions, batch.answers, batch.questions, batch.ids)
+            acc["greedy"] += sum(float(r.score >= self.success_threshold) for r in results)
+
+    def metrics(self, step: int, log_summary: bool = True) -> dict[str, dict[str, float]]:
+        """Per split, ``val/<split>/avg@k``, ``pass@k``, ``completion_length``, ``truncated``, ``greedy`` and
+        ``time_s`` over all ranks' prompts (each rank evaluated its share). Every rank must call it."""
+        k, out = self.k, {}
+        for split, acc in sum_over_ranks(self.sums).items():
+            n = max(acc["prompts"], 1.0)
+            metrics = {
+                f"val/{split}/avg@{k}": acc["avg"] / n,
+                f"val/{split}/pass@{k}": acc["pass"] / n,
+                f"val/{split}/completion_length": acc["length"] / n,
+                f"val/{split}/truncated": acc["truncated"] / n,
+            }
+            if self.greedy:
+                metrics[f"val/{split}/greedy"] = acc["greedy"] / n
+            metrics[f"val/{split}/time_s"] = time.perf_counter() - self.started
+            if log_summary:
+                summary = ", ".join(f"{name.split('/')[-1]} {value:.3f}" for name, value in metrics.items())
+                log.info("step %d validation [%s] on %d prompts: %s", step, split, int(n), summary)
+            out[split] = metrics
+        return out

@@ -1,0 +1,207 @@
+"""The policy and every forward pass a step runs on it: sampling, completion hidden states, chunked token
+log-probs and entropies, the scoring passes and the finiteness probe.
+
+The update, the self-teacher and evaluation all reach the network through one :class:`Policy`, so each
+pass runs inside the :class:`~scgrpo.distributed.PolicyRunner` (FSDP's root when sharded), sees the same
+position ids as the sampler, and computes fp32 logits chunk by chunk for completion positions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.profiler import record_function
+
+from scgrpo.distributed import PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, shard_policy
+from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
+from scgrpo.objectives.functional import chunked_token_logprobs
+from scgrpo.rollout.engine import Generated, GenerationSettings, generate
+from scgrpo.rollout.types import RolloutBatch
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The Hugging Face *ForCausalLM inside a peft wrapper (LoRA layers stay injected in it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class Policy:
+    """The trained network (a peft model with LoRA, or the bare causal LM) with its tokenizer and the forward
+    passes of a step.
+
+    Args:
+        runner: holds the network; every pass runs inside it (FSDP's root when sharded).
+        tokenizer: the model's tokenizer (chat template, padding side left).
+        generation: sampling settings; log-probs and entropies are taken at its temperature.
+        device: where the network lives and batches are built.
+        system_prompt: a system message put before each question (None: the chat template's default).
+        logprob_chunk_size: tokens per chunk of fp32 logits.
+    """
+
+    def __init__(self, runner: PolicyRunner, tokenizer, generation: GenerationSettings, device: torch.device,
+                 system_prompt: Optional[str] = None, logprob_chunk_size: int = 1024) -> None:
+        self.runner, self.tokenizer, self.generation, self.device = runner, tokenizer, generation, device
+        self.system_prompt, self.logprob_chunk_size = system_prompt, logprob_chunk_size
+
+    @property
+    def model(self) -> nn.Module:
+        return self.runner.policy
+
+    @property
+    def sharded(self) -> bool:
+        return is_sharded(self.runner)
+
+    @property
+    def temperature(self) -> float:
+        return self.generation.temperature
+
+    def lm_head(self) -> nn.Module:
+        return unwrap_causal_lm(self.model).get_output_embeddings()
+
+    def trainable_parameters(self) -> list[Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def sync(self) -> None:
+        """Waits for the GPU so that phase timings measure the work, not the kernel launches."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """No dropout inside the block; the network's train/eval mode is put back after it."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    # ---------------------------------------------------------------------------------------- prompts
+    def format_prompts(self, questions: list[str]) -> list[str]:
+        """Each question as the model's chat prompt (user turn + assistant header), or raw text without a
+        chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return [q if self.system_prompt is None else f"{self.system_prompt}\n\n{q}" for q in questions]
+        prompts = []
+        for q in questions:
+            messages = [{"role": "user", "content": q}]
+            if self.system_prompt is not None:
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            prompts.append(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        return prompts
+
+    def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
+               temperature: Optional[float] = None) -> Generated:
+        """``num_samples`` completions of each prompt under the current weights (eval mode, no grad). When the
+        network is sharded, its parameters are gathered once for the whole decode loop."""
+
+        def run() -> Generated:
+            with full_parameters(self.runner), record_function("scgrpo.sample"):
+                settings = self.generation
+                if self.sharded and settings.merge_lora == "always":
+                    settings = dataclasses.replace(settings, merge_lora="never")  # weights are FSDP's views
+                return generate(self.model, self.tokenizer, prompts, num_samples, settings, self.device,
+                                greedy=greedy, temperature=temperature)
+
+        return self.runner(run)
+
+    # ------------------------------------------------------------------------------------ forward passes
+    def completion_hidden(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                          model: Optional[nn.Module] = None) -> Tensor:
+        """``[N, C, H]`` final hidden states that predict the last ``num_completion`` tokens of ``input_ids``
+        (``model``: the network to run, by default this policy's)."""
+        causal_lm = unwrap_causal_lm(self.model if model is None else model)
+        backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [N, T, H]
+        return hidden[:, -num_completion - 1 : -1]  # [N, C, H]: the state before each completion token
+
+    def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int, entropy: bool = True,
+                       model: Optional[nn.Module] = None) -> tuple[Tensor, Tensor]:
+        """fp32 log-probs ``[N, C]`` of the last ``num_completion`` tokens of ``input_ids`` and the entropy of
+        each predicted distribution, at the sampling temperature. Only the backbone runs on the whole
+        sequence; logits are computed in chunks for the completion positions alone."""
+        hidden = self.completion_hidden(input_ids, attention_mask, num_completion, model)
+        targets = input_ids[:, -num_completion:]  # [N, C]
+        return chunked_token_logprobs(hidden, self.lm_head(), targets, self.temperature, self.logprob_chunk_size,
+                                      entropy)
+
+    def score(self, rollouts: RolloutBatch, old: bool, reference: bool) -> None:
+        """Fills the log-probs an objective needs besides the trained ones: ``old_logprobs`` under the sampling
+        weights (``old``: several optimiser steps per batch) and ``ref_logprobs`` under the reference, the
+        adapters off (``reference``: a KL term). No dropout, no gradient."""
+
+        @torch.no_grad()
+        def run() -> None:
+            c = rollouts.completion_ids.shape[1]
+            with self.eval_mode():
+                if old:
+                    rollouts.old_logprobs = self.token_logprobs(
+                        rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
+                if reference:
+                    if not hasattr(self.model, "disable_adapter"):
+                        raise ValueError(
+                            "beta > 0 uses the base model (adapters off) as reference; it needs LoRA (lora != null)")
+                    with self.model.disable_adapter():
+                        rollouts.ref_logprobs = self.token_logprobs(
+                            rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
+
+        self.runner(run)
+
+    def batch_entropy(self, rollouts: RolloutBatch, micro_batch_size: Optional[int]) -> Tensor:
+        """``[N, C]`` token entropies of the whole batch under the current (= sampling) weights, no dropout, in
+        passes of ``micro_batch_size`` rows (None: one)."""
+
+        @torch.no_grad()
+        def run() -> Tensor:
+            n, c = rollouts.completion_ids.shape
+            parts = []
+            with self.eval_mode(), full_parameters(self.runner):
+                for rows in torch.split(torch.arange(n, device=self.device), micro_batch_size or n):
+                    parts.append(self.token_logprobs(rollouts.input_ids[rows], rollouts.attention_mask[rows], c)[1])
+            return torch.cat(parts)
+
+        return self.runner(run)
+
+    @torch.no_grad()
+    def is_finite(self) -> bool:
+        """True when every trainable tensor is finite and so are the log-probs on a short probe text (weights
+        can be finite and still overflow the activations). Every rank must call it when sharded."""
+        local = all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in self.trainable_parameters())
+        ids = self.tokenizer("1 + 1 = 2", return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.device)
+
+        def probe() -> Tensor:
+            with self.eval_mode(), full_parameters(self.runner):
+                return self.token_logprobs(ids, torch.ones_like(ids), ids.shape[1] - 1, entropy=False)[0]
+
+        local = local and bool(torch.isfinite(self.runner(probe)).all())
+        return all_reduce([float(not local)], "max", self.device)[0] == 0
+
+
+def build_policy(model: str, dtype: str, lora: Optional[LoraSettings], quantization: Optional[str],
+                 device: torch.device, generation: GenerationSettings, system_prompt: Optional[str] = None,
+                 logprob_chunk_size: int = 1024, gradient_checkpointing: bool = False, mesh=None) -> Policy:
+    """Loads the model (``model``: "smollm2", a folder, a hub id or a .gguf file) with LoRA and optional 4-bit
+    base onto ``device`` in train mode, and shards it over ``mesh``'s data-parallel ranks when given."""
+    compute_dtype = parse_dtype(dtype, device.type)
+    warn_if_slow_cpu_dtype(compute_dtype, device.type)
+    network, tokenizer = load_policy(model, compute_dtype, lora, quantization, device)
+    runner = PolicyRunner(network)
+    network.train()  # from_pretrained returns eval mode; generation switches to eval by itself
+    if gradient_checkpointing:
+        network.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora is not None and hasattr(network, "enable_input_require_grads"):
+            network.enable_input_require_grads()
+    if mesh is not None:  # a ModelParallelStrategy run (FSDP2Strategy): shard over the data-parallel ranks
+        if quantization is not None:
+            raise ValueError(
+                "quantization (4-bit QLoRA) cannot be sharded by FSDP2Strategy: FSDP2 gathers packed 4-bit "
+                "weights without their quantisation state. Use one GPU per run for QLoRA, or bf16 LoRA with FSDP"
+            )
+        shard_policy(runner, data_parallel_mesh(mesh), compute_dtype)
+    return Policy(runner, tokenizer, generation, device, system_prompt, logprob_chunk_size)

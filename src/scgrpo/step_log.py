@@ -1,0 +1,97 @@
+"""The names and values of a training step's metrics (``train/*``, ``policy/*``, ``tokens/*``, ``time/*``,
+``memory/*``, and the objective's, teacher's and rollouts' own), reduced over ranks.
+
+Every key is logged on every step, NaN where undefined that step: Lightning's loggers would otherwise repeat
+a stale value.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from scgrpo.distributed import all_reduce, mean_over_ranks
+from scgrpo.rollout.types import RolloutBatch
+from scgrpo.update import StepPlan, StepSums
+
+NAN = float("nan")
+
+
+def phase_peak(stats: dict, device: torch.device, name: str) -> None:
+    """On a GPU, records the peak memory allocated since the last call as ``memory/<name>_peak_gib`` and starts a
+    new phase (the peaks of sampling, teacher pass and update are logged apart)."""
+    if device.type == "cuda":
+        key = f"memory/{name}_peak_gib"
+        stats[key] = max(stats.get(key, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passes: int, success_threshold: float,
+                   train_time: float, nonfinite_skips: int) -> dict:
+    """This rank's rewards, lengths, credit and the step's sums (means over the ``passes`` optimisation passes)."""
+    mask, rewards, rows = rollouts.completion_mask, plan.rewards, plan.rows
+    grouped = rewards.view(-1, rollouts.group_size)
+    metrics = {
+        "train/loss": sums["loss"] / passes,
+        "train/reward": rollouts.rewards.mean(),
+        "train/shaped_reward": rewards.mean(),
+        "train/reward_std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
+        "train/accuracy": (rollouts.rewards >= success_threshold).float().mean(),
+        "train/mixed_groups": (grouped.max(1).values != grouped.min(1).values).float().mean(),
+        "train/completion_length": mask.sum(1).mean(),
+        "train/truncated": rollouts.truncated.float().mean(),
+        "train/rows_in_loss": float(len(rows)) / max(len(rewards), 1),
+        "train/advantage_abs": plan.credit.advantages.abs().mean(),
+        "train/nonfinite_skips": float(nonfinite_skips),
+        "time/train_s": train_time,
+        # mean token entropy of the sampled responses, from the sampler (NaN where the engine gives none)
+        "policy/entropy": (float(rollouts.entropy_sum.sum()) / max(float(mask.sum()), 1.0)
+                           if rollouts.entropy_sum is not None else NAN),
+    }
+    metrics["train/clip_fraction"] = sums.get("clip_fraction", 0.0) / passes if len(rows) else NAN
+    metrics["train/entropy"] = sums["entropy"] / passes if len(rows) else NAN
+    metrics["train/grad_norm"] = sums["grad_norm"] / passes if "grad_norm" in sums else NAN
+    return metrics
+
+
+def step_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, mismatch: dict[str, float], *,
+                 passes: int, success_threshold: float, beta: float, train_time: float, nonfinite_skips: int,
+                 lr: float, device: Optional[torch.device] = None) -> dict[str, float]:
+    """The step's metrics over the global batch: means over ranks, the largest rank's memory peaks, and
+    ``mismatch`` (already global). Every rank must call it (it reduces over ranks)."""
+    metrics = _local_metrics(rollouts, plan, sums, passes, success_threshold, train_time, nonfinite_skips)
+    if beta > 0:
+        metrics["train/kl"] = sums["kl"] / passes if "kl" in sums else NAN
+    metrics.update({f"train/{name}": value / passes for name, value in sums.objective_stats().items()})
+    if plan.signal is not None:
+        metrics.update(plan.signal.stats)
+    metrics.update(plan.credit.stats)
+    metrics.update(rollouts.stats)
+    metrics["tokens/completion"] = float(rollouts.completion_mask.sum())  # sampled tokens (without padding)
+    metrics["tokens/train"] = float(len(plan.rows) * rollouts.input_ids.shape[1])  # rows in the loss x padded length
+    metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
+    metrics["train/lr"] = lr
+    memory = {k: float(v) for k, v in metrics.items() if k.startswith("memory/")}
+    metrics = mean_over_ranks({k: float(v) for k, v in metrics.items()})  # rewards etc. of the global batch
+    if memory:  # peaks: the largest rank's
+        metrics.update(zip(memory, all_reduce(list(memory.values()), "max", device)))
+    metrics.update(mismatch)
+    return metrics
+
+
+def skipped_step_metrics(rollouts: RolloutBatch, last_keys: list[str], *, success_threshold: float,
+                         train_time: float, nonfinite_skips: int, lr: float) -> dict[str, float]:
+    """The metrics of a step skipped before its loss (non-finite sampling): rewards, the rollouts' own
+    statistics and the skip count, and every other key of the last logged step (``last_keys``) as NaN. Every
+    rank must call it."""
+    metrics = {k: NAN for k in last_keys}
+    metrics.update({k: float(v) for k, v in rollouts.stats.items()})
+    metrics.update({
+        "train/reward": float(rollouts.rewards.mean()),
+        "train/accuracy": float((rollouts.rewards >= success_threshold).float().mean()),
+        "train/nonfinite_skips": float(nonfinite_skips),
+        "train/lr": lr,
+        "time/train_s": train_time,
+    })
+    return mean_over_ranks(metrics)

@@ -1,0 +1,277 @@
+"""The update: from a scored rollout batch and its credit, the micro-batch plan, gradient accumulation, the
+sampler correction (truncated importance sampling) and gradient clipping.
+
+One :class:`PolicyUpdate` per training step (it reads the settings the module holds at that moment). It
+never steps the optimiser: the module does, after the divergence guard has seen the gradient norm. The
+micro-batch plan (:meth:`PolicyUpdate.plan`) is where a memory budget sizes the passes.
+
+Truncated importance sampling (``tis_cap``): each token's policy-gradient term is weighted by
+min(pi_trainer(y) / pi_sampler(y), tis_cap), the ratio of the trainer's probability (at sampling time) to the
+sampler's, correcting for the gap between the two (numerics, and top-k / top-p filtering, whose
+log-probabilities the sampler reports renormalised). It acts through the objective's token weights, so
+objectives without a policy-gradient term (OPSD) are unchanged. With ``num_iterations`` 1 the trainer's side is
+the training forward itself (LoRA dropout included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
+from scgrpo.objectives import Credit, LossInputs, LossOutput, Objective
+from scgrpo.objectives.functional import chunked_token_logprobs, masked_mean
+from scgrpo.policy import Policy
+from scgrpo.rollout.types import RolloutBatch, TeacherSignal
+
+NONFINITE = "nonfinite"
+"""Key of ``StepSums``' counter of micro-batches whose loss was NaN or infinite"""
+OWN_STATS = ("loss", "entropy", "grad_norm", "kl", "clip_fraction", NONFINITE)
+"""Keys of the step's sums that step logging names itself; every other key is an objective statistic"""
+
+
+@dataclass
+class LossNorms:
+    """Denominators of the loss, summed over all ranks so each rank's share has the global batch's scale."""
+
+    num_tokens: float  # completion tokens in the whole batch
+    num_rows: float  # rows in the whole batch
+    num_teacher_rows: float  # rows with a self-teacher in the whole batch
+
+
+@dataclass
+class StepPlan:
+    """What one optimiser step trains on, for a batch of ``N`` rollouts with ``C`` completion slots."""
+
+    rewards: Tensor  # [N] after the objective's shaping
+    credit: Credit  # advantages [N], token weights [N, C]
+    signal: Optional[TeacherSignal]  # the self-teacher's signal, when the objective has one
+    selection: Optional[Tensor]  # [N, C] tokens whose policy-gradient term counts (80/20), or None
+    rows: Tensor  # [n] long, the rows that enter the loss (rows with zero advantage add nothing)
+    chunks: list[Tensor]  # this rank's micro-batches of ``rows``
+    num_chunks: int  # forward/backward passes every rank runs (the most chunks of any rank)
+    global_rows: float  # rows in the loss over all ranks
+    norms: LossNorms
+
+
+@dataclass
+class MismatchMeter:
+    """Sums of the sampler-trainer log-prob gap over a step's sampled tokens (see :meth:`metrics`)."""
+
+    abs: float = 0.0  # sum of |log pi_trainer - log pi_sampler|
+    k3: float = 0.0  # sum of the k3 estimate of KL(sampler || trainer)
+    tokens: float = 0.0
+    max: float = 0.0
+
+    def book(self, log_ratio: Tensor, mask: Tensor) -> None:
+        """Adds ``[n, C]`` log pi_trainer - log pi_sampler (already 0 at padding) of ``mask``'s tokens."""
+        tokens = mask.bool()
+        self.abs += float(log_ratio.abs().sum())
+        self.k3 += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())  # KL(sampler || trainer)
+        self.tokens += float(mask.sum())
+        if bool(tokens.any()):
+            self.max = max(self.max, float(log_ratio.abs()[tokens].max()))
+
+    def metrics(self, device: Optional[torch.device] = None) -> dict[str, float]:
+        """rollout/logprob_mismatch_mean and _max (|log pi_sampler(y) - log pi_trainer(y)| over the sampled tokens
+        of the rows in the loss) and rollout/mismatch_kl (k3 estimate of KL(sampler || trainer)), over all ranks;
+        NaN when no token was compared (no sampler log-probs, or no row in the loss)."""
+        total_abs, total_k3, tokens = all_reduce([self.abs, self.k3, self.tokens], device=device)
+        largest = all_reduce([self.max], "max", device)[0]
+        if tokens == 0:
+            nan = float("nan")
+            return {"rollout/logprob_mismatch_mean": nan, "rollout/logprob_mismatch_max": nan, "rollout/mismatch_kl": nan}
+        return {"rollout/logprob_mismatch_mean": total_abs / tokens, "rollout/logprob_mismatch_max": largest,
+                "rollout/mismatch_kl": total_k3 / tokens}
+
+
+def check_tis_cap(tis_cap: float) -> None:
+    if tis_cap < 0 or (0 < tis_cap < 1):
+        raise ValueError(f"tis_cap must be 0 (off) or >= 1 (a cap on pi_trainer / pi_sampler), got {tis_cap}")
+
+
+def sampler_correction(trainer: Tensor, sampler: Tensor, mask: Tensor, token_weights: Optional[Tensor],
+                       tis_cap: float, meter: Optional[MismatchMeter] = None) -> Optional[Tensor]:
+    """Books the sampler-trainer mismatch of these rows in ``meter`` (when given) and, with ``tis_cap`` > 0,
+    multiplies ``token_weights`` by the truncated importance ratio min(pi_trainer / pi_sampler, tis_cap).
+    ``trainer``, ``sampler``: ``[n, C]`` log-probs of the sampled tokens; ``mask``: ``[n, C]``."""
+    log_ratio = (trainer.detach() - sampler) * mask  # [n, C] log pi_trainer - log pi_sampler
+    if meter is not None:
+        meter.book(log_ratio, mask)
+    if tis_cap <= 0:
+        return token_weights
+    ratio = log_ratio.exp().clamp(max=tis_cap) * mask  # [n, C]
+    return ratio if token_weights is None else token_weights * ratio
+
+
+@dataclass
+class StepSums:
+    """A step's loss and statistics, summed over its optimisation passes (each pass's micro-batches are
+    weighted by their share of the rows in the loss)."""
+
+    values: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def __getitem__(self, name: str) -> float:
+        return self.values[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values
+
+    def get(self, name: str, default: float = 0.0) -> float:
+        return self.values.get(name, default)
+
+    def add(self, name: str, value: float) -> None:
+        self.values[name] += value
+
+    def objective_stats(self) -> dict[str, float]:
+        """The objective's own statistics (every key that step logging does not name itself)."""
+        return {k: v for k, v in self.values.items() if k not in OWN_STATS}
+
+
+class PolicyUpdate:
+    """Plans a step's micro-batches and accumulates their gradients (verl's actor update, without the
+    optimiser step).
+
+    Args:
+        policy: the network and its forward passes.
+        objective: turns rewards and the teacher's signal into credit, and log-probs into a loss.
+        backward: runs backward on a loss (Lightning's ``manual_backward``).
+        micro_batch_size: rows per forward/backward pass (None: all rows at once).
+        max_grad_norm: gradient clipping by global norm (0 = measured, not clipped).
+        tis_cap: truncated importance sampling cap on pi_trainer / pi_sampler (0 = off).
+    """
+
+    def __init__(self, policy: Policy, objective: Objective, backward: Callable[[Tensor], None],
+                 micro_batch_size: Optional[int] = None, max_grad_norm: float = 1.0, tis_cap: float = 0.0) -> None:
+        self.policy, self.objective, self.backward = policy, objective, backward
+        self.micro_batch_size, self.max_grad_norm, self.tis_cap = micro_batch_size, max_grad_norm, tis_cap
+        self.mismatch = MismatchMeter()  # booked on the step's first optimisation pass only
+        self.first_pass = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    def plan(self, rollouts: RolloutBatch, signal: Optional[TeacherSignal] = None) -> StepPlan:
+        """Rewards, the objective's credit (advantages, token weights), the rows that enter the loss, their
+        micro-batches and the loss denominators, summed over all ranks."""
+        objective = self.objective
+        mask = rollouts.completion_mask  # [N, C]
+        max_len = self.policy.generation.max_new_tokens
+        rewards = objective.shape_rewards(rollouts.rewards, mask.sum(1), max_len)  # [N]
+        credit = objective.credit(rewards, mask, rollouts.group_size, signal, self.micro_batch_size)  # groups never span ranks
+        selection = None
+        if objective.needs_batch_entropy:
+            selection = objective.token_mask(self.policy.batch_entropy(rollouts, self.micro_batch_size), mask)
+        rows = torch.nonzero(objective.rows_in_loss(credit, signal)).squeeze(1)  # [n]
+        chunks = list(torch.split(rows, self.micro_batch_size or max(len(rows), 1))) if len(rows) else []
+        teacher_rows = float(signal.has_teacher.sum()) if signal is not None else 0.0
+        local = [float(mask.sum()), float(mask.shape[0]), teacher_rows, float(len(rows))]
+        num_tokens, num_rows, num_teacher_rows, global_rows = all_reduce(local, device=self.device)
+        num_chunks = len(chunks)
+        if world_size() > 1:  # every rank runs as many forward/backward passes (FSDP's collectives pair up)
+            num_chunks = int(all_reduce([float(len(chunks))], "max", self.device)[0])
+        return StepPlan(rewards=rewards, credit=credit, signal=signal, selection=selection, rows=rows, chunks=chunks,
+                        num_chunks=num_chunks, global_rows=global_rows,
+                        norms=LossNorms(num_tokens=num_tokens, num_rows=num_rows, num_teacher_rows=num_teacher_rows))
+
+    def accumulate(self, rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, step: int = 0) -> None:
+        """One pass of forward + backward over the rows of ``plan`` (no optimiser step) at optimiser step ``step``
+        (the objectives' warm-up schedules). Adds to ``sums`` the global loss, the objective's statistics weighted by
+        rows, and ``nonfinite`` (> 0 on every rank when any rank met a NaN/inf loss)."""
+        world = world_size()
+        local: dict[str, float] = defaultdict(float)
+        for i in range(plan.num_chunks):
+            real = i < len(plan.chunks)
+            # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
+            chunk = plan.chunks[i] if real else torch.zeros(1, dtype=torch.long, device=plan.rows.device)
+            out, entropy = self.policy.runner(lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step))
+            finite = bool(torch.isfinite(out.loss))
+            if not finite:  # counted and reported once per step by the guard
+                local[NONFINITE] += 1
+            if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
+                # FSDP averages gradients over ranks; each rank's loss is its share of the global one
+                self.backward(out.loss * (world if real else 0.0))
+            if finite and real:
+                self._book(local, out, entropy, share=len(chunk) / max(len(plan.rows), 1))
+        if world > 1:
+            sums.add(NONFINITE, all_reduce([local[NONFINITE]], "max", self.device)[0])
+            sums.add("loss", all_reduce([local["loss"]], device=self.device)[0])
+            stats = mean_over_ranks({k: v for k, v in local.items() if k not in ("loss", NONFINITE)} if len(plan.rows) else {})
+        else:
+            sums.add(NONFINITE, local[NONFINITE])
+            sums.add("loss", local["loss"])
+            stats = {k: v for k, v in local.items() if k not in ("loss", NONFINITE)}
+        for name, value in stats.items():
+            sums.add(name, value)
+
+    @staticmethod
+    def _book(local: dict[str, float], out: LossOutput, entropy: Tensor, share: float) -> None:
+        local["loss"] += float(out.loss.detach())
+        for name, value in out.stats.items():
+            if torch.isfinite(torch.as_tensor(value)):
+                local[name] += float(value) * share
+        local["entropy"] += float(entropy) * share
+
+    def micro_batch_loss(self, rollouts: RolloutBatch, rows: Tensor, plan: StepPlan, book: bool = True,
+                         step: int = 0) -> tuple[LossOutput, Tensor]:
+        """The loss of the rows ``rows`` and their mean token entropy (run inside the policy runner's forward);
+        the caller runs backward. ``book``: count these rows in the step's sampler-trainer mismatch (not for a
+        rank's zero-weight pass)."""
+        c = rollouts.completion_ids.shape[1]
+        credit, signal, policy = plan.credit, plan.signal, self.policy
+        hidden = policy.completion_hidden(rollouts.input_ids[rows], rollouts.attention_mask[rows], c)  # [n, C, H]
+        logprobs, entropy = chunked_token_logprobs(
+            hidden, policy.lm_head(), rollouts.completion_ids[rows], policy.temperature, policy.logprob_chunk_size
+        )  # [n, C]
+        mask = rollouts.completion_mask[rows]
+
+        def pick(x: Optional[Tensor]) -> Optional[Tensor]:
+            return None if x is None else x[rows]
+
+        old_logprobs = rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach()
+        token_weights = pick(credit.token_weights)
+        if rollouts.sampler_logprobs is not None:
+            meter = self.mismatch if book and self.first_pass else None
+            token_weights = sampler_correction(old_logprobs, rollouts.sampler_logprobs[rows], mask, token_weights,
+                                               self.tis_cap, meter)
+        inputs = LossInputs(
+            completion_mask=mask,
+            advantages=credit.advantages[rows],
+            old_logprobs=old_logprobs,
+            ref_logprobs=pick(rollouts.ref_logprobs),
+            token_weights=token_weights,
+            token_selection=pick(plan.selection),
+            entropy=entropy,
+            hidden=hidden,
+            lm_head=policy.lm_head(),
+            teacher_hidden=pick(signal.teacher_hidden) if signal is not None else None,
+            has_teacher=pick(signal.has_teacher) if signal is not None else None,
+            num_teacher_rows=plan.norms.num_teacher_rows,
+            num_tokens=plan.norms.num_tokens,
+            num_sequences=plan.norms.num_rows,
+            max_len=policy.generation.max_new_tokens,
+            temperature=policy.temperature,
+            chunk_size=policy.logprob_chunk_size,
+            step=step,
+        )
+        return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)
+
+    def clip(self, plan: StepPlan, sums: StepSums) -> Optional[str]:
+        """Clips the gradients (``max_grad_norm``) and adds their norm before clipping to ``sums``; returns why
+        the update must be skipped (a non-finite loss or gradient norm), or None."""
+        if sums[NONFINITE]:
+            return "loss"
+        if not plan.global_rows:
+            return None
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")  # inf: measured, not clipped
+        norm = float(torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), max_norm))
+        if not math.isfinite(norm):  # the norm is global: every rank sees the same
+            return "gradient norm"
+        sums.add("grad_norm", norm)
+        return None
