@@ -41,6 +41,7 @@ from scgrpo.rollout.types import (  # noqa: F401 - the signal's types, importabl
     RolloutBatch,
     TeacherSignal,
     TeacherSpec,
+    TeacherStats,
 )
 
 log = logging.getLogger(__name__)
@@ -283,13 +284,10 @@ class SelfTeacher:
         policy.sync()
         groups = max(len(plan.route) // max(rollouts.group_size, 1), 1)
         group_route = signal.route.view(-1, rollouts.group_size)[:, 0] if n else signal.route
-        signal.stats = {f"credit/route_{name}": float((group_route == k).sum()) / groups for k, name in enumerate(ROUTES)}
-        signal.stats.update({
-            "credit/teacher_rows": float(len(rows)) / max(n, 1),
-            "credit/truncated_references": float(cut),
-            "tokens/teacher": float(tokens),
-            "time/teacher_s": time.perf_counter() - start,
-        })
+        signal.stats = TeacherStats(
+            route_shares=tuple(float((group_route == k).sum()) / groups for k in range(len(ROUTES))),
+            teacher_rows=float(len(rows)) / max(n, 1), truncated_references=float(cut), tokens=float(tokens),
+            time_s=time.perf_counter() - start)
         return signal
 
     @torch.no_grad()

@@ -64,9 +64,10 @@ def step_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, mismatc
     if beta > 0:
         metrics["train/kl"] = sums["kl"] / passes if "kl" in sums else NAN
     metrics.update({f"train/{name}": value / passes for name, value in sums.objective_stats().items()})
-    if plan.signal is not None:
-        metrics.update(plan.signal.stats)
-    metrics.update(plan.credit.stats)
+    if plan.signal is not None and plan.signal.stats is not None:
+        metrics.update(plan.signal.stats.metrics())
+    if plan.credit.stats is not None:
+        metrics.update(plan.credit.stats.metrics())
     metrics.update(rollouts.stats)
     metrics["tokens/completion"] = float(rollouts.completion_mask.sum())  # sampled tokens (without padding)
     metrics["tokens/train"] = float(len(plan.rows) * rollouts.input_ids.shape[1])  # rows in the loss x padded length

@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         credit = SCGRPO().credit(rewards[rows], mask[rows], 4, _select(signal, rows))
         kept = HighEntropyGRPO(rho=0.3).token_mask(entropy[rows], mask[rows])
         out[rank] = {"gathered": gathered, "weights": credit.token_weights, "advantages": credit.advantages,
-                     "c": credit.stats["credit/c"], "kept": kept}
+                     "c": credit.stats.c, "kept": kept}
     finally:
         dist.destroy_process_group()
 
@@ -70,7 +70,7 @@ def test_two_ranks_agree_with_one_process_on_the_whole_batch():
     signal, mask, rewards, entropy = _batch()
     whole = SCGRPO().credit(rewards, mask, 4, signal)
     assert torch.equal(out[0]["gathered"], torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0]))
-    assert out[0]["c"] == pytest.approx(whole.stats["credit/c"]) and out[1]["c"] == out[0]["c"]
+    assert out[0]["c"] == pytest.approx(whole.stats.c) and out[1]["c"] == out[0]["c"]
     torch.testing.assert_close(torch.cat([out[0]["weights"], out[1]["weights"]]), whole.token_weights)
     torch.testing.assert_close(torch.cat([out[0]["advantages"], out[1]["advantages"]]), whole.advantages)
     kept = HighEntropyGRPO(rho=0.3).token_mask(entropy, mask)

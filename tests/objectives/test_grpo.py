@@ -35,7 +35,7 @@ def test_grpo_loss_by_hand(aggregation, expected):
     objective = GRPO(aggregation=aggregation)
     out = objective.loss(LOGPROBS, _inputs(max_len=4))
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
-    assert out.stats["clip_fraction"].item() == pytest.approx(2 / 5)
+    assert out.stats.clip_fraction.item() == pytest.approx(2 / 5)
 
 
 def test_grpo_kl_term_by_hand():
@@ -46,7 +46,7 @@ def test_grpo_kl_term_by_hand():
     surrogate = [-1.2, -1.0, 0.8, 1.0, 1.1]
     expected = sum(s + 0.1 * k for s, k in zip(surrogate, kl)) / 5
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
-    assert out.stats["kl"].item() == pytest.approx(sum(kl) / 5, abs=1e-6)
+    assert out.stats.kl.item() == pytest.approx(sum(kl) / 5, abs=1e-6)
 
 
 def test_on_policy_gradient_is_minus_advantage_times_score():

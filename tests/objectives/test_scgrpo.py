@@ -125,15 +125,15 @@ def test_weights_and_c_by_hand_on_a_padded_batch():
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
     signal = _signal([PARTIAL] * 4, [True, True, True, False], d)
     credit = SCGRPO().credit(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, signal)
-    assert credit.stats["credit/c"] == pytest.approx(0.25)
+    assert credit.stats.c == pytest.approx(0.25)
     expected = torch.tensor([[0.0, 0.1 / 0.35, 0.2 / 0.45, 0.4 / 0.65], [0.3 / 0.55, 0.0, 0, 0],
                              [0.05 / 0.3, 0, 0, 0], [1.0, 1.0, 1.0, 0.0]])  # row 3: no teacher -> weight 1
     torch.testing.assert_close(credit.token_weights, expected)
     assert (credit.token_weights[:3][mask[:3].bool()] < 1).all()  # f only ever shrinks
     std = torch.tensor([1.0, 1, 0, 0]).std()
     torch.testing.assert_close(credit.advantages, torch.tensor([0.5, 0.5, -0.5, -0.5]) / (std + 1e-4))  # GRPO's
-    assert credit.stats["credit/f_above_half"] == pytest.approx(2 / 7)  # .4/.65 and .3/.55
-    assert credit.stats["credit/kl_p50"] == pytest.approx(0.1)
+    assert credit.stats.f_above_half == pytest.approx(2 / 7)  # .4/.65 and .3/.55
+    assert credit.stats.kl_p50 == pytest.approx(0.1)
 
 
 def test_c_min_floor_and_c_fixed():
@@ -141,7 +141,7 @@ def test_c_min_floor_and_c_fixed():
     mask = torch.ones(4, 3)
     signal = _signal([PARTIAL] * 4, [True] * 4, d)
     credit = SCGRPO().credit(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, signal)
-    assert credit.stats["credit/c"] == pytest.approx(1e-4)  # all-zero KL: c = c_min, every weight 0
+    assert credit.stats.c == pytest.approx(1e-4)  # all-zero KL: c = c_min, every weight 0
     assert torch.equal(credit.token_weights, torch.zeros(4, 3))
     d = torch.full((4, 3), 0.5)
     credit = SCGRPO(c_fixed=1.5).credit(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, _signal([PARTIAL] * 4, [True] * 4, d))
@@ -178,7 +178,7 @@ def test_solve_none_diversity_advantage_by_hand():
         expected = torch.tensor([a_div[0], a_div[1], 0.0, a_div[2]]) * alpha
         torch.testing.assert_close(credit.advantages, expected)
         torch.testing.assert_close(credit.token_weights[0], torch.tensor([0.5, 0.5, 0.75]))  # f applies in the loss
-        assert credit.stats["credit/div_adv_std"] == pytest.approx(float(expected[[0, 1, 3]].std()), rel=1e-5)
+        assert credit.stats.div_adv_std == pytest.approx(float(expected[[0, 1, 3]].std()), rel=1e-5)
     # without the truncation at the reference's length row 3 would score (.75 + .5) / 2 instead
     untruncated = _signal([SOLVE_NONE] * 4, [True, True, False, True], d, diversity_length=[2, 2, 0, 2],
                           is_reference=[False, False, True, False])

@@ -52,7 +52,7 @@ class CreditLogging(Callback):
         signal, credit = record["signal"], record["credit"]
         weights = credit.token_weights.cpu() if credit.token_weights is not None else None
         advantages = credit.advantages.cpu()
-        c = credit.stats.get("credit/c")
+        c = credit.stats.c if credit.stats is not None else None
         parts = [f"<h2>step {trainer.global_step}" + (f", c = {c:.3g}" if c is not None else "") + "</h2>"]
         rows = self.pick_rows(signal, rollouts.group_size)
         for row in rows:

@@ -1,6 +1,6 @@
 """Objectives: one class per file, each selectable in YAML by ``class_path``."""
 
-from scgrpo.objectives.base import Credit, LossInputs, LossOutput, Objective
+from scgrpo.objectives.base import Credit, CreditStats, LossInputs, LossOutput, LossStats, Objective
 from scgrpo.objectives.dapo import DAPO
 from scgrpo.objectives.drgrpo import DrGRPO
 from scgrpo.objectives.grpo import GRPO
@@ -9,5 +9,5 @@ from scgrpo.objectives.opsd import OPSD
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.objectives.selfdistill import SelfDistillation
 
-__all__ = ["DAPO", "GRPO", "OPSD", "SCGRPO", "Credit", "DrGRPO", "HighEntropyGRPO", "LossInputs", "LossOutput", "Objective",
-           "SelfDistillation"]
+__all__ = ["DAPO", "GRPO", "OPSD", "SCGRPO", "Credit", "CreditStats", "DrGRPO", "HighEntropyGRPO", "LossInputs",
+           "LossOutput", "LossStats", "Objective", "SelfDistillation"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Callable, Optional
 
 from torch import Tensor
@@ -12,13 +12,38 @@ if TYPE_CHECKING:
     from scgrpo.rollout.types import TeacherSignal, TeacherSpec
 
 
+NAN = float("nan")
+
+
+@dataclass
+class CreditStats:
+    """SC-GRPO's credit of a step, logged as ``credit/<name>`` every step (NaN where undefined)."""
+
+    c: float = NAN
+    """The constant of f(D) = D / (D + c) (mean over row blocks when c is taken per micro-batch)"""
+    kl_p25: float = NAN
+    """Percentiles of D over the active tokens"""
+    kl_p50: float = NAN
+    kl_p75: float = NAN
+    kl_p95: float = NAN
+    f_mean: float = NAN
+    """Mean weight f(D) over the active tokens"""
+    f_above_half: float = NAN
+    """Share of active tokens with f(D) > 0.5"""
+    div_adv_std: float = NAN
+    """Std of the diversity advantages of solve-none rows"""
+
+    def metrics(self) -> dict[str, float]:
+        return {f"credit/{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
 @dataclass
 class Credit:
     """How an objective turns a step's rewards (and self-teacher signal) into per-row and per-token credit."""
 
     advantages: Tensor  # [N] float
     token_weights: Optional[Tensor] = None  # [N, C] fp32 per-token weight on the surrogate; None = all ones
-    stats: dict[str, float] = field(default_factory=dict)  # logged every step (NaN where undefined)
+    stats: Optional[CreditStats] = None  # logged every step by objectives that weight tokens
 
 
 @dataclass
@@ -46,9 +71,30 @@ class LossInputs:
 
 
 @dataclass
+class LossStats:
+    """Detached scalars an objective's loss reports, logged as ``train/<name>`` (None: not this objective's)."""
+
+    kl: Optional[Tensor] = None
+    """k3 estimate of KL(policy || reference) over the response tokens (beta > 0)"""
+    clip_fraction: Optional[Tensor] = None
+    """Share of response tokens whose ratio was clipped"""
+    distill_kl: Optional[Tensor] = None
+    """The distillation term's divergence (self-distillation, OPSD)"""
+    distill_coef: Optional[Tensor] = None
+    """The distillation coefficient at this step"""
+    extra: dict[str, Tensor] = field(default_factory=dict)
+    """A custom objective's own statistics"""
+
+    def items(self) -> list[tuple[str, Tensor]]:
+        """(name, value) of every statistic reported, in a fixed order."""
+        named = [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "extra"]
+        return [(name, value) for name, value in named if value is not None] + list(self.extra.items())
+
+
+@dataclass
 class LossOutput:
     loss: Tensor  # scalar, differentiable
-    stats: dict[str, Tensor]  # detached scalars to log, e.g. clip_fraction, kl
+    stats: LossStats = field(default_factory=LossStats)
 
 
 class Objective(ABC):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import LossInputs, LossOutput, Objective
+from scgrpo.objectives.base import LossInputs, LossOutput, LossStats, Objective
 
 
 class GRPO(Objective):
@@ -70,15 +70,15 @@ class GRPO(Objective):
         if inputs.token_selection is not None:  # only the selected tokens' policy-gradient terms count
             per_token = per_token * inputs.token_selection
             is_clipped = is_clipped * inputs.token_selection
-        stats: dict[str, Tensor] = {}
+        stats = LossStats()
         if self.beta > 0:
             if inputs.ref_logprobs is None:
                 raise RuntimeError("beta > 0 needs reference log-probs; the module did not provide them")
             kl = Fn.k3_kl(logprobs, inputs.ref_logprobs)  # [n, C]
             per_token = per_token + self.beta * kl
-            stats["kl"] = Fn.masked_mean(kl.detach(), mask)
+            stats.kl = Fn.masked_mean(kl.detach(), mask)
         loss = self._aggregate(per_token, inputs)
-        stats["clip_fraction"] = Fn.masked_mean(is_clipped, mask)
+        stats.clip_fraction = Fn.masked_mean(is_clipped, mask)
         return LossOutput(loss=loss, stats=stats)
 
     def _aggregate(self, per_token: Tensor, inputs: LossInputs) -> Tensor:

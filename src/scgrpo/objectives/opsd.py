@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from torch import Tensor
 
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import Credit, LossInputs, LossOutput
+from scgrpo.objectives.base import Credit, LossInputs, LossOutput, LossStats
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.objectives.scgrpo import check_teacher_template
 from scgrpo.rollout.types import TeacherSignal, TeacherSpec
@@ -57,4 +57,4 @@ class OPSD(GRPO):
 
     def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
         loss, divergence = Fn.distillation_loss(inputs, self.divergence, token_clip=self.token_clip)
-        return LossOutput(loss=loss, stats={"distill_kl": divergence})
+        return LossOutput(loss=loss, stats=LossStats(distill_kl=divergence))

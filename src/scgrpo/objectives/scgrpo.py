@@ -9,7 +9,7 @@ from torch import Tensor
 
 from scgrpo.distributed import gather_values
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import Credit
+from scgrpo.objectives.base import NAN, Credit, CreditStats
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE, SOLVE_NONE, TeacherSignal, TeacherSpec
 
@@ -157,20 +157,18 @@ class SCGRPO(GRPO):
                                                                                        diversity, signal))
 
     def _stats(self, f: Tensor, active: Tensor, c_rows: Tensor, values: Tensor, diversity: Tensor,
-               signal: TeacherSignal) -> dict[str, float]:
-        nan = float("nan")
-        stats = {"credit/c": float(c_rows.mean()) if c_rows.numel() else nan}
+               signal: TeacherSignal) -> CreditStats:
+        stats = CreditStats(c=float(c_rows.mean()) if c_rows.numel() else NAN)
         if values.numel():
             for p in KL_PERCENTILES:
-                stats[f"credit/kl_p{p}"] = float(Fn.quantile(values, p / 100))
-        else:
-            stats.update({f"credit/kl_p{p}": nan for p in KL_PERCENTILES})
+                setattr(stats, f"kl_p{p}", float(Fn.quantile(values, p / 100)))
         if self.c_scope == "batch" or self.c_fixed is not None:  # one c: f of every rank's active tokens
             weights = Fn.kl_weights(values, c_rows[0, 0].to(values.device)) if c_rows.numel() else values
         else:  # c per block of rows: this rank's tokens (the module averages over ranks)
             weights = f[active]
-        stats["credit/f_mean"] = float(weights.mean()) if weights.numel() else nan
-        stats["credit/f_above_half"] = float((weights > 0.5).float().mean()) if weights.numel() else nan
+        if weights.numel():
+            stats.f_mean, stats.f_above_half = float(weights.mean()), float((weights > 0.5).float().mean())
         scored = signal.has_teacher & (signal.route == SOLVE_NONE)
-        stats["credit/div_adv_std"] = float(diversity[scored].std()) if int(scored.sum()) > 1 else nan
+        if int(scored.sum()) > 1:
+            stats.div_adv_std = float(diversity[scored].std())
         return stats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Literal, Optional
 
 import torch
@@ -81,5 +83,5 @@ class SelfDistillation(GRPO):
         grpo = super().loss(logprobs, inputs)
         distill, divergence = Fn.distillation_loss(inputs, self.divergence, self.bidirectional_mix)
         beta = self.coefficient(inputs.step)
-        stats = dict(grpo.stats, distill_kl=divergence, distill_coef=torch.tensor(beta))
+        stats = dataclasses.replace(grpo.stats, distill_kl=divergence, distill_coef=torch.tensor(beta))
         return LossOutput(loss=grpo.loss + beta * distill, stats=stats)

@@ -143,8 +143,30 @@ class TeacherSignal:
     references: list[Optional[str]]  # [N] the reference text each teacher saw
     divergence: Optional[Tensor] = None  # [N, C] fp32 D_i,t >= 0; 0 at padding and rows without a teacher
     teacher_hidden: Optional[Tensor] = None  # [N, C, H] teacher states (output="hidden"); 0 where no teacher
-    stats: dict[str, float] = field(default_factory=dict)  # route shares, truncations, tokens, time
+    stats: Optional["TeacherStats"] = None  # route shares, truncations, tokens, time
 
     @property
     def num_rows(self) -> int:
         return self.route.shape[0]
+
+
+@dataclass
+class TeacherStats:
+    """The self-teacher's work on a step, logged every step."""
+
+    route_shares: tuple[float, ...]
+    """Share of the groups in each case of ``ROUTES`` (``credit/route_<name>``)"""
+    teacher_rows: float
+    """Share of the rows with a teacher (``credit/teacher_rows``)"""
+    truncated_references: float
+    """References cut at their start to fit the model on this rank (``credit/truncated_references``)"""
+    tokens: float
+    """Tokens the teacher pass read (``tokens/teacher``)"""
+    time_s: float
+    """Seconds of the routing and teacher pass (``time/teacher_s``)"""
+
+    def metrics(self) -> dict[str, float]:
+        metrics = {f"credit/route_{name}": share for name, share in zip(ROUTES, self.route_shares)}
+        metrics.update({"credit/teacher_rows": self.teacher_rows, "credit/truncated_references": self.truncated_references,
+                        "tokens/teacher": self.tokens, "time/teacher_s": self.time_s})
+        return metrics
