@@ -163,12 +163,18 @@ def mutmut(scratch: Path, max_children: int, names: list[str]) -> None:
     subprocess.run(cmd, cwd=scratch, env=env, check=False)
 
 
-def run_pass(name: str, max_children: int, sample: int, caught: set[str]) -> tuple[dict, float]:
+def run_pass(name: str, max_children: int, sample: int, caught: set[str], resume: bool) -> tuple[dict, float]:
     """Generates the pass's mutants and the test associations (mutmut's stats run), then runs the chosen
-    mutants: those of the pass's targets, one in ``sample``, less the ones in ``caught``."""
-    scratch = prepare(name)
+    mutants: those of the pass's targets, one in ``sample``, less the ones in ``caught``. ``resume``: go on
+    in the pass's scratch copy of an interrupted run (mutants with a result keep it)."""
+    scratch = ROOT / "build" / "mutation" / name
     start = time.time()
-    mutmut(scratch, max_children, ["no-such-mutant-*"])  # mutants and stats only: the filter matches nothing
+    done: dict[str, str] = {}
+    if resume and (scratch / "mutants" / "mutmut-stats.json").exists():
+        done = {k: s for statuses in collect(scratch).values() for k, s in statuses.items() if s != "not_checked"}
+    else:
+        prepare(name)
+        mutmut(scratch, max_children, ["no-such-mutant-*"])  # mutants and stats only: the filter matches nothing
     stats = json.loads((scratch / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
     chosen = {t: {k: s for k, s in statuses.items() if sampled(k, sample)} for t, statuses in collect(scratch).items()}
     to_run = []
@@ -178,6 +184,8 @@ def run_pass(name: str, max_children: int, sample: int, caught: set[str]) -> tup
                 statuses[key] = KILLED
             elif not stats.get(key.rpartition("__mutmut_")[0]):
                 statuses[key] = NO_TESTS  # no selected test reaches the function
+            elif key in done:
+                statuses[key] = done[key]
             else:
                 to_run.append(key)
     if to_run:
@@ -208,6 +216,7 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what tree was measured (e.g. 'before', 'after')")
     parser.add_argument("--sample", type=int, default=1, help="run one mutant in K (default: all)")
     parser.add_argument("--caught-in", type=Path, help="results JSON of an earlier run of the same source")
+    parser.add_argument("--resume", action="store_true", help="go on with an interrupted run's scratch copies")
     args = parser.parse_args()
     caught: set[str] = set()
     if args.caught_in:
@@ -215,7 +224,7 @@ def main() -> None:
         caught = {k for k, s in earlier["mutants"].items() if s in (KILLED, TIMEOUT)}
     results, survivors, seconds, everything = {}, [], {}, {}
     for name in args.passes:
-        per_target, elapsed = run_pass(name, args.max_children, args.sample, caught)
+        per_target, elapsed = run_pass(name, args.max_children, args.sample, caught, args.resume)
         seconds[name] = round(elapsed)
         for target, statuses in per_target.items():
             results[target] = summarise(statuses)
