@@ -127,3 +127,39 @@ def test_the_fused_heads_gradients_equal_plain_autograd_bias_included(temperatur
     with torch.no_grad():
         by_hand = ((F.one_hot(targets, 41) - logits.softmax(-1)) * weights.unsqueeze(-1)).sum((0, 1)) / temperature
     torch.testing.assert_close(head.bias.grad, by_hand, atol=1e-5, rtol=1e-5)
+
+
+def test_the_divergence_head_keeps_its_bias():
+    """A head with a bias: D equals the KL of log_softmax(h W^T + b) written out here (the bias shifts each
+    token's logits differently, so dropping it changes D)."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(6, 17)
+    with torch.no_grad():
+        head.bias.mul_(5.0)
+    teacher, student = torch.randn(2, 3, 6), torch.randn(2, 3, 6)
+    got = Fn.chunked_divergence(teacher, student, head, "forward_kl", temperature=0.9, chunk_size=4)
+    with torch.no_grad():
+        t = F.log_softmax((teacher @ head.weight.t() + head.bias) / 0.9, -1)
+        s = F.log_softmax((student @ head.weight.t() + head.bias) / 0.9, -1)
+    torch.testing.assert_close(got, (t.exp() * (t - s)).sum(-1), atol=1e-6, rtol=1e-5)
+
+
+def test_quantile_refuses_what_is_not_a_non_empty_vector():
+    with pytest.raises(ValueError, match="1-D"):
+        Fn.quantile(torch.ones(2, 2), 0.5)
+    with pytest.raises(ValueError, match="1-D"):
+        Fn.quantile(torch.ones(0), 0.5)
+    with pytest.raises(ValueError, match="q must be"):
+        Fn.quantile(torch.ones(3), 1.5)
+
+
+@pytest.mark.parametrize("flags, routes", [
+    ({}, ("partial", "solve_none")),
+    ({"route_solve_none": False}, ("partial",)),
+    ({"route_single": True}, ("partial", "solve_none", "single")),
+    ({"route_all": True, "route_solve_none": False}, ("partial", "all")),
+])
+def test_scgrpo_asks_for_the_routes_its_flags_name(flags, routes):
+    spec = SCGRPO(**flags, teacher="base", buffer_references=True, seed=5).teacher
+    assert spec.routes == routes and spec.output == "divergence" and spec.weights == "base"
+    assert spec.buffer_references and spec.seed == 5 and spec.divergence == "forward_kl"
