@@ -170,3 +170,8 @@ def test_edge_values_of_the_distillation_options_are_accepted():
     assert SelfDistillation(bidirectional_mix=0.0).bidirectional_mix == 0.0
     assert SelfDistillation(bidirectional_mix=1.0, distill_coef=0.0, warmup_steps=0).coefficient(7) == 0.0
     assert OPSD(token_clip=None).token_clip is None
+
+
+def test_a_warm_up_may_start_from_zero():
+    objective = SelfDistillation(distill_coef=0.1, distill_coef_start=0.0, warmup_steps=4)
+    assert [objective.coefficient(s) for s in (0, 2, 4)] == pytest.approx([0.0, 0.05, 0.1])

@@ -163,3 +163,15 @@ def test_scgrpo_asks_for_the_routes_its_flags_name(flags, routes):
     spec = SCGRPO(**flags, teacher="base", buffer_references=True, seed=5).teacher
     assert spec.routes == routes and spec.output == "divergence" and spec.weights == "base"
     assert spec.buffer_references and spec.seed == 5 and spec.divergence == "forward_kl"
+
+
+def test_every_advantage_scale_named_in_the_docs_is_accepted():
+    """rewards [1, 0 | 1, 1]: centred [.5, -.5, 0, 0]; group std [.7071, .7071, 0, 0]; batch std .5."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    from scgrpo.objectives import GRPO
+
+    centred = torch.tensor([0.5, -0.5, 0.0, 0.0])
+    torch.testing.assert_close(GRPO(scale="none").advantages(rewards, 2), centred)
+    torch.testing.assert_close(GRPO(scale="batch").advantages(rewards, 2), centred / (0.5 + 1e-4))
+    torch.testing.assert_close(GRPO(scale="group").advantages(rewards, 2), centred / torch.tensor(
+        [math.sqrt(0.5) + 1e-4, math.sqrt(0.5) + 1e-4, 1e-4, 1e-4]))
