@@ -99,6 +99,7 @@ def prepare(name: str) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     shutil.copytree(ROOT / "src", scratch / "src", ignore=ignore)
     shutil.copytree(ROOT / "tests", scratch / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "configs", scratch / "configs", ignore=ignore)  # tests build objectives from them
     pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     lines = ["[tool.pytest.ini_options]"] + [f"{k} = {toml_value(v)}" for k, v in pytest_options.items()]
     lines += ["", "[tool.mutmut]"] + [f"{k} = {toml_value(v)}" for k, v in pass_config(name).items()]
