@@ -5,8 +5,10 @@ under ``build/mutation/<pass>/`` (mutmut writes its mutated tree, ``mutants/``, 
 
 - ``fast``: every function of ``src/scgrpo/objectives/``, ``selfteacher.py``, ``data/buffer.py`` and
   ``verifiers/numeric.py``, each mutant against the fast unit tests that reach it;
-- ``module``: the update and guard methods of ``RLVRModule`` (``MODULE_METHODS``), each mutant against the
-  module tests that reach it (tiny models trained for a step; a lower timeout multiplier).
+- ``update``: ``update.py`` and ``guard.py`` (the step's update and divergence guard), each mutant against their
+  unit tests and the module tests that reach it (tiny models trained for a step; a lower timeout multiplier);
+- ``module``: the same code where it lived before it had files of its own, the update and guard methods of
+  ``RLVRModule`` (``MODULE_METHODS``), for measuring an older tree.
 
 The passes share ``[tool.mutmut]`` of pyproject.toml; a pass's own table (``[tool.mutmut.fast]``,
 ``[tool.mutmut.module]``) is laid over it in the scratch copy's pyproject. Test files a pass names that do
@@ -56,6 +58,8 @@ TARGETS = {  # target name -> (pass, module prefix of its mutant names)
     "data/buffer.py": ("fast", "scgrpo.data.buffer."),
     "verifiers/numeric.py": ("fast", "scgrpo.verifiers.numeric."),
     "module.py (update/guard methods)": ("module", "scgrpo.module."),
+    "update.py": ("update", "scgrpo.update."),
+    "guard.py": ("update", "scgrpo.guard."),
 }
 
 KILLED, SURVIVED, TIMEOUT, NO_TESTS, SKIPPED = "killed", "survived", "timeout", "no_tests", "skipped"
@@ -210,7 +214,7 @@ def survivors_report(scratch: Path, names: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--passes", nargs="+", default=["fast", "module"], choices=["fast", "module"])
+    parser.add_argument("--passes", nargs="+", default=["fast", "update"], choices=["fast", "update", "module"])
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--out", type=Path, help="results JSON (per target: counts and score)")
     parser.add_argument("--survivors", type=Path, help="write the surviving mutants' diffs here")

@@ -193,7 +193,6 @@ def test_teacher_sees_the_reference_in_its_system_message_and_scores_the_same_to
 
 def test_template_default_system_prompt_is_kept_under_the_reference():
     """SmolLM2-like templates insert a default system message when none is given: the teacher keeps it."""
-    from scgrpo.selfteacher import SelfTeacher, TeacherSpec
     from tests.conftest import build_tokenizer
 
     tok = build_tokenizer()
@@ -302,29 +301,29 @@ def test_fitting_references_cuts_only_what_does_not_fit_and_warns_once(caplog):
     import logging
     from types import SimpleNamespace
 
-    from scgrpo.selfteacher import SelfTeacher, TeacherSpec
+    from scgrpo.selfteacher import SelfTeacher
     from tests.conftest import build_tokenizer
 
     tok = build_tokenizer()
-    module = SimpleNamespace(tokenizer=tok, policy=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=40)))
+    policy = SimpleNamespace(tokenizer=tok, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=40)))
     teacher = SelfTeacher(TeacherSpec())
     reference = "abcdefghijklmnopqrstuvwxyz0123"  # 30 tokens (one byte each)
     with caplog.at_level(logging.WARNING, logger="scgrpo.selfteacher"):
-        refs, cut = teacher._fit_references(module, ["q"], [reference], [list(range(20))], 10)
+        refs, cut = teacher._fit_references(policy, ["q"], [reference], [list(range(20))], 10)
         assert refs == [reference] and cut == [] and "cut from their start" not in caplog.text
-        refs, cut = teacher._fit_references(module, ["q", "q"], [reference, reference],
+        refs, cut = teacher._fit_references(policy, ["q", "q"], [reference, reference],
                                             [list(range(45)), list(range(5))], 10)
         assert cut == [0] and refs == [reference[16:], reference]
-        teacher._fit_references(module, ["q"], [reference], [list(range(45))], 10)
+        teacher._fit_references(policy, ["q"], [reference], [list(range(45))], 10)
     assert caplog.text.count("cut from their start") == 1
 
 
 def test_a_base_teacher_needs_adapters():
     from types import SimpleNamespace
 
-    from scgrpo.selfteacher import SelfTeacher, TeacherSpec
+    from scgrpo.selfteacher import SelfTeacher
 
-    module = SimpleNamespace(policy=torch.nn.Linear(2, 2), completion_hidden=lambda *args: torch.zeros(1))
+    policy = SimpleNamespace(model=torch.nn.Linear(2, 2), completion_hidden=lambda *args: torch.zeros(1))
     with pytest.raises(ValueError, match="needs LoRA"):
-        SelfTeacher(TeacherSpec(weights="base"))._teacher_hidden(module, None, None, 1)
-    assert SelfTeacher(TeacherSpec())._teacher_hidden(module, None, None, 1).shape == (1,)  # the policy itself
+        SelfTeacher(TeacherSpec(weights="base"))._teacher_hidden(policy, None, None, 1)
+    assert SelfTeacher(TeacherSpec())._teacher_hidden(policy, None, None, 1).shape == (1,)  # the policy itself

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from scgrpo.objectives import GRPO, OPSD, Credit, LossInputs, SelfDistillation
 from scgrpo.objectives import functional as Fn
-from scgrpo.selfteacher import TeacherSignal
+from scgrpo.rollout.types import TeacherSignal
 
 V, H = 13, 6
 
@@ -101,8 +101,8 @@ def test_additive_self_distillation_is_grpo_plus_beta_times_the_term(step, beta)
     grpo = GRPO(aggregation="seq-mean-token-mean").loss(logprobs, inputs).loss
     distill, _ = _expected(head, student, teacher, mask, "reverse_kl", 0.7)
     assert out.loss.item() == pytest.approx(grpo.item() + beta * distill.item(), rel=1e-5)
-    assert out.stats["distill_coef"].item() == pytest.approx(beta)
-    assert "clip_fraction" in out.stats and out.stats["distill_kl"].item() > 0
+    assert out.stats.distill_coef.item() == pytest.approx(beta)
+    assert out.stats.clip_fraction is not None and out.stats.distill_kl.item() > 0
 
 
 def test_opsd_has_no_rl_term_and_counts_the_rows_with_a_teacher():

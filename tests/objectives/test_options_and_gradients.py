@@ -17,7 +17,7 @@ import yaml
 
 from scgrpo.objectives import SCGRPO, HighEntropyGRPO, LossInputs, Objective
 from scgrpo.objectives import functional as Fn
-from scgrpo.selfteacher import PARTIAL, TeacherSignal
+from scgrpo.rollout.types import PARTIAL, TeacherSignal
 
 ABLATIONS = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "ablations")
 
@@ -52,11 +52,11 @@ def _expected_weights(c: float) -> torch.Tensor:
 def test_c_is_the_chosen_quantile_of_the_active_divergences(q, scope):
     c = C_BY_QUANTILE[q]
     credit = SCGRPO(c_quantile=q, c_scope=scope).credit(REWARDS, MASK, 4, _signal())
-    assert credit.stats["credit/c"] == pytest.approx(c)
+    assert credit.stats.c == pytest.approx(c)
     torch.testing.assert_close(credit.token_weights, _expected_weights(c))
     active = torch.tensor([0.0, 0.1, 0.2, 0.4, 0.3, 0.0, 0.05])
-    assert credit.stats["credit/f_mean"] == pytest.approx(float((active / (active + c)).mean()))
-    assert credit.stats["credit/f_above_half"] == pytest.approx(float((active > c).float().mean()))
+    assert credit.stats.f_mean == pytest.approx(float((active / (active + c)).mean()))
+    assert credit.stats.f_above_half == pytest.approx(float((active > c).float().mean()))
 
 
 def _objective_from_yaml(path: str) -> Objective:
@@ -74,7 +74,7 @@ def test_the_threshold_ablations_build_an_objective_with_their_quantile(name, q)
     """Not only the saved config: the objective built from the ablation weighs tokens with its own c."""
     objective = _objective_from_yaml(os.path.join(ABLATIONS, name))
     credit = objective.credit(REWARDS, MASK, 4, _signal())
-    assert credit.stats["credit/c"] == pytest.approx(C_BY_QUANTILE[q])
+    assert credit.stats.c == pytest.approx(C_BY_QUANTILE[q])
     torch.testing.assert_close(credit.token_weights, _expected_weights(C_BY_QUANTILE[q]))
 
 
@@ -93,7 +93,7 @@ def test_the_80_20_kl_term_counts_unselected_tokens_in_value_and_gradient():
     out = HighEntropyGRPO(beta=0.1).loss(logprobs, inputs)
     k3 = math.log(2.0) - 0.5
     assert out.loss.item() == pytest.approx((1.0 + 0.1 * 3 * k3) / 5, abs=1e-6)
-    assert out.stats["kl"].item() == pytest.approx(3 * k3 / 5, abs=1e-6)  # mean over all response tokens
+    assert out.stats.kl.item() == pytest.approx(3 * k3 / 5, abs=1e-6)  # mean over all response tokens
     out.loss.backward()
     expected = torch.tensor([[-1.0 / 5, 0.01, 0.01], [0.01, 2.0 / 5, 0.0]])
     torch.testing.assert_close(logprobs.grad, expected)
