@@ -1,7 +1,8 @@
 """Callbacks: rollout generation, verification, dynamic sampling, logging of completions and credit, adapters,
 checkpoints by step."""
 
-from scgrpo.callbacks.checkpoint import AtomicCheckpointIO, ReleaseHeldInterrupt, StepCheckpoint
+from scgrpo.atomic_io import AtomicCheckpointIO
+from scgrpo.callbacks.checkpoint import ReleaseHeldInterrupt, StepCheckpoint
 from scgrpo.callbacks.credit import CreditLogging
 from scgrpo.callbacks.logging import AdapterExport, CompletionsTable, ValidateBeforeTraining
 from scgrpo.callbacks.rollout import DynamicSamplingCallback, RolloutCallback, VerificationCallback
