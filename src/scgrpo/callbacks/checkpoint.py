@@ -1,4 +1,4 @@
-"""Checkpoints by optimiser step (``last.ckpt``, ``best-step=N.ckpt``), and a Ctrl-C held until a step's row is logged."""
+"""Checkpoints by optimiser step (``last.ckpt``, ``best-step=N.ckpt``) that a run resumes from as if never stopped."""
 
 from __future__ import annotations
 
@@ -6,93 +6,18 @@ import copy
 import logging
 import os
 import re
-import signal
-import threading
 import warnings
 from typing import Any, Literal, Optional
 
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from scgrpo.callbacks.interrupt import HeldInterrupt
 from scgrpo.callbacks.validation import run_validation
 from scgrpo.distributed import world_size
 from scgrpo.errors import InputError
 
 log = logging.getLogger(__name__)
-
-
-class HeldInterrupt:
-    """Ctrl-C (SIGINT) held back while Lightning has yet to log rows that a checkpoint already counts.
-
-    A step's checkpoint is written at its end (every ``every_n_train_steps``, or by the Ctrl-C itself) before
-    Lightning hands the step's row to the loggers, and a validation is marked done before its row is logged; a
-    Ctrl-C in between left a checkpoint without the row, which the resumed run never logs. Held, the Ctrl-C takes
-    effect once the rows are logged: at the next step's start or a validation's start; at the end of training it
-    is dropped (the run ends anyway). A second Ctrl-C while one is held interrupts at once. Nothing is held off the
-    main thread or where SIGINT has another handler than Python's default (ignored, or the application's own)."""
-
-    def __init__(self) -> None:
-        self._previous: Any = None
-        self._pending = False
-
-    @property
-    def holding(self) -> bool:
-        return self._previous is not None
-
-    def hold(self) -> None:
-        if (self.holding or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-            return
-        self._pending = False
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except (ValueError, OSError):  # (not the main interpreter's main thread)
-            self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        if self._pending:  # the second: at once
-            self.release(deliver=False)
-            raise KeyboardInterrupt
-        self._pending = True
-        log.warning("Ctrl-C: stopping once this step's metrics are logged (Ctrl-C again to stop at once)")
-
-    def release(self, deliver: bool = True) -> bool:
-        """Puts Python's default handler back; with ``deliver``, a Ctrl-C met meanwhile then raises
-        KeyboardInterrupt here. Returns whether one was met."""
-        if not self.holding:
-            return False
-        signal.signal(signal.SIGINT, self._previous)  # (first: a Ctrl-C from here on is the default handler's)
-        self._previous = None
-        pending, self._pending = self._pending, False
-        if pending and deliver:
-            raise KeyboardInterrupt
-        return pending
-
-
-STEP_END_INTERRUPT = HeldInterrupt()
-"""The one hold of the process (signal handlers are the process's): StepCheckpoint holds it at each step's end"""
-
-
-class ReleaseHeldInterrupt(Callback):
-    """Lets a Ctrl-C held by :class:`StepCheckpoint` through once the rows are logged: at the next step's start
-    before any rollout (the module lists it before its rollout callback), at a validation's start; at the end of
-    training the run ends anyway, and it is dropped."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        STEP_END_INTERRUPT.release()
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        STEP_END_INTERRUPT.release()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        if STEP_END_INTERRUPT.release(deliver=False) and trainer.is_global_zero:
-            log.info("Ctrl-C in the last step: the run ends as planned")
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -146,6 +71,8 @@ class StepCheckpoint(ModelCheckpoint):
         # None: restored from a checkpoint that predates this record, where nothing is redone)
         self._loop_state: Optional[tuple[int, dict]] = None  # (step, the fit loop's state at the end of that step)
         self._train_started = False
+        self.interrupt_hold = HeldInterrupt()  # a Ctrl-C at a step's or validation's end, until its row is logged
+        # (released here and, before the next step's rollout, by ReleaseHeldInterrupt)
 
     @property
     def state_key(self) -> str:  # independent of the monitor found at the first validation
@@ -283,11 +210,11 @@ class StepCheckpoint(ModelCheckpoint):
         return True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        STEP_END_INTERRUPT.release()  # (ReleaseHeldInterrupt, listed before the rollout, has done it already)
+        self.interrupt_hold.release()  # (ReleaseHeldInterrupt, listed before the rollout, has done it already)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._holds(trainer, pl_module):
-            STEP_END_INTERRUPT.hold()  # until the step's row is logged (see HeldInterrupt)
+            self.interrupt_hold.hold()  # until the step's row is logged (see HeldInterrupt)
         self._keep_loop_state(trainer)  # (the step is whole: the other callbacks' on_train_batch_end ran)
         if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
             self.write_last(trainer, pl_module, step_whole=True)
@@ -301,13 +228,13 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.validated_step = trainer.global_step
             if self._holds(trainer, pl_module):  # a checkpoint from here on says validated: held until its row is
-                STEP_END_INTERRUPT.hold()  # logged and the module took its RNG state (released at the next step)
+                self.interrupt_hold.hold()  # logged and the module took its RNG state (released at the next step)
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        STEP_END_INTERRUPT.release()
+        self.interrupt_hold.release()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
+        self.interrupt_hold.release(deliver=False)
         super().teardown(trainer, pl_module, stage)
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -322,14 +249,14 @@ class StepCheckpoint(ModelCheckpoint):
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)  # (the run ends here anyway)
+        self.interrupt_hold.release(deliver=False)  # (the run ends here anyway)
         if not self.write_last(trainer, pl_module) and getattr(pl_module, "last_step_skipped", False) \
                 and not getattr(pl_module, "diverged", False) and trainer.is_global_zero:
             log.warning("the last step met non-finite values: no checkpoint written at the end (the last one: %s)",
                         self.last_model_path or "none")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
+        self.interrupt_hold.release(deliver=False)
         if not self.save_on_exception or world_size() > 1 or trainer.global_step == 0 or self.dirpath is None:
             return  # (step 0: nothing trained yet, or the run did not get as far as setting up)
         try:
