@@ -10,8 +10,9 @@ import shutil
 from typing import Any, Callable, Optional
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from scgrpo import lightning_internals as internals
 
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")  # .<name>.tmp-<pid>: a file or folder being written
 
@@ -91,6 +92,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     to disk without a copy in memory, and a killed save's ``.<name>.tmp-<pid>`` is removed by the next save."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(str(path)):
+        if storage_options is not None or not internals.is_local_path(str(path)):
             return super().save_checkpoint(checkpoint, path, storage_options)
         write_file_atomically(lambda f: torch.save(checkpoint, f), os.fspath(path))

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from scgrpo import lightning_internals as internals
 from scgrpo.callbacks.interrupt import HeldInterrupt
 from scgrpo.callbacks.validation import run_validation
 from scgrpo.distributed import world_size
@@ -76,7 +77,8 @@ class StepCheckpoint(ModelCheckpoint):
 
     @property
     def state_key(self) -> str:  # independent of the monitor found at the first validation
-        return self._generate_state_key(monitor=self._monitor_setting, every_n_train_steps=self._every_n_train_steps)
+        every = internals.every_n_train_steps(self)
+        return internals.checkpoint_state_key(self, monitor=self._monitor_setting, every_n_train_steps=every)
 
     @staticmethod
     def validation_metrics(pl_module, datamodule) -> Optional[list[str]]:
@@ -142,8 +144,7 @@ class StepCheckpoint(ModelCheckpoint):
         step = trainer.global_step
         if self.validated_step is None or step == 0 or self.validated_step >= step:
             return False
-        fit_loop = trainer.fit_loop
-        return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
+        return internals.validation_due(trainer)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """At ``max_steps`` Lightning skips the fit loop, and with it ``on_train_start``: the fit loop's ``run`` is
@@ -151,20 +152,14 @@ class StepCheckpoint(ModelCheckpoint):
         validation runs in this callback's) and ``on_train_end`` hooks (the final checkpoint and adapter), which
         the interrupted run did not reach."""
         self._train_started = False
-        fit_loop = trainer.fit_loop
-        vars(fit_loop).pop("run", None)  # a wrapper left by an earlier fit of this trainer
-        run = fit_loop.run
+        internals.after_fit_loop_run(trainer, lambda: self._finish_skipped_training(trainer))
 
-        def run_then_finish() -> None:
-            run()
-            if not self._train_started and self._validation_left_pending(trainer):
-                fit_loop.on_run_start()
-                fit_loop.on_run_end()
-
-        fit_loop.run = run_then_finish
+    def _finish_skipped_training(self, trainer) -> None:
+        if not self._train_started and self._validation_left_pending(trainer):
+            internals.run_train_start_and_end(trainer)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        vars(trainer.fit_loop).pop("run", None)
+        internals.restore_fit_loop_run(trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
         """Runs the validation a resumed run's checkpoint left pending (see the class), before Lightning's loop
@@ -188,7 +183,7 @@ class StepCheckpoint(ModelCheckpoint):
         """Whether a Ctrl-C is held until the rows are logged: only where a checkpoint may be written now or on
         that Ctrl-C, in a single process (with several, each would hold alone; none writes on an exception)."""
         return (world_size() == 1 and self.dirpath is not None and self._may_save(trainer, pl_module, step_whole=True)
-                and (self.save_on_exception or bool(self._every_n_train_steps)))
+                and (self.save_on_exception or bool(internals.every_n_train_steps(self))))
 
     def _finite(self, trainer, pl_module) -> bool:
         """The weights' log-probs are finite (an update can leave finite weights that overflow: the next step
@@ -205,7 +200,7 @@ class StepCheckpoint(ModelCheckpoint):
             return False
         if not self._finite(trainer, pl_module):
             return False
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        internals.save_last(self, trainer)
         self._last_step_saved = trainer.global_step
         return True
 
@@ -216,7 +211,8 @@ class StepCheckpoint(ModelCheckpoint):
         if self._holds(trainer, pl_module):
             self.interrupt_hold.hold()  # until the step's row is logged (see HeldInterrupt)
         self._keep_loop_state(trainer)  # (the step is whole: the other callbacks' on_train_batch_end ran)
-        if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
+        every = internals.every_n_train_steps(self)
+        if every and trainer.global_step % every == 0:
             self.write_last(trainer, pl_module, step_whole=True)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -244,9 +240,9 @@ class StepCheckpoint(ModelCheckpoint):
         again = self._last_step_saved == trainer.global_step  # last.ckpt written before this validation: again,
         if (monitored or again) and self._finite(trainer, pl_module):  # validated, with the best so far (a resume's)
             if monitored:
-                self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+                internals.save_top_k(self, trainer)
             if again:
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+                internals.save_last(self, trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.interrupt_hold.release(deliver=False)  # (the run ends here anyway)
