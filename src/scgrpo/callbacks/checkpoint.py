@@ -35,9 +35,10 @@ class StepCheckpoint(ModelCheckpoint):
 
     A run resumed from any of its checkpoints goes on as the uninterrupted run would have, wherever it stopped:
 
-    - a Ctrl-C at a step's end or a validation's end is held until Lightning has logged its row
-      (:class:`HeldInterrupt`), so no checkpoint that a Ctrl-C leaves counts a row that is not logged (one
-      process; a killed process can still lose the logger's unflushed rows);
+    - a Ctrl-C at a step's end or a validation's end is held until Lightning has logged its row (by
+      ``interrupt_hold``, a :class:`HeldInterrupt`, also released by :class:`~scgrpo.callbacks.ReleaseHeldInterrupt`),
+      so no checkpoint that a Ctrl-C leaves counts a row that is not logged (one process; a killed process can still
+      lose the logger's unflushed rows);
 
     - every checkpoint holds the training loop's state as it was at the end of its step (Lightning's own, taken
       on an exception, would count a batch whose rollout was under way as begun: the resumed run's logger steps
