@@ -295,7 +295,7 @@ def make_slots(gpus: int, per_gpu: int, jobs: int) -> list[Slot]:
 
 def busy(work: str) -> Optional[int]:
     """The pid of a live process already training in ``work`` (left by a scheduler that was killed), or None."""
-    from scgrpo.callbacks.checkpoint import pid_alive
+    from scgrpo.atomic_io import pid_alive
 
     try:
         with open(os.path.join(work, "pid")) as f:

@@ -5,6 +5,7 @@ short run on resume (also the final one, after ``max_steps``), the final checkpo
 import csv
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,13 +13,14 @@ from lightning.pytorch import Callback, seed_everything
 from safetensors.torch import load_file
 
 import scgrpo.callbacks.rollout as rollout
-from scgrpo.callbacks import StepCheckpoint
-from scgrpo.callbacks.checkpoint import STEP_END_INTERRUPT, HeldInterrupt
+from scgrpo.callbacks import ReleaseHeldInterrupt, StepCheckpoint
+from scgrpo.callbacks.interrupt import HeldInterrupt
 from scgrpo.module import RLVRModule
 from scgrpo.runs import RunCSVLogger, rows_before
 from tests.helpers import tiny_data, tiny_module, tiny_trainer
 
 STEPS, EVERY = 6, 2  # validation (and, unless said, last.ckpt) every 2 steps
+CHECKPOINTS: list[StepCheckpoint] = []  # every one the tests made: none may be left holding a Ctrl-C
 
 
 class CtrlCInValidation(Callback):
@@ -35,15 +37,16 @@ class CtrlCInValidation(Callback):
 @pytest.fixture(autouse=True)
 def no_interrupt_left_held():
     yield
-    assert not STEP_END_INTERRUPT.holding and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not any(checkpoint.interrupt_hold.holding for checkpoint in CHECKPOINTS)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def _fit(model_dir, root, ckpt_path=None, callbacks=(), checkpoint_every=EVERY, validate_first=True):
     seed_everything(0)
+    CHECKPOINTS.append(StepCheckpoint(every_n_train_steps=checkpoint_every))
     trainer = tiny_trainer(root, max_steps=STEPS, logger=RunCSVLogger(str(root), name="run", version=0),
                            enable_checkpointing=True, limit_val_batches=1.0, val_check_interval=EVERY,
-                           check_val_every_n_epoch=None,
-                           callbacks=[StepCheckpoint(every_n_train_steps=checkpoint_every), *callbacks])
+                           check_val_every_n_epoch=None, callbacks=[CHECKPOINTS[-1], *callbacks])
     trainer.fit(tiny_module(model_dir, validate_before_training=validate_first), datamodule=tiny_data(),
                 ckpt_path=ckpt_path)
     return root / "run" / "version_0"
@@ -212,3 +215,21 @@ def test_a_held_ctrl_c_takes_effect_on_release_and_a_second_one_at_once():
         assert not held.holding and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_release_held_interrupt_built_without_arguments_releases_the_step_checkpoints_hold():
+    """As the module and a YAML config build it, it finds the hold among the trainer's callbacks: a Ctrl-C held at
+    a step's end takes effect at its next step's start."""
+    checkpoint = StepCheckpoint()
+    CHECKPOINTS.append(checkpoint)
+    trainer = SimpleNamespace(callbacks=[ReleaseHeldInterrupt(), checkpoint], is_global_zero=True)
+    checkpoint.interrupt_hold.hold()
+    os.kill(os.getpid(), signal.SIGINT)  # held: nothing raised here
+    assert checkpoint.interrupt_hold.holding
+    with pytest.raises(KeyboardInterrupt):
+        trainer.callbacks[0].on_train_batch_start(trainer, None, None, 0)
+    assert not checkpoint.interrupt_hold.holding and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    checkpoint.interrupt_hold.hold()
+    os.kill(os.getpid(), signal.SIGINT)
+    trainer.callbacks[0].on_train_end(trainer, None)  # dropped: the run ends anyway
+    assert not checkpoint.interrupt_hold.holding and signal.getsignal(signal.SIGINT) is signal.default_int_handler

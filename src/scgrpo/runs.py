@@ -12,6 +12,8 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from scgrpo import lightning_internals as internals
+
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "runs"  # the file loggers' save_dir when neither they nor trainer.default_root_dir name one
@@ -52,13 +54,14 @@ class _AppendingWriter(ExperimentWriter):
         pass  # Lightning's warns and deletes metrics.csv
 
     def save(self) -> None:
-        if not self._continued and self.metrics and self._fs.isfile(self.metrics_file_path):
+        fs = internals.filesystem(self)
+        if not self._continued and self.metrics and fs.isfile(self.metrics_file_path):
             self._continued = True
-            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+            with fs.open(self.metrics_file_path, "r", newline="") as f:
                 reader = csv.DictReader(f)
                 keys, kept = list(reader.fieldnames or []), rows_before(list(reader), self.metrics[0])
             self.metrics_keys = sorted(set(self.metrics_keys) | set(keys))
-            with self._fs.open(self.metrics_file_path, "w", newline="") as f:
+            with fs.open(self.metrics_file_path, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
                 writer.writeheader()
                 writer.writerows(kept)
@@ -74,10 +77,7 @@ class RunCSVLogger(CSVLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _AppendingWriter(log_dir=self.log_dir)
-        return self._experiment
+        return internals.csv_experiment(self, lambda: _AppendingWriter(log_dir=self.log_dir))
 
 
 def checkpoint_run_folder(ckpt_path: Optional[str]) -> Optional[tuple[str, str, str]]:

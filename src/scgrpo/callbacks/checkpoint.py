@@ -1,185 +1,24 @@
-"""Checkpoints by optimiser step (``last.ckpt``, ``best-step=N.ckpt``), and files written whole or not at all."""
+"""Checkpoints by optimiser step (``last.ckpt``, ``best-step=N.ckpt``) that a run resumes from as if never stopped."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
 import re
-import shutil
-import signal
-import threading
 import warnings
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
-import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from scgrpo import lightning_internals as internals
+from scgrpo.callbacks.interrupt import HeldInterrupt
 from scgrpo.callbacks.validation import run_validation
 from scgrpo.distributed import world_size
 from scgrpo.errors import InputError
 
 log = logging.getLogger(__name__)
-
-_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")  # .<name>.tmp-<pid>: a file or folder being written
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_temporaries(folder: str) -> None:
-    """Removes what killed writers left in ``folder`` (``.<name>.tmp-<pid>`` of a process that is gone)."""
-    if not os.path.isdir(folder):
-        return
-    for entry in os.listdir(folder):
-        match = _TEMPORARY.match(entry)
-        if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
-            path = os.path.join(folder, entry)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-
-
-def _temporary_beside(path: str) -> str:
-    folder, name = os.path.split(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    remove_stale_temporaries(folder)
-    return os.path.join(folder, f".{name}.tmp-{os.getpid()}")
-
-
-def write_file_atomically(write: Callable[[Any], None], path: str) -> None:
-    """``write(f)`` into ``.<name>.tmp-<pid>`` beside ``path`` (an open binary file), then renamed over ``path``:
-    readers see the old file or the new one, never a part. Interrupted, the temporary file is removed; a killed
-    process leaves it beside ``path``, where the next write into that folder removes it."""
-    tmp = _temporary_beside(path)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-
-
-def write_folder_atomically(write: Callable[[str], None], folder: str) -> None:
-    """``write(tmp)`` fills a new folder beside ``folder``, which then takes its place (the old one is removed
-    after the swap): an interrupted export leaves the previous folder whole."""
-    tmp = _temporary_beside(folder)
-    try:
-        write(tmp)
-        if os.path.isdir(folder):
-            old = _temporary_beside(folder + "-old")
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, with the file written beside its target and renamed into place.
-    Lightning's own stages each save in a temporary file of ``$TMPDIR`` (fsspec's transaction), where a killed
-    save leaves up to a checkpoint's size behind; here nothing goes to ``$TMPDIR``, the checkpoint is streamed
-    to disk without a copy in memory, and a killed save's ``.<name>.tmp-<pid>`` is removed by the next save."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(str(path)):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        write_file_atomically(lambda f: torch.save(checkpoint, f), os.fspath(path))
-
-
-class HeldInterrupt:
-    """Ctrl-C (SIGINT) held back while Lightning has yet to log rows that a checkpoint already counts.
-
-    A step's checkpoint is written at its end (every ``every_n_train_steps``, or by the Ctrl-C itself) before
-    Lightning hands the step's row to the loggers, and a validation is marked done before its row is logged; a
-    Ctrl-C in between left a checkpoint without the row, which the resumed run never logs. Held, the Ctrl-C takes
-    effect once the rows are logged: at the next step's start or a validation's start; at the end of training it
-    is dropped (the run ends anyway). A second Ctrl-C while one is held interrupts at once. Nothing is held off the
-    main thread or where SIGINT has another handler than Python's default (ignored, or the application's own)."""
-
-    def __init__(self) -> None:
-        self._previous: Any = None
-        self._pending = False
-
-    @property
-    def holding(self) -> bool:
-        return self._previous is not None
-
-    def hold(self) -> None:
-        if (self.holding or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-            return
-        self._pending = False
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except (ValueError, OSError):  # (not the main interpreter's main thread)
-            self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        if self._pending:  # the second: at once
-            self.release(deliver=False)
-            raise KeyboardInterrupt
-        self._pending = True
-        log.warning("Ctrl-C: stopping once this step's metrics are logged (Ctrl-C again to stop at once)")
-
-    def release(self, deliver: bool = True) -> bool:
-        """Puts Python's default handler back; with ``deliver``, a Ctrl-C met meanwhile then raises
-        KeyboardInterrupt here. Returns whether one was met."""
-        if not self.holding:
-            return False
-        signal.signal(signal.SIGINT, self._previous)  # (first: a Ctrl-C from here on is the default handler's)
-        self._previous = None
-        pending, self._pending = self._pending, False
-        if pending and deliver:
-            raise KeyboardInterrupt
-        return pending
-
-
-STEP_END_INTERRUPT = HeldInterrupt()
-"""The one hold of the process (signal handlers are the process's): StepCheckpoint holds it at each step's end"""
-
-
-class ReleaseHeldInterrupt(Callback):
-    """Lets a Ctrl-C held by :class:`StepCheckpoint` through once the rows are logged: at the next step's start
-    before any rollout (the module lists it before its rollout callback), at a validation's start; at the end of
-    training the run ends anyway, and it is dropped."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        STEP_END_INTERRUPT.release()
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        STEP_END_INTERRUPT.release()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        if STEP_END_INTERRUPT.release(deliver=False) and trainer.is_global_zero:
-            log.info("Ctrl-C in the last step: the run ends as planned")
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -196,9 +35,10 @@ class StepCheckpoint(ModelCheckpoint):
 
     A run resumed from any of its checkpoints goes on as the uninterrupted run would have, wherever it stopped:
 
-    - a Ctrl-C at a step's end or a validation's end is held until Lightning has logged its row
-      (:class:`HeldInterrupt`), so no checkpoint that a Ctrl-C leaves counts a row that is not logged (one
-      process; a killed process can still lose the logger's unflushed rows);
+    - a Ctrl-C at a step's end or a validation's end is held until Lightning has logged its row (by
+      ``interrupt_hold``, a :class:`HeldInterrupt`, also released by :class:`~scgrpo.callbacks.ReleaseHeldInterrupt`),
+      so no checkpoint that a Ctrl-C leaves counts a row that is not logged (one process; a killed process can still
+      lose the logger's unflushed rows);
 
     - every checkpoint holds the training loop's state as it was at the end of its step (Lightning's own, taken
       on an exception, would count a batch whose rollout was under way as begun: the resumed run's logger steps
@@ -233,10 +73,13 @@ class StepCheckpoint(ModelCheckpoint):
         # None: restored from a checkpoint that predates this record, where nothing is redone)
         self._loop_state: Optional[tuple[int, dict]] = None  # (step, the fit loop's state at the end of that step)
         self._train_started = False
+        self.interrupt_hold = HeldInterrupt()  # a Ctrl-C at a step's or validation's end, until its row is logged
+        # (released here and, before the next step's rollout, by ReleaseHeldInterrupt)
 
     @property
     def state_key(self) -> str:  # independent of the monitor found at the first validation
-        return self._generate_state_key(monitor=self._monitor_setting, every_n_train_steps=self._every_n_train_steps)
+        every = internals.every_n_train_steps(self)
+        return internals.checkpoint_state_key(self, monitor=self._monitor_setting, every_n_train_steps=every)
 
     @staticmethod
     def validation_metrics(pl_module, datamodule) -> Optional[list[str]]:
@@ -302,8 +145,7 @@ class StepCheckpoint(ModelCheckpoint):
         step = trainer.global_step
         if self.validated_step is None or step == 0 or self.validated_step >= step:
             return False
-        fit_loop = trainer.fit_loop
-        return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
+        return internals.validation_due(trainer)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """At ``max_steps`` Lightning skips the fit loop, and with it ``on_train_start``: the fit loop's ``run`` is
@@ -311,20 +153,14 @@ class StepCheckpoint(ModelCheckpoint):
         validation runs in this callback's) and ``on_train_end`` hooks (the final checkpoint and adapter), which
         the interrupted run did not reach."""
         self._train_started = False
-        fit_loop = trainer.fit_loop
-        vars(fit_loop).pop("run", None)  # a wrapper left by an earlier fit of this trainer
-        run = fit_loop.run
+        internals.after_fit_loop_run(trainer, lambda: self._finish_skipped_training(trainer))
 
-        def run_then_finish() -> None:
-            run()
-            if not self._train_started and self._validation_left_pending(trainer):
-                fit_loop.on_run_start()
-                fit_loop.on_run_end()
-
-        fit_loop.run = run_then_finish
+    def _finish_skipped_training(self, trainer) -> None:
+        if not self._train_started and self._validation_left_pending(trainer):
+            internals.run_train_start_and_end(trainer)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        vars(trainer.fit_loop).pop("run", None)
+        internals.restore_fit_loop_run(trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
         """Runs the validation a resumed run's checkpoint left pending (see the class), before Lightning's loop
@@ -348,7 +184,7 @@ class StepCheckpoint(ModelCheckpoint):
         """Whether a Ctrl-C is held until the rows are logged: only where a checkpoint may be written now or on
         that Ctrl-C, in a single process (with several, each would hold alone; none writes on an exception)."""
         return (world_size() == 1 and self.dirpath is not None and self._may_save(trainer, pl_module, step_whole=True)
-                and (self.save_on_exception or bool(self._every_n_train_steps)))
+                and (self.save_on_exception or bool(internals.every_n_train_steps(self))))
 
     def _finite(self, trainer, pl_module) -> bool:
         """The weights' log-probs are finite (an update can leave finite weights that overflow: the next step
@@ -365,18 +201,19 @@ class StepCheckpoint(ModelCheckpoint):
             return False
         if not self._finite(trainer, pl_module):
             return False
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        internals.save_last(self, trainer)
         self._last_step_saved = trainer.global_step
         return True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        STEP_END_INTERRUPT.release()  # (ReleaseHeldInterrupt, listed before the rollout, has done it already)
+        self.interrupt_hold.release()  # (ReleaseHeldInterrupt, listed before the rollout, has done it already)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._holds(trainer, pl_module):
-            STEP_END_INTERRUPT.hold()  # until the step's row is logged (see HeldInterrupt)
+            self.interrupt_hold.hold()  # until the step's row is logged (see HeldInterrupt)
         self._keep_loop_state(trainer)  # (the step is whole: the other callbacks' on_train_batch_end ran)
-        if self._every_n_train_steps and trainer.global_step % self._every_n_train_steps == 0:
+        every = internals.every_n_train_steps(self)
+        if every and trainer.global_step % every == 0:
             self.write_last(trainer, pl_module, step_whole=True)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -388,13 +225,13 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.validated_step = trainer.global_step
             if self._holds(trainer, pl_module):  # a checkpoint from here on says validated: held until its row is
-                STEP_END_INTERRUPT.hold()  # logged and the module took its RNG state (released at the next step)
+                self.interrupt_hold.hold()  # logged and the module took its RNG state (released at the next step)
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        STEP_END_INTERRUPT.release()
+        self.interrupt_hold.release()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
+        self.interrupt_hold.release(deliver=False)
         super().teardown(trainer, pl_module, stage)
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -404,19 +241,19 @@ class StepCheckpoint(ModelCheckpoint):
         again = self._last_step_saved == trainer.global_step  # last.ckpt written before this validation: again,
         if (monitored or again) and self._finite(trainer, pl_module):  # validated, with the best so far (a resume's)
             if monitored:
-                self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+                internals.save_top_k(self, trainer)
             if again:
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+                internals.save_last(self, trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)  # (the run ends here anyway)
+        self.interrupt_hold.release(deliver=False)  # (the run ends here anyway)
         if not self.write_last(trainer, pl_module) and getattr(pl_module, "last_step_skipped", False) \
                 and not getattr(pl_module, "diverged", False) and trainer.is_global_zero:
             log.warning("the last step met non-finite values: no checkpoint written at the end (the last one: %s)",
                         self.last_model_path or "none")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        STEP_END_INTERRUPT.release(deliver=False)
+        self.interrupt_hold.release(deliver=False)
         if not self.save_on_exception or world_size() > 1 or trainer.global_step == 0 or self.dirpath is None:
             return  # (step 0: nothing trained yet, or the run did not get as far as setting up)
         try:

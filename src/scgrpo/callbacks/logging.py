@@ -10,7 +10,7 @@ from typing import Optional
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
-from scgrpo.callbacks.checkpoint import write_folder_atomically
+from scgrpo.atomic_io import write_folder_atomically
 from scgrpo.callbacks.validation import run_validation
 
 log = logging.getLogger(__name__)

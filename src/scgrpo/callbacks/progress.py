@@ -11,7 +11,8 @@ import math
 from typing import Any, Union
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
+
+from scgrpo import lightning_internals as internals
 
 DESCRIPTION = "Step"
 
@@ -40,7 +41,7 @@ class StepRichProgressBar(RichProgressBar):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         if _total_steps(self) is not None:
-            self._update(self.train_progress_bar_id, trainer.global_step)
+            internals.set_rich_count(self, self.train_progress_bar_id, trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         # the parent shows batch_idx + 1
@@ -61,7 +62,7 @@ class StepTQDMProgressBar(TQDMProgressBar):
         if total is not None and self.train_progress_bar is not None:
             self.train_progress_bar.total = total
             self.train_progress_bar.set_description(DESCRIPTION)
-            _update_n(self.train_progress_bar, trainer.global_step)
+            internals.set_tqdm_count(self.train_progress_bar, trainer.global_step)
 
     def on_train_start(self, trainer, *args: Any) -> None:
         super().on_train_start(trainer, *args)

@@ -1,0 +1,117 @@
+"""The private parts of Lightning that scgrpo relies on, in one place: what to check when Lightning is upgraded.
+
+Checked against Lightning 2.6.6 (``lightning.__version__``; the package asks for >= 2.4). Each function names the
+private attribute or function it reaches; the rest of the package calls these and uses Lightning's public API,
+except for the private hooks that its subclasses override, whose names cannot move:
+``RichProgressBar._get_train_description`` (``callbacks/progress.py``), ``ExperimentWriter._check_log_dir_exists``
+(``runs.py``); and ``module.py`` reads ``LightningModule._trainer`` (whether the module is attached to a trainer:
+``self.trainer`` raises when it is not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
+
+
+# ------------------------------------------------------------------------------------ files and loggers
+def is_local_path(path: str) -> bool:
+    """Whether ``path`` is on the local file system (``_is_local_file_protocol``)."""
+    return _is_local_file_protocol(path)
+
+
+def filesystem(logger_or_writer) -> Any:
+    """The fsspec file system of a ``CSVLogger`` or its ``ExperimentWriter`` (their ``_fs``)."""
+    return logger_or_writer._fs
+
+
+def csv_experiment(logger, make: Callable[[], Any]) -> Any:
+    """``CSVLogger.experiment`` with the writer ``make()`` in place of Lightning's own ``ExperimentWriter``: made
+    once, after the logger's root folder (its ``_experiment`` and ``_fs``)."""
+    if logger._experiment is None:
+        logger._fs.makedirs(logger.root_dir, exist_ok=True)
+        logger._experiment = make()
+    return logger._experiment
+
+
+# ------------------------------------------------------------------------------------ progress bars
+def set_tqdm_count(bar, n: int) -> None:
+    """Sets a tqdm bar's count to ``n`` and redraws it (``tqdm_progress._update_n``)."""
+    _update_n(bar, n)
+
+
+def set_rich_count(progress_bar, bar_id, n: int) -> None:
+    """Sets the count of the bar ``bar_id`` of a ``RichProgressBar`` to ``n`` (its ``_update``)."""
+    progress_bar._update(bar_id, n)
+
+
+# ------------------------------------------------------------------------------------ ModelCheckpoint
+def every_n_train_steps(callback) -> int:
+    """A ``ModelCheckpoint``'s ``every_n_train_steps`` (0: not by step), as it keeps it (``_every_n_train_steps``)."""
+    return callback._every_n_train_steps
+
+
+def checkpoint_state_key(callback, **key: Any) -> str:
+    """A ``ModelCheckpoint``'s state key for the settings ``key`` (``_generate_state_key``)."""
+    return callback._generate_state_key(**key)
+
+
+def save_last(callback, trainer) -> None:
+    """A ``ModelCheckpoint`` writes its ``last`` checkpoint now (``_save_last_checkpoint`` with
+    ``_monitor_candidates``)."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def save_top_k(callback, trainer) -> None:
+    """A ``ModelCheckpoint`` writes its best-so-far checkpoint now if the monitored value earns it
+    (``_save_topk_checkpoint`` with ``_monitor_candidates``)."""
+    callback._save_topk_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+# ------------------------------------------------------------------------------------ the fit loop
+def validation_due(trainer) -> bool:
+    """Lightning's own test of whether a validation follows the step the fit loop's state is at
+    (``epoch_loop._should_check_val_fx`` on the fit loop's ``_data_fetcher``)."""
+    fit_loop = trainer.fit_loop
+    return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
+
+
+def after_fit_loop_run(trainer, then: Callable[[], None]) -> None:
+    """Makes the fit loop call ``then()`` after its ``run`` returns, also when Lightning skipped training (at
+    ``max_steps``, where no training hook runs), until :func:`restore_fit_loop_run`."""
+    fit_loop = trainer.fit_loop
+    vars(fit_loop).pop("run", None)  # a wrapper left by an earlier fit of this trainer
+    run = fit_loop.run
+
+    def run_then() -> None:
+        run()
+        then()
+
+    fit_loop.run = run_then
+
+
+def restore_fit_loop_run(trainer) -> None:
+    """Undoes :func:`after_fit_loop_run`."""
+    vars(trainer.fit_loop).pop("run", None)
+
+
+def run_train_start_and_end(trainer) -> None:
+    """The fit loop's ``on_train_start`` hooks, then its ``on_train_end`` hooks, with no step between (its
+    ``on_run_start`` and ``on_run_end``)."""
+    trainer.fit_loop.on_run_start()
+    trainer.fit_loop.on_run_end()
+
+
+@contextlib.contextmanager
+def logger_first_iteration_kept(trainer) -> Iterator[None]:
+    """Puts back the logger connector's mark of the training loop's first iteration after a validation run off
+    Lightning's schedule, as its epoch loop does around its own (``_logger_connector._first_loop_iter``)."""
+    connector = trainer._logger_connector
+    first_iter = connector._first_loop_iter
+    try:
+        yield
+    finally:
+        connector._first_loop_iter = first_iter
