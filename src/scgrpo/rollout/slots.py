@@ -18,6 +18,7 @@ never what it samples (greedy: bit for bit up to the matmul's batch-size depende
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -25,8 +26,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from scgrpo.rollout.compact import CompactDecoder, Compiled, length_bucket, memory_free
+from scgrpo.rollout.compact import CompactDecoder
+from scgrpo.rollout.compiled import Compiled
 from scgrpo.rollout.graphs import warmup_stream
+from scgrpo.rollout.memory import memory_free
 from scgrpo.rollout.sampling import draw, sampling_distribution
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,14 @@ def slots_within(budget: int, allocated: int, per_row: int, rows: int) -> int:
     """Decode slots for ``rows`` rows whose KV cache and logits take ``per_row`` bytes each: as many as 80% of
     what a ``budget`` (bytes, the whole process) leaves beside ``allocated`` holds, at least one."""
     return max(1, min(rows, int(0.8 * max(budget - allocated, 0) // max(per_row, 1))))
+
+
+def length_bucket(length: int, limit: int) -> int:
+    """Attention length for a step whose longest live row needs ``length`` entries: rounded up to a multiple of
+    64 (256 past 1,024), at most ``limit``. Few buckets = few CUDA graphs; a bucket reads at most 63 (255)
+    entries more than needed."""
+    width = 64 if length <= 1024 else 256
+    return min(limit, int(math.ceil(length / width) * width))
 
 
 class SlotDecoder:
@@ -235,7 +246,7 @@ class SlotDecoder:
     def slot_budget(self, rows: int, cache_len: int) -> int:
         """Slots for ``rows`` rows: ``max_slots`` when set; else, with a memory budget (bytes for the whole
         process), as many as 80% of what it leaves holds (each slot's KV cache and its fp32 logits, a few copies);
-        else as many as a quarter of the free GPU memory holds (:func:`~scgrpo.rollout.compact.memory_free`; all
+        else as many as a quarter of the free GPU memory holds (:func:`~scgrpo.rollout.memory.memory_free`; all
         rows on CPU)."""
         if self.max_slots:
             return max(1, min(rows, self.max_slots))
