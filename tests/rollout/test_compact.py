@@ -344,7 +344,7 @@ def test_unrolled_low_rank_terms_add_each_layers_own_ranks(tok, targets):
     form, whichever layers carry adapters."""
     from peft import LoraConfig, get_peft_model
 
-    from scgrpo.rollout.layers import step_functions
+    from scgrpo.rollout.layers import ProjectionArgs, step_functions
 
     model = get_peft_model(tiny("llama", len(tok)), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     torch.manual_seed(3)
@@ -362,15 +362,16 @@ def test_unrolled_low_rank_terms_add_each_layers_own_ranks(tok, targets):
     x, attn = torch.randn(5, 32), torch.randn(5, 2, 2, 8)
     cos, sin = decoder.rope_tables(16)
     cos, sin = cos[:5], sin[:5]
-    args0, args1 = decoder._args(decoder.layers[0]), decoder._args(decoder.layers[1])
+    args0, args1 = decoder.layers[0].args(), decoder.layers[1].args()
     with torch.no_grad():
-        expected = plain[1](x, attn, *args0[6:], cos, sin, *args1[:6])
+        expected = plain[1](x, attn, *args0.attention_out, cos, sin, *args1.attention_in)
         for funcs in (blockwise, dense):
-            got = funcs[1](x, attn, *args0[6:], cos, sin, *args1[:6])
+            got = funcs[1](x, attn, *args0.attention_out, cos, sin, *args1.attention_in)
             for e, g in zip([expected[0], *expected[1]], [got[0], *got[1]]):
                 assert torch.allclose(g, e, atol=1e-5, rtol=1e-5)
-        logits = plain[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head))
-        assert torch.allclose(blockwise[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head)), logits,
+        head = ProjectionArgs.of(decoder.head)
+        logits = plain[2](x, attn, *args1.attention_out, decoder.norm, *head)
+        assert torch.allclose(blockwise[2](x, attn, *args1.attention_out, decoder.norm, *head), logits,
                               atol=1e-5, rtol=1e-5)
 
 

@@ -44,7 +44,15 @@ from torch import Tensor
 from scgrpo.rollout import four_bit, kernels, lora_matmul, norms
 from scgrpo.rollout.compiled import Compiled
 from scgrpo.rollout.four_bit import four_bit_state
-from scgrpo.rollout.layers import Layer, add_rms_norm, layer_functions, rms_norm, silu_gate, step_functions
+from scgrpo.rollout.layers import (
+    Layer,
+    ProjectionArgs,
+    add_rms_norm,
+    layer_functions,
+    rms_norm,
+    silu_gate,
+    step_functions,
+)
 from scgrpo.rollout.memory import memory_free
 from scgrpo.rollout.model_parts import base_layer, inner_model, lora_parts
 from scgrpo.rollout.projection import Copies, Projection
@@ -268,15 +276,6 @@ class CompactDecoder:
     def logits(self, x: Tensor) -> Tensor:
         return self.head(rms_norm(x, self.norm, self.eps)).float()
 
-    @staticmethod
-    def _p(proj: Projection) -> tuple:
-        return (proj.weight, proj.bias, proj.up) if proj.fused else (proj, None, None)
-
-    def _args(self, layer: Layer) -> tuple:
-        p = self._p
-        return (layer.ln1, *p(layer.qkv), layer.q_norm, layer.k_norm, *p(layer.o), layer.ln2, *p(layer.gate_up),
-                *p(layer.down))
-
     @property
     def compile_failed(self) -> bool:
         return self.block_failed or any(getattr(f, "failed", False) for f in (
@@ -299,30 +298,30 @@ class CompactDecoder:
                 self.block_kernels, self.block_failed = False, True
                 log.warning("the decode step's block kernels failed (%s: %s); decoding with the uncompiled step",
                             type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-        args = [self._args(layer) for layer in self.layers]
+        args = [layer.args() for layer in self.layers]
         if self.fused_attention:  # one kernel per layer: rotation, cache write, attention over each row's length
             cos, sin = cos_table[lens], sin_table[lens]  # read by the compiled code only for q/k norms (Qwen3)
-            a = self._first(x, cos, sin, *args[0][:6])
+            a = self._first(x, cos, sin, *args[0].attention_in)
             for i, layer in enumerate(self.layers):
                 attn = kernels.decode_attention(a, lens, cache[i], cos_table, sin_table, self.heads, self.scaling,
                                                 rotate=layer.q_norm is None)
                 if i + 1 < self.num_layers:
-                    x, a = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
-            return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
+                    x, a = self._middle(x, attn, *args[i].attention_out, cos, sin, *args[i + 1].attention_in)
+            return self._last(x, attn, *args[-1].attention_out, self.norm, *ProjectionArgs.of(self.head))
         cos, sin = cos_table[lens], sin_table[lens]  # [S, D]
         # additive mask, built once per step for every layer (a boolean one is converted inside each attention)
         visible = torch.arange(length, device=lens.device) <= lens.unsqueeze(1)  # [S, L]
         mask = torch.zeros(s, 1, 1, length, dtype=cache.dtype, device=lens.device).masked_fill(
             ~visible.view(s, 1, 1, length), float("-inf"))
         slots = torch.arange(s, device=lens.device)
-        q, kv = self._first(x, cos, sin, *args[0][:6])
+        q, kv = self._first(x, cos, sin, *args[0].attention_in)
         for i in range(self.num_layers):
             cache[i, :, slots, :, lens] = kv.transpose(0, 1)  # [S, 2, kv, D] at each slot's position
             attn = F.scaled_dot_product_attention(q, cache[i, 0, :, :, :length], cache[i, 1, :, :, :length],
                                                   attn_mask=mask, scale=self.scaling)  # [S, kv, G, D]
             if i + 1 < self.num_layers:
-                x, (q, kv) = self._middle(x, attn, *args[i][6:], cos, sin, *args[i + 1][:6])
-        return self._last(x, attn, *args[-1][6:], self.norm, *self._p(self.head))
+                x, (q, kv) = self._middle(x, attn, *args[i].attention_out, cos, sin, *args[i + 1].attention_in)
+        return self._last(x, attn, *args[-1].attention_out, self.norm, *ProjectionArgs.of(self.head))
 
     def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor, sin_table: Tensor) -> Tensor:
         """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`); see :meth:`_block_layers`."""
@@ -404,9 +403,9 @@ class CompactDecoder:
                 log.warning("the prefill's block kernels failed (%s: %s); prefilling with the eager layers",
                             type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         for i, layer in enumerate(self.layers):
-            args = self._args(layer)
-            q, k, v = self.attention_in(x, cos, sin, *args[:6])  # [n, T, kv, G, D], [n, T, kv, D] x 2
-            x = self.attention_out(x, self._prefill_attention(i, q, k, v, slots, cache, mask), *args[6:])
+            args = layer.args()
+            q, k, v = self.attention_in(x, cos, sin, *args.attention_in)  # [n, T, kv, G, D], [n, T, kv, D] x 2
+            x = self.attention_out(x, self._prefill_attention(i, q, k, v, slots, cache, mask), *args.attention_out)
         last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
         return self.logits(last)
 

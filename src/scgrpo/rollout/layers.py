@@ -2,13 +2,14 @@
 
 :func:`layer_functions` builds a block's two halves around its attention and :func:`step_functions` a decode
 step's compute between attentions, every weight an argument, so that one compiled version serves every layer;
-:class:`Layer` holds one block's weights.
+:class:`Layer` holds one block's weights and :class:`LayerArgs` (:class:`AttentionInArgs`,
+:class:`AttentionOutArgs`, each projection's :class:`ProjectionArgs`) the order in which those functions take them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,57 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+class ProjectionArgs(NamedTuple):
+    """A projection as the layer functions take it (see :func:`~scgrpo.rollout.projection.linear`): its
+    concatenated weight, bias and LoRA ``up``, or, for one that runs its layers' own forwards, the
+    :class:`Projection` itself as ``weight`` and two Nones."""
+
+    weight: Union[Tensor, Projection]  # [out + sum r, in]
+    bias: Optional[Tensor]  # [out + sum r]
+    up: Optional[Tensor]  # [sum r, out]
+
+    @classmethod
+    def of(cls, proj: Projection) -> "ProjectionArgs":
+        return cls(proj.weight, proj.bias, proj.up) if proj.fused else cls(proj, None, None)
+
+
+class AttentionInArgs(NamedTuple):
+    """A block's weights before its attention, in the order ``attention_in`` and the step functions take them."""
+
+    ln1: Tensor
+    qkv_w: Union[Tensor, Projection]
+    qkv_b: Optional[Tensor]
+    qkv_up: Optional[Tensor]
+    q_norm: Optional[Tensor]  # Qwen3's per-head norms; None for the other families
+    k_norm: Optional[Tensor]
+
+
+class AttentionOutArgs(NamedTuple):
+    """A block's weights after its attention, in the order ``attention_out`` and the step functions take them."""
+
+    o_w: Union[Tensor, Projection]
+    o_b: Optional[Tensor]
+    o_up: Optional[Tensor]
+    ln2: Tensor
+    gu_w: Union[Tensor, Projection]
+    gu_b: Optional[Tensor]
+    gu_up: Optional[Tensor]
+    d_w: Union[Tensor, Projection]
+    d_b: Optional[Tensor]
+    d_up: Optional[Tensor]
+
+
+class LayerArgs(NamedTuple):
+    """A block's weights as the layer functions take them: the two halves around its attention."""
+
+    attention_in: AttentionInArgs
+    attention_out: AttentionOutArgs
+
+
 @dataclass
 class Layer:
+    """One decoder block's weights: its norms' and its projections."""
+
     ln1: Tensor
     qkv: Projection
     q_norm: Optional[Tensor]
@@ -54,6 +104,14 @@ class Layer:
     ln2: Tensor
     gate_up: Projection
     down: Projection
+
+    def args(self) -> LayerArgs:
+        """The weights as the layer functions take them (the projections' current tensors)."""
+        return LayerArgs(
+            AttentionInArgs(self.ln1, *ProjectionArgs.of(self.qkv), self.q_norm, self.k_norm),
+            AttentionOutArgs(*ProjectionArgs.of(self.o), self.ln2, *ProjectionArgs.of(self.gate_up),
+                             *ProjectionArgs.of(self.down)),
+        )
 
 
 def layer_functions(heads: int, kv_heads: int, head_dim: int, eps: float, unrolled: bool = False,
