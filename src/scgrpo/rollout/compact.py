@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from scgrpo.errors import one_line
 from scgrpo.rollout import four_bit, kernels, lora_matmul, norms
 from scgrpo.rollout.compiled import Compiled
 from scgrpo.rollout.four_bit import four_bit_state
@@ -60,18 +61,15 @@ from scgrpo.rollout.projection import Copies, Projection
 log = logging.getLogger(__name__)
 
 FOUR_BIT_MODES = four_bit.MODES
-# see CompactDecoder.lora_matmul_rows. On an H100 (SmolLM2 shape, r=16, benchmarks/results/session_h100/
-# bench_rollout_lora_call_{f,h}.json) 64-row rollouts took 178.5 ms with the LoRA terms inside the matmuls (down's
-# after) against 192.8 ms with every term after (188.8 against 202.0 in another call, timed in turn); at 512 rows
-# q/k/v and o inside or after measured the same (366.9 / 362.8 ms, calls d and e, before the one-dot kernel)
 LORA_MATMUL_ROWS = 128
-# ... and for inputs up to this wide: each of its programs computes its rows' z over the whole input, so a long
-# input with few output tiles (SmolLM2's down projection: 1536 inputs, 36 tiles of 16 outputs at 64 rows) is
-# faster as cuBLAS with the A rows (5.02 us) and the B product in the add-and-norm after it (2.04 against 1.42 us
-# LoRA-free) than inside (5.81 us): scripts/tune_block_kernels.py on an H100; for q/k/v, o and gate/up (576
-# inputs) inside is faster
+"""Default :attr:`CompactDecoder.lora_matmul_rows`: with the LoRA terms inside the matmuls, 64-row rollouts were
+faster than with every term after them, 512-row ones no faster (benchmarks/results/session_h100/
+bench_rollout_lora_call_{d,e,f,h}.json)"""
 LORA_MATMUL_WIDTH = 1024
-
+"""Default :attr:`CompactDecoder.lora_matmul_width`, the widest input taking its LoRA term inside the matmul: each
+program reduces over the whole input, so a wide input with few output tiles (SmolLM2's down projection) is faster
+as cuBLAS with the A rows and the B product added after (docs/benchmarks.md, "Projections with their LoRA term
+inside")"""
 
 
 class CompactDecoder:
@@ -97,8 +95,8 @@ class CompactDecoder:
         # the step as Triton kernels between the matmuls (:mod:`scgrpo.rollout.norms`): GPUs, plain float weights,
         # the attention kernel, no q/k norms (Qwen3 keeps the compiled step; 4-bit QLoRA bases the layers' own
         # forwards). By default with compile on and unmerged adapters at construction (the decoder is kept per model):
-        # with adapters faster than the compiled step in scripts/bench_rollout.py; without, neither step was
-        # faster in every call (64 rows: 1.41/1.25, 1.31/1.36, 1.38/1.52 ms a step, block/compiled)
+        # with adapters they beat the compiled step; without, neither step was faster in every call
+        # (scripts/bench_rollout.py; docs/benchmarks.md, "Rollout engine")
         linears = [m for block in backbone.layers for m in (
             block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
             block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj)]
@@ -145,12 +143,11 @@ class CompactDecoder:
         self._spans: Optional[dict] = None
         self._build_steps()
         # with the block kernels and compile on, a LoRA-free add-and-norm or gated activation (LoRA terms inside
-        # the matmuls, or no adapters) is the compiler's kernel, as in the compiled step: 1.42 against 1.67 us
-        # and 1.31 against 1.47 on an H100 at 64 rows (scripts/profile_rollout.py); the block kernels if it fails.
-        # It rounds as the compiled step does (fused operations keep fp32 between them; the Triton kernels round
-        # after each operation, as the model does): the bf16 sampler-vs-trainer log-prob gap of
-        # scripts/bench_rollout.py's 64-row LoRA case measured 0.0059 mean, 0.031 max with it, 0.0058 and 0.035
-        # with the Triton kernels
+        # the matmuls, or no adapters) is the compiler's kernel, as in the compiled step: faster at 64 rows
+        # (docs/benchmarks.md, "Block kernels with LoRA terms"); the block kernels if it fails. It rounds as the
+        # compiled step does (fused operations keep fp32 between them; the Triton kernels round after each
+        # operation, as the model does); the sampler-vs-trainer log-prob gap measured about the same either way
+        # (scripts/bench_rollout.py's logprob_mismatch_*, as in benchmarks/results/bench_rollout_h100.json)
         self._plain_norm = self._plain_silu = None
         if self.compiled and self.block_kernels and self.device.type == "cuda":
             self._plain_norm = Compiled(add_rms_norm, "add and norm",
@@ -297,7 +294,7 @@ class CompactDecoder:
                     raise  # (a graph's warm-up step, uncaptured, meets the failure first)
                 self.block_kernels, self.block_failed = False, True
                 log.warning("the decode step's block kernels failed (%s: %s); decoding with the uncompiled step",
-                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                            type(err).__name__, one_line(err))
         args = [layer.args() for layer in self.layers]
         if self.fused_attention:  # one kernel per layer: rotation, cache write, attention over each row's length
             cos, sin = cos_table[lens], sin_table[lens]  # read by the compiled code only for q/k norms (Qwen3)
@@ -363,7 +360,7 @@ class CompactDecoder:
                         raise
                     self.lora_matmul_rows = 0
                     log.warning("the LoRA matmul kernel failed (%s: %s); adding LoRA terms after the matmuls",
-                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                                type(err).__name__, one_line(err))
             return F.linear(h, proj.weight, proj.bias), proj.up
 
         y = up = None
@@ -401,7 +398,7 @@ class CompactDecoder:
             except Exception as err:  # noqa: BLE001 - as in decode: the eager layers are exact
                 self.prefill_kernels = False
                 log.warning("the prefill's block kernels failed (%s: %s); prefilling with the eager layers",
-                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                            type(err).__name__, one_line(err))
         for i, layer in enumerate(self.layers):
             args = layer.args()
             q, k, v = self.attention_in(x, cos, sin, *args.attention_in)  # [n, T, kv, G, D], [n, T, kv, D] x 2

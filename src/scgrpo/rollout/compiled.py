@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from scgrpo.errors import one_line
+
 log = logging.getLogger(__name__)
 
 
@@ -28,5 +30,5 @@ class Compiled:
             except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact
                 self.failed = True
                 log.warning("torch.compile of the %s failed (%s: %s); running it uncompiled",
-                            self.name, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                            self.name, type(err).__name__, one_line(err))
         return self.fn(*args, **kwargs)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from scgrpo.errors import one_line
 from scgrpo.rollout import four_bit, kernels, norms
 from scgrpo.rollout.four_bit import Dequantizer, chunk_plan, four_bit_state, streamed_matmul
 from scgrpo.rollout.model_parts import base_layer, is_plain, lora_parts
@@ -193,8 +194,8 @@ class Copies:
                 self.scaled = []
             except Exception as err:  # noqa: BLE001 - PyTorch's copies compute the same (the kernel's repeat)
                 ok = False
-                log.warning("the adapter copy kernel failed (%s: %s); copying with PyTorch", type(err).__name__,
-                            str(err).splitlines()[0] if str(err) else "")
+                log.warning("the adapter copy kernel failed (%s: %s); copying with PyTorch",
+                            type(err).__name__, one_line(err))
         if self.scaled:
             ones = [(d, t) for d, t, k in self.scaled if k == 1.0]
             if ones:
