@@ -95,8 +95,8 @@ class CompactDecoder:
         # the step as Triton kernels between the matmuls (:mod:`scgrpo.rollout.norms`): GPUs, plain float weights,
         # the attention kernel, no q/k norms (Qwen3 keeps the compiled step; 4-bit QLoRA bases the layers' own
         # forwards). By default with compile on and unmerged adapters at construction (the decoder is kept per model):
-        # with adapters they beat the compiled step; without, neither step was faster in every call
-        # (scripts/bench_rollout.py; docs/benchmarks.md, "Rollout engine")
+        # with adapters they beat the compiled step; without, neither step was faster in every call (block_step and
+        # compiled_step in benchmarks/results/bench_rollout_h100.json, session_h100/bench_rollout_lora_call_{a,b})
         linears = [m for block in backbone.layers for m in (
             block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
             block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj)]
