@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from scgrpo.rollout import lora_matmul, norms  # noqa: E402
-from scgrpo.rollout.compact import rms_norm  # noqa: E402
+from scgrpo.rollout.layers import rms_norm  # noqa: E402
 from tune_decode_attention import graph_time  # noqa: E402
 
 WIDTH, INNER, HEADS, KV, DIM, RANK, LAYERS = 576, 1536, 9, 3, 64, 16, 30

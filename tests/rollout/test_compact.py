@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
-from scgrpo.rollout.compact import CompactDecoder, length_bucket, unsupported_reason
+from scgrpo.rollout.compact import CompactDecoder
 from scgrpo.rollout.engine import GenerationSettings, generate, sample_tokens
-from scgrpo.rollout.slots import SlotDecoder
+from scgrpo.rollout.model_parts import unsupported_reason
+from scgrpo.rollout.slots import SlotDecoder, length_bucket
 from tests.conftest import build_tokenizer
 
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # 0.999 quantiles by dof
@@ -282,13 +283,13 @@ def test_refresh_follows_adapter_switches_trainable_biases_and_data_updates(tok,
 
 
 def test_quantised_weights_are_not_read_as_plain_floats(tok):
-    from scgrpo.rollout.compact import _is_plain
+    from scgrpo.rollout.model_parts import is_plain
 
     class Params4bit(torch.nn.Parameter):  # bitsandbytes packs 4-bit weights in (possibly bf16) storage
         pass
 
     packed = Params4bit(torch.zeros(16, 1, dtype=torch.bfloat16), requires_grad=False)
-    assert not _is_plain(packed) and _is_plain(torch.nn.Parameter(torch.zeros(2, 2)))
+    assert not is_plain(packed) and is_plain(torch.nn.Parameter(torch.zeros(2, 2)))
     model = tiny("llama", len(tok))
     model.model.layers[0].self_attn.q_proj.weight = packed
     decoder = CompactDecoder(model)
@@ -343,7 +344,7 @@ def test_unrolled_low_rank_terms_add_each_layers_own_ranks(tok, targets):
     form, whichever layers carry adapters."""
     from peft import LoraConfig, get_peft_model
 
-    from scgrpo.rollout.compact import step_functions
+    from scgrpo.rollout.layers import ProjectionArgs, step_functions
 
     model = get_peft_model(tiny("llama", len(tok)), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     torch.manual_seed(3)
@@ -361,15 +362,16 @@ def test_unrolled_low_rank_terms_add_each_layers_own_ranks(tok, targets):
     x, attn = torch.randn(5, 32), torch.randn(5, 2, 2, 8)
     cos, sin = decoder.rope_tables(16)
     cos, sin = cos[:5], sin[:5]
-    args0, args1 = decoder._args(decoder.layers[0]), decoder._args(decoder.layers[1])
+    args0, args1 = decoder.layers[0].args(), decoder.layers[1].args()
     with torch.no_grad():
-        expected = plain[1](x, attn, *args0[6:], cos, sin, *args1[:6])
+        expected = plain[1](x, attn, *args0.attention_out, cos, sin, *args1.attention_in)
         for funcs in (blockwise, dense):
-            got = funcs[1](x, attn, *args0[6:], cos, sin, *args1[:6])
+            got = funcs[1](x, attn, *args0.attention_out, cos, sin, *args1.attention_in)
             for e, g in zip([expected[0], *expected[1]], [got[0], *got[1]]):
                 assert torch.allclose(g, e, atol=1e-5, rtol=1e-5)
-        logits = plain[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head))
-        assert torch.allclose(blockwise[2](x, attn, *args1[6:], decoder.norm, *decoder._p(decoder.head)), logits,
+        head = ProjectionArgs.of(decoder.head)
+        logits = plain[2](x, attn, *args1.attention_out, decoder.norm, *head)
+        assert torch.allclose(blockwise[2](x, attn, *args1.attention_out, decoder.norm, *head), logits,
                               atol=1e-5, rtol=1e-5)
 
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from scgrpo.rollout import kernels
-from scgrpo.rollout.compact import CompactDecoder, rotate
+from scgrpo.rollout.compact import CompactDecoder
+from scgrpo.rollout.layers import rotate
 from scgrpo.rollout.slots import SlotDecoder
 from tests.rollout.test_compact import batch, hf_greedy, tiny, tok, with_lora  # noqa: F401
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from scgrpo.rollout import kernels, lora_matmul, norms
-from scgrpo.rollout.compact import CompactDecoder, rms_norm
+from scgrpo.rollout.compact import CompactDecoder
+from scgrpo.rollout.layers import rms_norm
 from scgrpo.rollout.slots import SlotDecoder
 from tests.rollout.test_compact import batch, hf_greedy, tiny, tok, with_lora  # noqa: F401
 
@@ -137,7 +138,7 @@ def test_lora_add_in_bf16_rounds_the_sum_once():
 
 
 def _lora_projection(sizes, ranks, k, bias, dtype=torch.float32):
-    """A fused projection's tensors as :class:`~scgrpo.rollout.compact.Projection` lays them out: ``[W; A]``,
+    """A fused projection's tensors as :class:`~scgrpo.rollout.projection.Projection` lays them out: ``[W; A]``,
     the block-diagonal scaled B^T's, and its ``blocks``."""
     out, r = sum(sizes), sum(ranks)
     weight = torch.randn(out + r, k, device=DEVICE, dtype=dtype)
@@ -379,7 +380,7 @@ def test_a_failing_adapter_copy_kernel_falls_back_to_pytorchs_copies_for_good(to
         raise RuntimeError("out of resources: shared memory")
 
     monkeypatch.setattr(norms, "scaled_copy", broken)
-    with caplog.at_level("WARNING", logger="scgrpo.rollout.compact"):
+    with caplog.at_level("WARNING", logger="scgrpo.rollout.projection"):
         decoder.refresh()
         decoder.refresh()
     assert not decoder.copy_kernel and caplog.text.count("adapter copy kernel failed (RuntimeError") == 1

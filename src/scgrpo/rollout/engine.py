@@ -340,7 +340,8 @@ _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def compact_decoder(model, settings: GenerationSettings, max_length: int):
     """The model's :class:`~scgrpo.rollout.compact.CompactDecoder` (kept between rollouts, adapters refreshed),
     or None when the settings or the model rule it out (the reason is logged once per model)."""
-    from scgrpo.rollout.compact import CompactDecoder, unsupported_reason
+    from scgrpo.rollout.compact import CompactDecoder
+    from scgrpo.rollout.model_parts import unsupported_reason
 
     if settings.engine != "loop" or settings.decode_forward != "auto":
         return None

@@ -4,7 +4,7 @@ For the decode step's few rows the projections are launch-bound, not bandwidth-b
 weight is 1.1 MB: a third of a microsecond of an H100's memory time), so a LoRA term done as a second launch
 costs about as much as the matmul itself. Here each program computes a tile of outputs for a block of rows: the
 base product and its adapters' ``z = x A^T`` in the same loop over the input (the A rows follow W's in
-:class:`~scgrpo.rollout.compact.Projection`'s weight; for few rows the tile's W rows and A rows are loaded as one
+:class:`~scgrpo.rollout.projection.Projection`'s weight; for few rows the tile's W rows and A rows are loaded as one
 operand of one dot, whose output columns are split after the loop), then ``z (s B)^T`` from the block-diagonal
 ``up``, all as tensor-core dots. A program whose columns all belong to one of the fused layers (q, k, v; gate,
 up) reads only that layer's ranks.
@@ -131,7 +131,7 @@ def lora_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], up: Optional[
                 blocks: Optional[tuple] = None, launch: Optional[dict] = None) -> Tensor:
     """``x W^T + b + (x A^T) up`` for ``x`` ``[M, K]``, ``weight`` ``[out + R, K]`` (W's rows, then the adapters'
     A rows), ``bias`` ``[out]`` or ``[out + R]`` (its first ``out`` entries read) or None, ``up`` ``[R, out]`` (the
-    scaled, transposed B's) or None. ``blocks``: :attr:`~scgrpo.rollout.compact.Projection.blocks` (each fused
+    scaled, transposed B's) or None. ``blocks``: :attr:`~scgrpo.rollout.projection.Projection.blocks` (each fused
     layer's output columns and rank indices), to read only the ranks of a program's own layer where the tiles
     allow. ``launch``: :func:`matmul_launch`'s keys, to override. Returns ``[M, out]``."""
     if not AVAILABLE:

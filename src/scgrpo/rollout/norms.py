@@ -4,7 +4,7 @@ With these the decode step of a Llama-family block is eight launches: the add-an
 q/k/v matmul, attention (:mod:`scgrpo.rollout.kernels`), the output projection, the add-and-norm before the MLP,
 the gate/up matmul, the gated activation, the down projection (the prefill runs the same kernels over its
 positions). Every projection's weight carries its adapters' A rows after its own
-(:class:`~scgrpo.rollout.compact.Projection`). For few rows an adapted projection whose input is not too wide is
+(:class:`~scgrpo.rollout.projection.Projection`). For few rows an adapted projection whose input is not too wide is
 one launch with its LoRA term inside (:mod:`scgrpo.rollout.lora_matmul`; the add-and-norms and the gated
 activation left without LoRA terms are then ``torch.compile``'d, see
 :class:`~scgrpo.rollout.compact.CompactDecoder`); otherwise the matmul's output is ``[x W^T | z]`` with

@@ -18,6 +18,7 @@ never what it samples (greedy: bit for bit up to the matmul's batch-size depende
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -25,11 +26,30 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from scgrpo.rollout.compact import CompactDecoder, Compiled, length_bucket, memory_free
+from scgrpo.rollout.compact import CompactDecoder
+from scgrpo.rollout.compiled import Compiled
 from scgrpo.rollout.graphs import warmup_stream
+from scgrpo.rollout.memory import memory_free
 from scgrpo.rollout.sampling import draw, sampling_distribution
 
 log = logging.getLogger(__name__)
+
+BUDGET_SHARE = 0.8
+"""Share of what a memory budget leaves (beside the memory already allocated) that the slots may take: the rest
+is for the step's activations and the allocator's slack."""
+FREE_MEMORY_SHARE = 0.25
+"""Share of the GPU's free memory the slots' KV cache takes without a budget (:func:`memory_free` is an upper
+bound, and the update after the rollout needs room)."""
+LOGIT_BYTES = 16
+"""Bytes a slot's logits take per vocabulary entry, counted against a budget: fp32, a few copies."""
+REFILL_DIVISOR = 4
+"""Waiting rows are admitted once 1/REFILL_DIVISOR of the slots (or every waiting row) can be: a prefill is a
+whole forward's launches, worth running for several rows at once."""
+MIN_COMPACT_SLOTS = 8
+"""Compaction leaves at least this many slots (and no workspace this small is compacted): a smaller step saves
+little, and every slot count records its own CUDA graphs."""
+PREFILL_TOKENS = 16384
+"""Prompt tokens one prefill runs at most (its activations cover every prompt in it at once)."""
 
 
 @dataclass
@@ -57,10 +77,30 @@ class Outputs:
     count: Tensor  # [N + 1] long tokens produced
 
 
+@dataclass
+class LoopStats:
+    """What one call's decode loop did, for :attr:`SlotDecoder.stats`."""
+
+    slots: int  # the slots it started with
+    steps: int = 0  # decode steps
+    prefills: int = 0  # prefill rounds (each admits one or more rows)
+    compactions: int = 0
+    slot_steps: float = 0.0  # steps times the slots each ran over, live or free
+
+
 def slots_within(budget: int, allocated: int, per_row: int, rows: int) -> int:
-    """Decode slots for ``rows`` rows whose KV cache and logits take ``per_row`` bytes each: as many as 80% of
-    what a ``budget`` (bytes, the whole process) leaves beside ``allocated`` holds, at least one."""
-    return max(1, min(rows, int(0.8 * max(budget - allocated, 0) // max(per_row, 1))))
+    """Decode slots for ``rows`` rows whose KV cache and logits take ``per_row`` bytes each: as many as
+    :data:`BUDGET_SHARE` of what a ``budget`` (bytes, the whole process) leaves beside ``allocated`` holds, at
+    least one."""
+    return max(1, min(rows, int(BUDGET_SHARE * max(budget - allocated, 0) // max(per_row, 1))))
+
+
+def length_bucket(length: int, limit: int) -> int:
+    """Attention length for a step whose longest live row needs ``length`` entries: rounded up to a multiple of
+    64 (256 past 1,024), at most ``limit``. Few buckets = few CUDA graphs; a bucket reads at most 63 (255)
+    entries more than needed."""
+    width = 64 if length <= 1024 else 256
+    return min(limit, int(math.ceil(length / width) * width))
 
 
 class SlotDecoder:
@@ -234,22 +274,22 @@ class SlotDecoder:
 
     def slot_budget(self, rows: int, cache_len: int) -> int:
         """Slots for ``rows`` rows: ``max_slots`` when set; else, with a memory budget (bytes for the whole
-        process), as many as 80% of what it leaves holds (each slot's KV cache and its fp32 logits, a few copies);
-        else as many as a quarter of the free GPU memory holds (:func:`~scgrpo.rollout.compact.memory_free`; all
-        rows on CPU)."""
+        process), as many as :data:`BUDGET_SHARE` of what it leaves holds (each slot's KV cache and its fp32
+        logits, a few copies); else as many as :data:`FREE_MEMORY_SHARE` of the free GPU memory holds
+        (:func:`~scgrpo.rollout.memory.memory_free`; all rows on CPU)."""
         if self.max_slots:
             return max(1, min(rows, self.max_slots))
         if self.device.type != "cuda":
             return rows
-        per_row = self.decoder.cache_bytes_per_row(cache_len) + 16 * self.decoder.embed.shape[0]
+        per_row = self.decoder.cache_bytes_per_row(cache_len) + LOGIT_BYTES * self.decoder.embed.shape[0]
         if self.memory_budget is not None:
             allocated = torch.cuda.memory_allocated(self.device)
-            if self.memory_budget - allocated < per_row / 0.8:
+            if self.memory_budget - allocated < per_row / BUDGET_SHARE:
                 log.warning("the memory budget (%.1f GiB) leaves no room for one row's KV cache (%.2f GiB at %d "
                             "positions) beside the %.1f GiB allocated; decoding one row at a time",
                             self.memory_budget / 2**30, per_row / 2**30, cache_len, allocated / 2**30)
             return slots_within(self.memory_budget, allocated, per_row, rows)
-        fit = int(0.25 * memory_free(self.device) // max(self.decoder.cache_bytes_per_row(cache_len), 1))
+        fit = int(FREE_MEMORY_SHARE * memory_free(self.device) // max(self.decoder.cache_bytes_per_row(cache_len), 1))
         return max(1, min(rows, fit))
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -257,73 +297,106 @@ class SlotDecoder:
     def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Left-padded prompts ``[N, Tp]`` -> new tokens ``[N, C]`` (pad after each row's end), the sampler's
         log-probability of each ``[N, C]`` (0 where greedy or padded) and the summed entropy ``[N]``."""
-        n, tp = prompt_ids.shape
-        device = self.device
+        n = prompt_ids.shape[0]
         self.stats = {"rollout/graphs_recorded": 0.0}
         lengths = prompt_mask.sum(1).long()  # [N]
         if int(lengths.min()) < 1:
             raise ValueError("every prompt needs at least one token")
-        # right-align -> left-align: row i's real tokens start at Tp - len_i
-        starts = (tp - lengths).unsqueeze(1)
-        gather = (starts + torch.arange(tp, device=device)).clamp(max=tp - 1)
-        right = torch.where(torch.arange(tp, device=device) < lengths.unsqueeze(1),
-                            prompt_ids.gather(1, gather), torch.full_like(prompt_ids, self.pad_id))  # [N, Tp]
-        cache_len = length_bucket(int(lengths.max()) + self.max_new, 1 << 30)
+        right = self._right_padded(prompt_ids, lengths)  # [N, Tp]
+        cache_len = length_bucket(int(lengths.max()) + self.max_new, 1 << 30)  # (no upper limit)
         out, cache_len = self._workspace(n, cache_len)
         if self._top is None:  # decided once per workspace: a budget that moved with free memory would pile up caches
             self._top = n if not self.refill else self.slot_budget(n, cache_len)
-        slots = self._top
-        state = self._state(slots, cache_len, n)
+        loop = self._decode(out, right, lengths, cache_len)
+        counts = out.count[:n]
+        width = max(int(counts.max()), 1) if n else 1
+        self._record_stats(loop, counts)
+        result = out.tokens[:n, :width].clone(), out.logprobs[:n, :width].clone(), out.entropy[:n].clone()
+        if not self.keep_workspace:
+            self.release()
+        return result
+
+    def _right_padded(self, prompt_ids: Tensor, lengths: Tensor) -> Tensor:
+        """The left-padded prompts ``[N, Tp]`` with each row's ``lengths`` real tokens moved to the front (pad
+        after them), as the prefill reads them: row i's tokens start at ``Tp - len_i``."""
+        tp, device = prompt_ids.shape[1], self.device
+        starts = (tp - lengths).unsqueeze(1)
+        gather = (starts + torch.arange(tp, device=device)).clamp(max=tp - 1)
+        return torch.where(torch.arange(tp, device=device) < lengths.unsqueeze(1),
+                           prompt_ids.gather(1, gather), torch.full_like(prompt_ids, self.pad_id))  # [N, Tp]
+
+    def _decode(self, out: Outputs, right: Tensor, lengths: Tensor, cache_len: int) -> LoopStats:
+        """Samples every row into ``out``, starting in the full-size workspace: refill, compaction, and bursts
+        of ``check_every`` steps between the host's looks at which rows ended."""
+        n = right.shape[0]
+        loop = LoopStats(slots=self._top)
+        state = self._state(loop.slots, cache_len, n)
         pending = deque(range(n))
-        steps = prefills = compactions = 0
-        slot_steps = 0.0
-
-        def read() -> list[list[int]]:  # one device-to-host read: which slots live, their lengths, token counts
-            return torch.stack([state.live.long(), state.lens, state.count]).tolist()
-
         while True:
-            flags, lens_host, counts_host = read()
-            if pending:  # waiting rows take the free slots, a quarter of the slots (or all the waiting rows) at once:
-                free = [i for i, alive in enumerate(flags) if not alive]  # each prefill is ~30 layers of launches
-                if free and len(free) >= min(len(pending), max(1, state.slots // 4)):
-                    take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
-                    self._admit(state, out, right, lengths, take, free[: len(take)])
-                    prefills += 1
-                    flags, lens_host, counts_host = read()
+            flags, lens_host, counts_host = self._read(state)
+            if pending and self._refill(state, out, right, lengths, pending, flags):
+                loop.prefills += 1
+                flags, lens_host, counts_host = self._read(state)
             live = [i for i, alive in enumerate(flags) if alive]
             if not live:
                 if pending:
                     continue
                 break
             lens_host, counts_host = [lens_host[i] for i in live], [counts_host[i] for i in live]
-            if not pending and self.compaction and len(live) <= state.slots // 2 and state.slots > 8:
-                size = max(8, 1 << (len(live) - 1).bit_length())
-                keep = torch.tensor(live, dtype=torch.long, device=device)
-                state = self._compact(state, keep, self._state(size, cache_len, n, within=state))
-                if not self.keep_workspace:  # the bigger cache (and its graphs) go now, not after the rollout
-                    self._states = {k: v for k, v in self._states.items() if k <= size}
-                    self.pool = None  # new graphs take a new pool: the old one dies with its last graph
-                compactions += 1
+            if not pending and self.compaction:
+                smaller = self._maybe_compact(state, live, cache_len, n)
+                if smaller is not None:
+                    state = smaller
+                    loop.compactions += 1
             burst = max(1, min(self.check_every, self.max_new - min(counts_host)))
             # the attention kernel reads each row's own length: one graph per slot count serves every length
             length = cache_len if self.decoder.fused_attention else length_bucket(max(lens_host) + burst, cache_len)
             self._run(state, out, length, burst)
-            steps += burst
-            slot_steps += burst * state.slots
-        counts = out.count[:n]
-        width = max(int(counts.max()), 1) if n else 1
-        self.stats.update({"rollout/decode_steps": float(steps), "rollout/prefills": float(prefills),
-                           "rollout/compactions": float(compactions), "rollout/slots": float(slots),
+            loop.steps += burst
+            loop.slot_steps += burst * state.slots
+        return loop
+
+    @staticmethod
+    def _read(state: SlotState) -> list[list[int]]:
+        """One device-to-host read: which slots live, their lengths and their rows' token counts."""
+        return torch.stack([state.live.long(), state.lens, state.count]).tolist()
+
+    def _refill(self, state: SlotState, out: Outputs, right: Tensor, lengths: Tensor, pending: deque,
+                flags: list[int]) -> bool:
+        """Gives free slots to waiting rows (``pending``, taken from the left) once a 1/:data:`REFILL_DIVISOR`
+        share of the slots, or every waiting row, can be admitted at once; True when it prefilled."""
+        free = [i for i, alive in enumerate(flags) if not alive]
+        if not free or len(free) < min(len(pending), max(1, state.slots // REFILL_DIVISOR)):
+            return False
+        take = [pending.popleft() for _ in range(min(len(pending), len(free)))]
+        self._admit(state, out, right, lengths, take, free[: len(take)])
+        return True
+
+    def _maybe_compact(self, state: SlotState, live: list[int], cache_len: int, rows: int) -> Optional[SlotState]:
+        """With at most half of ``state``'s slots ``live``, a smaller workspace (the next power of two, at least
+        :data:`MIN_COMPACT_SLOTS`) holding them; None when ``state`` stays."""
+        if len(live) > state.slots // 2 or state.slots <= MIN_COMPACT_SLOTS:
+            return None
+        size = max(MIN_COMPACT_SLOTS, 1 << (len(live) - 1).bit_length())
+        keep = torch.tensor(live, dtype=torch.long, device=self.device)
+        smaller = self._compact(state, keep, self._state(size, cache_len, rows, within=state))
+        if not self.keep_workspace:  # the bigger cache (and its graphs) go now, not after the rollout
+            self._states = {k: v for k, v in self._states.items() if k <= size}
+            self.pool = None  # new graphs take a new pool: the old one dies with its last graph
+        return smaller
+
+    def _record_stats(self, loop: LoopStats, counts: Tensor) -> None:
+        """:attr:`stats` of a call whose rows made ``counts`` ``[N]`` tokens."""
+        n = counts.shape[0]
+        projections = self.decoder._projections
+        self.stats.update({"rollout/decode_steps": float(loop.steps), "rollout/prefills": float(loop.prefills),
+                           "rollout/compactions": float(loop.compactions), "rollout/slots": float(loop.slots),
                            "rollout/compiled": float(self.decoder.compiled and not self.decoder.compile_failed),
                            # share of the projections that dequantize a 4-bit base in every step (four_bit streamed)
-                           "rollout/four_bit_streamed": sum(p.mode == "streamed" for p in self.decoder._projections)
-                           / max(len(self.decoder._projections), 1),
+                           "rollout/four_bit_streamed": sum(p.mode == "streamed" for p in projections)
+                           / max(len(projections), 1),
                            # tokens made by decode steps (each row's first comes from its prefill) per slot-step
-                           "rollout/slot_use": float(counts.sum() - n) / max(slot_steps, 1.0)})
-        result = out.tokens[:n, :width].clone(), out.logprobs[:n, :width].clone(), out.entropy[:n].clone()
-        if not self.keep_workspace:
-            self.release()
-        return result
+                           "rollout/slot_use": float(counts.sum() - n) / max(loop.slot_steps, 1.0)})
 
     def release(self) -> None:
         """Frees the kept workspaces (KV caches, graphs, output buffers)."""
@@ -338,8 +411,7 @@ class SlotDecoder:
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         lens = lengths[row_t]
         width = int(lens.max())
-        # prefill in chunks of at most ~16k prompt tokens (activations of the whole prompt batch at once)
-        chunk = max(1, 16384 // max(width, 1))
+        chunk = max(1, PREFILL_TOKENS // max(width, 1))  # prompts a prefill runs
         for start in range(0, len(rows), chunk):
             r, s, ln = row_t[start : start + chunk], slot_t[start : start + chunk], lens[start : start + chunk]
             logits = self.decoder.prefill(right[r, :width], ln, s, state.cache)  # [k, V]
