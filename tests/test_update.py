@@ -88,3 +88,15 @@ def test_step_sums_name_the_objectives_own_statistics():
     sums.add("distill_kl", 0.3)
     assert sums.objective_stats() == {"distill_kl": pytest.approx(0.6)}
     assert sums.get("missing", 7.0) == 7.0 and "loss" in sums and sums["loss"] == 1.0
+
+
+def test_the_policys_device_follows_its_weights():
+    """A module configured on the CPU and then moved (``module.to("cuda")``) samples and scores where its weights
+    are now, not where they were loaded."""
+    from scgrpo.distributed import PolicyRunner
+    from scgrpo.policy import Policy
+
+    policy = Policy(PolicyRunner(torch.nn.Linear(2, 2)), None, GenerationSettings(), torch.device("cpu"))
+    assert policy.device == torch.device("cpu")
+    policy.model.to("meta")
+    assert policy.device.type == "meta"

@@ -36,15 +36,23 @@ class Policy:
         runner: holds the network; every pass runs inside it (FSDP's root when sharded).
         tokenizer: the model's tokenizer (chat template, padding side left).
         generation: sampling settings; log-probs and entropies are taken at its temperature.
-        device: where the network lives and batches are built.
+        device: where the network was loaded (the device of its weights, which :attr:`device` follows when the
+            network is moved, e.g. by ``module.to("cuda")``).
         system_prompt: a system message put before each question (None: the chat template's default).
         logprob_chunk_size: tokens per chunk of fp32 logits.
     """
 
     def __init__(self, runner: PolicyRunner, tokenizer, generation: GenerationSettings, device: torch.device,
                  system_prompt: Optional[str] = None, logprob_chunk_size: int = 1024) -> None:
-        self.runner, self.tokenizer, self.generation, self.device = runner, tokenizer, generation, device
+        self.runner, self.tokenizer, self.generation = runner, tokenizer, generation
         self.system_prompt, self.logprob_chunk_size = system_prompt, logprob_chunk_size
+        self._loaded_on = device
+
+    @property
+    def device(self) -> torch.device:
+        """Where the network's weights are now (batches are built there)."""
+        first = next(self.model.parameters(), None)
+        return self._loaded_on if first is None else first.device
 
     @property
     def model(self) -> nn.Module:
