@@ -132,3 +132,16 @@ def test_a_stop_before_any_good_step_names_the_start_and_state_round_trips(caplo
     assert (other.nonfinite_skips, other.consecutive_skips) == (0, 0)
     with pytest.raises(ValueError, match="max_nonfinite_skips"):
         DivergenceGuard(max_nonfinite_skips=-1)
+
+
+def test_a_skip_after_the_stop_is_a_warning_again(caplog):
+    """Lightning may run on after ``should_stop`` (``min_steps``): a later skipped step that does not stop the run is
+    logged as a skipped step, not as a second stop."""
+    guard = DivergenceGuard(max_nonfinite_skips=2)
+    params = [torch.zeros(1)]
+    assert not guard.finish_step("loss", params, 1, 0.1, 1.0) and guard.finish_step("loss", params, 2, 0.1, 1.0)
+    assert not guard.finish_step(None, params, 3, 0.1, 1.0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scgrpo.guard"):
+        assert not guard.finish_step("loss", params, 4, 0.1, 1.0)
+    assert "training diverged" not in caplog.text and "non-finite loss at step 4" in caplog.text

@@ -61,3 +61,29 @@ def test_the_loggers_first_iteration_mark_is_put_back():
     with internals.logger_first_iteration_kept(trainer):
         trainer._logger_connector._first_loop_iter = None  # as a validation run leaves it
     assert trainer._logger_connector._first_loop_iter is True
+
+
+def test_the_installed_lightning_has_every_private_name_the_package_reaches():
+    """What each helper of ``scgrpo.lightning_internals`` reads or calls exists under that name in this Lightning
+    (a rename in a new release fails here, not in the middle of a run)."""
+    from lightning.fabric.utilities import cloud_io
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.callbacks.progress import tqdm_progress
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    assert callable(cloud_io._is_local_file_protocol) and callable(tqdm_progress._update_n)
+    for name in ("_save_last_checkpoint", "_save_topk_checkpoint", "_monitor_candidates", "_generate_state_key"):
+        assert callable(getattr(ModelCheckpoint, name)), name
+    assert ModelCheckpoint(every_n_train_steps=2)._every_n_train_steps == 2
+    assert callable(RichProgressBar._update) and callable(RichProgressBar._get_train_description)
+    assert callable(ExperimentWriter._check_log_dir_exists)
+    logger = CSVLogger(save_dir="/tmp/scgrpo-internals-test")
+    assert hasattr(logger, "_fs") and hasattr(logger, "_experiment")
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    assert hasattr(trainer._logger_connector, "_first_loop_iter")
+    fit_loop = trainer.fit_loop
+    assert callable(fit_loop.run) and hasattr(fit_loop, "_data_fetcher")
+    assert callable(fit_loop.epoch_loop._should_check_val_fx)

@@ -6,16 +6,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from scgrpo.distributed import sum_over_ranks
-from scgrpo.policy import Policy
+from scgrpo.rollout.engine import Generated
 from scgrpo.rollout.types import PromptBatch
 from scgrpo.verifiers import VerifierRunner
 
 log = logging.getLogger(__name__)
+
+
+class Sampler(Protocol):
+    """What evaluation samples with (the module, or a :class:`~scgrpo.policy.Policy`)."""
+
+    def format_prompts(self, questions: list[str]) -> list[str]: ...
+
+    def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
+               temperature: Optional[float] = None) -> Generated: ...
 
 
 class Evaluation:
@@ -38,7 +47,7 @@ class Evaluation:
     def start(self) -> None:
         self.sums, self.started = {}, time.perf_counter()
 
-    def add(self, batch: PromptBatch, policy: Policy, verifier: VerifierRunner) -> None:
+    def add(self, batch: PromptBatch, policy: Sampler, verifier: VerifierRunner) -> None:
         """Samples, verifies and counts one batch of held-out prompts."""
         prompts = policy.format_prompts(batch.questions)
         k = self.k

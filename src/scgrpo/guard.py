@@ -113,12 +113,12 @@ class DivergenceGuard:
         if stop:
             self.restore(params)
         if reason is not None and report:
-            self.report(reason, step, lr, max_grad_norm)
+            self.report(reason, step, lr, max_grad_norm, stopped=stop)
         return stop
 
-    def report(self, reason: str, step: int, lr: float, max_grad_norm: float) -> None:
-        """The log line of a skipped step (a warning), or of the stop (an error naming what to lower)."""
-        if not self.diverged:
+    def report(self, reason: str, step: int, lr: float, max_grad_norm: float, stopped: bool) -> None:
+        """The log line of a skipped step (a warning), or of the stop (``stopped``: an error naming what to lower)."""
+        if not stopped:
             log.warning("non-finite %s at step %d: the step is skipped (%d so far, %d in a row)", reason, step,
                         self.nonfinite_skips, self.consecutive_skips)
             return

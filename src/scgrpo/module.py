@@ -346,7 +346,7 @@ class RLVRModule(LightningModule):
         self.evaluation.start()
 
     def validation_step(self, batch: PromptBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.evaluation.add(batch, self.actor, self.verifier_runner)
+        self.evaluation.add(batch, self, self.verifier_runner)  # (samples through self.sample)
 
     def on_validation_epoch_end(self) -> None:
         for metrics in self.evaluation.metrics(self.global_step, log_summary=self.global_rank == 0).values():

@@ -64,10 +64,9 @@ def step_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, mismatc
     if beta > 0:
         metrics["train/kl"] = sums["kl"] / passes if "kl" in sums else NAN
     metrics.update({f"train/{name}": value / passes for name, value in sums.objective_stats().items()})
-    if plan.signal is not None and plan.signal.stats is not None:
-        metrics.update(plan.signal.stats.metrics())
-    if plan.credit.stats is not None:
-        metrics.update(plan.credit.stats.metrics())
+    for stats in (plan.signal.stats if plan.signal is not None else None, plan.credit.stats):
+        if stats is not None:  # typed (metrics()) or, from a custom objective, a dict of logged names
+            metrics.update(stats.metrics() if hasattr(stats, "metrics") else stats)
     metrics.update(rollouts.stats)
     metrics["tokens/completion"] = float(rollouts.completion_mask.sum())  # sampled tokens (without padding)
     metrics["tokens/train"] = float(len(plan.rows) * rollouts.input_ids.shape[1])  # rows in the loss x padded length
