@@ -306,3 +306,29 @@ def test_on_two_ranks_the_mismatch_is_summed_and_its_maximum_taken(two_ranks):
     meter = MismatchMeter(abs=3.0, k3=1.0, tokens=4.0, max=2.0)
     assert meter.metrics() == {"rollout/logprob_mismatch_mean": 0.75, "rollout/logprob_mismatch_max": 2.0,
                                "rollout/mismatch_kl": 0.25}
+
+
+def test_the_mismatch_meter_adds_up_its_bookings():
+    meter = MismatchMeter()
+    meter.book(torch.tensor([[0.5, -1.0]]), torch.tensor([[1.0, 1.0]]))
+    meter.book(torch.tensor([[-2.0, 0.0]]), torch.tensor([[1.0, 0.0]]))  # the second token is padding
+    assert (meter.abs, meter.tokens, meter.max) == (3.5, 3.0, 2.0)
+    k3 = (math.exp(0.5) - 1.5) + (math.exp(-1.0) - 0.0) + (math.exp(-2.0) + 1.0)  # e^x - 1 - x per token
+    assert meter.k3 == pytest.approx(k3)
+    assert meter.metrics() == pytest.approx({"rollout/logprob_mismatch_mean": 3.5 / 3,
+                                             "rollout/logprob_mismatch_max": 2.0, "rollout/mismatch_kl": k3 / 3})
+    meter.book(torch.tensor([[0.25]]), torch.tensor([[1.0]]))
+    assert meter.max == 2.0  # the largest so far stays
+
+
+def test_the_batch_entropy_is_scored_in_micro_batches_of_the_updates_size():
+    asked = []
+
+    def batch_entropy(rollouts, micro):
+        asked.append(micro)
+        return torch.ones(4, 3)
+
+    update = _update(micro_batch_size=2, objective=HighEntropyGRPO(rho=0.5))
+    update.policy.batch_entropy = batch_entropy
+    update.plan(_four_rows())
+    assert asked == [2]
