@@ -6,7 +6,7 @@ under ``build/mutation/<pass>/`` (mutmut writes its mutated tree, ``mutants/``, 
 - ``fast``: every function of ``src/scgrpo/objectives/``, ``selfteacher.py``, ``data/buffer.py`` and
   ``verifiers/numeric.py``, each mutant against the fast unit tests that reach it;
 - ``update``: ``update.py`` and ``guard.py`` (the step's update and divergence guard), each mutant against their
-  unit tests and the module tests that reach it (tiny models trained for a step; a lower timeout multiplier);
+  unit tests and the module tests that reach it (tiny models trained for a step);
 - ``module``: the same code where it lived before it had files of its own, the update and guard methods of
   ``RLVRModule`` (``MODULE_METHODS``), for measuring an older tree.
 

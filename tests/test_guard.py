@@ -145,3 +145,38 @@ def test_a_skip_after_the_stop_is_a_warning_again(caplog):
     with caplog.at_level(logging.WARNING, logger="scgrpo.guard"):
         assert not guard.finish_step("loss", params, 4, 0.1, 1.0)
     assert "training diverged" not in caplog.text and "non-finite loss at step 4" in caplog.text
+
+
+def test_the_log_lines_in_full(caplog):
+    guard = DivergenceGuard(max_nonfinite_skips=2)
+    guard.keep([torch.zeros(1)], step=5)
+    with caplog.at_level(logging.WARNING, logger="scgrpo.guard"):
+        guard.finish_step("loss", [torch.zeros(1)], 6, 0.25, 0.5)
+        guard.finish_step("gradient norm", [torch.zeros(1)], 7, 0.25, 0.5)
+    warning, error = caplog.records
+    assert (warning.levelno, error.levelno) == (logging.WARNING, logging.ERROR)
+    assert warning.getMessage() == "non-finite loss at step 6: the step is skipped (1 so far, 1 in a row)"
+    assert error.getMessage() == (
+        "training diverged: 2 steps in a row met non-finite values (the last: gradient norm at step 7). Stopped; the "
+        "weights as they were after step 5, the last to give finite values, are restored for the final adapter; "
+        "earlier checkpoints are kept and none is written now. Lower model.optimizer's lr (now 0.25) or "
+        "model.max_grad_norm (now 0.5).")
+
+
+def test_a_new_guard_has_skipped_nothing_and_refuses_a_negative_limit_by_name():
+    guard = DivergenceGuard()
+    assert guard.max_nonfinite_skips == 3 and (guard.nonfinite_skips, guard.consecutive_skips) == (0, 0)
+    assert not guard.diverged and not guard.last_step_skipped and guard.good_weights is None and guard.good_step == 0
+    with pytest.raises(ValueError) as refused:
+        DivergenceGuard(max_nonfinite_skips=-2)
+    assert str(refused.value) == "max_nonfinite_skips must be >= 0 (0 = never stop), got -2"
+
+
+def test_a_skip_on_another_rank_is_a_skip_here(monkeypatch):
+    import scgrpo.guard
+
+    def other_rank_failed(values, op="sum", device=None):  # the other rank's flag is 1: it met a non-finite value
+        return [v + 1.0 for v in values] if op == "sum" else [max(v, 1.0) for v in values]
+
+    monkeypatch.setattr(scgrpo.guard, "all_reduce", other_rank_failed)
+    assert on_any_rank(None) == "another rank's inputs" and on_any_rank("loss") == "loss"

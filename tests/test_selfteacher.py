@@ -327,3 +327,23 @@ def test_a_base_teacher_needs_adapters():
     with pytest.raises(ValueError, match="needs LoRA"):
         SelfTeacher(TeacherSpec(weights="base"))._teacher_hidden(policy, None, None, 1)
     assert SelfTeacher(TeacherSpec())._teacher_hidden(policy, None, None, 1).shape == (1,)  # the policy itself
+
+
+def test_a_base_teacher_runs_the_policy_with_its_adapters_disabled():
+    import contextlib
+    from types import SimpleNamespace
+
+    from scgrpo.selfteacher import SelfTeacher
+
+    state = {"disabled": False}
+
+    @contextlib.contextmanager
+    def disable_adapter():
+        state["disabled"] = True
+        yield
+        state["disabled"] = False
+
+    policy = SimpleNamespace(model=SimpleNamespace(disable_adapter=disable_adapter),
+                             completion_hidden=lambda *args: torch.tensor([float(state["disabled"])]))
+    assert SelfTeacher(TeacherSpec(weights="base"))._teacher_hidden(policy, None, None, 1).tolist() == [1.0]
+    assert SelfTeacher(TeacherSpec())._teacher_hidden(policy, None, None, 1).tolist() == [0.0]  # adapters on

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scgrpo.objectives import GRPO, HighEntropyGRPO
+from scgrpo.objectives import GRPO, Credit, HighEntropyGRPO, LossOutput
+from scgrpo.objectives.base import LossStats
 from scgrpo.rollout.engine import GenerationSettings
-from scgrpo.update import NONFINITE, PolicyUpdate, StepSums
-from scgrpo.rollout.types import TeacherSignal
+from scgrpo.rollout.types import RolloutBatch, TeacherSignal
+from scgrpo.update import NONFINITE, LossNorms, MismatchMeter, PolicyUpdate, StepPlan, StepSums
 from tests.test_guard import _plan, _rollouts
 
 
@@ -100,3 +101,246 @@ def test_the_policys_device_follows_its_weights():
     assert policy.device == torch.device("cpu")
     policy.model.to("meta")
     assert policy.device.type == "meta"
+
+
+# --- plan, accumulation and the micro-batch loss with stand-ins for the objective and the policy ---------------
+
+
+class _Recording:
+    """A stand-in objective: records what the update hands it and answers with values set by the test."""
+
+    needs_batch_entropy = False
+
+    def __init__(self, advantages, in_loss=None, shaped=None):
+        self.advantages, self.in_loss, self.shaped, self.calls = advantages, in_loss, shaped, {}
+
+    def shape_rewards(self, rewards, lengths, max_len):
+        self.calls["shape"] = (rewards.clone(), lengths.clone(), max_len)
+        return rewards if self.shaped is None else self.shaped
+
+    def credit(self, rewards, mask, group_size, signal, micro_batch_size):
+        self.calls["credit"] = (rewards.clone(), mask.clone(), group_size, signal, micro_batch_size)
+        return Credit(advantages=self.advantages)
+
+    def rows_in_loss(self, credit, signal):
+        self.calls["rows_in_loss"] = (credit, signal)
+        return credit.advantages != 0 if self.in_loss is None else self.in_loss
+
+    def loss(self, logprobs, inputs):
+        self.calls["loss"] = (logprobs, inputs)
+        return LossOutput(loss=(logprobs * inputs.completion_mask).sum())
+
+
+def _three_rows(**fields):
+    """Three rows (prompt ids 0, 1, 2 so a row's hidden states tell which row it is), 2 + 2 + 3 response tokens."""
+    return RolloutBatch(prompt_ids=torch.tensor([[0, 0], [1, 1], [2, 2]]), prompt_mask=torch.ones(3, 2, dtype=torch.long),
+                        completion_ids=torch.tensor([[1, 4, 0], [3, 2, 0], [0, 1, 2]]),
+                        completion_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]),
+                        truncated=torch.zeros(3, dtype=torch.bool), group_size=3, sample_ids=["a"] * 3,
+                        questions=["q"] * 3, answers=[1] * 3, completions=["x"] * 3,
+                        rewards=torch.tensor([1.0, 0.0, 0.5]), **fields)
+
+
+def test_plan_hands_the_objective_the_lengths_the_budget_and_the_shaped_rewards():
+    rollouts = _three_rows()
+    objective = _Recording(torch.tensor([0.0, -1.0, 2.0]), shaped=torch.tensor([0.9, 0.1, 0.4]))
+    update = _update(micro_batch_size=1, objective=objective)
+    signal = TeacherSignal(route=torch.zeros(3, dtype=torch.long), has_teacher=torch.tensor([False, True, False]),
+                           is_reference=torch.zeros(3, dtype=torch.bool), diversity_mask=torch.zeros(3, 3),
+                           references=[None] * 3)
+    plan = update.plan(rollouts, signal)
+    rewards, lengths, max_len = objective.calls["shape"]
+    assert torch.equal(rewards, torch.tensor([1.0, 0.0, 0.5])) and lengths.tolist() == [2.0, 2.0, 3.0] and max_len == 3
+    rewards, mask, group_size, seen, micro = objective.calls["credit"]
+    assert torch.equal(rewards, torch.tensor([0.9, 0.1, 0.4])) and torch.equal(mask, rollouts.completion_mask)
+    assert group_size == 3 and seen is signal and micro == 1 and objective.calls["rows_in_loss"][1] is signal
+    assert torch.equal(plan.rewards, torch.tensor([0.9, 0.1, 0.4])) and plan.signal is signal
+    assert plan.rows.tolist() == [1, 2] and [c.tolist() for c in plan.chunks] == [[1], [2]] and plan.num_chunks == 2
+    assert (plan.norms.num_tokens, plan.norms.num_rows, plan.norms.num_teacher_rows, plan.global_rows) == (7, 3, 1, 2)
+
+
+def _policy(head, hidden_table, temperature=1.0, chunk=1024):
+    """A stand-in policy: row i's hidden states are ``hidden_table[i]`` (found from the prompt id); records calls."""
+    calls = {}
+
+    def completion_hidden(input_ids, attention_mask, c):
+        calls["hidden"] = (input_ids.clone(), attention_mask.clone(), c)
+        return hidden_table[input_ids[:, 0]]
+
+    return SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), device=torch.device("cpu"),
+                           completion_hidden=completion_hidden, lm_head=lambda: head, temperature=temperature,
+                           logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls)
+
+
+def _by_hand(head, hidden, targets, temperature):
+    logp = torch.log_softmax(head(hidden).double() / temperature, -1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def test_the_micro_batch_loss_hands_the_objective_the_chosen_rows_of_everything():
+    torch.manual_seed(0)
+    head, table = torch.nn.Linear(4, 5), torch.randn(3, 3, 4)
+    rollouts = _three_rows(old_logprobs=-torch.rand(3, 3), ref_logprobs=-torch.rand(3, 3))
+    credit = Credit(advantages=torch.tensor([0.5, -1.0, 2.0]), token_weights=torch.rand(3, 3))
+    signal = TeacherSignal(route=torch.zeros(3, dtype=torch.long), has_teacher=torch.tensor([False, True, True]),
+                           is_reference=torch.zeros(3, dtype=torch.bool), diversity_mask=torch.zeros(3, 3),
+                           references=[None] * 3, teacher_hidden=torch.randn(3, 3, 4))
+    plan = StepPlan(rewards=torch.zeros(3), credit=credit, signal=signal, selection=torch.rand(3, 3), rows=torch.arange(3),
+                    chunks=[torch.arange(3)], num_chunks=1, global_rows=3.0,
+                    norms=LossNorms(num_tokens=11.0, num_rows=6.0, num_teacher_rows=4.0))
+    objective = _Recording(credit.advantages)
+    update = PolicyUpdate(_policy(head, table, temperature=0.7, chunk=2), objective, backward=lambda loss: None)
+    rows = torch.tensor([2, 0])
+    out, entropy = update.micro_batch_loss(rollouts, rows, plan, step=5)
+    ids, attention, c = update.policy.calls["hidden"]
+    assert torch.equal(ids, rollouts.input_ids[rows]) and torch.equal(attention, rollouts.attention_mask[rows]) and c == 3
+    logprobs, inputs = objective.calls["loss"]
+    want_logprobs, want_entropy = _by_hand(head, table[rows], rollouts.completion_ids[rows], 0.7)
+    torch.testing.assert_close(logprobs.double(), want_logprobs)
+    assert logprobs.requires_grad and float(out.loss) == pytest.approx(float(want_logprobs[0].sum() + want_logprobs[1, :2].sum()), rel=1e-5)
+    torch.testing.assert_close(inputs.entropy.double(), want_entropy)
+    mask = rollouts.completion_mask[rows]
+    assert float(entropy) == pytest.approx(float((want_entropy * mask).sum() / 5), rel=1e-5)  # 3 + 2 response tokens
+    for name, want in [("completion_mask", mask), ("advantages", torch.tensor([2.0, 0.5])),
+                       ("old_logprobs", rollouts.old_logprobs[rows]), ("ref_logprobs", rollouts.ref_logprobs[rows]),
+                       ("token_weights", credit.token_weights[rows]), ("token_selection", plan.selection[rows]),
+                       ("teacher_hidden", signal.teacher_hidden[rows]), ("has_teacher", torch.tensor([True, False])),
+                       ("hidden", table[rows])]:
+        assert torch.equal(getattr(inputs, name), want), name
+    assert inputs.lm_head is head and inputs.step == 5
+    assert (inputs.num_teacher_rows, inputs.num_tokens, inputs.num_sequences) == (4.0, 11.0, 6.0)
+    assert (inputs.max_len, inputs.temperature, inputs.chunk_size) == (3, 0.7, 2)
+    assert update.mismatch.tokens == 0  # no sampler log-probs: nothing compared
+
+
+def test_the_micro_batch_loss_without_stored_logprobs_or_signal_uses_its_own_and_corrects_for_the_sampler():
+    torch.manual_seed(0)
+    head, table = torch.nn.Linear(4, 5), torch.randn(3, 3, 4)
+    rows = torch.tensor([1, 2])
+    trainer, _ = _by_hand(head, table[rows], torch.tensor([[3, 2, 0], [0, 1, 2]]), 1.0)
+    gap = torch.tensor([[0.5, -1.0, 0.0], [3.0, 0.25, -0.5]])  # log pi_trainer - log pi_sampler
+    sampler = torch.zeros(3, 3)
+    sampler[rows] = (trainer - gap).float()
+    rollouts = _three_rows(sampler_logprobs=sampler)
+    objective = _Recording(torch.tensor([0.5, -1.0, 2.0]))
+    plan = _update(objective=objective).plan(rollouts)
+    update = PolicyUpdate(_policy(head, table), objective, backward=lambda loss: None, tis_cap=2.0)
+    update.micro_batch_loss(rollouts, rows, plan)
+    logprobs, inputs = objective.calls["loss"]
+    assert torch.equal(inputs.old_logprobs, logprobs.detach()) and not inputs.old_logprobs.requires_grad
+    assert inputs.ref_logprobs is None and inputs.token_selection is None
+    assert inputs.teacher_hidden is None and inputs.has_teacher is None
+    mask = rollouts.completion_mask[rows]
+    want = torch.minimum(gap.exp(), torch.tensor(2.0)) * mask  # min(pi_trainer / pi_sampler, 2) on response tokens
+    torch.testing.assert_close(inputs.token_weights.double(), want.double(), atol=1e-5, rtol=1e-5)
+    assert update.mismatch.tokens == 5.0 and update.mismatch.max == pytest.approx(3.0, rel=1e-5)
+    update.micro_batch_loss(rollouts, rows, plan, book=False)  # a rank's zero-weight pass is not booked
+    assert update.mismatch.tokens == 5.0
+
+
+def _scripted(outputs, world=1, **kwargs):
+    """An update whose micro-batch losses are ``outputs`` in turn; records each call and each backward."""
+    calls, backward = [], []
+    update = PolicyUpdate(_policy(None, None), None, backward=lambda loss: backward.append(float(loss)), **kwargs)
+    queue = iter(outputs)
+
+    def micro_batch_loss(rollouts, rows, plan, book=True, step=0):
+        calls.append((rows.tolist(), book, step))
+        return next(queue)
+
+    update.micro_batch_loss = micro_batch_loss
+    return update, calls, backward
+
+
+def _out(loss, entropy, **stats):
+    return LossOutput(loss=torch.tensor(loss), stats=LossStats(**{k: torch.tensor(v) for k, v in stats.items()})), \
+        torch.tensor(entropy)
+
+
+def test_accumulate_weights_each_micro_batchs_statistics_by_its_rows_and_sums_the_loss():
+    plan = _plan()
+    plan.rows, plan.chunks, plan.num_chunks = torch.tensor([0, 1, 2]), [torch.tensor([0, 1]), torch.tensor([2])], 2
+    update, calls, backward = _scripted([_out(0.25, 1.0, kl=0.25, clip_fraction=0.5, distill_kl=float("nan")),
+                                         _out(0.5, 4.0, kl=1.0, clip_fraction=0.25)] * 2)
+    sums = StepSums()
+    update.accumulate(_rollouts(), plan, sums, step=7)
+    assert calls == [([0, 1], True, 7), ([2], True, 7)] and backward == [0.25, 0.5]
+    assert sums["loss"] == pytest.approx(0.75) and sums[NONFINITE] == 0
+    assert sums["entropy"] == pytest.approx(2.0)  # 1 * 2/3 + 4 * 1/3
+    assert sums["kl"] == pytest.approx(0.5) and sums["clip_fraction"] == pytest.approx(5 / 12)
+    assert "distill_kl" not in sums  # a NaN statistic is left out, not summed
+    update.accumulate(_rollouts(), plan, sums)  # a second pass adds to the sums
+    assert sums["loss"] == pytest.approx(1.5) and sums["kl"] == pytest.approx(1.0)
+
+
+def test_a_nonfinite_micro_batch_is_counted_and_neither_backpropagated_nor_booked():
+    plan = _plan()
+    plan.chunks, plan.num_chunks = [torch.tensor([0]), torch.tensor([1])], 2
+    update, calls, backward = _scripted([_out(float("nan"), 1.0, kl=3.0), _out(0.5, 2.0, kl=1.0)])
+    sums = StepSums()
+    update.accumulate(_rollouts(), plan, sums)
+    assert backward == [0.5] and sums[NONFINITE] == 1 and sums["loss"] == pytest.approx(0.5)
+    assert sums["kl"] == pytest.approx(0.5) and sums["entropy"] == pytest.approx(1.0)  # the finite half's share
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """Two ranks where the other rank reports what this one does: sums double, maxima and means stay."""
+    import scgrpo.update
+
+    def all_reduce(values, op="sum", device=None):  # as scgrpo.distributed.all_reduce: "sum", else the maximum
+        return [2 * v if op == "sum" else v for v in values]
+
+    monkeypatch.setattr(scgrpo.update, "world_size", lambda: 2)
+    monkeypatch.setattr(scgrpo.update, "all_reduce", all_reduce)
+    monkeypatch.setattr(scgrpo.update, "mean_over_ranks", lambda metrics: dict(metrics))
+
+
+def test_on_two_ranks_the_plan_sums_the_denominators_and_takes_the_most_passes(two_ranks):
+    plan = _update(micro_batch_size=1).plan(_four_rows())
+    assert plan.num_chunks == 2 and plan.global_rows == 4.0  # passes: the most of any rank, not their sum
+    assert (plan.norms.num_tokens, plan.norms.num_rows) == (12.0, 8.0)
+
+
+def test_on_two_ranks_every_pass_runs_backward_and_a_missing_chunk_is_a_zero_weight_pass(two_ranks):
+    plan = _plan()
+    plan.chunks, plan.num_chunks = [torch.tensor([1])], 3  # another rank has three chunks
+    update, calls, backward = _scripted([_out(0.5, 1.0, kl=0.5), _out(1.0, 1.0, kl=9.0), _out(float("nan"), 1.0)])
+    sums = StepSums()
+    update.accumulate(_rollouts(), plan, sums)
+    assert calls == [([1], True, 0), ([0], False, 0), ([0], False, 0)]  # row 0, not booked
+    assert backward[:2] == [1.0, 0.0] and math.isnan(backward[2])  # loss x world; zero weight; NaN still paired
+    assert sums[NONFINITE] == 1 and sums["loss"] == pytest.approx(1.0)  # max of the counts, sum of the losses
+    assert sums["kl"] == pytest.approx(0.25) and sums["entropy"] == pytest.approx(0.5)  # real rows only
+
+
+def test_on_two_ranks_the_mismatch_is_summed_and_its_maximum_taken(two_ranks):
+    meter = MismatchMeter(abs=3.0, k3=1.0, tokens=4.0, max=2.0)
+    assert meter.metrics() == {"rollout/logprob_mismatch_mean": 0.75, "rollout/logprob_mismatch_max": 2.0,
+                               "rollout/mismatch_kl": 0.25}
+
+
+def test_the_mismatch_meter_adds_up_its_bookings():
+    meter = MismatchMeter()
+    meter.book(torch.tensor([[0.5, -1.0]]), torch.tensor([[1.0, 1.0]]))
+    meter.book(torch.tensor([[-2.0, 0.0]]), torch.tensor([[1.0, 0.0]]))  # the second token is padding
+    assert (meter.abs, meter.tokens, meter.max) == (3.5, 3.0, 2.0)
+    k3 = (math.exp(0.5) - 1.5) + (math.exp(-1.0) - 0.0) + (math.exp(-2.0) + 1.0)  # e^x - 1 - x per token
+    assert meter.k3 == pytest.approx(k3)
+    assert meter.metrics() == pytest.approx({"rollout/logprob_mismatch_mean": 3.5 / 3,
+                                             "rollout/logprob_mismatch_max": 2.0, "rollout/mismatch_kl": k3 / 3})
+    meter.book(torch.tensor([[0.25]]), torch.tensor([[1.0]]))
+    assert meter.max == 2.0  # the largest so far stays
+
+
+def test_the_batch_entropy_is_scored_in_micro_batches_of_the_updates_size():
+    asked = []
+
+    def batch_entropy(rollouts, micro):
+        asked.append(micro)
+        return torch.ones(4, 3)
+
+    update = _update(micro_batch_size=2, objective=HighEntropyGRPO(rho=0.5))
+    update.policy.batch_entropy = batch_entropy
+    update.plan(_four_rows())
+    assert asked == [2]

@@ -84,3 +84,12 @@ def test_grpo_rejects_bad_options(kwargs, match):
 def test_kl_without_reference_is_a_clear_error():
     with pytest.raises(RuntimeError, match="reference log-probs"):
         GRPO(beta=0.1).loss(LOGPROBS, _inputs())
+
+
+def test_loss_stats_list_what_was_reported_in_a_fixed_order_with_a_custom_objectives_own_last():
+    from scgrpo.objectives.base import LossStats
+
+    one, two, three = torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)
+    stats = LossStats(distill_coef=two, kl=one, extra={"my_stat": three})
+    assert stats.items() == [("kl", one), ("distill_coef", two), ("my_stat", three)]
+    assert LossStats().items() == []
