@@ -11,7 +11,7 @@ from scgrpo.objectives import GRPO, Credit, HighEntropyGRPO, LossOutput
 from scgrpo.objectives.base import LossStats
 from scgrpo.rollout.engine import GenerationSettings
 from scgrpo.rollout.types import RolloutBatch, TeacherSignal
-from scgrpo.update import NONFINITE, LossNorms, MismatchMeter, PolicyUpdate, StepPlan, StepSums
+from scgrpo.update import NONFINITE, LossNorms, MismatchMeter, PolicyUpdate, StepPlan, StepSums, check_tis_cap, sampler_correction
 from tests.test_guard import _plan, _rollouts
 
 
@@ -344,3 +344,28 @@ def test_the_batch_entropy_is_scored_in_micro_batches_of_the_updates_size():
     update.policy.batch_entropy = batch_entropy
     update.plan(_four_rows())
     assert asked == [2]
+
+
+def test_a_tis_cap_of_one_caps_every_ratio_at_one():
+    """1 is the smallest cap allowed, not "off": ratios above 1 are cut to 1, those below kept."""
+    trainer = torch.tensor([[-1.0, -2.0, -0.5]])
+    sampler = torch.tensor([[-2.0, -1.0, -0.5]])  # log ratios 1, -1, 0 (the last token is padding)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights = sampler_correction(trainer, sampler, mask, None, 1.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, math.exp(-1.0), 0.0]]))
+
+
+def test_tis_cap_accepts_zero_and_one_and_refuses_what_lies_between_or_below():
+    check_tis_cap(0.0)
+    check_tis_cap(1.0)
+    for bad in (0.5, -1.0):
+        with pytest.raises(ValueError, match="tis_cap"):
+            check_tis_cap(bad)
+
+
+def test_an_update_clips_at_norm_one_by_default():
+    w = torch.nn.Parameter(torch.zeros(2))
+    w.grad = torch.tensor([3.0, 4.0])  # norm 5
+    update = PolicyUpdate(SimpleNamespace(trainable_parameters=lambda: [w]), GRPO(), backward=lambda loss: None)
+    assert update.clip(_plan(), StepSums()) is None
+    torch.testing.assert_close(w.grad, torch.tensor([0.6, 0.8]))
