@@ -9,6 +9,7 @@ import torch
 
 from scgrpo.objectives import GRPO, Credit, HighEntropyGRPO, LossOutput
 from scgrpo.objectives.base import LossStats
+from scgrpo.policy import Policy
 from scgrpo.rollout.engine import GenerationSettings
 from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 from scgrpo.update import NONFINITE, LossNorms, MismatchMeter, PolicyUpdate, StepPlan, StepSums, check_tis_cap, sampler_correction
@@ -167,9 +168,11 @@ def _policy(head, hidden_table, temperature=1.0, chunk=1024):
         calls["hidden"] = (input_ids.clone(), attention_mask.clone(), c)
         return hidden_table[input_ids[:, 0]]
 
-    return SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), device=torch.device("cpu"),
-                           completion_hidden=completion_hidden, lm_head=lambda: head, temperature=temperature,
-                           logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls)
+    policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), device=torch.device("cpu"),
+                             completion_hidden=completion_hidden, lm_head=lambda: head, temperature=temperature,
+                             logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls)
+    policy.head_logprobs = lambda hidden, targets, entropy=True: Policy.head_logprobs(policy, hidden, targets, entropy)
+    return policy
 
 
 def _by_hand(head, hidden, targets, temperature):

@@ -135,7 +135,11 @@ class Policy:
         each predicted distribution, at the sampling temperature. Only the backbone runs on the whole
         sequence; logits are computed in chunks for the completion positions alone."""
         hidden = self.completion_hidden(input_ids, attention_mask, num_completion, model)
-        targets = input_ids[:, -num_completion:]  # [N, C]
+        return self.head_logprobs(hidden, input_ids[:, -num_completion:], entropy)
+
+    def head_logprobs(self, hidden: Tensor, targets: Tensor, entropy: bool = True) -> tuple[Tensor, Tensor]:
+        """fp32 log-probs ``[N, C]`` of ``targets`` from the states ``hidden`` ``[N, C, H]`` through the LM head,
+        chunk by chunk, at the sampling temperature, and each distribution's entropy (when ``entropy``)."""
         return chunked_token_logprobs(hidden, self.lm_head(), targets, self.temperature, self.logprob_chunk_size,
                                       entropy)
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
 from scgrpo.objectives import Credit, LossInputs, LossOutput, Objective
-from scgrpo.objectives.functional import chunked_token_logprobs, masked_mean
+from scgrpo.objectives.functional import masked_mean
 from scgrpo.policy import Policy
 from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 
@@ -226,9 +226,7 @@ class PolicyUpdate:
         c = rollouts.completion_ids.shape[1]
         credit, signal, policy = plan.credit, plan.signal, self.policy
         hidden = policy.completion_hidden(rollouts.input_ids[rows], rollouts.attention_mask[rows], c)  # [n, C, H]
-        logprobs, entropy = chunked_token_logprobs(
-            hidden, policy.lm_head(), rollouts.completion_ids[rows], policy.temperature, policy.logprob_chunk_size
-        )  # [n, C]
+        logprobs, entropy = policy.head_logprobs(hidden, rollouts.completion_ids[rows])  # [n, C]
         mask = rollouts.completion_mask[rows]
 
         def pick(x: Optional[Tensor]) -> Optional[Tensor]:
