@@ -1,0 +1,5 @@
+"""Environments for multi-turn episodes (tool calls, observations) and the runner that plays them."""
+
+from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult, ToolCall, parse_tool_call
+
+__all__ = ["Action", "Environment", "EpisodeSettings", "StepResult", "ToolCall", "parse_tool_call"]
