@@ -118,26 +118,28 @@ class CalculatorEnv(Environment):
     episode's number of ``tool_calls``.
 
     Args:
-        instructions: appended to the question in the first message; says how to call the tool and how to answer.
+        template: the first message, with ``{question}``; says how to call the tool and how to answer.
     """
 
     tools = ("calc",)
 
     def __init__(
         self,
-        instructions: str = (
-            "You have a calculator. To use it, write calc(<expression>), for example calc(12 * 34 + 5), and you "
-            "will get the result. When you know the result, write: Answer: <number>"
+        template: str = (
+            "{question}\nYou have a calculator. To use it, write calc(<expression>), for example calc(12 * 34 + 5), "
+            "and you will get the result. When you know the result, write: Answer: <number>"
         ),
     ) -> None:
-        self.instructions = instructions
+        if "{question}" not in template:
+            raise ValueError(f"template {template!r} has no {{question}}")
+        self.template = template
         self.answer: Any = None
         self.tool_calls = 0
         self._verifier = NumericVerifier(timeout_s=None)
 
     def reset(self, row: dict[str, Any], seed: int) -> str:
         self.answer, self.tool_calls = row["answer"], 0
-        return f"{row['question']}\n{self.instructions}"
+        return self.template.replace("{question}", str(row["question"]))
 
     def step(self, action: Action) -> StepResult:
         call = action.tool_call
