@@ -201,7 +201,8 @@ def test_evaluation_plays_episodes_with_seeds_fixed_by_the_row(module):
 
 def test_training_on_episodes_logs_every_episode_key(tiny_model_dir, tmp_path):
     module = tiny_module(tiny_model_dir, environment=Scripted(turns=2), objective=SCGRPO(),
-                         episodes=EpisodeSettings(max_turns=3, max_episode_tokens=48), log_completions_every_n_steps=1)
+                         episodes=EpisodeSettings(max_turns=3, max_episode_tokens=48), log_completions_every_n_steps=1,
+                         tis_cap=2.0, dtype="float32")
     trainer = tiny_trainer(tmp_path, max_steps=2)
     trainer.fit(module, tiny_data())
     rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "run" / "*" / "metrics.csv"))[0])))
@@ -211,6 +212,8 @@ def test_training_on_episodes_logs_every_episode_key(tiny_model_dir, tmp_path):
                 "episode/env_errors", "episode/env_timeouts", "episode/env_time_s", "train/loss", "credit/teacher_rows"):
         assert logged[-1][key] != "", key
     assert float(logged[-1]["episode/turns_mean"]) == 2.0 and float(logged[-1]["episode/env_tokens_mean"]) > 0
+    # the sampler's and the trainer's log-probs compared at the model's tokens (TIS on): they agree
+    assert all(float(r["rollout/logprob_mismatch_max"]) < 1e-3 for r in logged)
     # the credit page greys out the environment's tokens (the rendered observation) and colours the model's by f
     page = open(os.path.join(trainer.log_dir, "credit_heatmap.html")).read()
     grey = re.findall(r'<span title="environment"[^>]*>([^<]*)</span>', page)
