@@ -72,10 +72,13 @@ def _turn(env: CalculatorEnv, text: str):
 ROW = {"id": "id-0", "question": "What is 397 - 942 * 197?", "answer": -185177}
 
 
-def test_first_message_is_the_question_with_the_instructions():
-    env = CalculatorEnv(instructions="Use calc(...). End with Answer: <number>")
-    assert env.reset(ROW, seed=3) == "What is 397 - 942 * 197?\nUse calc(...). End with Answer: <number>"
-    assert "calc(" in CalculatorEnv().reset(ROW, seed=0) and "Answer:" in CalculatorEnv().reset(ROW, seed=0)
+def test_first_message_is_the_template_around_the_question():
+    env = CalculatorEnv(template="Use calc(...). {question} End with Answer: <number>")
+    assert env.reset(ROW, seed=3) == "Use calc(...). What is 397 - 942 * 197? End with Answer: <number>"
+    first = CalculatorEnv().reset(ROW, seed=0)
+    assert first.endswith("What is 397 - 942 * 197?") and "calc(" in first and "Answer:" in first
+    with pytest.raises(ValueError, match="no {question}"):
+        CalculatorEnv(template="What is it?")
 
 
 def test_tool_calls_get_results_or_errors_and_do_not_end_the_episode():

@@ -118,7 +118,9 @@ class CalculatorEnv(Environment):
     episode's number of ``tool_calls``.
 
     Args:
-        template: the first message, with ``{question}``; says how to call the tool and how to answer.
+        template: the first message, with ``{question}``; says how to call the tool and how to answer. The default,
+            a worked example before the question, is the wording the embedded SmolLM2-135M-Instruct follows best
+            of those tried (docs/envs.md gives its Pass@8).
     """
 
     tools = ("calc",)
@@ -126,8 +128,8 @@ class CalculatorEnv(Environment):
     def __init__(
         self,
         template: str = (
-            "{question}\nYou have a calculator. To use it, write calc(<expression>), for example calc(12 * 34 + 5), "
-            "and you will get the result. When you know the result, write: Answer: <number>"
+            "Example:\nQuestion: What is 12 * 34 + 5?\nYou: calc(12 * 34 + 5)\nCalculator: calc result: 413\n"
+            "You: Answer: 413\n\nNow you. Start your reply with calc(\nQuestion: {question}"
         ),
     ) -> None:
         if "{question}" not in template:
