@@ -1,5 +1,6 @@
 """Every shipped YAML parses and runs 2 steps with the tiny model; CLI plug-ins and error messages."""
 
+import csv
 import glob
 import os
 
@@ -113,10 +114,27 @@ def test_custom_verifier_by_class_path(tiny_model_dir, tmp_path, monkeypatch):
     assert saved["model"]["verifier"]["init_args"]["offset"] == 1
 
 
+def test_custom_environment_by_class_path(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
+    main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir),
+          "--model.environment=tests.envs.scripted.Scripted", "--model.environment.turns=2",
+          "--model.episodes.max_turns=3", "--model.episodes.max_episode_tokens=40"])
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    import yaml
+
+    saved = yaml.safe_load(open(os.path.join(run, "config.yaml")))
+    assert saved["model"]["environment"]["class_path"] == "tests.envs.scripted.Scripted"
+    assert saved["model"]["episodes"]["max_episode_tokens"] == 40
+    rows = [r for r in csv.DictReader(open(os.path.join(run, "metrics.csv"))) if r.get("episode/turns_mean")]
+    assert len(rows) == 2 and all(float(r["episode/turns_mean"]) == 2.0 for r in rows)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--data.source=arithmetik"], "unknown task 'arithmetik'"),
+        (["--model.episodes.max_turns=0"], "max_turns"),
         (["--model.generation.num_generations=1"], "num_generations"),
         (["--model.model=/does/not/exist"], "does not exist"),
         (["--model.objective.init_args.aggregation=sum"], "aggregation"),

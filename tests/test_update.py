@@ -17,7 +17,7 @@ from tests.test_guard import _plan, _rollouts
 
 
 def _update(params=(), micro_batch_size=None, max_grad_norm=1.0, objective=None, entropy=None):
-    policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), device=torch.device("cpu"),
+    policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), max_completion_tokens=3, device=torch.device("cpu"),
                              trainable_parameters=lambda: list(params), batch_entropy=lambda rollouts, micro: entropy)
     return PolicyUpdate(policy, objective or GRPO(), backward=lambda loss: None, micro_batch_size=micro_batch_size,
                         max_grad_norm=max_grad_norm)
@@ -168,7 +168,7 @@ def _policy(head, hidden_table, temperature=1.0, chunk=1024):
         calls["hidden"] = (input_ids.clone(), attention_mask.clone(), c)
         return hidden_table[input_ids[:, 0]]
 
-    policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), device=torch.device("cpu"),
+    policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), max_completion_tokens=3, device=torch.device("cpu"),
                              completion_hidden=completion_hidden, lm_head=lambda: head, temperature=temperature,
                              logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls)
     policy.head_logprobs = lambda hidden, targets, entropy=True: Policy.head_logprobs(policy, hidden, targets, entropy)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -25,6 +25,12 @@ class Sampler(Protocol):
 
     def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
                temperature: Optional[float] = None) -> Generated: ...
+
+
+class EpisodePlayer(Protocol):
+    """Plays ``k`` episodes of each row (greedy or at a temperature) and returns them with their rewards."""
+
+    def __call__(self, rows: list[dict], k: int, greedy: bool, temperature: Optional[float]) -> Any: ...
 
 
 class Evaluation:
@@ -47,15 +53,22 @@ class Evaluation:
     def start(self) -> None:
         self.sums, self.started = {}, time.perf_counter()
 
-    def add(self, batch: PromptBatch, policy: Sampler, verifier: VerifierRunner) -> None:
-        """Samples, verifies and counts one batch of held-out prompts."""
-        prompts = policy.format_prompts(batch.questions)
+    def add(self, batch: PromptBatch, policy: Sampler, verifier: VerifierRunner,
+            episodes: Optional[EpisodePlayer] = None) -> None:
+        """Samples, verifies and counts one batch of held-out prompts; with ``episodes``, plays k episodes of each
+        (rewarded by the environment, seeded by the row alone) instead."""
         k = self.k
-        sampled = policy.sample(prompts, k, temperature=self.temperature)
-        ids = [i for i in batch.ids for _ in range(k)]
-        answers = [a for a in batch.answers for _ in range(k)]
-        questions = [q for q in batch.questions for _ in range(k)]
-        scores = torch.tensor([r.score for r in verifier(sampled.completions, answers, questions, ids)])
+        if episodes is not None:
+            rows = [{"id": i, "question": q, "answer": a} for i, q, a in zip(batch.ids, batch.questions, batch.answers)]
+            sampled = episodes(rows, k, False, self.temperature)
+            scores = sampled.rewards.float().cpu()
+        else:
+            prompts = policy.format_prompts(batch.questions)
+            sampled = policy.sample(prompts, k, temperature=self.temperature)
+            ids = [i for i in batch.ids for _ in range(k)]
+            answers = [a for a in batch.answers for _ in range(k)]
+            questions = [q for q in batch.questions for _ in range(k)]
+            scores = torch.tensor([r.score for r in verifier(sampled.completions, answers, questions, ids)])
         correct = (scores >= self.success_threshold).float().view(-1, k)  # [P, k]
         acc = self.sums.setdefault(batch.split, defaultdict(float))
         acc["prompts"] += correct.shape[0]
@@ -63,7 +76,10 @@ class Evaluation:
         acc["pass"] += float(correct.max(1).values.sum())
         acc["length"] += float(sampled.completion_mask.sum(1).view(-1, k).mean(1).sum())
         acc["truncated"] += float(sampled.truncated.float().view(-1, k).mean(1).sum())
-        if self.greedy:
+        if self.greedy and episodes is not None:
+            greedy_scores = episodes(rows, 1, True, None).rewards.float().cpu()
+            acc["greedy"] += float((greedy_scores >= self.success_threshold).sum())
+        elif self.greedy:
             greedy = policy.sample(prompts, 1, greedy=True)
             results = verifier(greedy.completions, batch.answers, batch.questions, batch.ids)
             acc["greedy"] += sum(float(r.score >= self.success_threshold) for r in results)

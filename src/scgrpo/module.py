@@ -27,6 +27,8 @@ from scgrpo.callbacks import (
     VerificationCallback,
 )
 from scgrpo.distributed import PolicyRunner, full_state
+from scgrpo.envs import Environment, EpisodeSettings
+from scgrpo.envs.runner import EpisodeRunner
 from scgrpo.evaluation import Evaluation
 from scgrpo.guard import DivergenceGuard, nonfinite_inputs, on_any_rank
 from scgrpo.models import LoraSettings, check_model_settings
@@ -80,6 +82,9 @@ class RLVRModule(LightningModule):
             good weights put back. 0: skip such steps but never stop (and keep no copy of the weights).
         tis_cap: truncated importance sampling (:mod:`scgrpo.update`): each token's policy-gradient term is
             weighted by min(pi_trainer(y) / pi_sampler(y), tis_cap); 0 = off.
+        environment: rollouts are multi-turn episodes in this environment (:mod:`scgrpo.envs`), rewarded by it;
+            default: the data source's own environment, if it has one (else single completions and the verifier).
+        episodes: turn limit, token budget and time limits of episodes (only with an environment).
     """
 
     def __init__(
@@ -107,6 +112,8 @@ class RLVRModule(LightningModule):
         save_adapter_every_n_steps: Optional[int] = None,
         tis_cap: float = 0.0,
         max_nonfinite_skips: int = 3,
+        environment: Optional[Environment] = None,
+        episodes: EpisodeSettings = EpisodeSettings(),
     ) -> None:
         super().__init__()
         self.evaluation = Evaluation(eval_samples, eval_temperature, eval_greedy, success_threshold)
@@ -125,6 +132,8 @@ class RLVRModule(LightningModule):
         self.validate_before_training = validate_before_training
         self.log_completions_every_n_steps = log_completions_every_n_steps
         self.save_adapter_every_n_steps = save_adapter_every_n_steps
+        self._environment, self.episodes = environment, episodes
+        self.episode_runner: Optional[EpisodeRunner] = None  # set up when rollouts are episodes
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trainable weights
         self.runner: Optional[PolicyRunner] = None  # holds the policy; the FSDP root when sharded
@@ -180,12 +189,32 @@ class RLVRModule(LightningModule):
                                   self.generation, self.system_prompt, self.logprob_chunk_size,
                                   self.gradient_checkpointing, getattr(self, "_device_mesh", None))
         self.runner, self.tokenizer = self.actor.runner, self.actor.tokenizer
+        self.actor.max_completion_tokens = self.max_completion_tokens
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The longest completion a rollout may have: an episode's token budget, or ``max_new_tokens``."""
+        return self.episodes.max_episode_tokens if self.episode_runner is not None else self.generation.max_new_tokens
+
+    @property
+    def completion_room(self) -> int:
+        """Positions after the first prompt that sampling may fill (an episode's last turn may sample past its
+        budget before it is cut)."""
+        if self.episode_runner is None:
+            return self.generation.max_new_tokens
+        return self.episodes.max_episode_tokens + self.generation.max_new_tokens
 
     def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        environment = self._environment
+        if environment is None and callable(getattr(getattr(datamodule, "source", None), "default_environment", None)):
+            environment = datamodule.source.default_environment()
+        if environment is not None:
+            self.episode_runner = EpisodeRunner(environment, self.episodes)
         self.configure_model()
+        self.actor.max_completion_tokens = self.max_completion_tokens
         verifier = self._verifier
         if verifier is None:
-            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
             if datamodule is None or not hasattr(datamodule, "default_verifier"):
                 raise ValueError("no verifier given and the data module offers no default; set model.verifier")
             verifier = datamodule.default_verifier()
@@ -222,6 +251,11 @@ class RLVRModule(LightningModule):
     def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
                temperature: Optional[float] = None) -> Generated:
         return self.actor.sample(prompts, num_samples, greedy, temperature)
+
+    def play_episodes(self, rows: list[dict], num_samples: int, greedy: bool = False,
+                      temperature: Optional[float] = None, seed: Optional[int] = 0):
+        """``num_samples`` episodes of each row in the run's environment (evaluation: seeds fixed by the rows)."""
+        return self.episode_runner.run(self.actor, rows, num_samples, greedy, temperature, seed)
 
     def score_rollouts(self, rollouts: RolloutBatch) -> None:
         self.actor.score(rollouts, old=self.objective.num_iterations > 1, reference=self.objective.beta > 0)
@@ -346,7 +380,8 @@ class RLVRModule(LightningModule):
         self.evaluation.start()
 
     def validation_step(self, batch: PromptBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.evaluation.add(batch, self, self.verifier_runner)  # (samples through self.sample)
+        episodes = self.play_episodes if self.episode_runner is not None else None
+        self.evaluation.add(batch, self, self.verifier_runner, episodes)  # (samples through self.sample)
 
     def on_validation_epoch_end(self) -> None:
         for metrics in self.evaluation.metrics(self.global_step, log_summary=self.global_rank == 0).values():

@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from scgrpo.distributed import PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, shard_policy
 from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives.functional import chunked_token_logprobs
-from scgrpo.rollout.engine import Generated, GenerationSettings, generate
+from scgrpo.rollout.engine import Generated, GenerationSettings, generate, generate_ids
 from scgrpo.rollout.types import RolloutBatch
 
 
@@ -47,6 +47,7 @@ class Policy:
         self.runner, self.tokenizer, self.generation = runner, tokenizer, generation
         self.system_prompt, self.logprob_chunk_size = system_prompt, logprob_chunk_size
         self._loaded_on = device
+        self.max_completion_tokens = generation.max_new_tokens  # an episode's token budget when rollouts are episodes
 
     @property
     def device(self) -> torch.device:
@@ -106,13 +107,23 @@ class Policy:
         """``num_samples`` completions of each prompt under the current weights (eval mode, no grad). When the
         network is sharded, its parameters are gathered once for the whole decode loop."""
 
+        return self._sampling(lambda settings: generate(self.model, self.tokenizer, prompts, num_samples, settings,
+                                                        self.device, greedy=greedy, temperature=temperature))
+
+    def sample_ids(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool = False,
+                   temperature: Optional[float] = None, reserve: Optional[tuple[int, int]] = None) -> Generated:
+        """One completion of each left-padded prompt of token ids ``[N, Tp]`` (the histories of episodes, as
+        sampled); ``reserve`` as :func:`~scgrpo.rollout.engine.generate_ids`."""
+        return self._sampling(lambda settings: generate_ids(self.model, self.tokenizer, prompt_ids, prompt_mask,
+                                                            settings, greedy, temperature, reserve=reserve))
+
+    def _sampling(self, sample) -> Generated:
         def run() -> Generated:
             with full_parameters(self.runner), record_function("scgrpo.sample"):
                 settings = self.generation
                 if self.sharded and settings.merge_lora == "always":
                     settings = dataclasses.replace(settings, merge_lora="never")  # weights are FSDP's views
-                return generate(self.model, self.tokenizer, prompts, num_samples, settings, self.device,
-                                greedy=greedy, temperature=temperature)
+                return sample(settings)
 
         return self.runner(run)
 

@@ -11,7 +11,7 @@ One component, called once per training step by the module. From a scored rollou
 4. runs the teacher pass (same network, no gradient, no dropout) and, for divergence-weighted objectives,
    the student pass, and returns a :class:`TeacherSignal`: per row its route, reference, per-token
    divergence D_i,t (full vocabulary, fp32 logits, clamped at 0) and the tokens its solve-none diversity
-   score averages over (t <= L_i = min(|o_i|, |o_r|)).
+   score averages over (the first L_i = min(|o_i|, |o_r|) tokens the model sampled).
 
 What the signal becomes (weights, advantages, a distillation term) is the objective's business.
 """
@@ -66,6 +66,12 @@ def group_routes(rewards: Tensor, group_size: int, threshold: float) -> Tensor:
     route[n_c == 0] = SOLVE_NONE
     route[n_c == group_size] = ALL
     return route
+
+
+def first_tokens(mask: Tensor, lengths: Tensor) -> Tensor:
+    """``[N, C]`` float: the first ``lengths[i]`` tokens of row i that ``mask`` marks (the model's own tokens: in an
+    episode the environment's tokens between its turns are not counted)."""
+    return mask * (mask.cumsum(1) <= lengths.unsqueeze(1).to(mask.dtype)).to(mask.dtype)
 
 
 def _tokens(rollouts: RolloutBatch, i: int) -> list[int]:
@@ -256,7 +262,7 @@ class SelfTeacher:
         device = rollouts.completion_ids.device
         index = torch.tensor(rows, device=device)
         ids = torch.cat([encoded["input_ids"].to(device), rollouts.completion_ids[index]], dim=1)  # [n, Tt + C]
-        mask = torch.cat([encoded["attention_mask"].to(device), rollouts.completion_mask[index].long()], dim=1)
+        mask = torch.cat([encoded["attention_mask"].to(device), rollouts.context_mask[index].long()], dim=1)
         return ids, mask, len(cut)
 
     # ------------------------------------------------------------------------------------------ pass
@@ -275,8 +281,7 @@ class SelfTeacher:
             route=torch.tensor(plan.route, dtype=torch.long, device=device),
             has_teacher=torch.tensor([r is not None for r in plan.references], dtype=torch.bool, device=device),
             is_reference=torch.tensor(plan.is_reference, dtype=torch.bool, device=device),
-            diversity_mask=(torch.arange(c, device=device).unsqueeze(0)
-                            < torch.tensor(plan.diversity_length, device=device).unsqueeze(1)).float(),
+            diversity_mask=first_tokens(rollouts.completion_mask, torch.tensor(plan.diversity_length, device=device)),
             references=plan.references,
         )
         micro = micro_batch_size or max(len(rows), 1)

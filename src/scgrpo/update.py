@@ -162,7 +162,7 @@ class PolicyUpdate:
         micro-batches and the loss denominators, summed over all ranks."""
         objective = self.objective
         mask = rollouts.completion_mask  # [N, C]
-        max_len = self.policy.generation.max_new_tokens
+        max_len = self.policy.max_completion_tokens
         rewards = objective.shape_rewards(rollouts.rewards, mask.sum(1), max_len)  # [N]
         credit = objective.credit(rewards, mask, rollouts.group_size, signal, self.micro_batch_size)  # groups never span ranks
         selection = None
@@ -253,7 +253,7 @@ class PolicyUpdate:
             num_teacher_rows=plan.norms.num_teacher_rows,
             num_tokens=plan.norms.num_tokens,
             num_sequences=plan.norms.num_rows,
-            max_len=policy.generation.max_new_tokens,
+            max_len=policy.max_completion_tokens,
             temperature=policy.temperature,
             chunk_size=policy.logprob_chunk_size,
             step=step,

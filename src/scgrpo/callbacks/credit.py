@@ -20,12 +20,26 @@ def weight_colour(weight: float) -> str:
     return f"rgb(255,{int(255 * (1 - 0.8 * t))},{int(255 * (1 - 0.8 * t))})"
 
 
+ENVIRONMENT_STYLE = "background:#e4e4e4;color:#888"
+"""Environment tokens of an episode (observations, tool results): grey, no weight (they are never trained on)"""
+
+
+def token_span(text: str, weight, model_token: bool) -> str:
+    """One token of the page: coloured by its weight f (None: uncoloured), or greyed out when the environment wrote it."""
+    if not model_token:
+        return f'<span title="environment" style="{ENVIRONMENT_STYLE}">{html.escape(text)}</span>'
+    if weight is None:
+        return html.escape(text)
+    return f'<span title="f={weight:.3f}" style="background:{weight_colour(weight)}">{html.escape(text)}</span>'
+
+
 class CreditLogging(Callback):
     """Every ``every_n_steps`` steps appends up to ``num_rollouts`` rollouts to ``<log_dir>/credit_heatmap.html``,
     two of each route present (see :meth:`pick_rows`): the group's route, reward and advantage, the rollout
     with each token's background set by its weight f (hover for the value; rows without a teacher are plain
-    GRPO, weight 1), and beside it the reference in the teacher's system prompt. Distillation objectives,
-    which have no token weights, are shown uncoloured."""
+    GRPO, weight 1), and beside it the reference in the teacher's system prompt. An episode's environment tokens
+    (observations, tool results) are greyed out. Distillation objectives, which have no token weights, are shown
+    uncoloured."""
 
     def __init__(self, every_n_steps: int = 10, num_rollouts: int = 8) -> None:
         self.every_n_steps, self.num_rollouts = every_n_steps, num_rollouts
@@ -55,15 +69,14 @@ class CreditLogging(Callback):
         c = credit.stats.c if credit.stats is not None else None
         parts = [f"<h2>step {trainer.global_step}" + (f", c = {c:.3g}" if c is not None else "") + "</h2>"]
         rows = self.pick_rows(signal, rollouts.group_size)
+        context = rollouts.context_mask.cpu()
+        model = rollouts.completion_mask.cpu().bool()
         for row in rows:
-            length = int(rollouts.completion_mask[row].sum())
+            length = int(context[row].sum())  # an episode's environment tokens lie between its turns
             tokens = rollouts.completion_ids[row][:length].tolist()
-            if weights is not None:
-                spans = "".join(
-                    f'<span title="f={w:.3f}" style="background:{weight_colour(w)}">{html.escape(tokenizer.decode([t]))}</span>'
-                    for t, w in zip(tokens, weights[row][:length].tolist()))
-            else:
-                spans = html.escape(tokenizer.decode(tokens))
+            own = model[row][:length].tolist()
+            row_weights = weights[row][:length].tolist() if weights is not None else [None] * length
+            spans = "".join(token_span(tokenizer.decode([t]), w, mine) for t, w, mine in zip(tokens, row_weights, own))
             route = ROUTES[int(signal.route[row])] + (" (reference row)" if bool(signal.is_reference[row]) else "")
             if not bool(signal.has_teacher[row]):
                 route += ", no teacher: weight 1"
@@ -80,5 +93,6 @@ class CreditLogging(Callback):
             if new:
                 f.write("<html><meta charset='utf-8'><body><h1>SC-GRPO per-token credit</h1>"
                         "<p>token background: the weight f(D) = D / (D + c) on one scale, white = 0 (gradient "
-                        "suppressed) to red = 1 (kept); right: the reference in the teacher's system prompt</p>\n")
+                        "suppressed) to red = 1 (kept); grey: an episode's environment tokens (not trained on); right: the "
+                        "reference in the teacher's system prompt</p>\n")
             f.write("\n".join(parts) + "\n")

@@ -17,8 +17,41 @@ from scgrpo.step_log import phase_peak
 log = logging.getLogger(__name__)
 
 
+def batch_rows(batch: PromptBatch) -> list[dict]:
+    """The data rows of a batch, as environments receive them."""
+    return [{"id": i, "question": q, "answer": a} for i, q, a in zip(batch.ids, batch.questions, batch.answers)]
+
+
+def sample_episodes(pl_module, batch: PromptBatch) -> RolloutBatch:
+    """G episodes of each row of ``batch`` in the module's environment; rewarded by it (no verifier runs)."""
+    g = pl_module.generation.num_generations
+    episodes = pl_module.episode_runner.run(pl_module.actor, batch_rows(batch), g)
+    rollouts = RolloutBatch(
+        prompt_ids=episodes.prompt_ids,
+        prompt_mask=episodes.prompt_mask,
+        completion_ids=episodes.completion_ids,
+        completion_mask=episodes.completion_mask,
+        env_mask=episodes.env_mask,
+        truncated=episodes.truncated,
+        group_size=g,
+        sample_ids=[i for i in batch.ids for _ in range(g)],
+        questions=episodes.questions,
+        answers=[a for a in batch.answers for _ in range(g)],
+        completions=episodes.completions,
+        rewards=episodes.rewards,
+        infos=episodes.infos,
+        entropy_sum=episodes.entropy_sum,
+        sampler_logprobs=episodes.sampler_logprobs,
+    )
+    rollouts.stats.update(episodes.stats)
+    rollouts.stats["rollout/sampled"] = float(len(episodes.completions))
+    return rollouts
+
+
 def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
-    """G completions of each prompt of ``batch`` under the current policy."""
+    """G completions (or episodes, with an environment) of each prompt of ``batch`` under the current policy."""
+    if getattr(pl_module, "episode_runner", None) is not None:
+        return sample_episodes(pl_module, batch)
     settings = pl_module.generation
     g = settings.num_generations
     generated = pl_module.sample(pl_module.format_prompts(batch.questions), g)
@@ -42,7 +75,10 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
 
 
 def verify_rollouts(pl_module, rollouts: RolloutBatch) -> None:
-    """Sets ``rollouts.rewards`` and ``rollouts.infos`` with the run's verifier (failures score 0)."""
+    """Sets ``rollouts.rewards`` and ``rollouts.infos`` with the run's verifier (failures score 0); episodes come
+    rewarded by their environment and are left as they are."""
+    if rollouts.rewards is not None:
+        return
     results = pl_module.verifier_runner(rollouts.completions, rollouts.answers, rollouts.questions, rollouts.sample_ids)
     rollouts.rewards = torch.tensor([r.score for r in results], dtype=torch.float32, device=pl_module.device)
     rollouts.infos = [r.info for r in results]
@@ -75,6 +111,8 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         entropy_sum=torch.cat([p.entropy_sum for p in parts]) if all(p.entropy_sum is not None for p in parts) else None,
         sampler_logprobs=(torch.cat([right(p.sampler_logprobs, c, 0.0) for p in parts])
                           if all(p.sampler_logprobs is not None for p in parts) else None),
+        env_mask=(torch.cat([right(p.env_mask, c, 0.0) for p in parts])
+                  if all(p.env_mask is not None for p in parts) else None),
     )
     for p in parts:
         for key, value in p.stats.items():

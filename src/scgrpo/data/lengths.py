@@ -45,7 +45,7 @@ def prompt_limits(module, max_prompt_tokens: Optional[int]) -> PromptLimits:
     self-teacher prompt gets the same minus room for a reference of ``max_new_tokens``. Where ``max_new_tokens`` is
     half the context or more, that room is not kept (no prompt would fit): the teacher's view must then fit with an
     empty reference, and references are cut to fit as :class:`~scgrpo.selfteacher.SelfTeacher` describes."""
-    new = int(module.generation.max_new_tokens)
+    new = int(getattr(module, "completion_room", module.generation.max_new_tokens))
     context = max_sequence_length(module.policy)
     if context is None:  # the model states no maximum length: only data.max_prompt_tokens, if set
         return PromptLimits(max_prompt_tokens, None, "data.max_prompt_tokens", new, 0)

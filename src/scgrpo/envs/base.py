@@ -115,8 +115,9 @@ class Environment(ABC):
     @abstractmethod
     def reset(self, row: dict[str, Any], seed: int) -> str:
         """Starts an episode for the data ``row`` (``{"id", "question", "answer", ...}``) and returns the first
-        observation: the text of the first user message (task, rules, tools). ``seed`` differs between the episodes
-        of one group and is fixed by the run's seed, the step and the row."""
+        observation: the text of the first user message (task, rules, tools). ``seed`` seeds the environment's own
+        randomness: the episodes of one group get the same one (they start from one state), and it is fixed by the
+        row's id and the run's seed (in evaluation by the row's id alone)."""
 
     @abstractmethod
     def step(self, action: Action) -> StepResult:

@@ -422,6 +422,23 @@ def generate(
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     prompt_ids = encoded["input_ids"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
     prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
+    return generate_ids(model, tokenizer, prompt_ids, prompt_mask, settings, greedy, temperature, cuda_graphs)
+
+
+def generate_ids(
+    model,
+    tokenizer,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    settings: GenerationSettings,
+    greedy: bool = False,
+    temperature: Optional[float] = None,
+    cuda_graphs: bool = True,
+    reserve: Optional[tuple[int, int]] = None,
+) -> Generated:
+    """One completion of each left-padded prompt ``[N, Tp]`` (token ids, as they are: nothing is re-tokenized).
+    ``reserve`` ``(rows, length)``: size the compact engine's workspace for up to that many rows of that many
+    positions, so that calls that grow (the turns of episodes) reuse one KV cache and its CUDA graphs."""
     eos_ids = eos_token_ids(model, tokenizer)
     temperature = temperature if temperature is not None else settings.temperature
     entropy_sum = sampler_logprobs = None
@@ -432,7 +449,7 @@ def generate(
     if compact is not None:
         sampler = _slot_decoder(compact, settings, eos_ids, tokenizer.pad_token_id, temperature, greedy, use_graphs)
         with generation_mode(model, "never"):
-            completion_ids, sampler_logprobs, entropy_sum = sampler(prompt_ids, prompt_mask)  # [N, C] x 2, [N]
+            completion_ids, sampler_logprobs, entropy_sum = sampler(prompt_ids, prompt_mask, reserve)  # [N, C] x 2, [N]
         stats = dict(sampler.stats)
         if not settings.keep_workspace:
             compact["decoder"].release()  # the fused weight copies too

@@ -222,7 +222,7 @@ class SlotDecoder:
         decoder's tensors stay the same."""
         self.decoder.rope_tables(cache_len)
         kept = self._key
-        if kept is not None and kept[0] == rows and kept[1] >= cache_len and kept[2] == self.decoder.version:
+        if kept is not None and kept[0] >= rows and kept[1] >= cache_len and kept[2] == self.decoder.version:
             cache_len = kept[1]
         else:
             self.release()
@@ -294,9 +294,12 @@ class SlotDecoder:
 
     # ------------------------------------------------------------------------------------------ the loop
     @torch.no_grad()
-    def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor,
+                 reserve: Optional[tuple[int, int]] = None) -> tuple[Tensor, Tensor, Tensor]:
         """Left-padded prompts ``[N, Tp]`` -> new tokens ``[N, C]`` (pad after each row's end), the sampler's
-        log-probability of each ``[N, C]`` (0 where greedy or padded) and the summed entropy ``[N]``."""
+        log-probability of each ``[N, C]`` (0 where greedy or padded) and the summed entropy ``[N]``.
+        ``reserve`` ``(rows, positions)``: build the workspace for up to that many rows and cache positions (the
+        calls of one episode batch then share it)."""
         n = prompt_ids.shape[0]
         self.stats = {"rollout/graphs_recorded": 0.0}
         lengths = prompt_mask.sum(1).long()  # [N]
@@ -304,9 +307,12 @@ class SlotDecoder:
             raise ValueError("every prompt needs at least one token")
         right = self._right_padded(prompt_ids, lengths)  # [N, Tp]
         cache_len = length_bucket(int(lengths.max()) + self.max_new, 1 << 30)  # (no upper limit)
-        out, cache_len = self._workspace(n, cache_len)
+        rows = n
+        if reserve is not None:
+            rows, cache_len = max(n, reserve[0]), max(cache_len, length_bucket(reserve[1], 1 << 30))
+        out, cache_len = self._workspace(rows, cache_len)
         if self._top is None:  # decided once per workspace: a budget that moved with free memory would pile up caches
-            self._top = n if not self.refill else self.slot_budget(n, cache_len)
+            self._top = rows if not self.refill else self.slot_budget(rows, cache_len)
         loop = self._decode(out, right, lengths, cache_len)
         counts = out.count[:n]
         width = max(int(counts.max()), 1) if n else 1

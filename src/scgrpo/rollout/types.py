@@ -29,12 +29,17 @@ class RolloutBatch:
 
     Prompts are left-padded and completions right-padded, so ``cat([prompt_ids, completion_ids], 1)`` is the
     sequence the policy saw while sampling.
+
+    A row may be a whole multi-turn episode (:mod:`scgrpo.envs`): its completion is the model's turns and the
+    environment's observations in the order they happened, ``completion_mask`` marks the model's own tokens
+    (the only ones in the loss, the entropy and the self-teacher's divergence) and ``env_mask`` the
+    environment's (attended to, never trained on). ``completions`` then holds each episode's transcript.
     """
 
     prompt_ids: Tensor  # [N, Tp] long, left-padded
     prompt_mask: Tensor  # [N, Tp] long
     completion_ids: Tensor  # [N, C] long, right-padded
-    completion_mask: Tensor  # [N, C] float, 1 up to and including the first end-of-sequence token
+    completion_mask: Tensor  # [N, C] float, the model's tokens: 1 up to and including the first end-of-sequence token
     truncated: Tensor  # [N] bool, no end-of-sequence token within max_new_tokens
     group_size: int
     sample_ids: list[str]  # [N] prompt id of each row
@@ -47,6 +52,7 @@ class RolloutBatch:
     ref_logprobs: Optional[Tensor] = None  # [N, C] fp32 under the reference (only when beta > 0)
     entropy_sum: Optional[Tensor] = None  # [N] fp32 sum over each completion's tokens of the sampling entropy
     sampler_logprobs: Optional[Tensor] = None  # [N, C] fp32 log-prob of each sampled token under the sampler
+    env_mask: Optional[Tensor] = None  # [N, C] float, environment tokens inside an episode (None: single turn)
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -58,8 +64,14 @@ class RolloutBatch:
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [N, Tp + C]
 
     @property
+    def context_mask(self) -> Tensor:
+        """``[N, C]`` long: the completion positions that hold a token (the model's or the environment's)."""
+        mask = self.completion_mask if self.env_mask is None else self.completion_mask + self.env_mask
+        return mask.to(self.prompt_mask.dtype)
+
+    @property
     def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask.to(self.prompt_mask.dtype)], dim=1)
+        return torch.cat([self.prompt_mask, self.context_mask], dim=1)
 
     def select(self, rows: Tensor) -> "RolloutBatch":
         """The rows ``rows`` (a 1-D index tensor) as a new batch; ``group_size`` is kept for bookkeeping only."""
@@ -85,6 +97,7 @@ class RolloutBatch:
             ref_logprobs=pick(self.ref_logprobs),
             entropy_sum=pick(self.entropy_sum),
             sampler_logprobs=pick(self.sampler_logprobs),
+            env_mask=pick(self.env_mask),
         )
 
 

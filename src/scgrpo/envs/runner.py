@@ -1,0 +1,392 @@
+"""Plays episodes: all episodes of a batch advance together, one model turn at a time.
+
+Each turn decodes the reply of every live episode in one call of the sampler (the compact engine, as for single
+completions), then the environments answer, in parallel threads and each within its time limit, and their
+observations are rendered by the chat template and appended as token ids. The history is never decoded and
+tokenized again: the ids the policy is trained on are the ids it sampled and read.
+
+Between turns the KV cache is re-filled by one prefill of each live history (the sampler's workspace, its cache
+and CUDA graphs are sized once for the whole episode batch and reused by every turn). ``docs/envs.md`` gives the
+measured cost of that prefill against the decode steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult
+
+log = logging.getLogger(__name__)
+
+OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+
+def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
+    """Runs ``calls`` in daemon threads, ``max_workers`` at a time, each within ``timeout_s`` seconds of its
+    start. Returns per call ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that
+    hangs is left behind in its daemon thread (it cannot hold the process at exit)."""
+    results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
+
+    def runner(k: int, fn: Callable[[], Any], box: list) -> None:
+        try:
+            box.append((OK, fn()))
+        except BaseException as err:  # noqa: BLE001 - a user's environment may raise anything
+            box.append((ERROR, err))
+
+    for start in range(0, len(calls), max_workers):
+        wave = []
+        for k in range(start, min(start + max_workers, len(calls))):
+            box: list = []
+            thread = threading.Thread(target=runner, args=(k, calls[k], box), daemon=True, name=f"scgrpo-env-{k}")
+            thread.start()
+            wave.append((k, thread, box))
+        deadline = time.monotonic() + timeout_s
+        for k, thread, box in wave:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if box:
+                results[k] = box[0]
+    return results
+
+
+class ChatTurns:
+    """Token ids of an environment's observation, as the chat template renders it after a model turn.
+
+    The template is rendered once with sentinels: what follows an assistant message's content (its end-of-turn
+    marker, which the model usually sampled itself as its end-of-sequence token), then a message of the
+    observation's role and the next assistant header. Without a chat template the observation sits between blank
+    lines."""
+
+    SENTINEL = "\x00OBSERVATION\x00"
+
+    def __init__(self, tokenizer, role: str = "user") -> None:
+        self.tokenizer = tokenizer
+        self.after_turn, self.before, self.after = "\n\n", "", "\n\n"
+        if getattr(tokenizer, "chat_template", None):
+            reply = "\x00REPLY\x00"
+            first = [{"role": "user", "content": "question"}, {"role": "assistant", "content": reply}]
+            shown = tokenizer.apply_chat_template(first, tokenize=False)
+            more = tokenizer.apply_chat_template(first + [{"role": role, "content": self.SENTINEL}], tokenize=False,
+                                                 add_generation_prompt=True)
+            if not more.startswith(shown) or reply not in shown or self.SENTINEL not in more:
+                raise ValueError(f"the chat template does not render a {role!r} message after an assistant turn as "
+                                 "a continuation; set the environment's observation_role to a role it renders")
+            self.after_turn = shown.split(reply, 1)[1]
+            self.before, self.after = more[len(shown):].split(self.SENTINEL, 1)
+
+    def ids(self, observation: str, ended_turn: Optional[str]) -> list[int]:
+        """The observation's ids; ``ended_turn``: the text of the end-of-sequence token the model's turn ended
+        with (None: cut at the turn's token limit), which the template's end-of-turn text then does not repeat."""
+        head = self.after_turn
+        if ended_turn and head.startswith(ended_turn):
+            head = head[len(ended_turn):]
+        text = head + self.before + observation + self.after
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class Episode:
+    """One episode while it runs: its environment, its tokens after the first prompt, and how it ended."""
+
+    env: Optional[Environment]
+    prompt: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    model: list[float] = field(default_factory=list)  # 1 where the model sampled the token
+    logprobs: list[float] = field(default_factory=list)
+    entropy: float = 0.0
+    reward: float = 0.0
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+    fault: Optional[str] = None  # "error" or "timeout"
+    transcript: list[str] = field(default_factory=list)
+    infos: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Episodes:
+    """A batch of finished episodes (``N`` rows, each prompt's ``num_samples`` adjacent), as tensors."""
+
+    questions: list[str]  # [N] the first observation (the episode's user turn)
+    prompt_ids: Tensor  # [N, Tp] left-padded
+    prompt_mask: Tensor  # [N, Tp]
+    completion_ids: Tensor  # [N, C] right-padded: the model's turns and the observations
+    completion_mask: Tensor  # [N, C] float, the model's tokens
+    env_mask: Tensor  # [N, C] float, the environment's tokens
+    truncated: Tensor  # [N] bool, ended by the turn limit or the token budget
+    rewards: Tensor  # [N] float, the sum of the environment's rewards (0 after a fault)
+    completions: list[str]  # [N] transcripts
+    infos: list[dict]  # [N] turns, the environment's infos, the fault if any
+    entropy_sum: Optional[Tensor] = None  # [N] summed sampling entropy over the model's tokens
+    sampler_logprobs: Optional[Tensor] = None  # [N, C]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def transcript(episode: Episode) -> str:
+    return "\n\n".join(episode.transcript)
+
+
+class EpisodeRunner:
+    """Plays ``num_samples`` episodes of each row of a batch with a policy (see the module docstring).
+
+    Args:
+        environment: the template environment; each episode plays on its own :meth:`~Environment.spawn`.
+        settings: turn limit, token budget, time limit of an environment call, threads.
+    """
+
+    def __init__(self, environment: Environment, settings: EpisodeSettings = EpisodeSettings()) -> None:
+        self.environment, self.settings = environment, settings
+        self.errors = self.timeouts = 0  # over the run
+        self._logged: set[str] = set()
+        self._chat: Optional[ChatTurns] = None
+
+    @property
+    def timeout_s(self) -> float:
+        return self.settings.timeout_s if self.settings.timeout_s is not None else float(self.environment.timeout_s)
+
+    def _calls(self, calls: Sequence[Callable[[], Any]], episodes: Sequence[Episode], what: str, stats: dict) -> list:
+        """Runs environment calls; a fault ends its episode with reward 0 and is counted and logged once."""
+        start = time.perf_counter()
+        results = call_all(calls, self.timeout_s, self.settings.max_workers)
+        stats["episode/env_time_s"] = stats.get("episode/env_time_s", 0.0) + time.perf_counter() - start
+        values = []
+        for (status, value), episode in zip(results, episodes):
+            if status == OK:
+                values.append(value)
+                continue
+            name = type(self.environment).__name__
+            if status == TIMEOUT:
+                self.timeouts += 1
+                stats["episode/env_timeouts"] = stats.get("episode/env_timeouts", 0.0) + 1
+                message = f"{name}.{what} ran past {self.timeout_s:g}s"
+            else:
+                self.errors += 1
+                stats["episode/env_errors"] = stats.get("episode/env_errors", 0.0) + 1
+                message = f"{name}.{what} raised {type(value).__name__}: {value}"
+            self._end_with_fault(episode, status, message)
+            values.append(None)
+        return values
+
+    def _end_with_fault(self, episode: Episode, status: str, message: str) -> None:
+        episode.fault, episode.done, episode.reward = status, True, 0.0
+        episode.infos.append({"env_error": message})
+        if status not in self._logged:
+            self._logged.add(status)
+            log.warning("%s; the episode ends with reward 0 (further ones are counted under episode/env_%ss, not "
+                        "logged)", message, "timeout" if status == TIMEOUT else "error")
+        if status != TIMEOUT:  # a hung environment may still be inside its own code
+            _close(episode.env)
+
+    def run(self, policy, rows: Sequence[dict[str, Any]], num_samples: int, greedy: bool = False,
+            temperature: Optional[float] = None, seed: Optional[int] = None) -> Episodes:
+        """``num_samples`` episodes of each of ``rows`` (``{"id", "question", "answer"}``) with ``policy`` (a
+        :class:`~scgrpo.policy.Policy`: ``tokenizer``, ``format_prompts``, ``sample_ids``). The episodes of one row
+        share the environment seed (a group starts from one state), made from the row's id and ``seed`` (None: drawn
+        from torch's generator, so a seeded run repeats; evaluation passes 0, so every run meets the same episodes)."""
+        settings, tok = self.settings, policy.tokenizer
+        stats = {"episode/env_errors": 0.0, "episode/env_timeouts": 0.0, "episode/env_time_s": 0.0}
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        expanded = [row for row in rows for _ in range(num_samples)]
+        episodes = [Episode(env=None) for _ in expanded]
+        spawned = self._calls([self.environment.spawn for _ in expanded], episodes, "spawn", stats)
+        for episode, env in zip(episodes, spawned):
+            episode.env = env
+        live = [e for e in episodes if not e.done]
+        firsts = self._calls([_reset_call(e.env, row, row_seed(row, seed)) for e, row in zip(episodes, expanded)
+                              if not e.done], live, "reset", stats)
+        observations = {id(e): obs for e, obs in zip(live, firsts)}
+        questions = []
+        for episode, row in zip(episodes, expanded):
+            first = observations.get(id(episode))
+            if not episode.done and not isinstance(first, str):
+                self._junk(episode, f"reset returned {type(first).__name__}, not the first observation's text", stats)
+            questions.append(first if isinstance(first, str) else str(row.get("question", "")))
+        for episode, ids in zip(episodes, tok(policy.format_prompts(questions), add_special_tokens=False)["input_ids"]):
+            episode.prompt = list(ids)
+        eos_text = {i: tok.decode([i]) for i in _eos_ids(policy)}
+        if self._chat is None:
+            self._chat = ChatTurns(tok, self.environment.observation_role)
+        reserve = (len(episodes), max(len(e.prompt) for e in episodes) + settings.max_episode_tokens
+                   + policy.generation.max_new_tokens)
+        engine_stats: dict[str, float] = {}
+        for turn in range(settings.max_turns):
+            # an episode that faulted at reset still takes its first turn (every row has model tokens), then ends
+            going = [e for e in episodes if not e.done or (turn == 0 and e.fault is not None)]
+            if not going:
+                break
+            generated = self._decode(policy, going, greedy, temperature, reserve)
+            for key, value in generated.stats.items():
+                engine_stats[key] = engine_stats.get(key, 0.0) + value
+            acting, actions = [], []
+            for k, episode in enumerate(going):
+                ended = self._append_turn(episode, generated, k, tok, eos_text)
+                if episode.done:  # a fault at reset, or the token budget
+                    continue
+                acting.append(episode)
+                actions.append((episode.transcript[-1], ended))
+            results = self._calls([_step_call(e.env, text) for e, (text, _) in zip(acting, actions)], acting,
+                                  "step", stats)
+            for episode, (text, ended), result in zip(acting, actions, results):
+                if episode.done:
+                    continue
+                if not isinstance(result, StepResult) or not _finite(result.reward):
+                    self._junk(episode, f"step returned {_describe(result)}, not a StepResult with a finite reward",
+                               stats)
+                    continue
+                episode.reward += float(result.reward)
+                episode.infos.append(dict(result.info))
+                if result.done:
+                    episode.done = True
+                    _close(episode.env)
+                    continue
+                if not isinstance(result.observation, str):
+                    self._junk(episode, f"step returned a {type(result.observation).__name__} observation, not text",
+                               stats)
+                    continue
+                observation = self._chat.ids(result.observation, ended)
+                if turn + 1 >= settings.max_turns or len(episode.tokens) + len(observation) >= settings.max_episode_tokens:
+                    episode.done = episode.truncated = True  # no room for another model turn
+                    _close(episode.env)
+                    continue
+                episode.tokens += observation
+                episode.model += [0.0] * len(observation)
+                episode.logprobs += [0.0] * len(observation)
+                episode.transcript.append(f"[{self.environment.observation_role}] {result.observation}")
+        for episode in episodes:
+            if not episode.done:
+                episode.done = episode.truncated = True
+                _close(episode.env)
+        out = self._tensors(policy, episodes, questions, greedy)
+        out.stats.update(engine_stats)
+        out.stats.update(stats)
+        n = max(len(episodes), 1)
+        model_tokens = out.completion_mask.sum(1)
+        out.stats.update({"episode/turns_mean": sum(e.turns for e in episodes) / n,
+                          "episode/model_tokens_mean": float(model_tokens.mean()) if len(episodes) else 0.0,
+                          "episode/env_tokens_mean": float(out.env_mask.sum(1).mean()) if len(episodes) else 0.0,
+                          "episode/truncated": sum(e.truncated for e in episodes) / n})
+        return out
+
+    def _junk(self, episode: Episode, message: str, stats: dict) -> None:
+        self.errors += 1
+        stats["episode/env_errors"] = stats.get("episode/env_errors", 0.0) + 1
+        self._end_with_fault(episode, ERROR, f"{type(self.environment).__name__}: {message}")
+
+    def _decode(self, policy, going: list[Episode], greedy: bool, temperature: Optional[float], reserve):
+        """One turn of every episode in ``going``: their histories, left-padded, through the sampler."""
+        pad = policy.tokenizer.pad_token_id
+        histories = [e.prompt + e.tokens for e in going]
+        width = max(len(h) for h in histories)
+        ids = torch.full((len(going), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(going), width), dtype=torch.long)
+        for k, history in enumerate(histories):
+            ids[k, width - len(history):] = torch.tensor(history, dtype=torch.long)
+            mask[k, width - len(history):] = 1
+        device = policy.device
+        return policy.sample_ids(ids.to(device), mask.to(device), greedy=greedy, temperature=temperature,
+                                 reserve=reserve)
+
+    def _append_turn(self, episode: Episode, generated, k: int, tok, eos_text: dict[int, str]) -> Optional[str]:
+        """Books row ``k`` of ``generated`` as the episode's next model turn, cut at the token budget; returns the
+        text of the end-of-sequence token it ended with (None: cut)."""
+        length = int(generated.completion_mask[k].sum())
+        ids = generated.completion_ids[k, :length].tolist()
+        room = self.settings.max_episode_tokens - len(episode.tokens)
+        cut = len(ids) > room
+        ids = ids[:room]
+        logprobs = (generated.sampler_logprobs[k, : len(ids)].tolist() if generated.sampler_logprobs is not None
+                    else [0.0] * len(ids))
+        episode.tokens += ids
+        episode.model += [1.0] * len(ids)
+        episode.logprobs += logprobs
+        if generated.entropy_sum is not None:
+            episode.entropy += float(generated.entropy_sum[k])
+        episode.turns += 1
+        episode.transcript.append(tok.decode(ids, skip_special_tokens=True).strip())
+        if episode.fault is not None:
+            episode.done = True
+        elif cut or len(episode.tokens) >= self.settings.max_episode_tokens:
+            episode.done = episode.truncated = True
+            _close(episode.env)
+        return eos_text.get(ids[-1]) if ids and not bool(generated.truncated[k]) and not cut else None
+
+    def _tensors(self, policy, episodes: list[Episode], questions: list[str], greedy: bool) -> Episodes:
+        device, pad = policy.device, policy.tokenizer.pad_token_id
+        n = len(episodes)
+        tp = max((len(e.prompt) for e in episodes), default=1)
+        c = max((len(e.tokens) for e in episodes), default=1)
+        prompt_ids = torch.full((n, tp), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((n, tp), dtype=torch.long)
+        completion_ids = torch.full((n, c), pad, dtype=torch.long)
+        model = torch.zeros((n, c), dtype=torch.float32)
+        env = torch.zeros((n, c), dtype=torch.float32)
+        logprobs = torch.zeros((n, c), dtype=torch.float32)
+        for i, e in enumerate(episodes):
+            prompt_ids[i, tp - len(e.prompt):] = torch.tensor(e.prompt, dtype=torch.long)
+            prompt_mask[i, tp - len(e.prompt):] = 1
+            length = len(e.tokens)
+            completion_ids[i, :length] = torch.tensor(e.tokens, dtype=torch.long)
+            model[i, :length] = torch.tensor(e.model)
+            env[i, :length] = 1.0 - torch.tensor(e.model)
+            logprobs[i, :length] = torch.tensor(e.logprobs)
+        infos = [{"turns": e.turns, "env": e.infos, **({"fault": e.fault} if e.fault else {})} for e in episodes]
+        return Episodes(
+            questions=questions,
+            prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+            completion_ids=completion_ids.to(device), completion_mask=model.to(device), env_mask=env.to(device),
+            truncated=torch.tensor([e.truncated for e in episodes], dtype=torch.bool, device=device),
+            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device),
+            completions=[transcript(e) for e in episodes], infos=infos,
+            entropy_sum=None if greedy else torch.tensor([e.entropy for e in episodes], device=device),
+            sampler_logprobs=None if greedy else logprobs.to(device),
+        )
+
+
+def row_seed(row: dict, seed: int) -> int:
+    """The environment seed of a row's episodes: a stable hash of its id, mixed with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{row.get('id', '')}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def _reset_call(env: Environment, row: dict, seed: int) -> Callable[[], Any]:
+    return lambda: env.reset(row, seed)
+
+
+def _step_call(env: Environment, text: str) -> Callable[[], Any]:
+    return lambda: env.step(Action(text=text, tool_call=env.parse_tool_call(text)))
+
+
+def _close(env: Optional[Environment]) -> None:
+    if env is None:
+        return
+    try:
+        env.close()
+    except Exception as err:  # noqa: BLE001 - closing is best effort
+        log.debug("closing %s raised %s", type(env).__name__, err)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _eos_ids(policy) -> list[int]:
+    from scgrpo.rollout.engine import eos_token_ids
+
+    return eos_token_ids(policy.model, policy.tokenizer)
