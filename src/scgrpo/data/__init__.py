@@ -2,16 +2,22 @@
 
 from scgrpo.data.code import CodeTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
+from scgrpo.data.gym import BlackjackTask, FrozenLakeTask, GymTask
 from scgrpo.data.sources import TASKS, ArithmeticTask, CountdownTask, FileSource, HubDataset, PromptSource, resolve_source
 
 TASKS["code"] = CodeTask
+TASKS["frozenlake"] = FrozenLakeTask
+TASKS["blackjack"] = BlackjackTask
 
 __all__ = [
     "TASKS",
     "ArithmeticTask",
+    "BlackjackTask",
     "CodeTask",
     "CountdownTask",
     "FileSource",
+    "FrozenLakeTask",
+    "GymTask",
     "HubDataset",
     "PromptDataModule",
     "PromptSource",

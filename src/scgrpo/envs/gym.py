@@ -1,25 +1,19 @@
-"""Gymnasium environments as text environments, and prompt sources of their episodes.
+"""Gymnasium environments as text environments.
 
 :class:`GymnasiumEnv` plays any gymnasium-style environment (a registered id, or an import path to an ``Env``
 class) through the :class:`~scgrpo.envs.Environment` interface: the observation is rendered as text, the model's
-turn is parsed into an action, and gymnasium's ``terminated``/``truncated`` end the episode. :class:`GymTask` makes
-the rows: each fixes the environment's seed and settings, so the G episodes of a group start alike.
-
-The packaged tasks: ``frozenlake`` (:class:`FrozenLakeTask`) and ``blackjack`` (:class:`BlackjackTask`), gymnasium's
-toy-text environments with text renderers of their own (:func:`frozenlake_text`, :func:`blackjack_text`).
-gymnasium is an optional dependency: ``pip install 'scgrpo[gym]'``.
+turn is parsed into an action, and gymnasium's ``terminated``/``truncated`` end the episode. The prompt sources of
+its episodes are in :mod:`scgrpo.data.gym`; :func:`frozenlake_text` and :func:`blackjack_text` render the packaged
+tasks' toy-text environments. gymnasium is an optional dependency: ``pip install 'scgrpo[gym]'``.
 """
 
 from __future__ import annotations
 
 import importlib
-import random
 import re
 from typing import Any, Callable, Optional
 
-from scgrpo.data.sources import PromptSource, Row
 from scgrpo.envs.base import Action, Environment, StepResult
-from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 
 GYM_INSTALL = "pip install 'scgrpo[gym]'"
 REWARDS = ("success", "raw")
@@ -27,7 +21,7 @@ ANSWER_KEYS = ("seed", "make_kwargs", "options")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def _gymnasium():
+def gymnasium_module():
     try:
         import gymnasium
     except ModuleNotFoundError as err:
@@ -67,10 +61,11 @@ class GymnasiumEnv(Environment):
     into an action and passed to ``env.step``; ``terminated`` or ``truncated`` ends the episode.
 
     The row's ``answer`` says how the episode starts:
-      - an int: the seed given to ``env.reset`` (every episode of the row starts alike);
+      - an int: the seed given to ``env.reset`` (the row is one fixed start, in training and evaluation alike);
       - a dict with any of ``seed`` (int), ``make_kwargs`` (dict, merged over the environment's own) and
         ``options`` (dict, passed to ``env.reset``);
-      - null, or no ``seed``: the episode's own seed (each episode of a group starts differently).
+      - null, or no ``seed``: the seed :meth:`reset` is given (the runner's: shared by the row's episodes, drawn
+        anew each time the row is played in training, fixed by the row's id in evaluation).
 
     A turn in which no action is found is answered with an observation listing the valid words and counted
     (``info["invalid_turns"]``); the ``max_invalid``-th such turn ends the episode without further reward.
@@ -139,12 +134,16 @@ class GymnasiumEnv(Environment):
         words = sorted(self.actions, key=len, reverse=True)  # the longer of two words starting at one place wins
         self._pattern = re.compile(r"(?<!\w)(" + "|".join(re.escape(w) for w in words) + r")(?!\w)", re.IGNORECASE)
         self._lower = {w.lower(): a for w, a in self.actions.items()}
+        shown = {}  # the first word of each action, as the reply after an invalid turn lists them
+        for word, a in self.actions.items():
+            shown.setdefault(str(a), word)
+        self._shown = ", ".join(shown.values()) if shown else "a valid action"
         self._env: Any = None
         self._total, self._invalid = 0.0, 0
 
     # ---------------------------------------------------------------- set-up
     def _find_spec(self) -> Any:
-        gym = _gymnasium()
+        gym = gymnasium_module()
         if self.env_id is not None:
             try:
                 return gym.spec(self.env_id)
@@ -157,11 +156,11 @@ class GymnasiumEnv(Environment):
     def _offers_ansi(self) -> bool:
         creator = self._spec.entry_point
         if isinstance(creator, str):
-            creator = _gymnasium().envs.registration.load_env_creator(creator)
+            creator = gymnasium_module().envs.registration.load_env_creator(creator)
         return "ansi" in (getattr(creator, "metadata", None) or {}).get("render_modes", ())
 
     def _make(self, extra: dict[str, Any]) -> Any:
-        gym = _gymnasium()
+        gym = gymnasium_module()
         kwargs = {**self.make_kwargs, **extra}
         if "render_mode" not in kwargs and self._offers_ansi():
             kwargs["render_mode"] = "ansi"
@@ -173,7 +172,7 @@ class GymnasiumEnv(Environment):
     def _check_actions(self, actions: Optional[dict[str, Any]], space: Any) -> dict[str, Any]:
         if self._parse_fn is not None:
             return {}
-        gym = _gymnasium()
+        gym = gymnasium_module()
         if not isinstance(space, gym.spaces.Discrete):
             raise ValueError(f"{self._spec.id}: its action space {space} is not Discrete; give parse: 'pkg.module:fn'")
         if actions is None:
@@ -187,7 +186,7 @@ class GymnasiumEnv(Environment):
     @staticmethod
     def episode_start(answer: Any, seed: int) -> tuple[int, dict[str, Any], Optional[dict[str, Any]]]:
         """The reset seed, make_kwargs and reset options of a row whose answer is ``answer`` (see the class
-        docstring); ``seed`` is the episode's own."""
+        docstring); ``seed`` is the one :meth:`reset` was given."""
         if answer is None:
             return seed, {}, None
         if isinstance(answer, int) and not isinstance(answer, bool):
@@ -224,15 +223,15 @@ class GymnasiumEnv(Environment):
 
     def step(self, action: Action) -> StepResult:
         if self._env is None:
-            raise RuntimeError("step() before reset()")
+            raise RuntimeError("step() before reset(), or after the episode ended")
         chosen = self.choose(action.text)
         if chosen is None:
             self._invalid += 1
             info = {"invalid": True, "invalid_turns": self._invalid}
             if self._invalid >= self.max_invalid:
+                self.close()
                 return StepResult("", 0.0, True, {**info, "success": False})
-            valid = ", ".join(self.actions) if self.actions else "a valid action"
-            return StepResult(f"That is not a valid move. Reply with one of: {valid}.", 0.0, False, info)
+            return StepResult(f"That is not a valid move. Reply with one of: {self._shown}.", 0.0, False, info)
         obs, gym_reward, terminated, truncated, gym_info = self._env.step(chosen)
         self._total += float(gym_reward)
         done = bool(terminated or truncated)
@@ -246,6 +245,8 @@ class GymnasiumEnv(Environment):
         else:
             reward = 1.0 if done and self._total > self.success_threshold else 0.0
         observation = "" if done else self._render_fn(obs, gym_info, self._env)
+        if done:
+            self.close()
         return StepResult(observation, reward, done, info)
 
     def spawn(self) -> "GymnasiumEnv":
@@ -258,100 +259,8 @@ class GymnasiumEnv(Environment):
             env.close()
 
 
-class ScoredByEnvironment(Verifier):
-    """The verifier of sources whose rows are episodes: it scores nothing, their environment does."""
-
-    def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
-        raise VerifierSetupError(
-            "this task's rows are episodes, scored by their environment: set model.environment (the source's "
-            "default_environment()) instead of scoring completions with a verifier"
-        )
-
-
-class GymTask(PromptSource):
-    """Episodes of a gymnasium environment as rows; :meth:`default_environment` is the :class:`GymnasiumEnv` that
-    plays them.
-
-    Each row's answer is ``{"seed": s, "make_kwargs": {...}}`` (see :class:`GymnasiumEnv`): the G episodes of a
-    row start from the same state and, where the environment draws at random, see the same draws until their
-    actions differ. Splits: ``train`` (``num_train`` seeds), ``id`` (``num_eval`` other seeds, same settings),
-    ``ood`` (``num_ood`` other seeds, with ``ood_make_kwargs`` over the settings). Seeds of the splits are
-    disjoint; whether their start states are depends on the environment.
-
-    Args:
-        env_id, entry_point, make_kwargs, instructions, actions, render, parse, reward, success_threshold,
-            max_invalid: those of :class:`GymnasiumEnv` (``instructions`` is also each row's question).
-        ood_make_kwargs: the ood split's settings, over ``make_kwargs`` (None: no ood split).
-        num_train: size of the train split.
-        num_eval: size of the id split.
-        num_ood: size of the ood split.
-        seed: fixes the splits' seeds.
-    """
-
-    def __init__(
-        self,
-        env_id: Optional[str] = None,
-        entry_point: Optional[str] = None,
-        make_kwargs: Optional[dict[str, Any]] = None,
-        instructions: str = "",
-        actions: Optional[dict[str, Any]] = None,
-        render: Optional[str] = None,
-        parse: Optional[str] = None,
-        reward: str = "success",
-        success_threshold: float = 0.0,
-        max_invalid: int = 2,
-        ood_make_kwargs: Optional[dict[str, Any]] = None,
-        num_train: int = 10000,
-        num_eval: int = 64,
-        num_ood: int = 64,
-        seed: int = 1234,
-    ) -> None:
-        if num_train < 1 or num_eval < 0 or num_ood < 0:
-            raise ValueError(f"num_train must be >= 1, num_eval and num_ood >= 0; got {num_train}, {num_eval}, {num_ood}")
-        self.env_settings = dict(env_id=env_id, entry_point=entry_point, make_kwargs=make_kwargs,
-                                 instructions=instructions or None, actions=actions, render=render, parse=parse,
-                                 reward=reward, success_threshold=success_threshold, max_invalid=max_invalid)
-        self.instructions, self.ood_make_kwargs = instructions, ood_make_kwargs
-        self.num_train, self.num_eval, self.num_ood, self.seed = num_train, num_eval, num_ood, seed
-        self._cache: dict[str, list[Row]] = {}
-
-    def splits(self) -> list[str]:
-        return ["train", "id"] + (["ood"] if self.ood_make_kwargs is not None else [])
-
-    def default_verifier(self) -> Verifier:
-        return ScoredByEnvironment()
-
-    def default_environment(self) -> GymnasiumEnv:
-        return GymnasiumEnv(**self.env_settings)
-
-    def describe(self, split: str) -> str:
-        return f"{type(self).__name__} ({self.env_settings['env_id'] or self.env_settings['entry_point']}) split {split!r}"
-
-    def make_kwargs(self, split: str, rng: random.Random) -> dict[str, Any]:
-        """The settings of one row of ``split`` over the environment's own (override to vary them by row, e.g.
-        a map; ``rng`` is the split's)."""
-        return dict(self.ood_make_kwargs or {}) if split == "ood" else {}
-
-    def rows(self, split: str) -> list[Row]:
-        if split not in self.splits():
-            raise ValueError(f"{type(self).__name__} has no split {split!r}; expected one of {self.splits()}")
-        if not self._cache:
-            counts = {"train": self.num_train, "id": self.num_eval, "ood": self.num_ood}
-            seeds = random.Random(f"{self.seed}-seeds").sample(range(2**31), sum(counts.values()))
-            start = 0
-            for name, count in counts.items():
-                rng = random.Random(f"{self.seed}-{name}")
-                self._cache[name] = [
-                    {"id": f"{name}-{k}", "question": self.instructions,
-                     "answer": {"seed": seeds[start + k], "make_kwargs": self.make_kwargs(name, rng)}}
-                    for k in range(count)
-                ]
-                start += count
-        return self._cache[split]
-
-
 # ---------------------------------------------------------------------------- the packaged tasks
-_CARD = {1: "A", 10: "10"}
+_CARD = {1: "A"}
 
 
 def _hand(cards: list[int]) -> str:
@@ -359,10 +268,12 @@ def _hand(cards: list[int]) -> str:
 
 
 def blackjack_text(obs: Any, info: dict[str, Any], env: Any) -> str:
-    """Blackjack-v1's state: the player's cards and total, the dealer's face-up card."""
+    """Blackjack-v1's state (the player's cards and total, the dealer's face-up card) and the question."""
     total, dealer, usable_ace = (int(x) for x in obs)
-    ace = " (an ace counts as 11)" if usable_ace else ""
-    return f"Your cards: {_hand(env.unwrapped.player)}, total {total}{ace}. The dealer shows: {_CARD.get(dealer, str(dealer))}."
+    ace = ", an ace counting 11" if usable_ace else ""
+    return (f"Your cards: {_hand(env.unwrapped.player)} (total {total}{ace}). "
+            f"The dealer shows: {_CARD.get(dealer, str(dealer))}.\n"
+            "Do you hit (take a card) or stick (stop)? Reply hit or stick.")
 
 
 def frozenlake_text(obs: Any, info: dict[str, Any], env: Any) -> str:
@@ -373,6 +284,6 @@ def frozenlake_text(obs: Any, info: dict[str, Any], env: Any) -> str:
     row, col = divmod(int(obs), cols)
     grid[row][col] = "P"
     goal = next((r, c) for r in range(rows) for c in range(cols) if lake.desc[r, c] == b"G")
-    lines = [" ".join(line) for line in grid]
-    return "\n".join(lines) + (f"\nYou are at row {row + 1}, column {col + 1}. "
-                               f"The goal is at row {goal[0] + 1}, column {goal[1] + 1}.")
+    return "\n".join(" ".join(line) for line in grid) + (
+        f"\nYou are at row {row + 1}, column {col + 1}; the goal is at row {goal[0] + 1}, column {goal[1] + 1}.\n"
+        "Which way do you move: left, right, up or down?")
