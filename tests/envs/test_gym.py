@@ -1,6 +1,6 @@
-"""The gymnasium adapter: actions parsed from text, invalid replies, rewards, done flags and seeds on the packaged
-Blackjack and FrozenLake; the rows of GymTask; and README's corridor (a user's own environment) through the same
-adapter, by entry point, by registered id and in a training run."""
+"""The gymnasium adapter: actions parsed from text, invalid replies, rewards, done flags and seeds on gymnasium's
+Blackjack and FrozenLake; the rows of GymTask and the packaged blackjack task; and README's corridor (a user's own
+environment) through the same adapter, by entry point, by registered id, from a file and in a training run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import gymnasium
 import pytest
 
 from scgrpo.cli import main
-from scgrpo.data import TASKS, BlackjackTask, FrozenLakeTask, GymTask, resolve_source
+from scgrpo.data import TASKS, BlackjackTask, GymTask, resolve_source
 from scgrpo.envs import Action, GymnasiumEnv
 from scgrpo.verifiers import VerifierSetupError
 
@@ -22,9 +22,18 @@ LAKE = ["SFF", "FHF", "FFG"]  # right, right, down, down reaches G; down, right 
 MOVES = {"left": 0, "down": 1, "right": 2, "up": 3}
 
 
+def lake_text(obs, info, env) -> str:
+    """FrozenLake's map with the player's cell marked P, and where the player is."""
+    desc = env.unwrapped.desc
+    row, col = divmod(int(obs), desc.shape[1])
+    lines = [[c.decode() for c in line] for line in desc]
+    lines[row][col] = "P"
+    return "\n".join(" ".join(line) for line in lines) + f"\nYou are at row {row + 1}, column {col + 1}."
+
+
 def lake(**kwargs) -> GymnasiumEnv:
     settings = dict(make_kwargs={"is_slippery": False, "desc": LAKE}, actions=MOVES,
-                    render="scgrpo.envs.gym:frozenlake_text", instructions="Reach G.")
+                    render="tests.envs.test_gym:lake_text", instructions="Reach G.")
     settings.update(kwargs)
     return GymnasiumEnv("FrozenLake-v1", **settings)
 
@@ -87,6 +96,15 @@ def test_without_actions_a_discrete_space_takes_its_action_numbers():
     assert env.actions == {"0": 0, "1": 1, "2": 2, "3": 3}
     _, steps = play(env, ["2"])
     assert steps[0].info["action"] == 2
+
+
+def test_by_default_the_observation_is_the_ansi_rendering_without_colours_else_str_of_it():
+    first, steps = play(GymnasiumEnv("FrozenLake-v1", make_kwargs={"is_slippery": False, "desc": LAKE},
+                                     instructions="Go."), ["2"])
+    assert first == "Go.\n\nSFF\nFHF\nFFG"  # its ansi rendering marks the player by a colour, which is dropped
+    assert steps[0].observation == "  (Right)\nSFF\nFHF\nFFG"
+    first, _ = play(GymnasiumEnv("Blackjack-v1"), [], row={"answer": 3})  # no ansi rendering: str(obs)
+    assert re.fullmatch(r"\(\d+, \d+, [01]\)", first)
 
 
 # ---------------------------------------------------------------- invalid replies
@@ -284,8 +302,8 @@ def test_gym_task_scores_through_its_environment_not_a_verifier():
         task.default_verifier().verify("hit", {"seed": 1})
 
 
-def test_the_packaged_tasks_are_registered_and_play_their_rows():
-    assert TASKS["blackjack"] is BlackjackTask and TASKS["frozenlake"] is FrozenLakeTask
+def test_the_blackjack_task_is_registered_and_plays_its_rows():
+    assert TASKS["blackjack"] is BlackjackTask
     blackjack = resolve_source("blackjack")
     row = blackjack.rows("ood")[0]
     assert row["answer"]["make_kwargs"] == {"sab": True}
@@ -294,19 +312,6 @@ def test_the_packaged_tasks_are_registered_and_play_their_rows():
     assert first.endswith("The dealer shows: " + first.split("The dealer shows: ")[1].split(".")[0]
                           + ".\nDo you hit (take a card) or stick (stop)? Reply hit or stick.")
     assert steps[0].done and steps[0].info["action"] == 0
-
-
-def test_frozenlake_rows_are_maps_of_their_split_size_with_a_path():
-    task = FrozenLakeTask(size=3, ood_size=5, num_train=20, num_eval=4, num_ood=4)
-    env = task.default_environment()
-    for split, size in (("train", 3), ("id", 3), ("ood", 5)):
-        for row in task.rows(split):
-            desc = row["answer"]["make_kwargs"]["desc"]
-            assert len(desc) == size and all(len(line) == size for line in desc)
-            assert desc[0][0] == "S" and desc[-1][-1] == "G"
-            grid = env.spawn().reset(row, 0).split("\n\n")[1].split("\n")[:size]
-            assert [line.replace("P", "S").replace(" ", "") for line in grid] == desc
-    assert len({str(r["answer"]["make_kwargs"]["desc"]) for r in task.rows("train")}) > 3
 
 
 # ---------------------------------------------------------------- README's corridor: a user's own environment
@@ -351,3 +356,19 @@ def test_readme_corridor_config_trains_with_the_tiny_model(corridor_package, tin
     assert any(v not in (None, "") for r in rows for k, v in r.items() if k.startswith("val/ood/avg@"))
     saved = yaml.safe_load(open(os.path.join(run, "config.yaml")))
     assert saved["model"]["environment"]["init_args"]["entry_point"] == "my_pkg.corridor:Corridor"
+
+
+def test_readme_corridor_rows_from_a_file(corridor_package, tmp_path):
+    import json
+
+    from scgrpo.data import FileSource
+
+    path = tmp_path / "corridors.jsonl"
+    answers = [{"seed": 1, "make_kwargs": {"length": 4}}, {"seed": 2}, {"seed": None, "make_kwargs": {"length": 9}}]
+    path.write_text("".join(json.dumps({"question": "Walk east.", "answer": a}) + "\n" for a in answers))
+    rows = FileSource(str(path)).rows("train")
+    env = GymnasiumEnv(entry_point="my_pkg.corridor:Corridor", actions={"east": 1, "west": 0})
+    firsts = [env.spawn().reset(row, 5) for row in rows]
+    assert firsts[0] == env.spawn().reset({"question": "Walk east.", "answer": answers[0]}, 0)
+    assert "east of cell 3." in firsts[0] and "east of cell 2." in firsts[1] and "east of cell 8." in firsts[2]
+    assert firsts[2] == env.spawn().reset({"question": "Walk east.", "answer": {"make_kwargs": {"length": 9}}}, 5)

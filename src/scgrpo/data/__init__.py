@@ -2,11 +2,10 @@
 
 from scgrpo.data.code import CodeTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
-from scgrpo.data.gym import BlackjackTask, FrozenLakeTask, GymTask
+from scgrpo.data.gym import BlackjackTask, GymTask
 from scgrpo.data.sources import TASKS, ArithmeticTask, CountdownTask, FileSource, HubDataset, PromptSource, resolve_source
 
 TASKS["code"] = CodeTask
-TASKS["frozenlake"] = FrozenLakeTask
 TASKS["blackjack"] = BlackjackTask
 
 __all__ = [
@@ -16,7 +15,6 @@ __all__ = [
     "CodeTask",
     "CountdownTask",
     "FileSource",
-    "FrozenLakeTask",
     "GymTask",
     "HubDataset",
     "PromptDataModule",

@@ -1,8 +1,8 @@
-"""Prompt sources whose rows are episodes of a gymnasium environment, and the packaged ones.
+"""Prompt sources whose rows are episodes of a gymnasium environment, and the packaged one.
 
 A :class:`GymTask` row fixes the environment's seed and settings; its :meth:`~GymTask.default_environment` (a
-:class:`~scgrpo.envs.gym.GymnasiumEnv`) plays it and gives the reward. Packaged: ``frozenlake``
-(:class:`FrozenLakeTask`) and ``blackjack`` (:class:`BlackjackTask`), gymnasium's toy-text environments.
+:class:`~scgrpo.envs.gym.GymnasiumEnv`) plays it and gives the reward. Packaged: ``blackjack``
+(:class:`BlackjackTask`), gymnasium's Blackjack-v1.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import random
 from typing import Any, Optional
 
 from scgrpo.data.sources import PromptSource, Row
-from scgrpo.envs.gym import GymnasiumEnv, gymnasium_module
+from scgrpo.envs.gym import GymnasiumEnv
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 
 
@@ -33,7 +33,8 @@ class GymTask(PromptSource):
     row start from the same state and, where the environment draws at random, see the same draws until their
     actions differ. Splits: ``train`` (``num_train`` seeds), ``id`` (``num_eval`` other seeds, same settings),
     ``ood`` (``num_ood`` other seeds, with ``ood_make_kwargs`` over the settings). Seeds of the splits are
-    disjoint; whether their start states are depends on the environment.
+    disjoint; whether their start states are depends on the environment. With ``model.environment`` set, only the
+    rows' arguments matter (``ood_make_kwargs``, the sizes, ``seed``).
 
     Args:
         env_id, entry_point, make_kwargs, instructions, actions, render, parse, reward, success_threshold,
@@ -122,31 +123,3 @@ class BlackjackTask(GymTask):
                          render="scgrpo.envs.gym:blackjack_text", max_invalid=max_invalid,
                          ood_make_kwargs={"sab": True}, num_train=num_train, num_eval=num_eval, num_ood=num_ood,
                          seed=seed)
-
-
-class FrozenLakeTask(GymTask):
-    """gymnasium's FrozenLake-v1 on small random maps, not slippery: reply ``left``, ``down``, ``right`` or ``up``
-    until the player reaches the goal (success) or falls into a hole. Each row is one map (drawn by gymnasium's
-    ``generate_random_map``, which keeps a path to the goal) of ``size`` x ``size`` cells, each frozen with
-    probability ``p_frozen``; the ood split's maps are ``ood_size`` x ``ood_size`` (longer paths, unseen sizes).
-    Small maps repeat: rows of train and id are different draws, not different maps."""
-
-    INSTRUCTIONS = "Move on the grid to reach the goal G and avoid the holes H. P is you, F is safe ice, S the start."
-
-    def __init__(self, size: int = 3, ood_size: int = 4, p_frozen: float = 0.8, num_train: int = 10000,
-                 num_eval: int = 64, num_ood: int = 64, seed: int = 1234, instructions: str = INSTRUCTIONS,
-                 max_invalid: int = 2) -> None:
-        if size < 2 or ood_size < 2:
-            raise ValueError(f"size and ood_size must be >= 2, got {size} and {ood_size}")
-        if not 0 < p_frozen <= 1:
-            raise ValueError(f"p_frozen must be in (0, 1], got {p_frozen}")
-        self.size, self.ood_size, self.p_frozen = size, ood_size, p_frozen
-        super().__init__("FrozenLake-v1", make_kwargs={"is_slippery": False}, instructions=instructions,
-                         actions={"left": 0, "down": 1, "right": 2, "up": 3},
-                         render="scgrpo.envs.gym:frozenlake_text", max_invalid=max_invalid, ood_make_kwargs={},
-                         num_train=num_train, num_eval=num_eval, num_ood=num_ood, seed=seed)
-
-    def make_kwargs(self, split: str, rng: random.Random) -> dict[str, Any]:
-        generate_random_map = gymnasium_module().envs.toy_text.frozen_lake.generate_random_map
-        size = self.ood_size if split == "ood" else self.size
-        return {"desc": generate_random_map(size, self.p_frozen, seed=rng.randrange(2**31))}

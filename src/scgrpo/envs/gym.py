@@ -3,12 +3,13 @@
 :class:`GymnasiumEnv` plays any gymnasium-style environment (a registered id, or an import path to an ``Env``
 class) through the :class:`~scgrpo.envs.Environment` interface: the observation is rendered as text, the model's
 turn is parsed into an action, and gymnasium's ``terminated``/``truncated`` end the episode. The prompt sources of
-its episodes are in :mod:`scgrpo.data.gym`; :func:`frozenlake_text` and :func:`blackjack_text` render the packaged
-tasks' toy-text environments. gymnasium is an optional dependency: ``pip install 'scgrpo[gym]'``.
+its episodes are in :mod:`scgrpo.data.gym`; :func:`blackjack_text` renders the packaged task's Blackjack-v1.
+gymnasium is an optional dependency: ``pip install 'scgrpo[gym]'``.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import re
 from typing import Any, Callable, Optional
@@ -125,6 +126,7 @@ class GymnasiumEnv(Environment):
         self._render_fn: Callable[..., str] = import_path(render, "render") if render else default_render
         self._parse_fn: Optional[Callable[..., Any]] = import_path(parse, "parse") if parse else None
         self._spec = self._find_spec()
+        self._ansi = self._offers_ansi()
         # one environment made here checks the settings and the actions before any episode runs
         env = self._make({})
         try:
@@ -162,7 +164,7 @@ class GymnasiumEnv(Environment):
     def _make(self, extra: dict[str, Any]) -> Any:
         gym = gymnasium_module()
         kwargs = {**self.make_kwargs, **extra}
-        if "render_mode" not in kwargs and self._offers_ansi():
+        if "render_mode" not in kwargs and self._ansi:
             kwargs["render_mode"] = "ansi"
         try:
             return gym.make(self._spec, **kwargs)
@@ -250,8 +252,10 @@ class GymnasiumEnv(Environment):
         return StepResult(observation, reward, done, info)
 
     def spawn(self) -> "GymnasiumEnv":
-        self.close()  # the template holds no environment: the copy makes its own in reset
-        return super().spawn()
+        """A copy for one episode: it shares the settings (never changed) and makes its own environment in reset."""
+        episode = copy.copy(self)
+        episode._env, episode._total, episode._invalid = None, 0.0, 0
+        return episode
 
     def close(self) -> None:
         if self._env is not None:
@@ -259,7 +263,7 @@ class GymnasiumEnv(Environment):
             env.close()
 
 
-# ---------------------------------------------------------------------------- the packaged tasks
+# ---------------------------------------------------------------------------- the packaged task's rendering
 _CARD = {1: "A"}
 
 
@@ -274,16 +278,3 @@ def blackjack_text(obs: Any, info: dict[str, Any], env: Any) -> str:
     return (f"Your cards: {_hand(env.unwrapped.player)} (total {total}{ace}). "
             f"The dealer shows: {_CARD.get(dealer, str(dealer))}.\n"
             "Do you hit (take a card) or stick (stop)? Reply hit or stick.")
-
-
-def frozenlake_text(obs: Any, info: dict[str, Any], env: Any) -> str:
-    """FrozenLake-v1's map with the player's cell marked P, and the player's and the goal's row and column."""
-    lake = env.unwrapped
-    rows, cols = lake.desc.shape
-    grid = [[c.decode() for c in line] for line in lake.desc]
-    row, col = divmod(int(obs), cols)
-    grid[row][col] = "P"
-    goal = next((r, c) for r in range(rows) for c in range(cols) if lake.desc[r, c] == b"G")
-    return "\n".join(" ".join(line) for line in grid) + (
-        f"\nYou are at row {row + 1}, column {col + 1}; the goal is at row {goal[0] + 1}, column {goal[1] + 1}.\n"
-        "Which way do you move: left, right, up or down?")
