@@ -2,7 +2,16 @@
 
 from scgrpo.data.code import CodeTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
-from scgrpo.data.sources import TASKS, ArithmeticTask, CountdownTask, FileSource, HubDataset, PromptSource, resolve_source
+from scgrpo.data.sources import (
+    TASKS,
+    ArithmeticTask,
+    CountdownTask,
+    FileSource,
+    HubDataset,
+    PromptSource,
+    ToolCalcTask,
+    resolve_source,
+)
 
 TASKS["code"] = CodeTask
 
@@ -16,5 +25,6 @@ __all__ = [
     "PromptDataModule",
     "PromptSource",
     "PromptStream",
+    "ToolCalcTask",
     "resolve_source",
 ]
