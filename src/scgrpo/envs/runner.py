@@ -12,9 +12,11 @@ measured cost of that prefill against the decode steps.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,28 +32,42 @@ log = logging.getLogger(__name__)
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 
 
-def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
-    """Runs ``calls`` in daemon threads, ``max_workers`` at a time, each within ``timeout_s`` seconds of its
-    start. Returns per call ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that
-    hangs is left behind in its daemon thread (it cannot hold the process at exit)."""
-    results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
+_IDLE: "queue.SimpleQueue" = queue.SimpleQueue()  # inboxes of the worker threads free for a call
 
-    def runner(k: int, fn: Callable[[], Any], box: list) -> None:
+
+def _worker(inbox: "queue.SimpleQueue") -> None:
+    """Runs the calls put in its ``inbox`` one after the other, and offers itself again after each."""
+    while True:
+        fn, box, done = inbox.get()
         try:
             box.append((OK, fn()))
         except BaseException as err:  # noqa: BLE001 - a user's environment may raise anything
             box.append((ERROR, err))
+        done.set()
+        _IDLE.put(inbox)
 
+
+def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
+    """Runs ``calls`` in daemon threads, ``max_workers`` at a time, each within ``timeout_s`` seconds of its
+    start. Returns per call ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that
+    hangs is left behind in its daemon thread (it cannot hold the process at exit). The threads are kept for
+    later calls (an episode batch makes a few hundred), one started where none is free."""
+    results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
     for start in range(0, len(calls), max_workers):
         wave = []
         for k in range(start, min(start + max_workers, len(calls))):
+            try:
+                inbox = _IDLE.get_nowait()
+            except queue.Empty:
+                inbox = queue.SimpleQueue()
+                threading.Thread(target=_worker, args=(inbox,), daemon=True, name="scgrpo-env").start()
             box: list = []
-            thread = threading.Thread(target=runner, args=(k, calls[k], box), daemon=True, name=f"scgrpo-env-{k}")
-            thread.start()
-            wave.append((k, thread, box))
+            done = threading.Event()
+            inbox.put((calls[k], box, done))
+            wave.append((k, box, done))
         deadline = time.monotonic() + timeout_s
-        for k, thread, box in wave:
-            thread.join(max(deadline - time.monotonic(), 0.0))
+        for k, box, done in wave:
+            done.wait(max(deadline - time.monotonic(), 0.0))
             if box:
                 results[k] = box[0]
     return results
@@ -218,6 +234,27 @@ class EpisodeRunner:
         reserve = (len(episodes), max(len(e.prompt) for e in episodes) + settings.max_episode_tokens
                    + policy.generation.max_new_tokens)
         engine_stats: dict[str, float] = {}
+        with policy.eval_mode():  # once for the whole batch (each turn's sampler then leaves the modes as they are)
+            self._turns(policy, episodes, greedy, temperature, reserve, eos_text, engine_stats, stats)
+        for episode in episodes:
+            if not episode.done:
+                episode.done = episode.truncated = True
+                _close(episode.env)
+        out = self._tensors(policy, episodes, questions, greedy)
+        out.stats.update(engine_stats)
+        out.stats.update(stats)
+        n = max(len(episodes), 1)
+        model_tokens = out.completion_mask.sum(1)
+        out.stats.update({"episode/turns_mean": sum(e.turns for e in episodes) / n,
+                          "episode/model_tokens_mean": float(model_tokens.mean()) if len(episodes) else 0.0,
+                          "episode/env_tokens_mean": float(out.env_mask.sum(1).mean()) if len(episodes) else 0.0,
+                          "episode/truncated": sum(e.truncated for e in episodes) / n})
+        return out
+
+    def _turns(self, policy, episodes: list[Episode], greedy: bool, temperature: Optional[float], reserve,
+               eos_text: dict[int, str], engine_stats: dict, stats: dict) -> None:
+        """The model's turns and the environments' answers until every episode ended or the turn limit."""
+        settings, tok = self.settings, policy.tokenizer
         for turn in range(settings.max_turns):
             # an episode that faulted at reset still takes its first turn (every row has model tokens), then ends
             going = [e for e in episodes if not e.done or (turn == 0 and e.fault is not None)]
@@ -261,20 +298,6 @@ class EpisodeRunner:
                 episode.model += [0.0] * len(observation)
                 episode.logprobs += [0.0] * len(observation)
                 episode.transcript.append(f"[{self.environment.observation_role}] {result.observation}")
-        for episode in episodes:
-            if not episode.done:
-                episode.done = episode.truncated = True
-                _close(episode.env)
-        out = self._tensors(policy, episodes, questions, greedy)
-        out.stats.update(engine_stats)
-        out.stats.update(stats)
-        n = max(len(episodes), 1)
-        model_tokens = out.completion_mask.sum(1)
-        out.stats.update({"episode/turns_mean": sum(e.turns for e in episodes) / n,
-                          "episode/model_tokens_mean": float(model_tokens.mean()) if len(episodes) else 0.0,
-                          "episode/env_tokens_mean": float(out.env_mask.sum(1).mean()) if len(episodes) else 0.0,
-                          "episode/truncated": sum(e.truncated for e in episodes) / n})
-        return out
 
     def _junk(self, episode: Episode, message: str, stats: dict) -> None:
         self.errors += 1
@@ -292,8 +315,12 @@ class EpisodeRunner:
             ids[k, width - len(history):] = torch.tensor(history, dtype=torch.long)
             mask[k, width - len(history):] = 1
         device = policy.device
-        return policy.sample_ids(ids.to(device), mask.to(device), greedy=greedy, temperature=temperature,
-                                 reserve=reserve)
+        generated = policy.sample_ids(ids.to(device), mask.to(device), greedy=greedy, temperature=temperature,
+                                      reserve=reserve)
+        # on the host in one copy each: the runner reads them row by row
+        return dataclasses.replace(generated, **{name: getattr(generated, name).cpu() for name in (
+            "completion_ids", "completion_mask", "truncated", "entropy_sum", "sampler_logprobs")
+            if getattr(generated, name) is not None})
 
     def _append_turn(self, episode: Episode, generated, k: int, tok, eos_text: dict[int, str]) -> Optional[str]:
         """Books row ``k`` of ``generated`` as the episode's next model turn, cut at the token budget; returns the
