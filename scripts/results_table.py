@@ -174,9 +174,11 @@ def agent_table() -> str:
         cells = [f"{_mean_std(values[f'{s}/{m}/before'])} -> {_mean_std(values[f'{s}/{m}'])}"
                  for s in splits for m in ("avg@8", "pass@8")]
         lines.append(f"| {AGENT_METHODS[method]} | {n} | " + " | ".join(cells) + " |")
-    first = runs[0]
-    lines += ["", f"Card: {first['card']}, {first['runs_per_gpu']} runs at a time on each GPU. Command: "
-              f"`{first['command']}`; each run is `{first['fit']}` with its method's layer and seed."]
+    commands = list(dict.fromkeys(c for r in runs for c in r.get("commands", [r.get("command", "")]) if c))
+    lines += ["", f"Card: {runs[0]['card']}, up to {max(r['runs_per_gpu'] for r in runs)} runs at a time on it. "
+              "Commands (a run interrupted by one command's deadline resumed in the next from its checkpoint): "
+              + "; ".join(f"`{c}`" for c in commands) + f". Each run is `{runs[0]['fit']}` with its method's "
+              "layer and seed, and the arguments after `--`."]
     return "\n".join(lines)
 
 
@@ -249,8 +251,20 @@ def document() -> str:
     return "\n".join(parts)
 
 
-AGENT_READING = ""
-"""What the agent runs show, written once they have run"""
+AGENT_READING = (
+    "**Reading.** The embedded 135M model cannot do this task yet: before training its Pass@8 is 0 to 0.008 on both "
+    "splits (`benchmarks/results/agent/calibration.json`: six first-message wordings, 64 ID and 64 OOD problems x 8 "
+    "episodes, best ID Pass@8 0.000; it calls the calculator in 0 to 6% of episodes and mostly talks past the "
+    "question). The runs used the wording with the most tool calls (`t4` of `benchmarks/results/agent/"
+    "templates.json`, set by the layer `scripts/calibrate_templates.py --layer` writes). With almost every group "
+    "solve-none, GRPO has no signal and its rows have zero advantage: accuracy stays at 0. SC-GRPO collapses in all "
+    "3 seeds to one-token episodes by step 30 (mean completion 1.0 token, 1 turn), through its solve-none "
+    "diversity advantage: the same collapse as on countdown (docs/replication.md). So this run measures no method "
+    "difference; it shows that the task must first be made solvable for the base model (fewer digits, a worked "
+    "example in the first message) before GRPO and SC-GRPO can be compared on it. SC-GRPO's steps took 2.2 s "
+    "(median of seed 1, five runs sharing the card, micro-batches of 16 rows: sampling 0.19 s, teacher pass 1.38 s, "
+    "update 0.66 s) against GRPO's 0.64 s (sampling 0.62 s, update 0.02 s: every row has advantage 0).")
+"""What the agent runs show"""
 
 
 if __name__ == "__main__":
