@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from scgrpo.distributed import all_reduce
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,13 @@ class EpisodeRunner:
         for turn in range(settings.max_turns):
             # an episode that faulted at reset still takes its first turn (every row has model tokens), then ends
             going = [e for e in episodes if not e.done or (turn == 0 and e.fault is not None)]
-            if not going:
+            if getattr(policy, "sharded", False):  # each sampler call gathers the weights: every rank makes as many
+                if all_reduce([float(bool(going))], "max", policy.device)[0] == 0:
+                    break
+                if not going:  # this rank's episodes all ended: it decodes one stand-in row and drops it
+                    self._decode(policy, episodes[:1], greedy, temperature, reserve)
+                    continue
+            elif not going:
                 break
             generated = self._decode(policy, going, greedy, temperature, reserve)
             for key, value in generated.stats.items():
