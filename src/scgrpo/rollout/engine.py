@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import logging
 import weakref
@@ -348,8 +349,10 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
     if settings.engine != "loop" or settings.decode_forward != "auto":
         return None
     entry = _DECODERS.get(model)
-    # (the check walks every module and parameter: done once per length, as the turns of episodes call again)
-    reason = None if entry is not None and max_length in entry.get("lengths", ()) else unsupported_reason(model, max_length)
+    # (the check walks every module and parameter: inside one episode batch, whose turns call again, done once per
+    # length; outside, every call, as the model may have changed in between)
+    checked = _CHECKED_LENGTHS.get() if entry is not None and "decoder" in entry else None
+    reason = None if checked is not None and (id(model), max_length) in checked else unsupported_reason(model, max_length)
     if reason is not None:
         if entry is None or entry.get("reason") != reason:
             log.info("compact decode forward not used (%s); decoding with the Hugging Face forward", reason)
@@ -369,8 +372,23 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
                                  keep_workspace=settings.keep_workspace)
         entry = _DECODERS[model] = {"decoder": decoder, "options": options, "samplers": {}}
     entry["decoder"].refresh()
-    entry.setdefault("lengths", set()).add(max_length)
+    if _CHECKED_LENGTHS.get() is not None:
+        _CHECKED_LENGTHS.get().add((id(model), max_length))
     return entry
+
+
+_CHECKED_LENGTHS: "contextvars.ContextVar[Optional[set]]" = contextvars.ContextVar("scgrpo_checked_lengths", default=None)
+
+
+@contextlib.contextmanager
+def one_model_state() -> Iterator[None]:
+    """Inside the block the sampled model does not change (the turns of one episode batch): the compact forward's
+    support check runs once per sequence length instead of at every call."""
+    token = _CHECKED_LENGTHS.set(set())
+    try:
+        yield
+    finally:
+        _CHECKED_LENGTHS.reset(token)
 
 
 def budget_bytes(gib: Optional[float]) -> Optional[int]:
