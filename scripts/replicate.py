@@ -78,6 +78,9 @@ STEP_KEYS = {
     "step_s": "time/step_s", "generation_s": "time/generation_s", "verification_s": "time/verification_s",
     "teacher_s": "time/teacher_s", "train_s": "time/train_s",
     "rollouts": "rollout/sampled", "dapo_extra_rounds": "dapo/extra_rounds", "nonfinite_skips": "train/nonfinite_skips",
+    # episodes (tasks with an environment)
+    "turns": "episode/turns_mean", "model_tokens": "episode/model_tokens_mean", "env_tokens": "episode/env_tokens_mean",
+    "episode_truncated": "episode/truncated", "env_errors": "episode/env_errors", "env_time_s": "episode/env_time_s",
 }
 
 
@@ -449,7 +452,7 @@ def bundle(path: str, results: list[str], logs: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations")
-    parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown")
+    parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown, tool_calc (configs/replication/<task>.yaml)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=None, help="only these methods of the plan (comma-separated)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 0 = CPU)")

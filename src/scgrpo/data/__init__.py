@@ -3,7 +3,16 @@
 from scgrpo.data.code import CodeTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
 from scgrpo.data.gym import BlackjackTask, GymTask
-from scgrpo.data.sources import TASKS, ArithmeticTask, CountdownTask, FileSource, HubDataset, PromptSource, resolve_source
+from scgrpo.data.sources import (
+    TASKS,
+    ArithmeticTask,
+    CountdownTask,
+    FileSource,
+    HubDataset,
+    PromptSource,
+    ToolCalcTask,
+    resolve_source,
+)
 
 TASKS["code"] = CodeTask
 TASKS["blackjack"] = BlackjackTask
@@ -20,5 +29,6 @@ __all__ = [
     "PromptDataModule",
     "PromptSource",
     "PromptStream",
+    "ToolCalcTask",
     "resolve_source",
 ]

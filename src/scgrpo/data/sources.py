@@ -189,6 +189,113 @@ class CountdownTask(PromptSource):
         return {"id": f"{split}-{index}", "question": question, "answer": answer}
 
 
+class ToolCalcTask(PromptSource):
+    """Arithmetic with several operations, "What is 417 * 386 - 902?", played with a calculator tool
+    (:class:`scgrpo.envs.CalculatorEnv`, its :meth:`default_environment`).
+
+    Each question has ``terms`` operands of ``digits`` digits joined by operations drawn from ``operations``, read
+    with the usual precedence (``*`` before ``+`` and ``-``). Splits: ``train`` (``num_train`` questions), ``id``
+    (``num_eval`` more of the same kind, none of them in train), ``ood`` (``num_ood`` questions of two unseen shapes
+    in turn: even rows have ``ood_digits``-digit operands, ``terms`` of them; odd rows ``digits``-digit operands,
+    ``ood_terms`` of them, i.e. more operations than trained on).
+
+    Args:
+        digits: digits of each operand in train and id.
+        terms: operands per question in train and id (``terms - 1`` operations).
+        ood_digits: digits of each operand in the ood split's even rows (differs from ``digits``).
+        ood_terms: operands per question in the ood split's odd rows (differs from ``terms``).
+        operations: any of "+", "-", "*".
+        num_train: size of the train split.
+        num_eval: size of the id split.
+        num_ood: size of the ood split.
+        seed: fixes the questions of every split.
+    """
+
+    def __init__(
+        self,
+        digits: int = 3,
+        terms: int = 3,
+        ood_digits: int = 4,
+        ood_terms: int = 4,
+        operations: tuple[str, ...] = ("+", "-", "*"),
+        num_train: int = 10000,
+        num_eval: int = 64,
+        num_ood: int = 64,
+        seed: int = 1234,
+    ) -> None:
+        bad = [op for op in operations if op not in ("+", "-", "*")]
+        if bad or not operations:
+            raise ValueError(f"operations={list(operations)}: each must be one of '+', '-', '*'")
+        if digits < 1 or ood_digits < 1:
+            raise ValueError(f"digits and ood_digits must be >= 1, got {digits} and {ood_digits}")
+        if terms < 2 or ood_terms < 2:
+            raise ValueError(f"terms and ood_terms must be >= 2, got {terms} and {ood_terms}")
+        if ood_digits == digits or ood_terms == terms:
+            raise ValueError(f"ood_digits ({ood_digits}) and ood_terms ({ood_terms}) must differ from digits "
+                             f"({digits}) and terms ({terms}): the ood split's shapes are unseen in training")
+        self.digits, self.terms, self.ood_digits, self.ood_terms = digits, terms, ood_digits, ood_terms
+        self.operations = tuple(operations)
+        self.num_train, self.num_eval, self.num_ood, self.seed = num_train, num_eval, num_ood, seed
+        self._cache: dict[str, list[Row]] = {}
+
+    def splits(self) -> list[str]:
+        return ["train", "id", "ood"]
+
+    def default_environment(self):
+        """A :class:`scgrpo.envs.CalculatorEnv` with its default instructions."""
+        from scgrpo.envs.calc import CalculatorEnv
+
+        return CalculatorEnv()
+
+    def default_verifier(self) -> Verifier:
+        return NumericVerifier()
+
+    def rows(self, split: str) -> list[Row]:
+        if split not in self.splits():
+            raise ValueError(f"tool_calc has no split {split!r}; expected one of {self.splits()}")
+        if split not in self._cache:
+            shape = [(self.digits, self.terms)]
+            if split == "ood":
+                unseen = [(self.ood_digits, self.terms), (self.digits, self.ood_terms)]
+                self._cache[split] = self._draw(split, self.num_ood, unseen, set())
+            else:  # train never holds an id question
+                self._cache["id"] = self._draw("id", self.num_eval, shape, set())
+                held_out = {r["question"] for r in self._cache["id"]}
+                self._cache["train"] = self._draw("train", self.num_train, shape, held_out)
+        return self._cache[split]
+
+    def _draw(self, split: str, count: int, shapes: list[tuple[int, int]], exclude: set[str]) -> list[Row]:
+        """``count`` distinct questions, the i-th of shape ``shapes[i % len(shapes)]`` (digits, terms)."""
+        rng = random.Random(f"{self.seed}-{split}")
+        seen, rows = set(exclude), []
+        for _ in range(100 * count + 1000):
+            if len(rows) == count:
+                return rows
+            digits, terms = shapes[len(rows) % len(shapes)]
+            lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+            numbers = [rng.randint(lo, hi) for _ in range(terms)]
+            ops = [rng.choice(self.operations) for _ in range(terms - 1)]
+            question = "What is " + " ".join(f"{op} {n}" for op, n in zip(["", *ops], numbers)).strip() + "?"
+            if question not in seen:
+                seen.add(question)
+                rows.append({"id": f"{split}-{len(rows)}", "question": question, "answer": _value(numbers, ops)})
+        if len(rows) < count:
+            raise ValueError(f"tool_calc split {split!r} has only {len(rows)} distinct questions, {count} wanted; "
+                             "use more digits or terms")
+        return rows
+
+
+def _value(numbers: list[int], ops: list[str]) -> int:
+    """``numbers[0] ops[0] numbers[1] ...`` with ``*`` before ``+`` and ``-``."""
+    total, sign, product = 0, 1, numbers[0]
+    for op, n in zip(ops, numbers[1:]):
+        if op == "*":
+            product *= n
+        else:
+            total, sign, product = total + sign * product, (1 if op == "+" else -1), n
+    return total + sign * product
+
+
 TEST_COLUMNS = ("tests", "test_list", "test", "input_output")
 """Columns of unit tests (ours, MBPP, HumanEval, APPS): read with :class:`scgrpo.verifiers.PythonTests`."""
 TEST_CONTEXT = ("entry_point", "fn_name", "test_setup_code")
@@ -420,7 +527,7 @@ class HubDataset(PromptSource):
         return self._cache[split]
 
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "tool_calc": ToolCalcTask}
 
 
 def resolve_source(source: Union[str, PromptSource]) -> PromptSource:

@@ -1,6 +1,8 @@
 """Environments for multi-turn episodes (tool calls, observations) and the runner that plays them."""
 
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult, ToolCall, parse_tool_call
+from scgrpo.envs.calc import CalculatorEnv
 from scgrpo.envs.gym import GymnasiumEnv
 
-__all__ = ["Action", "Environment", "EpisodeSettings", "GymnasiumEnv", "StepResult", "ToolCall", "parse_tool_call"]
+__all__ = ["Action", "CalculatorEnv", "Environment", "EpisodeSettings", "GymnasiumEnv", "StepResult", "ToolCall",
+           "parse_tool_call"]
