@@ -1,7 +1,8 @@
 """Pass@k of the untrained model on a gymnasium task: how many rows it solves before training.
 
-Plays ``--samples`` episodes of the first ``--rows`` rows of each evaluation split with the base model (no LoRA) in
-the source's default environment, as validation does (rows seeded alike), and prints one table row per split.
+Plays ``--samples`` episodes of the first ``--rows`` rows of each evaluation split with the base model (no
+LoRA) in the source's default environment, as validation does (rows seeded alike), and prints one table row
+per split: Pass@k, Avg@k, turns and moves (valid actions) per episode, replies without a move, truncations.
 
     PYTHONPATH=src python scripts/calibrate_gym.py --source blackjack --rows 32 --samples 8 --max-turns 4 \\
         --max-episode-tokens 128 --max-new-tokens 16
@@ -57,11 +58,11 @@ def main(argv=None) -> None:
     generation = GenerationSettings(num_generations=args.samples, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature)
     policy = build_policy(args.model, args.dtype, None, None, torch.device(args.device), generation)
-    runner = EpisodeRunner(source.default_environment(),
-                           EpisodeSettings(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens))
+    settings = EpisodeSettings(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens)
+    runner = EpisodeRunner(source.default_environment(), settings)
     k = args.samples
-    print(f"| split | rows | Pass@{k} | Avg@{k} | turns | >1 turn | moves | >1 move | invalid replies | truncated | "
-          "seconds |")
+    print(f"| split | rows | Pass@{k} | Avg@{k} | turns | >1 turn | moves | >1 move | invalid replies | "
+          "truncated | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, split in enumerate(args.splits or source.eval_splits()):
         rows, start = source.rows(split)[: args.rows], time.perf_counter()
@@ -74,10 +75,12 @@ def main(argv=None) -> None:
             invalid += [sum(bool(step.get("invalid")) for step in info["env"]) for info in played.infos]
             moves += [sum("action" in step for step in info["env"]) for info in played.infos]
             if n == 0 and b == 0:
-                for text, reward in list(zip(played.completions, played.rewards.tolist()))[: args.show * k : k]:
+                shown = list(zip(played.completions, played.rewards.tolist()))[: args.show * k : k]
+                for text, reward in shown:
                     print(f"--- reward {reward:g}\n{text}\n")
         solved = torch.cat(rewards).view(-1, k) >= 1.0  # [rows, k]
-        print(f"| {split} | {solved.shape[0]} | {solved.any(1).float().mean():.2f} | {solved.float().mean():.3f} | "
+        print(f"| {split} | {solved.shape[0]} | {solved.any(1).float().mean():.2f} | "
+              f"{solved.float().mean():.3f} | "
               f"{sum(turns) / len(turns):.2f} | {sum(t > 1 for t in turns) / len(turns):.2f} | "
               f"{sum(moves) / len(moves):.2f} | {sum(m > 1 for m in moves) / len(moves):.2f} | "
               f"{sum(invalid) / sum(turns):.2f} | {torch.cat(truncated).mean():.2f} | "

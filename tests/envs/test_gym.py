@@ -1,6 +1,7 @@
-"""The gymnasium adapter: actions parsed from text, invalid replies, rewards, done flags and seeds on gymnasium's
-Blackjack and FrozenLake; the rows of GymTask and the packaged blackjack task; and README's corridor (a user's own
-environment) through the same adapter, by entry point, by registered id, from a file and in a training run."""
+"""The gymnasium adapter: actions parsed from text, invalid replies, rewards, done flags and seeds on
+gymnasium's Blackjack and FrozenLake; the rows of GymTask and the packaged blackjack task; and README's
+corridor (a user's own environment) through the same adapter, by entry point, by registered id, from a file
+and in a training run."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def lake(**kwargs) -> GymnasiumEnv:
 
 
 def play(env: GymnasiumEnv, replies: list[str], row=None, seed: int = 0):
-    """Resets a copy of ``env`` and plays ``replies`` until the episode ends; the first observation and the steps."""
+    """Plays ``replies`` in a fresh copy of ``env`` until the episode ends: its first observation and steps"""
     episode = env.spawn()
     first = episode.reset(row if row is not None else {"id": "r", "question": "", "answer": 7}, seed)
     steps = []
@@ -101,7 +102,7 @@ def test_without_actions_a_discrete_space_takes_its_action_numbers():
 def test_by_default_the_observation_is_the_ansi_rendering_without_colours_else_str_of_it():
     first, steps = play(GymnasiumEnv("FrozenLake-v1", make_kwargs={"is_slippery": False, "desc": LAKE},
                                      instructions="Go."), ["2"])
-    assert first == "Go.\n\nSFF\nFHF\nFFG"  # its ansi rendering marks the player by a colour, which is dropped
+    assert first == "Go.\n\nSFF\nFHF\nFFG"  # the ansi rendering marks the player by a colour, dropped here
     assert steps[0].observation == "  (Right)\nSFF\nFHF\nFFG"
     first, _ = play(GymnasiumEnv("Blackjack-v1"), [], row={"answer": 3})  # no ansi rendering: str(obs)
     assert re.fullmatch(r"\(\d+, \d+, [01]\)", first)
@@ -197,7 +198,8 @@ def test_a_row_seed_replays_the_same_episode_and_other_seeds_differ():
 
 
 def test_the_row_seed_wins_over_the_runners_and_without_one_the_runners_is_used():
-    env = GymnasiumEnv("Blackjack-v1", actions={"hit": 1, "stick": 0}, render="scgrpo.envs.gym:blackjack_text")
+    env = GymnasiumEnv("Blackjack-v1", actions={"hit": 1, "stick": 0},
+                       render="scgrpo.envs.gym:blackjack_text")
     starts = {s: env.spawn().reset({"answer": None}, s) for s in range(8)}
     assert env.spawn().reset({"answer": {"seed": 5}}, 1) == starts[5]
     assert env.spawn().reset({"answer": 5}, 2) == starts[5]
@@ -280,8 +282,8 @@ def test_without_gymnasium_the_error_names_the_extra(monkeypatch):
 
 # ---------------------------------------------------------------- GymTask and the packaged tasks
 def test_gym_task_rows_carry_disjoint_seeds_and_the_ood_settings():
-    task = GymTask("Blackjack-v1", instructions="Play.", ood_make_kwargs={"sab": True}, num_train=50, num_eval=10,
-                   num_ood=10, seed=3)
+    task = GymTask("Blackjack-v1", instructions="Play.", ood_make_kwargs={"sab": True}, num_train=50,
+                   num_eval=10, num_ood=10, seed=3)
     assert task.splits() == ["train", "id", "ood"] and task.eval_splits() == ["id", "ood"]
     rows = {s: task.rows(s) for s in task.splits()}
     assert [len(rows[s]) for s in task.splits()] == [50, 10, 10]
@@ -338,7 +340,8 @@ def test_readme_corridor_plays_by_a_registered_id(corridor_package):
         gymnasium.registry.pop("Corridor-v0")
 
 
-def test_readme_corridor_config_trains_with_the_tiny_model(corridor_package, tiny_model_dir, tmp_path, monkeypatch):
+def test_readme_corridor_config_trains_with_the_tiny_model(corridor_package, tiny_model_dir, tmp_path,
+                                                           monkeypatch):
     import csv
 
     import yaml
@@ -348,7 +351,8 @@ def test_readme_corridor_config_trains_with_the_tiny_model(corridor_package, tin
     assert config["model"]["environment"]["class_path"] == "scgrpo.envs.GymnasiumEnv"
     (tmp_path / "corridor.yaml").write_text(readme_block("yaml"))
     main(["fit", "--config=corridor.yaml", f"--model.model={tiny_model_dir}", "--model.dtype=float32",
-          "--model.generation.max_new_tokens=6", "--model.episodes.max_episode_tokens=96", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+          "--model.generation.max_new_tokens=6", "--model.episodes.max_episode_tokens=96",
+          "--trainer.max_steps=2", "--trainer.val_check_interval=2",
           "--trainer.enable_progress_bar=false", "--data.max_eval_prompts=2", "--data.batch_size=2"])
     (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
     rows = list(csv.DictReader(open(os.path.join(run, "metrics.csv"))))
@@ -364,11 +368,15 @@ def test_readme_corridor_rows_from_a_file(corridor_package, tmp_path):
     from scgrpo.data import FileSource
 
     path = tmp_path / "corridors.jsonl"
-    answers = [{"seed": 1, "make_kwargs": {"length": 4}}, {"seed": 2}, {"seed": None, "make_kwargs": {"length": 9}}]
+    answers = [{"seed": 1, "make_kwargs": {"length": 4}}, {"seed": 2},
+               {"seed": None, "make_kwargs": {"length": 9}}]
     path.write_text("".join(json.dumps({"question": "Walk east.", "answer": a}) + "\n" for a in answers))
     rows = FileSource(str(path)).rows("train")
     env = GymnasiumEnv(entry_point="my_pkg.corridor:Corridor", actions={"east": 1, "west": 0})
     firsts = [env.spawn().reset(row, 5) for row in rows]
     assert firsts[0] == env.spawn().reset({"question": "Walk east.", "answer": answers[0]}, 0)
-    assert "east of cell 3." in firsts[0] and "east of cell 2." in firsts[1] and "east of cell 8." in firsts[2]
-    assert firsts[2] == env.spawn().reset({"question": "Walk east.", "answer": {"make_kwargs": {"length": 9}}}, 5)
+    exits = [f.rsplit("the exit is ", 1)[1] for f in firsts]
+    assert exits == ["east of cell 3.", "east of cell 2.", "east of cell 8."]
+    # a null seed (filled in by the reader) is the runner's
+    unseeded = {"question": "Walk east.", "answer": {"make_kwargs": {"length": 9}}}
+    assert firsts[2] == env.spawn().reset(unseeded, 5)

@@ -26,15 +26,15 @@ class ScoredByEnvironment(Verifier):
 
 
 class GymTask(PromptSource):
-    """Episodes of a gymnasium environment as rows; :meth:`default_environment` is the :class:`GymnasiumEnv` that
-    plays them.
+    """Episodes of a gymnasium environment as rows; :meth:`default_environment` is the :class:`GymnasiumEnv`
+    that plays them.
 
-    Each row's answer is ``{"seed": s, "make_kwargs": {...}}`` (see :class:`GymnasiumEnv`): the G episodes of a
-    row start from the same state and, where the environment draws at random, see the same draws until their
+    Each row's answer is ``{"seed": s, "make_kwargs": {...}}`` (see :class:`GymnasiumEnv`): the G episodes of
+    a row start from the same state and, where the environment draws at random, see the same draws until their
     actions differ. Splits: ``train`` (``num_train`` seeds), ``id`` (``num_eval`` other seeds, same settings),
     ``ood`` (``num_ood`` other seeds, with ``ood_make_kwargs`` over the settings). Seeds of the splits are
-    disjoint; whether their start states are depends on the environment. With ``model.environment`` set, only the
-    rows' arguments matter (``ood_make_kwargs``, the sizes, ``seed``).
+    disjoint; whether their start states are depends on the environment. With ``model.environment`` set, only
+    the rows' arguments matter (``ood_make_kwargs``, the sizes, ``seed``).
 
     Args:
         env_id, entry_point, make_kwargs, instructions, actions, render, parse, reward, success_threshold,
@@ -65,10 +65,12 @@ class GymTask(PromptSource):
         seed: int = 1234,
     ) -> None:
         if num_train < 1 or num_eval < 0 or num_ood < 0:
-            raise ValueError(f"num_train must be >= 1, num_eval and num_ood >= 0; got {num_train}, {num_eval}, {num_ood}")
+            raise ValueError(f"num_train must be >= 1, num_eval and num_ood >= 0; got {num_train}, "
+                             f"{num_eval}, {num_ood}")
         self.env_settings = dict(env_id=env_id, entry_point=entry_point, make_kwargs=make_kwargs,
-                                 instructions=instructions or None, actions=actions, render=render, parse=parse,
-                                 reward=reward, success_threshold=success_threshold, max_invalid=max_invalid)
+                                 instructions=instructions or None, actions=actions, render=render,
+                                 parse=parse, reward=reward, success_threshold=success_threshold,
+                                 max_invalid=max_invalid)
         self.instructions, self.ood_make_kwargs = instructions, ood_make_kwargs
         self.num_train, self.num_eval, self.num_ood, self.seed = num_train, num_eval, num_ood, seed
         self._cache: dict[str, list[Row]] = {}
@@ -83,7 +85,8 @@ class GymTask(PromptSource):
         return GymnasiumEnv(**self.env_settings)
 
     def describe(self, split: str) -> str:
-        return f"{type(self).__name__} ({self.env_settings['env_id'] or self.env_settings['entry_point']}) split {split!r}"
+        env = self.env_settings["env_id"] or self.env_settings["entry_point"]
+        return f"{type(self).__name__} ({env}) split {split!r}"
 
     def make_kwargs(self, split: str, rng: random.Random) -> dict[str, Any]:
         """The settings of one row of ``split`` over the environment's own (override to vary them by row, e.g.
@@ -109,17 +112,17 @@ class GymTask(PromptSource):
 
 
 class BlackjackTask(GymTask):
-    """gymnasium's Blackjack-v1: reply ``hit`` or ``stick`` until the hand is over; an episode succeeds when it
-    wins. Each row is one shuffle of the (infinite) deck. The ood split plays Sutton and Barto's rules
+    """gymnasium's Blackjack-v1: reply ``hit`` or ``stick`` until the hand is over; an episode succeeds when
+    it wins. Each row is one shuffle of the (infinite) deck. The ood split plays Sutton and Barto's rules
     (``sab=True``: a natural blackjack wins over the dealer's non-natural 21)."""
 
     INSTRUCTIONS = "Play blackjack: get closer to 21 than the dealer without going over 21."
-    ACTIONS = {"hit": 1, "hits": 1, "hitting": 1, "stick": 0, "sticks": 0, "sticking": 0, "stand": 0, "stands": 0,
-               "standing": 0, "stay": 0, "stays": 0}
+    ACTIONS = {"hit": 1, "hits": 1, "hitting": 1, "stick": 0, "sticks": 0, "sticking": 0, "stand": 0,
+               "stands": 0, "standing": 0, "stay": 0, "stays": 0}
 
     def __init__(self, num_train: int = 10000, num_eval: int = 64, num_ood: int = 64, seed: int = 1234,
                  instructions: str = INSTRUCTIONS, max_invalid: int = 2) -> None:
         super().__init__("Blackjack-v1", instructions=instructions, actions=self.ACTIONS,
                          render="scgrpo.envs.gym:blackjack_text", max_invalid=max_invalid,
-                         ood_make_kwargs={"sab": True}, num_train=num_train, num_eval=num_eval, num_ood=num_ood,
-                         seed=seed)
+                         ood_make_kwargs={"sab": True}, num_train=num_train, num_eval=num_eval,
+                         num_ood=num_ood, seed=seed)

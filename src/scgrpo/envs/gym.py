@@ -1,10 +1,10 @@
 """Gymnasium environments as text environments.
 
 :class:`GymnasiumEnv` plays any gymnasium-style environment (a registered id, or an import path to an ``Env``
-class) through the :class:`~scgrpo.envs.Environment` interface: the observation is rendered as text, the model's
-turn is parsed into an action, and gymnasium's ``terminated``/``truncated`` end the episode. The prompt sources of
-its episodes are in :mod:`scgrpo.data.gym`; :func:`blackjack_text` renders the packaged task's Blackjack-v1.
-gymnasium is an optional dependency: ``pip install 'scgrpo[gym]'``.
+class) through the :class:`~scgrpo.envs.Environment` interface: the observation is rendered as text, the
+model's turn is parsed into an action, and gymnasium's ``terminated``/``truncated`` end the episode. The
+prompt sources of its episodes are in :mod:`scgrpo.data.gym`; :func:`blackjack_text` renders the packaged
+task's Blackjack-v1. gymnasium is an optional dependency: ``pip install 'scgrpo[gym]'``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def gymnasium_module():
     try:
         import gymnasium
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"gymnasium environments need the package gymnasium; install it with: {GYM_INSTALL}") from err
+        raise ModuleNotFoundError(
+            f"gymnasium environments need the package gymnasium; install it with: {GYM_INSTALL}") from err
     return gymnasium
 
 
@@ -47,8 +48,9 @@ def import_path(path: str, what: str) -> Any:
 
 
 def default_render(obs: Any, info: dict[str, Any], env: Any) -> str:
-    """The environment's ``ansi`` rendering without its colour codes when it was made with ``render_mode="ansi"``,
-    else ``str(obs)``. A cue given by colour alone (FrozenLake's position) is lost: give a ``render`` then."""
+    """The environment's ``ansi`` rendering without its colour codes when it was made with
+    ``render_mode="ansi"``, else ``str(obs)``. A cue given by colour alone (FrozenLake's position) is lost:
+    give a ``render`` then."""
     if getattr(env, "render_mode", None) == "ansi":
         return _ANSI.sub("", str(env.render())).strip("\n")
     return str(obs)
@@ -57,16 +59,16 @@ def default_render(obs: Any, info: dict[str, Any], env: Any) -> str:
 class GymnasiumEnv(Environment):
     """A gymnasium environment played over text.
 
-    One episode: :meth:`reset` makes the environment (``gymnasium.make``, a fresh one per episode), resets it with
-    the row's seed and returns ``instructions`` followed by the rendered observation; each model turn is parsed
-    into an action and passed to ``env.step``; ``terminated`` or ``truncated`` ends the episode.
+    One episode: :meth:`reset` makes the environment (``gymnasium.make``, a fresh one per episode), resets it
+    with the row's seed and returns ``instructions`` followed by the rendered observation; each model turn is
+    parsed into an action and passed to ``env.step``; ``terminated`` or ``truncated`` ends the episode.
 
     The row's ``answer`` says how the episode starts:
-      - an int: the seed given to ``env.reset`` (the row is one fixed start, in training and evaluation alike);
+      - an int: the seed given to ``env.reset`` (the row is one fixed start in training and evaluation);
       - a dict with any of ``seed`` (int), ``make_kwargs`` (dict, merged over the environment's own) and
         ``options`` (dict, passed to ``env.reset``);
-      - null, or no ``seed``: the seed :meth:`reset` is given (the runner's: shared by the row's episodes, drawn
-        anew each time the row is played in training, fixed by the row's id in evaluation).
+      - null, or no ``seed``: the seed :meth:`reset` is given (the runner's: shared by the row's episodes,
+        drawn anew each time the row is played in training, fixed by the row's id in evaluation).
 
     A turn in which no action is found is answered with an observation listing the valid words and counted
     (``info["invalid_turns"]``); the ``max_invalid``-th such turn ends the episode without further reward.
@@ -82,13 +84,13 @@ class GymnasiumEnv(Environment):
             ``question``.
         actions: reply word -> action, for ``Discrete`` action spaces; the word found first in the turn (whole
             word, any case) is the action. Several words may map to one action. Default: the action numbers.
-        render: import path of ``render(obs, info, env) -> str`` (default :func:`default_render`; ``env`` is the
-            gymnasium environment, its state at ``env.unwrapped``).
+        render: import path of ``render(obs, info, env) -> str`` (default :func:`default_render`; ``env`` is
+            the gymnasium environment, its state at ``env.unwrapped``).
         parse: import path of ``parse(text, env) -> action or None`` (None: no valid action), replacing
             ``actions``, e.g. for action spaces that are not ``Discrete``.
         reward: "success": the episode's reward is 1 when the sum of the gymnasium rewards at its end exceeds
-            ``success_threshold``, else 0 (an episode cut short scores 0); "raw": each turn returns the gymnasium
-            reward.
+            ``success_threshold``, else 0 (an episode cut short scores 0); "raw": each turn returns the
+            gymnasium reward.
         success_threshold: see ``reward``.
         max_invalid: turns without a valid action that end the episode.
         timeout_s: seconds one reset or step may take.
@@ -109,14 +111,15 @@ class GymnasiumEnv(Environment):
         timeout_s: float = 10.0,
     ) -> None:
         if (env_id is None) == (entry_point is None):
-            raise ValueError(f"give one of env_id and entry_point, got env_id={env_id!r}, entry_point={entry_point!r}")
+            raise ValueError(
+                f"give one of env_id and entry_point, got env_id={env_id!r}, entry_point={entry_point!r}")
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {list(REWARDS)}, got {reward!r}")
         if max_invalid < 1:
             raise ValueError(f"max_invalid must be >= 1, got {max_invalid}")
         if actions is not None and parse is not None:
             raise ValueError("give actions or parse, not both")
-        if actions is not None and (not actions or not all(isinstance(w, str) and w.strip() for w in actions)):
+        if actions is not None and not (actions and all(isinstance(w, str) and w.strip() for w in actions)):
             raise ValueError(f"actions must map non-empty reply words to actions, got {actions!r}")
         self.env_id, self.entry_point = env_id, entry_point
         self.make_kwargs = dict(make_kwargs or {})
@@ -133,8 +136,8 @@ class GymnasiumEnv(Environment):
             self.actions = self._check_actions(actions, env.action_space)
         finally:
             env.close()
-        words = sorted(self.actions, key=len, reverse=True)  # the longer of two words starting at one place wins
-        self._pattern = re.compile(r"(?<!\w)(" + "|".join(re.escape(w) for w in words) + r")(?!\w)", re.IGNORECASE)
+        words = "|".join(re.escape(w) for w in sorted(self.actions, key=len, reverse=True))  # longest first
+        self._pattern = re.compile(rf"(?<!\w)({words})(?!\w)", re.IGNORECASE)
         self._lower = {w.lower(): a for w, a in self.actions.items()}
         shown = {}  # the first word of each action, as the reply after an invalid turn lists them
         for word, a in self.actions.items():
@@ -176,10 +179,12 @@ class GymnasiumEnv(Environment):
             return {}
         gym = gymnasium_module()
         if not isinstance(space, gym.spaces.Discrete):
-            raise ValueError(f"{self._spec.id}: its action space {space} is not Discrete; give parse: 'pkg.module:fn'")
+            raise ValueError(f"{self._spec.id}: its action space {space} is not Discrete; give parse: "
+                             "'pkg.module:function'")
         if actions is None:
             return {str(a): a for a in range(int(space.start), int(space.start + space.n))}
-        bad = {w: a for w, a in actions.items() if isinstance(a, bool) or not isinstance(a, int) or not space.contains(a)}
+        bad = {w: a for w, a in actions.items()
+               if isinstance(a, bool) or not isinstance(a, int) or not space.contains(a)}
         if bad:
             raise ValueError(f"{self._spec.id}: actions {bad} are not actions of its action space {space}")
         return dict(actions)
@@ -197,7 +202,8 @@ class GymnasiumEnv(Environment):
             raise ValueError(f"a gymnasium row's answer must be a seed, a dict or null, got {answer!r}")
         unknown = sorted(set(answer) - set(ANSWER_KEYS))
         if unknown:
-            raise ValueError(f"a gymnasium row's answer has keys {unknown}; expected some of {list(ANSWER_KEYS)}")
+            raise ValueError(f"a gymnasium row's answer has keys {unknown}; expected any of "
+                             f"{list(ANSWER_KEYS)}")
         row_seed, make_kwargs, options = answer.get("seed"), answer.get("make_kwargs"), answer.get("options")
         if row_seed is not None and (isinstance(row_seed, bool) or not isinstance(row_seed, int)):
             raise ValueError(f"a gymnasium row's seed must be an int, got {row_seed!r}")
@@ -233,7 +239,8 @@ class GymnasiumEnv(Environment):
             if self._invalid >= self.max_invalid:
                 self.close()
                 return StepResult("", 0.0, True, {**info, "success": False})
-            return StepResult(f"That is not a valid move. Reply with one of: {self._shown}.", 0.0, False, info)
+            observation = f"That is not a valid move. Reply with one of: {self._shown}."
+            return StepResult(observation, 0.0, False, info)
         obs, gym_reward, terminated, truncated, gym_info = self._env.step(chosen)
         self._total += float(gym_reward)
         done = bool(terminated or truncated)
@@ -252,7 +259,7 @@ class GymnasiumEnv(Environment):
         return StepResult(observation, reward, done, info)
 
     def spawn(self) -> "GymnasiumEnv":
-        """A copy for one episode: it shares the settings (never changed) and makes its own environment in reset."""
+        """A copy for one episode: the settings shared (never changed), its own environment made in reset."""
         episode = copy.copy(self)
         episode._env, episode._total, episode._invalid = None, 0.0, 0
         return episode
