@@ -64,7 +64,8 @@ def main(argv=None) -> None:
     parser.add_argument("--source", default="tool_calc", help="a built-in task name or a PromptSource's dotted path")
     parser.add_argument("--init-args", default="{}", help="the source's constructor arguments, as JSON")
     parser.add_argument("--environment", default=None, help="an Environment's dotted path (default: the source's)")
-    parser.add_argument("--env-args", default="{}", help="the environment's constructor arguments, as JSON")
+    parser.add_argument("--env-args", default="{}",
+                        help="the environment's constructor arguments, as JSON (also for the source's default one)")
     parser.add_argument("--splits", nargs="+", default=None, help="default: the source's evaluation splits")
     parser.add_argument("--rows", type=int, default=32, help="first rows of each split")
     parser.add_argument("--samples", type=int, default=8, help="k: episodes per row")
@@ -85,10 +86,13 @@ def main(argv=None) -> None:
     source = load_class(args.source)(**json.loads(args.init_args))
     if not isinstance(source, PromptSource):
         raise SystemExit(f"--source {args.source!r} is not a PromptSource")
+    env_args = json.loads(args.env_args)
     if args.environment is not None:
-        environment = load_class(args.environment)(**json.loads(args.env_args))
+        environment = load_class(args.environment)(**env_args)
     elif callable(getattr(source, "default_environment", None)):
         environment = source.default_environment()
+        if env_args:  # the default environment's class with other arguments
+            environment = type(environment)(**env_args)
     else:
         raise SystemExit(f"{type(source).__name__} has no default environment; pass --environment")
     if not isinstance(environment, Environment):

@@ -72,10 +72,13 @@ def _turn(env: CalculatorEnv, text: str):
 ROW = {"id": "id-0", "question": "What is 397 - 942 * 197?", "answer": -185177}
 
 
-def test_first_message_is_the_question_with_the_instructions():
-    env = CalculatorEnv(instructions="Use calc(...). End with Answer: <number>")
-    assert env.reset(ROW, seed=3) == "What is 397 - 942 * 197?\nUse calc(...). End with Answer: <number>"
-    assert "calc(" in CalculatorEnv().reset(ROW, seed=0) and "Answer:" in CalculatorEnv().reset(ROW, seed=0)
+def test_first_message_is_the_template_around_the_question():
+    env = CalculatorEnv(template="Use calc(...). {question} End with Answer: <number>")
+    assert env.reset(ROW, seed=3) == "Use calc(...). What is 397 - 942 * 197? End with Answer: <number>"
+    first = CalculatorEnv().reset(ROW, seed=0)
+    assert first.endswith("What is 397 - 942 * 197?") and "calc(" in first and "Answer:" in first
+    with pytest.raises(ValueError, match="no {question}"):
+        CalculatorEnv(template="What is it?")
 
 
 def test_tool_calls_get_results_or_errors_and_do_not_end_the_episode():
@@ -183,3 +186,9 @@ def test_task_refuses_bad_settings():
         ToolCalcTask().rows("test")
     with pytest.raises(ValueError, match="only 91 distinct questions"):  # 1 digit, 2 terms, "+": 100 questions,
         ToolCalcTask(digits=1, terms=2, operations=("+",), num_eval=9, num_train=200).rows("train")  # 9 in id
+
+
+@pytest.mark.parametrize("expression", ["1e999", "-1e999 + 1", "2 * 1e400"])
+def test_a_literal_too_large_for_a_float_is_a_calculator_error_not_an_environment_fault(expression):
+    with pytest.raises(CalcError, match="too large"):
+        evaluate(expression)

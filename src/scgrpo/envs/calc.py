@@ -10,6 +10,7 @@ that supplies such questions is :class:`scgrpo.data.ToolCalcTask` (``data.source
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 from fractions import Fraction
@@ -51,6 +52,8 @@ def _check(value: Fraction) -> Fraction:
 
 def _eval(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not math.isfinite(node.value):  # a literal such as 1e999 reads as inf
+            raise CalcError("number too large")
         return _check(Fraction(str(node.value)))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
@@ -118,7 +121,9 @@ class CalculatorEnv(Environment):
     episode's number of ``tool_calls``.
 
     Args:
-        template: the first message, with ``{question}``; says how to call the tool and how to answer.
+        template: the first message, with ``{question}``; says how to call the tool and how to answer. The default,
+            a worked example before the question, is the wording the embedded SmolLM2-135M-Instruct follows best
+            of those tried (docs/envs.md gives its Pass@8).
     """
 
     tools = ("calc",)
@@ -126,8 +131,8 @@ class CalculatorEnv(Environment):
     def __init__(
         self,
         template: str = (
-            "{question}\nYou have a calculator. To use it, write calc(<expression>), for example calc(12 * 34 + 5), "
-            "and you will get the result. When you know the result, write: Answer: <number>"
+            "Example:\nQuestion: What is 12 * 34 + 5?\nYou: calc(12 * 34 + 5)\nCalculator: calc result: 413\n"
+            "You: Answer: 413\n\nNow you. Start your reply with calc(\nQuestion: {question}"
         ),
     ) -> None:
         if "{question}" not in template:
