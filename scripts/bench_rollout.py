@@ -4,6 +4,9 @@ static cache), in one process on one card, on randomly initialised models with r
     python scripts/bench_rollout.py                       # SmolLM2-135M shape at 64 and 512 sequences, the
                                                           # Qwen2.5-1.5B shape at 32 x 512, LoRA merged/unmerged
     python scripts/bench_rollout.py --cases smollm2_64    # one case
+    python scripts/bench_rollout.py --cases smollm2_64_multiturn --repeats 5
+                                                          # multi-turn episodes (below), on their own
+    python scripts/bench_rollout.py --smoke               # the multi-turn case in small (CPU without a GPU)
 
 Every case: bf16, prompts of 48 random tokens (no padding), ``max_new`` new tokens forced (end-of-sequence
 banned until then), sampling at T=1. Each engine runs once untimed (CUDA graphs, ``torch.compile`` and
@@ -16,14 +19,41 @@ the ``torch.compile``'d step), and with engine ``other_step`` each with the othe
 that read it), at every row count. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
 the first difference) and the sampler's log-probabilities against a full forward pass of the sampled tokens.
 Writes ``benchmarks/results/bench_rollout_<card>.json``; ``scripts/bench_table.py`` makes the tables.
+
+The multi-turn case (``smollm2_64_multiturn``): 64 episodes (8 rows x 8) of 4 model turns of 32 forced tokens
+each, 48-token prompts, after each turn a 24-token observation from an environment that answers at once,
+sampling at T=1, all in one call on one card; its results go to
+``benchmarks/results/bench_rollout_multiturn_<card>.json`` (summary keys ``multiturn_over_hf_static`` and
+``multiturn_over_singleturn_tok_s``). Engines:
+
+- ``compact_episodes``: :class:`~scgrpo.envs.runner.EpisodeRunner` over a :class:`~scgrpo.policy.Policy`, the
+  path of training: each turn ``Policy.sample_ids`` -> ``generate_ids`` -> the compact engine with the runner's
+  ``reserve``, the environments called in threads, observations tokenized and appended as ids. A random model
+  has no tokenizer: a word-level one stands in (word ``t<i>`` is token ``i``); without a chat template the
+  runner puts each observation between blank lines, which that tokenizer drops: 24 words are 24 tokens;
+- ``compact_turns``: ``generate_ids`` called turn by turn on the histories as device tensors (observations
+  drawn there), with the same ``reserve``: the engine without the runner's host work;
+- ``compact_single_turn``: ``generate_ids`` once, 64 rows x 128 (= 4 x 32) new tokens: the single-turn
+  reference;
+- ``hf_static_turns``: ``model.generate(cache_implementation="static")`` turn by turn on histories of the same
+  lengths (its own samples, random observations); generate allocates a static cache each call, as long as the
+  longest so far (one shape for its compiled step once the untimed episode has run).
+
+Model tokens per second count the sampled tokens alone (64 x 128 for each engine). The compact engines' prefills
+and decode bursts are timed apart (each bracketed by synchronisation, which the engine does around them anyway)
+and the prompt tokens prefilled are counted: turns that prefill each whole history mean the KV cache is
+re-filled between turns, not kept (``kv_cache_between_turns``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -35,6 +65,8 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from bench_step import QWEN_1P5B, card_name, card_tag, versions  # noqa: E402
 
+from scgrpo.envs import Environment, StepResult  # noqa: E402
+
 SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -44,20 +76,34 @@ CASES = {
     "qwen1p5b_32": dict(shape="qwen1p5b", family="qwen2", seqs=32, max_new=512),
     "smollm2_64_lora": dict(shape="smollm2", family="llama", seqs=64, max_new=128, lora=True),
     "smollm2_512_lora": dict(shape="smollm2", family="llama", seqs=512, max_new=128, lora=True),
+    # max_new: tokens a model turn; turns; observation: tokens an environment answer; group: episodes a row
+    "smollm2_64_multiturn": dict(shape="smollm2", family="llama", seqs=64, max_new=32, turns=4,
+                                 observation=24, group=8),
 }
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=1024, max_position_embeddings=1024, rope_theta=10000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOKE = dict(shape="tiny", family="llama", seqs=4, max_new=4, turns=3, observation=5, group=2, prompt=8)
+"""The multi-turn case in small (``--smoke``): a check that it runs, on CPU too"""
+PROMPT = 48
 EOS = 2
 
 
-def build_model(shape: str, family: str):
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_model(shape: str, family: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    dims = SMOLLM2_135M if shape == "smollm2" else QWEN_1P5B
+    dims = {"smollm2": SMOLLM2_135M, "qwen1p5b": QWEN_1P5B, "tiny": TINY}[shape]
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(**dims, bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = model_cls(config).to(torch.bfloat16).eval()
+    with torch.device(device):
+        model = model_cls(config).to(dtype).eval()
     model.generation_config.eos_token_id = EOS
     model.generation_config.pad_token_id = EOS
     return model
@@ -90,10 +136,10 @@ def timed_together(fns: dict, repeats: int) -> dict:
     for round_ in range(repeats):
         for name in order[round_ % len(order):] + order[: round_ % len(order)]:  # each round starts elsewhere
             fn = fns[name]
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             times[name].append(time.perf_counter() - start)
     stats = {}
     for name, fn in fns.items():
@@ -255,27 +301,314 @@ def run_case(name: str, spec: dict, repeats: int, engines: list[str]) -> dict:
     return result
 
 
+# -------------------------------------------------------------------------------------- multi-turn episodes
+class RandomAnswers(Environment):
+    """Answers every model turn at once with one of a few fixed texts of ``words`` random words ``t<i>``
+    (ids 3-999: never end-of-sequence); its first observation, the prompt, has ``prompt`` of them. Episodes end
+    at the turn limit."""
+
+    timeout_s = 60.0
+
+    def __init__(self, prompt: int, words: int, texts: int = 16) -> None:
+        rng = random.Random(0)
+
+        def text(n: int) -> str:
+            return " ".join(f"t{rng.randrange(3, 1000)}" for _ in range(n))
+
+        self.prompts = [text(prompt) for _ in range(texts)]
+        self.answers = [text(words) for _ in range(texts)]
+
+    def reset(self, row, seed):
+        self.seed, self.turn = seed, 0
+        return self.prompts[seed % len(self.prompts)]
+
+    def step(self, action):
+        self.turn += 1
+        return StepResult(observation=self.answers[(self.seed + self.turn) % len(self.answers)])
+
+
+def word_tokenizer(vocab_size: int):
+    """A fast tokenizer whose words ``t3`` ... ``t<vocab_size - 1>`` are those token ids, split at white space
+    (0-2: ``<unk>``, ``<s>``, ``</s>``, the end-of-sequence and pad token); no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>"]
+    assert special.index("</s>") == EOS
+    vocab = {word: i for i, word in enumerate(special)}
+    vocab.update({f"t{i}": i for i in range(len(special), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
+@dataclasses.dataclass
+class EngineClock:
+    """Seconds in the compact engine's prefills and decode bursts, and the prompt tokens prefilled, of a run."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_calls: list = dataclasses.field(default_factory=list)  # (tokens, seconds) of each prefill
+
+    def reset(self) -> None:
+        self.prefill_s = self.decode_s = 0.0
+        self.prefill_tokens = 0
+        self.prefill_calls = []
+
+
+@contextlib.contextmanager
+def engine_clock():
+    """Every :class:`CompactDecoder` prefill and :class:`SlotDecoder` decode burst timed, bracketed by
+    synchronisation (the engine reads the device right after each anyway), into the yielded clock."""
+    from scgrpo.rollout.compact import CompactDecoder
+    from scgrpo.rollout.slots import SlotDecoder
+
+    clock = EngineClock()
+    prefill, run = CompactDecoder.prefill, SlotDecoder._run
+
+    def timed_prefill(self, ids, lengths, *args):
+        sync()
+        start = time.perf_counter()
+        logits = prefill(self, ids, lengths, *args)
+        sync()
+        seconds = time.perf_counter() - start
+        tokens = int(lengths.sum())
+        clock.prefill_s += seconds
+        clock.prefill_tokens += tokens
+        clock.prefill_calls.append((tokens, seconds))
+        return logits
+
+    def timed_run(self, *args):
+        sync()
+        start = time.perf_counter()
+        run(self, *args)
+        sync()
+        clock.decode_s += time.perf_counter() - start
+
+    CompactDecoder.prefill, SlotDecoder._run = timed_prefill, timed_run
+    try:
+        yield clock
+    finally:
+        CompactDecoder.prefill, SlotDecoder._run = prefill, run
+
+
+def clocked(fn, clock: EngineClock, phases=None):
+    """``fn`` with the engine's prefill and decode seconds of each call as its ``phases`` (and those that
+    ``phases(result)`` names), the prompt tokens it prefilled and the sizes and seconds of its prefills, its
+    last result kept."""
+
+    def run():
+        clock.reset()
+        run.last = fn()
+        run.phases.setdefault("prefill", []).append(clock.prefill_s)
+        run.phases.setdefault("decode", []).append(clock.decode_s)
+        for name, seconds in (phases(run.last) if phases else {}).items():
+            run.phases.setdefault(name, []).append(seconds)
+        run.prefill_tokens.append(clock.prefill_tokens)
+        run.prefill_calls.append(list(clock.prefill_calls))
+        return run.last
+
+    run.phases, run.prefill_tokens, run.prefill_calls, run.last = {}, [], [], None
+    return run
+
+
+def episode_lengths(spec: dict) -> dict:
+    """Token counts of one episode of the multi-turn ``spec``: its prompt, each turn's history (what a turn
+    prefills when the cache is re-filled), and its model and environment tokens."""
+    prompt, new, turns, obs = spec.get("prompt", PROMPT), spec["max_new"], spec["turns"], spec["observation"]
+    return {"prompt": prompt, "histories": [prompt + t * (new + obs) for t in range(turns)],
+            "model": turns * new, "environment": (turns - 1) * obs}
+
+
+def run_multiturn_case(name: str, spec: dict, repeats: int, engines: list[str], device: str,
+                       dtype: torch.dtype) -> dict:
+    from scgrpo.distributed import PolicyRunner
+    from scgrpo.envs import EpisodeSettings
+    from scgrpo.envs.runner import EpisodeRunner
+    from scgrpo.policy import Policy
+    from scgrpo.rollout.engine import GenerationSettings, generate_ids, release_rollout_workspaces
+
+    model = build_model(spec["shape"], spec["family"], device, dtype)
+    n, new, turns, obs = spec["seqs"], spec["max_new"], spec["turns"], spec["observation"]
+    group = spec["group"]
+    lengths = episode_lengths(spec)
+    prompt = lengths["prompt"]
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    settings = GenerationSettings(num_generations=group, max_new_tokens=new, min_new_tokens=new)
+    single = dataclasses.replace(settings, max_new_tokens=turns * new, min_new_tokens=turns * new)
+    policy = Policy(PolicyRunner(model), tokenizer, settings, torch.device(device))
+    # the token budget of the whole episode (its turns and every observation, the last one included): each
+    # turn runs and the environment answers the last one too
+    episode_settings = EpisodeSettings(max_turns=turns, max_episode_tokens=turns * (new + obs))
+    runner = EpisodeRunner(RandomAnswers(prompt, obs), episode_settings)
+    rows = [{"id": f"row{i}", "question": "", "answer": 0} for i in range(n // group)]
+    reserve = (n, prompt + episode_settings.max_episode_tokens + new)  # as the runner sizes it
+    torch.manual_seed(2)
+    ids = torch.randint(3, 1000, (n, prompt), device=device)
+    mask = torch.ones_like(ids)
+    # CUDA graphs recorded by each call (the untimed one first): turn by turn, or the runner's sum of its turns
+    graphs: dict[str, list] = {}
+    widths: set[int] = set()  # the final histories' lengths (every row has them all)
+
+    def episodes():
+        out = runner.run(policy, rows, group, seed=0)
+        graphs.setdefault("compact_episodes", []).append([out.stats.get("rollout/graphs_recorded", 0.0)])
+        return out
+
+    def turn_by_turn():
+        history, recorded = ids, []
+        for turn in range(turns):
+            out = generate_ids(model, tokenizer, history, torch.ones_like(history), settings, reserve=reserve)
+            recorded.append(out.stats.get("rollout/graphs_recorded", 0.0))
+            history = torch.cat([history, out.completion_ids], 1)
+            if turn + 1 < turns:
+                history = torch.cat([history, torch.randint(3, 1000, (n, obs), device=device)], 1)
+        graphs.setdefault("compact_turns", []).append(recorded)
+        widths.add(history.shape[1])
+        return history
+
+    def single_turn():
+        out = generate_ids(model, tokenizer, ids, mask, single)
+        graphs.setdefault("compact_single_turn", []).append([out.stats.get("rollout/graphs_recorded", 0.0)])
+        return out
+
+    hf_kwargs = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=EOS, eos_token_id=EOS,
+                     do_sample=True, temperature=1.0, top_p=1.0, top_k=None, cache_implementation="static")
+
+    def hf_static_turns():
+        history = ids
+        with torch.no_grad():
+            for turn in range(turns):
+                history = model.generate(input_ids=history, attention_mask=torch.ones_like(history),
+                                         **hf_kwargs)
+                if turn + 1 < turns:
+                    history = torch.cat([history, torch.randint(3, 1000, (n, obs), device=device)], 1)
+        widths.add(history.shape[1])
+        return history
+
+    result: dict = {"case": name, **spec, "prompt_tokens": prompt, "episodes": n,
+                    "model_tokens": n * lengths["model"],
+                    "max_episode_tokens": episode_settings.max_episode_tokens, "reserve": list(reserve),
+                    "engines": {}}
+
+    def environment(out) -> dict:  # the runner's calls of spawn, reset and step (the answers are instant)
+        return {"environment": out.stats["episode/env_time_s"]}
+
+    with engine_clock() as clock:
+        fns = {}
+        if "compact" in engines:
+            fns.update(compact_episodes=clocked(episodes, clock, environment),
+                       compact_turns=clocked(turn_by_turn, clock),
+                       compact_single_turn=clocked(single_turn, clock))
+        if "hf_static" in engines:
+            fns["hf_static_turns"] = hf_static_turns
+        stats = timed_together(fns, repeats)
+    for engine, fn in fns.items():
+        s = stats[engine]
+        s.update(tok_s=result["model_tokens"] / s["median_s"],
+                 ms_per_step=1000 * s["median_s"] / lengths["model"])  # (per model token of a row)
+        if "prefill_median_s" in s:
+            s.update(prefill_share=s["prefill_median_s"] / s["median_s"],
+                     decode_share=s["decode_median_s"] / s["median_s"],
+                     prefill_tokens=statistics.median(fn.prefill_tokens),
+                     # (tokens, median seconds) of each prefill of a call, in order
+                     prefill_calls=[[calls[0][0], statistics.median(c[1] for c in calls)]
+                                    for calls in zip(*fn.prefill_calls)],
+                     graphs_recorded_untimed=graphs[engine][0], graphs_recorded_timed=graphs[engine][1:])
+            if "environment_median_s" in s:
+                s["environment_share"] = s["environment_median_s"] / s["median_s"]
+            # the host's own work: the runner's bookkeeping and tokenizing, each call's set-up and outputs
+            s["other_share"] = 1.0 - s["prefill_share"] - s["decode_share"] - s.get("environment_share", 0.0)
+        result["engines"][engine] = s
+        extra = (f"  prefill {100 * s['prefill_share']:.0f}%  decode {100 * s['decode_share']:.0f}%"
+                 + (f"  environment {100 * s['environment_share']:.0f}%" if "environment_share" in s else "")
+                 + f"  other {100 * s['other_share']:.0f}%" if "prefill_share" in s else "")
+        print(f"{name:>20} {engine:>20}: {s['tok_s']:>10,.0f} model tok/s  {s['ms_per_step']:.2f} ms per "
+              "model token" + extra, flush=True)
+
+    e = result["engines"]
+    if "compact" in engines:
+        out = fns["compact_episodes"].last
+        result["episode_check"] = {
+            "model_tokens": sorted({int(v) for v in out.completion_mask.sum(1).tolist()}),
+            "environment_tokens": sorted({int(v) for v in out.env_mask.sum(1).tolist()}),
+            "prompt_tokens": sorted({int(v) for v in out.prompt_mask.sum(1).tolist()}),
+            "turns_mean": out.stats["episode/turns_mean"], "truncated": out.stats["episode/truncated"]}
+        if (result["episode_check"]["model_tokens"] != [lengths["model"]]
+                or result["episode_check"]["environment_tokens"] != [lengths["environment"]]):
+            raise RuntimeError(f"episodes of other lengths than asked: {result['episode_check']}")
+        refilled = n * sum(lengths["histories"])  # every turn prefills each whole history
+        measured = e["compact_episodes"]["prefill_tokens"]
+        result["kv_cache_between_turns"] = "re-filled" if measured >= refilled else "kept"
+        result["prefill_tokens"] = {"measured": measured, "whole_histories": refilled,
+                                    "if_kept": n * (prompt + (turns - 1) * obs)}
+        result["multiturn_over_singleturn_tok_s"] = (e["compact_single_turn"]["tok_s"]
+                                                     / e["compact_episodes"]["tok_s"])
+    width = prompt + lengths["model"] + lengths["environment"]
+    if widths and widths != {width}:
+        raise RuntimeError(f"histories of {sorted(widths)} tokens, not {width}")
+    if "compact" in engines and "hf_static" in engines:
+        result["multiturn_over_hf_static"] = (e["hf_static_turns"]["median_s"]
+                                              / e["compact_episodes"]["median_s"])
+        result["turns_over_hf_static"] = e["hf_static_turns"]["median_s"] / e["compact_turns"]["median_s"]
+    release_rollout_workspaces()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def default_out(name: str) -> str:
+    """Where a case's results go: multi-turn cases apart from the single-turn ones."""
+    stem = "bench_rollout_multiturn" if "turns" in CASES[name] else "bench_rollout"
+    return os.path.join(ROOT, "benchmarks", "results", f"{stem}_{card_tag()}.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--engines", default="compact,other_step,compact_eager,loop_hf_forward,hf_static,hf_dynamic")
+    parser.add_argument("--cases", default=",".join(name for name, spec in CASES.items()
+                                                     if "turns" not in spec),
+                        help="comma-separated; by default every single-turn case (" + ", ".join(CASES) + ")")
+    parser.add_argument("--engines", default="compact,other_step,compact_eager,loop_hf_forward,hf_static,"
+                        "hf_dynamic", help="multi-turn cases run compact (its three engines) and hf_static")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="one file for every case (default: benchmarks/results/"
+                        "bench_rollout_<card>.json, multi-turn cases bench_rollout_multiturn_<card>.json)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the multi-turn case on a tiny model with a few episodes, on CPU where no GPU is; "
+                             "written to --out only")
     args = parser.parse_args()
+    engines = args.engines.split(",")
+    command = " ".join(["python scripts/bench_rollout.py"] + [a for a in sys.argv[1:]
+                                                              if a not in (args.out, "--out")
+                                                              and not a.startswith("--out=")])
+    if args.smoke:
+        cuda = torch.cuda.is_available()
+        result = run_multiturn_case("multiturn_smoke", SMOKE, args.repeats, engines, "cuda" if cuda else "cpu",
+                                    torch.bfloat16 if cuda else torch.float32)
+        print(json.dumps({k: v for k, v in result.items() if k != "engines"}, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"card": card_name(), "versions": versions(), "command": command,
+                           "cases": {"multiturn_smoke": result}}, f, indent=1)
+            print("wrote", args.out)
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("bench_rollout.py measures GPU throughput; no CUDA device found")
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"bench_rollout_{card_tag()}.json")
-    report = {"card": card_name(), "versions": versions(),
-              "command": " ".join(["python scripts/bench_rollout.py"] + [a for a in sys.argv[1:] if a not in (args.out, "--out")
-                                                                     and not a.startswith("--out=")]),
-              "cases": {}}
+        raise SystemExit("bench_rollout.py measures GPU throughput; no CUDA device found (--smoke runs on CPU)")
+    reports: dict[str, dict] = {}
     for name in args.cases.split(","):
-        report["cases"][name] = run_case(name, CASES[name], args.repeats, args.engines.split(","))
+        out = args.out or default_out(name)
+        report = reports.setdefault(out, {"card": card_name(), "versions": versions(), "command": command,
+                                          "cases": {}})
+        spec = CASES[name]
+        report["cases"][name] = (run_multiturn_case(name, spec, args.repeats, engines, "cuda", torch.bfloat16)
+                                 if "turns" in spec else run_case(name, spec, args.repeats, engines))
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
-    print("wrote", out)
-
+    for out in reports:
+        print("wrote", out)
 
 if __name__ == "__main__":
     main()

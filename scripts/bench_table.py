@@ -31,6 +31,8 @@ TARGETS = {
     "qlora_8b_4k_peak_reserved_gib": ("<=", 20.0),
     "qlora_8b_sampling_over_before": (">=", 4.0),
     "qlora_8b_1k_step_s": ("<=", 30.0),
+    "multiturn_over_hf_static": (">=", 3.0),
+    "multiturn_over_singleturn_tok_s": ("<=", 1.5),
 }
 
 
@@ -334,6 +336,92 @@ def rollout_entries(card: str) -> dict[str, dict]:
     return summary
 
 
+MULTITURN_CASE = "smollm2_64_multiturn"
+
+
+def multiturn_case(card: str) -> tuple[dict, dict]:
+    """The multi-turn case of ``bench_rollout_multiturn_<card>.json`` and its report (empty where absent)."""
+    path = os.path.join(RESULTS, f"bench_rollout_multiturn_{card}.json")
+    if not os.path.exists(path):
+        return {}, {}
+    with open(path) as f:
+        report = json.load(f)
+    return report["cases"].get(MULTITURN_CASE, {}), report
+
+
+def shares(engine: dict) -> str:
+    """Where a compact engine's multi-turn time went, in per cent."""
+    parts = [("prefill", "prefill_share"), ("decode steps", "decode_share"), ("environment calls", "environment_share"),
+             ("the rest", "other_share")]
+    return ", ".join(f"{label} {100 * engine[key]:.0f}%" for label, key in parts if key in engine)
+
+
+def multiturn_entries(card: str) -> dict[str, dict]:
+    """The multi-turn figures (``scripts/bench_rollout.py --cases smollm2_64_multiturn``) of ``card``."""
+    case, report = multiturn_case(card)
+    if "multiturn_over_hf_static" not in case:
+        return {}
+    e = case["engines"]
+    episodes, turns, single, hf = (e["compact_episodes"], e["compact_turns"], e["compact_single_turn"],
+                                   e["hf_static_turns"])
+    setting = (f"{case['episodes']} episodes ({case['episodes'] // case['group']} rows x {case['group']}) x "
+               f"{case['turns']} turns x {case['max_new']} model tokens forced, {case['prompt_tokens']}-token prompts, "
+               f"{case['observation']}-token observations answered at once, random {case['shape']}-shaped model, bf16, "
+               "T=1, one call")
+    prefills = ", ".join(f"{1000 * seconds:.1f} ms for {tokens:,}" for tokens, seconds in episodes["prefill_calls"])
+    compact = (f"EpisodeRunner with the compact engine {1000 * episodes['median_s']:.0f} ms "
+               f"({episodes['tok_s']:,.0f} model tok/s; {shares(episodes)}); the KV cache is "
+               f"{case['kv_cache_between_turns']} between turns ({case['prefill_tokens']['measured']:,.0f} prompt "
+               f"tokens prefilled: the whole histories are {case['prefill_tokens']['whole_histories']:,}, the new "
+               f"tokens alone {case['prefill_tokens']['if_kept']:,}), the prefills taking {prefills} tokens")
+    return {
+        "multiturn_over_hf_static": entry(
+            "multiturn_over_hf_static", case["multiturn_over_hf_static"], report["card"], report["command"],
+            f"{setting}: {compact}; generate with a static cache called turn by turn {1000 * hf['median_s']:.0f} ms "
+            f"({hf['tok_s']:,.0f}); the engine turn by turn without the runner {1000 * turns['median_s']:.0f} ms "
+            f"({turns['tok_s']:,.0f}, {hf['median_s'] / turns['median_s']:.2f}x generate; {shares(turns)})"),
+        "multiturn_over_singleturn_tok_s": entry(
+            "multiturn_over_singleturn_tok_s", case["multiturn_over_singleturn_tok_s"], report["card"],
+            report["command"],
+            f"model tokens per second of the single-turn engine ({case['episodes']} rows x "
+            f"{case['turns'] * case['max_new']} new tokens in one call: {single['tok_s']:,.0f}, "
+            f"{1000 * single['median_s']:.0f} ms; {shares(single)}) over those of the episodes ({setting}: "
+            f"{episodes['tok_s']:,.0f}); without the runner {single['tok_s'] / turns['tok_s']:.2f}"),
+    }
+
+
+def multiturn_table(card: str) -> list[str]:
+    """The engines of the multi-turn case of ``card``."""
+    case, report = multiturn_case(card)
+    if not case:
+        return []
+    refilled = case.get("kv_cache_between_turns") == "re-filled"
+    description = (
+        f"`{report['command']}`: {case['episodes']} episodes x {case['turns']} turns x {case['max_new']} model tokens "
+        f"forced, {case['prompt_tokens']}-token prompts, {case['observation']}-token observations answered at once, "
+        "bf16, random weights, sampling at T=1; model tokens per second (the single-turn reference: "
+        f"{case['episodes']} rows x {case['turns'] * case['max_new']} new tokens in one call); every engine once "
+        "untimed, then the median of timed calls, taken in turn. The compact engine's prefills and decode steps are "
+        f"timed apart. The KV cache is {case.get('kv_cache_between_turns', 'not measured')} between turns"
+        + (": each turn prefills every whole history." if refilled else "."))
+    lines = ["", f"## Multi-turn episodes ({report['card']})", "", description, "",
+             ("| engine | ms | model tok/s | ms per model token | prefill | decode steps | environment calls | rest | "
+              "CUDA graphs recorded (untimed call / timed calls) |"), "|---|---|---|---|---|---|---|---|---|"]
+
+    def pct(e: dict, key: str) -> str:
+        return f"{100 * e[key]:.0f}%" if key in e else ""
+
+    for name, e in case["engines"].items():
+        graphs = ""
+        if "graphs_recorded_untimed" in e:
+            graphs = (f"{sum(e['graphs_recorded_untimed']):.0f} / "
+                      f"{sum(sum(g) for g in e['graphs_recorded_timed']):.0f}")
+        lines.append(f"| {name} | {1000 * e['median_s']:.0f} | {e['tok_s']:,.0f} | {e['ms_per_step']:.2f} | "
+                     f"{pct(e, 'prefill_share')} | {pct(e, 'decode_share')} | {pct(e, 'environment_share')} | "
+                     f"{pct(e, 'other_share')} | {graphs} |")
+    return lines
+
+
 def section(stem: str, card: str, title: str, description: str) -> tuple[dict, list[str]]:
     """The report ``benchmarks/results/<stem>_<card>.json`` (empty if absent) and its section's heading lines."""
     path = os.path.join(RESULTS, f"{stem}_{card}.json")
@@ -471,6 +559,7 @@ def main() -> None:
         except KeyError:
             pass  # this card's results do not hold the step suites' cases
         summary.update(rollout_entries(card))
+        summary.update(multiturn_entries(card))
         for key, item in qlora_8b_entries(card, per_card[card], all_rows[card]).items():
             earlier = summary.get(key)
             if earlier is not None and earlier["card"] != item["card"]:  # the later card's figure, the other's noted
@@ -512,6 +601,7 @@ def main() -> None:
         lines += sampling_table(card)
     for card in cards:
         lines += rollout_table(card)
+        lines += multiturn_table(card)
         lines += add_norm_table(card)
         lines += lora_matmul_table(card)
     lines += verifier_table()

@@ -163,7 +163,8 @@ class PolicyUpdate:
         objective = self.objective
         mask = rollouts.completion_mask  # [N, C]
         max_len = self.policy.max_completion_tokens
-        rewards = objective.shape_rewards(rollouts.rewards, mask.sum(1), max_len)  # [N]
+        # lengths as the budget counts them: an episode's environment tokens share its token budget
+        rewards = objective.shape_rewards(rollouts.rewards, rollouts.context_mask.sum(1).to(mask.dtype), max_len)  # [N]
         credit = objective.credit(rewards, mask, rollouts.group_size, signal, self.micro_batch_size)  # groups never span ranks
         selection = None
         if objective.needs_batch_entropy:

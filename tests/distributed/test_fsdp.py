@@ -202,3 +202,17 @@ def _check_lora_only_checkpoint(tiny_model_dir, run: str, ckpt: str, ckpt_after_
     with open(os.path.join(run, "metrics.csv")) as f:
         header = f.readline()
     assert "train/reward" in header and "time/teacher_s" in header and "credit/c" in header
+
+
+@pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
+def test_sharded_episodes_of_different_lengths_on_each_rank_train(tiny_model_dir, tmp_path):
+    """Each turn's sampler gathers the sharded weights: a rank whose episodes ended keeps pace with the other."""
+    run = _fit(tiny_model_dir, tmp_path, "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+               "--model.environment=tests.envs.scripted.Scripted", "--model.environment.turns=1",
+               "--model.environment.more_turns_per_rank=2", "--model.episodes.max_turns=3",
+               "--model.episodes.max_episode_tokens=120")
+    import csv
+
+    rows = [r for r in csv.DictReader(open(os.path.join(run, "metrics.csv"))) if r.get("episode/turns_mean")]
+    assert len(rows) == 2
+    assert all(float(r["episode/turns_mean"]) == 2.0 for r in rows)  # the mean over ranks of 1 and 3 turns

@@ -10,13 +10,20 @@ from scgrpo.envs import Environment, StepResult
 class Scripted(Environment):
     """Answers each model turn with ``obs<k>`` and ends after ``turns`` turns with reward 1 for rows whose
     answer is odd (0 otherwise). ``fault`` makes ``step`` misbehave on rows whose answer equals ``fault_row``:
-    "raise", "hang", "junk" (a string instead of a StepResult), "nan" (a NaN reward) or "reset" (reset raises)."""
+    "raise", "hang", "junk" (a string instead of a StepResult), "nan" (a NaN reward), "info" (info that is not a dict) or "reset" (reset raises).
+    ``more_turns_per_rank`` makes the ranks of a sharded run play episodes of different lengths."""
 
-    def __init__(self, turns: int = 2, fault: str = "", fault_row: int = -1, hang_s: float = 30.0) -> None:
+    def __init__(self, turns: int = 2, fault: str = "", fault_row: int = -1, hang_s: float = 30.0,
+                 more_turns_per_rank: int = 0) -> None:
         self.turns, self.fault, self.fault_row, self.hang_s = turns, fault, fault_row, hang_s
+        self.more_turns_per_rank = more_turns_per_rank  # rank r's episodes last r x this many turns more
 
     def reset(self, row, seed):
         self.t, self.row, self.seed = 0, row, seed
+        if self.more_turns_per_rank:
+            import torch.distributed as dist
+
+            self.turns += self.more_turns_per_rank * (dist.get_rank() if dist.is_initialized() else 0)
         if self.fault == "reset" and row["answer"] == self.fault_row:
             raise RuntimeError("reset failed")
         return f"Task {row['question']}"
@@ -32,6 +39,8 @@ class Scripted(Environment):
                 return "not a step result"
             if self.fault == "nan":
                 return StepResult(reward=float("nan"), done=True)
+            if self.fault == "info":
+                return StepResult(observation="o", info=None)
         if self.t >= self.turns:
             return StepResult(reward=float(self.row["answer"] % 2), done=True, info={"turn": self.t})
         return StepResult(observation=f"obs{self.t}")

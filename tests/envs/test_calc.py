@@ -186,3 +186,9 @@ def test_task_refuses_bad_settings():
         ToolCalcTask().rows("test")
     with pytest.raises(ValueError, match="only 91 distinct questions"):  # 1 digit, 2 terms, "+": 100 questions,
         ToolCalcTask(digits=1, terms=2, operations=("+",), num_eval=9, num_train=200).rows("train")  # 9 in id
+
+
+@pytest.mark.parametrize("expression", ["1e999", "-1e999 + 1", "2 * 1e400"])
+def test_a_literal_too_large_for_a_float_is_a_calculator_error_not_an_environment_fault(expression):
+    with pytest.raises(CalcError, match="too large"):
+        evaluate(expression)

@@ -7,6 +7,7 @@ import csv
 import glob
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -154,7 +155,8 @@ def test_a_verified_episode_reaches_the_teachers_system_prompt(module):
 
 
 @pytest.mark.parametrize("fault,counter", [("raise", "episode/env_errors"), ("junk", "episode/env_errors"),
-                                           ("nan", "episode/env_errors"), ("reset", "episode/env_errors"),
+                                           ("nan", "episode/env_errors"), ("info", "episode/env_errors"),
+                                           ("reset", "episode/env_errors"),
                                            ("hang", "episode/env_timeouts")])
 def test_a_faulty_environment_ends_its_episode_with_reward_0_and_is_counted(module, fault, counter):
     rows = [{"id": "a", "question": "a", "answer": 1}, {"id": "b", "question": "b", "answer": 3}]
@@ -196,7 +198,9 @@ def test_evaluation_plays_episodes_with_seeds_fixed_by_the_row(module):
     first = list(seeds)
     seeds.clear()
     module.play_episodes(ROWS, 2)
-    assert seeds == first and seeds[0][1] == seeds[1][1] and seeds[0][1] != seeds[2][1]
+    assert sorted(seeds) == sorted(first)  # (the resets run in parallel threads: in any order)
+    per_row = {row: {seed for r, seed in seeds if r == row} for row, _ in seeds}
+    assert all(len(s) == 1 for s in per_row.values()) and per_row["r1"] != per_row["r2"]
 
 
 def test_training_on_episodes_logs_every_episode_key(tiny_model_dir, tmp_path):
@@ -219,3 +223,65 @@ def test_training_on_episodes_logs_every_episode_key(tiny_model_dir, tmp_path):
     grey = re.findall(r'<span title="environment"[^>]*>([^<]*)</span>', page)
     assert "obs1" in "".join(grey) and '<span title="f=' in page
     assert not re.search(r'<span title="f=[^"]*"[^>]*>obs', page)
+
+
+def test_sampler_statistics_add_up_over_turns_where_they_count_and_not_where_they_are_per_call():
+    from scgrpo.envs.runner import add_engine_stats
+
+    total: dict = {}
+    add_engine_stats(total, {"rollout/decode_steps": 10.0, "rollout/prefills": 1.0, "rollout/slots": 8.0,
+                             "rollout/slot_use": 0.5, "rollout/compiled": 1.0})
+    add_engine_stats(total, {"rollout/decode_steps": 30.0, "rollout/prefills": 1.0, "rollout/slots": 4.0,
+                             "rollout/slot_use": 0.9, "rollout/compiled": 1.0})
+    assert total["rollout/decode_steps"] == 40.0 and total["rollout/prefills"] == 2.0
+    assert total["rollout/slots"] == 8.0 and total["rollout/compiled"] == 1.0
+    assert total["rollout/slot_use"] == pytest.approx((0.5 * 10 + 0.9 * 30) / 40)
+
+
+def test_a_turn_cut_by_the_budget_keeps_its_share_of_the_sampling_entropy(module):
+    _, whole = play(module, Scripted(turns=1), EpisodeSettings(max_turns=1, max_episode_tokens=64))
+    _, cut = play(module, Scripted(turns=1), EpisodeSettings(max_turns=1, max_episode_tokens=3))
+    assert (cut.completion_mask.sum(1) == 3).all() and (whole.completion_mask.sum(1) > 3).all()
+    # the same draws (same seed): the cut episodes keep 3 of each turn's tokens' share of its entropy
+    share = 3 / whole.completion_mask.sum(1)
+    assert torch.allclose(cut.entropy_sum, whole.entropy_sum * share, rtol=1e-5)
+
+
+def test_dapo_over_episodes_counts_the_faults_of_every_sampling_round(tiny_model_dir, tmp_path):
+    from scgrpo.objectives import DAPO
+
+    class Broken(Scripted):
+        def step(self, action):
+            raise RuntimeError("broken")
+
+    module = tiny_module(tiny_model_dir, environment=Broken(), objective=DAPO(max_sampling_rounds=2),
+                         episodes=EpisodeSettings(max_turns=2, max_episode_tokens=48))
+    trainer = tiny_trainer(tmp_path, max_steps=1)
+    trainer.fit(module, tiny_data())
+    (row,) = [r for r in csv.DictReader(open(glob.glob(str(tmp_path / "run" / "*" / "metrics.csv"))[0]))
+              if r.get("episode/turns_mean")]
+    rounds = float(row["dapo/extra_rounds"])
+    assert rounds == 2  # every episode faults: reward 0 everywhere, no mixed group, so DAPO samples every round
+    assert float(row["rollout/sampled"]) == 16 * 3
+    assert float(row["episode/env_errors"]) == 16 * 3  # the faults of the extra rounds are counted too
+
+
+def test_calls_that_keep_hanging_stop_the_run_with_a_clear_error(monkeypatch):
+    import threading
+
+    from scgrpo.envs import runner
+
+    before = runner._stuck[0]  # (calls other tests left hanging may still be out)
+    monkeypatch.setattr(runner, "MAX_STUCK", before + 3)
+    release = threading.Event()
+    try:
+        with pytest.raises(runner.EnvironmentHangs, match="environment hangs"):
+            for _ in range(3):  # 4 calls hang each time
+                call_all([release.wait] * 4 + [lambda: 1], timeout_s=0.05, max_workers=5)
+    finally:
+        release.set()  # the stuck calls return and are no longer counted
+    for _ in range(200):
+        if runner._stuck[0] <= before:
+            break
+        time.sleep(0.02)
+    assert runner._stuck[0] <= before

@@ -120,6 +120,10 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     return merged
 
 
+EPISODE_COUNTERS = ("episode/env_errors", "episode/env_timeouts", "episode/env_time_s")
+"""Episode statistics that add up over DAPO's sampling rounds (the means are the first round's)"""
+
+
 def mixed_groups(rollouts: RolloutBatch) -> torch.Tensor:
     """Row indices of the groups whose rewards are not all equal."""
     grouped = rollouts.rewards.view(-1, rollouts.group_size)
@@ -202,8 +206,9 @@ class DynamicSamplingCallback(Callback):
             extra = sample_rollouts(pl_module, datamodule.extra_batch())
             verify_rollouts(pl_module, extra)
             sampled = extra.stats["rollout/sampled"]
+            counted = {k: v for k, v in extra.stats.items() if k in EPISODE_COUNTERS}  # faults of every round
             extra = extra.select(mixed_groups(extra)[: max(target - have, 0) * extra.group_size])
-            extra.stats = {"time/generation_s": time.perf_counter() - start, "rollout/sampled": sampled}
+            extra.stats = {"time/generation_s": time.perf_counter() - start, "rollout/sampled": sampled, **counted}
             kept.append(extra)
             have += extra.num_groups
         batch.rollouts = concat_rollouts(kept, pl_module.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]

@@ -2,6 +2,7 @@
 
 from scgrpo.data.code import CodeTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
+from scgrpo.data.gym import BlackjackTask, GymTask
 from scgrpo.data.sources import (
     TASKS,
     ArithmeticTask,
@@ -14,13 +15,16 @@ from scgrpo.data.sources import (
 )
 
 TASKS["code"] = CodeTask
+TASKS["blackjack"] = BlackjackTask
 
 __all__ = [
     "TASKS",
     "ArithmeticTask",
+    "BlackjackTask",
     "CodeTask",
     "CountdownTask",
     "FileSource",
+    "GymTask",
     "HubDataset",
     "PromptDataModule",
     "PromptSource",

@@ -2,5 +2,7 @@
 
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult, ToolCall, parse_tool_call
 from scgrpo.envs.calc import CalculatorEnv
+from scgrpo.envs.gym import GymnasiumEnv
 
-__all__ = ["Action", "CalculatorEnv", "Environment", "EpisodeSettings", "StepResult", "ToolCall", "parse_tool_call"]
+__all__ = ["Action", "CalculatorEnv", "Environment", "EpisodeSettings", "GymnasiumEnv", "StepResult", "ToolCall",
+           "parse_tool_call"]

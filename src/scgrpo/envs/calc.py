@@ -10,6 +10,7 @@ that supplies such questions is :class:`scgrpo.data.ToolCalcTask` (``data.source
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 from fractions import Fraction
@@ -51,6 +52,8 @@ def _check(value: Fraction) -> Fraction:
 
 def _eval(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not math.isfinite(node.value):  # a literal such as 1e999 reads as inf
+            raise CalcError("number too large")
         return _check(Fraction(str(node.value)))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))

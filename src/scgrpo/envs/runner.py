@@ -12,9 +12,11 @@ measured cost of that prefill against the decode steps.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,37 +25,72 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from scgrpo.distributed import all_reduce
+from scgrpo.errors import InputError
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult
+from scgrpo.rollout.engine import one_model_state
 
 log = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 
 
-def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
-    """Runs ``calls`` in daemon threads, ``max_workers`` at a time, each within ``timeout_s`` seconds of its
-    start. Returns per call ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that
-    hangs is left behind in its daemon thread (it cannot hold the process at exit)."""
-    results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
+_IDLE: "queue.SimpleQueue" = queue.SimpleQueue()  # inboxes of the worker threads free for a call
+MAX_STUCK = 256
+"""Calls still running past their time limit (each holds a thread) at which the run stops: the environment hangs"""
+_stuck = [0]
+_stuck_lock = threading.Lock()
 
-    def runner(k: int, fn: Callable[[], Any], box: list) -> None:
+
+class EnvironmentHangs(InputError):
+    """Too many environment calls are stuck past their time limit: the environment hangs, it does not just fault."""
+
+
+def _worker(inbox: "queue.SimpleQueue") -> None:
+    """Runs the calls put in its ``inbox`` one after the other, and offers itself again after each."""
+    while True:
+        fn, box, done, abandoned = inbox.get()
         try:
             box.append((OK, fn()))
         except BaseException as err:  # noqa: BLE001 - a user's environment may raise anything
             box.append((ERROR, err))
+        done.set()
+        with _stuck_lock:
+            if abandoned.is_set():  # it came back after its caller gave up on it
+                _stuck[0] -= 1
+        _IDLE.put(inbox)
 
+
+def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
+    """Runs ``calls`` in daemon threads, ``max_workers`` at a time, each within ``timeout_s`` seconds of its
+    start. Returns per call ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that
+    hangs is left behind in its daemon thread (it cannot hold the process at exit). The threads are kept for
+    later calls (an episode batch makes a few hundred), one started where none is free."""
+    results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
     for start in range(0, len(calls), max_workers):
         wave = []
         for k in range(start, min(start + max_workers, len(calls))):
+            try:
+                inbox = _IDLE.get_nowait()
+            except queue.Empty:
+                inbox = queue.SimpleQueue()
+                threading.Thread(target=_worker, args=(inbox,), daemon=True, name="scgrpo-env").start()
             box: list = []
-            thread = threading.Thread(target=runner, args=(k, calls[k], box), daemon=True, name=f"scgrpo-env-{k}")
-            thread.start()
-            wave.append((k, thread, box))
+            done, abandoned = threading.Event(), threading.Event()
+            inbox.put((calls[k], box, done, abandoned))
+            wave.append((k, box, done, abandoned))
         deadline = time.monotonic() + timeout_s
-        for k, thread, box in wave:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-            if box:
-                results[k] = box[0]
+        for k, box, done, abandoned in wave:
+            done.wait(max(deadline - time.monotonic(), 0.0))
+            with _stuck_lock:
+                if box:
+                    results[k] = box[0]
+                else:
+                    abandoned.set()
+                    _stuck[0] += 1
+        if _stuck[0] > MAX_STUCK:
+            raise EnvironmentHangs(f"{_stuck[0]} environment calls are still running past their {timeout_s:g} s time "
+                                   "limit, each holding a thread: the environment hangs. Fix it, or raise its timeout_s")
     return results
 
 
@@ -72,15 +109,15 @@ class ChatTurns:
         self.after_turn, self.before, self.after = "\n\n", "", "\n\n"
         if getattr(tokenizer, "chat_template", None):
             reply = "\x00REPLY\x00"
-            first = [{"role": "user", "content": "question"}, {"role": "assistant", "content": reply}]
-            shown = tokenizer.apply_chat_template(first, tokenize=False)
-            more = tokenizer.apply_chat_template(first + [{"role": role, "content": self.SENTINEL}], tokenize=False,
-                                                 add_generation_prompt=True)
-            if not more.startswith(shown) or reply not in shown or self.SENTINEL not in more:
-                raise ValueError(f"the chat template does not render a {role!r} message after an assistant turn as "
-                                 "a continuation; set the environment's observation_role to a role it renders")
-            self.after_turn = shown.split(reply, 1)[1]
-            self.before, self.after = more[len(shown):].split(self.SENTINEL, 1)
+            messages = [{"role": "user", "content": "question"}, {"role": "assistant", "content": reply},
+                        {"role": role, "content": self.SENTINEL}]
+            # one rendering: templates may show a last assistant turn otherwise (Qwen3's empty thinking block)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if reply not in text or self.SENTINEL not in text.split(reply, 1)[1]:
+                raise ValueError(f"the chat template does not render a {role!r} message after an assistant turn; set "
+                                 "the environment's observation_role to a role it renders")
+            between, self.after = text.split(reply, 1)[1].split(self.SENTINEL, 1)
+            self.after_turn, self.before = between, ""  # end of the model's turn, then the observation's header
 
     def ids(self, observation: str, ended_turn: Optional[str]) -> list[int]:
         """The observation's ids; ``ended_turn``: the text of the end-of-sequence token the model's turn ended
@@ -218,14 +255,42 @@ class EpisodeRunner:
         reserve = (len(episodes), max(len(e.prompt) for e in episodes) + settings.max_episode_tokens
                    + policy.generation.max_new_tokens)
         engine_stats: dict[str, float] = {}
+        # once for the whole batch: eval mode (each turn's sampler then leaves the modes as they are), and the
+        # compact forward's support checked once per length
+        with policy.eval_mode(), one_model_state():
+            self._turns(policy, episodes, greedy, temperature, reserve, eos_text, engine_stats, stats)
+        for episode in episodes:
+            if not episode.done:
+                episode.done = episode.truncated = True
+                _close(episode.env)
+        out = self._tensors(policy, episodes, questions, greedy)
+        out.stats.update(engine_stats)
+        out.stats.update(stats)
+        n = max(len(episodes), 1)
+        model_tokens = out.completion_mask.sum(1)
+        out.stats.update({"episode/turns_mean": sum(e.turns for e in episodes) / n,
+                          "episode/model_tokens_mean": float(model_tokens.mean()) if len(episodes) else 0.0,
+                          "episode/env_tokens_mean": float(out.env_mask.sum(1).mean()) if len(episodes) else 0.0,
+                          "episode/truncated": sum(e.truncated for e in episodes) / n})
+        return out
+
+    def _turns(self, policy, episodes: list[Episode], greedy: bool, temperature: Optional[float], reserve,
+               eos_text: dict[int, str], engine_stats: dict, stats: dict) -> None:
+        """The model's turns and the environments' answers until every episode ended or the turn limit."""
+        settings, tok = self.settings, policy.tokenizer
         for turn in range(settings.max_turns):
             # an episode that faulted at reset still takes its first turn (every row has model tokens), then ends
             going = [e for e in episodes if not e.done or (turn == 0 and e.fault is not None)]
-            if not going:
+            if getattr(policy, "sharded", False):  # each sampler call gathers the weights: every rank makes as many
+                if all_reduce([float(bool(going))], "max", policy.device)[0] == 0:
+                    break
+                if not going:  # this rank's episodes all ended: it decodes one stand-in row and drops it
+                    self._decode(policy, episodes[:1], greedy, temperature, reserve)
+                    continue
+            elif not going:
                 break
             generated = self._decode(policy, going, greedy, temperature, reserve)
-            for key, value in generated.stats.items():
-                engine_stats[key] = engine_stats.get(key, 0.0) + value
+            add_engine_stats(engine_stats, generated.stats)
             acting, actions = [], []
             for k, episode in enumerate(going):
                 ended = self._append_turn(episode, generated, k, tok, eos_text)
@@ -238,9 +303,9 @@ class EpisodeRunner:
             for episode, (text, ended), result in zip(acting, actions, results):
                 if episode.done:
                     continue
-                if not isinstance(result, StepResult) or not _finite(result.reward):
-                    self._junk(episode, f"step returned {_describe(result)}, not a StepResult with a finite reward",
-                               stats)
+                if not isinstance(result, StepResult) or not _finite(result.reward) or not isinstance(result.info, dict):
+                    self._junk(episode, f"step returned {_describe(result)}, not a StepResult with a finite reward "
+                               "and a dict of info", stats)
                     continue
                 episode.reward += float(result.reward)
                 episode.infos.append(dict(result.info))
@@ -261,20 +326,6 @@ class EpisodeRunner:
                 episode.model += [0.0] * len(observation)
                 episode.logprobs += [0.0] * len(observation)
                 episode.transcript.append(f"[{self.environment.observation_role}] {result.observation}")
-        for episode in episodes:
-            if not episode.done:
-                episode.done = episode.truncated = True
-                _close(episode.env)
-        out = self._tensors(policy, episodes, questions, greedy)
-        out.stats.update(engine_stats)
-        out.stats.update(stats)
-        n = max(len(episodes), 1)
-        model_tokens = out.completion_mask.sum(1)
-        out.stats.update({"episode/turns_mean": sum(e.turns for e in episodes) / n,
-                          "episode/model_tokens_mean": float(model_tokens.mean()) if len(episodes) else 0.0,
-                          "episode/env_tokens_mean": float(out.env_mask.sum(1).mean()) if len(episodes) else 0.0,
-                          "episode/truncated": sum(e.truncated for e in episodes) / n})
-        return out
 
     def _junk(self, episode: Episode, message: str, stats: dict) -> None:
         self.errors += 1
@@ -292,8 +343,12 @@ class EpisodeRunner:
             ids[k, width - len(history):] = torch.tensor(history, dtype=torch.long)
             mask[k, width - len(history):] = 1
         device = policy.device
-        return policy.sample_ids(ids.to(device), mask.to(device), greedy=greedy, temperature=temperature,
-                                 reserve=reserve)
+        generated = policy.sample_ids(ids.to(device), mask.to(device), greedy=greedy, temperature=temperature,
+                                      reserve=reserve)
+        # on the host in one copy each: the runner reads them row by row
+        return dataclasses.replace(generated, **{name: getattr(generated, name).cpu() for name in (
+            "completion_ids", "completion_mask", "truncated", "entropy_sum", "sampler_logprobs")
+            if getattr(generated, name) is not None})
 
     def _append_turn(self, episode: Episode, generated, k: int, tok, eos_text: dict[int, str]) -> Optional[str]:
         """Books row ``k`` of ``generated`` as the episode's next model turn, cut at the token budget; returns the
@@ -308,8 +363,8 @@ class EpisodeRunner:
         episode.tokens += ids
         episode.model += [1.0] * len(ids)
         episode.logprobs += logprobs
-        if generated.entropy_sum is not None:
-            episode.entropy += float(generated.entropy_sum[k])
+        if generated.entropy_sum is not None:  # a turn cut at the budget keeps its share (the sampler gives sums)
+            episode.entropy += float(generated.entropy_sum[k]) * len(ids) / max(length, 1)
         episode.turns += 1
         episode.transcript.append(tok.decode(ids, skip_special_tokens=True).strip())
         if episode.fault is not None:
@@ -351,6 +406,25 @@ class EpisodeRunner:
         )
 
 
+ENGINE_COUNTERS = ("rollout/decode_steps", "rollout/prefills", "rollout/compactions", "rollout/graphs_recorded")
+"""The sampler's statistics that add up over the turns of a batch; the others are per call (the largest is kept,
+except ``rollout/slot_use``, a ratio, averaged over the turns by their decode steps)"""
+
+
+def add_engine_stats(total: dict, turn: dict) -> None:
+    """Books one turn's sampler statistics into the batch's ``total``."""
+    steps = turn.get("rollout/decode_steps", 0.0)
+    if "rollout/slot_use" in turn:
+        before = total.get("rollout/decode_steps", 0.0)
+        mean = total.get("rollout/slot_use", 0.0)
+        total["rollout/slot_use"] = (mean * before + turn["rollout/slot_use"] * steps) / max(before + steps, 1.0)
+    for key, value in turn.items():
+        if key in ENGINE_COUNTERS:
+            total[key] = total.get(key, 0.0) + value
+        elif key != "rollout/slot_use":
+            total[key] = max(total.get(key, value), value)
+
+
 def row_seed(row: dict, seed: int) -> int:
     """The environment seed of a row's episodes: a stable hash of its id, mixed with ``seed``."""
     digest = hashlib.blake2b(f"{seed}:{row.get('id', '')}".encode(), digest_size=4).digest()
@@ -382,7 +456,10 @@ def _finite(value: Any) -> bool:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a user's object whose repr raises
+        text = f"a {type(value).__name__}"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

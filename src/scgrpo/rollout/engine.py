@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import logging
 import weakref
@@ -181,20 +182,22 @@ def merged_adapters(model, policy: str = "always") -> Iterator[bool]:
 def generation_mode(model, merge_lora: str = "auto") -> Iterator[None]:
     """Eval mode, no grad, KV cache on, gradient checkpointing off and LoRA merged for the duration;
     everything restored after."""
-    was_training = model.training
+    was_training = model.training  # (a model in eval mode is left as it is: no walk over its modules)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    checkpointing = bool(getattr(inner, flag, False))
+    checkpointing = was_training and bool(getattr(inner, flag, False))  # (checkpointing runs in training mode only)
     if checkpointing:
         model.gradient_checkpointing_disable()
-    model.eval()
+    if was_training:
+        model.eval()
     try:
         with torch.no_grad(), merged_adapters(model, merge_lora):
             yield
     finally:
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train(was_training)
+        if was_training:
+            model.train()
 
 
 def _cache_counters(cache) -> list[Tensor]:
@@ -346,7 +349,10 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
     if settings.engine != "loop" or settings.decode_forward != "auto":
         return None
     entry = _DECODERS.get(model)
-    reason = unsupported_reason(model, max_length)
+    # (the check walks every module and parameter: inside one episode batch, whose turns call again, done once per
+    # length; outside, every call, as the model may have changed in between)
+    checked = _CHECKED_LENGTHS.get() if entry is not None and "decoder" in entry else None
+    reason = None if checked is not None and (id(model), max_length) in checked else unsupported_reason(model, max_length)
     if reason is not None:
         if entry is None or entry.get("reason") != reason:
             log.info("compact decode forward not used (%s); decoding with the Hugging Face forward", reason)
@@ -366,7 +372,23 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
                                  keep_workspace=settings.keep_workspace)
         entry = _DECODERS[model] = {"decoder": decoder, "options": options, "samplers": {}}
     entry["decoder"].refresh()
+    if _CHECKED_LENGTHS.get() is not None:
+        _CHECKED_LENGTHS.get().add((id(model), max_length))
     return entry
+
+
+_CHECKED_LENGTHS: "contextvars.ContextVar[Optional[set]]" = contextvars.ContextVar("scgrpo_checked_lengths", default=None)
+
+
+@contextlib.contextmanager
+def one_model_state() -> Iterator[None]:
+    """Inside the block the sampled model does not change (the turns of one episode batch): the compact forward's
+    support check runs once per sequence length instead of at every call."""
+    token = _CHECKED_LENGTHS.set(set())
+    try:
+        yield
+    finally:
+        _CHECKED_LENGTHS.reset(token)
 
 
 def budget_bytes(gib: Optional[float]) -> Optional[int]:
