@@ -59,7 +59,7 @@ class Evaluation:
         (rewarded by the environment, seeded by the row alone) instead."""
         k = self.k
         if episodes is not None:
-            rows = [{"id": i, "question": q, "answer": a} for i, q, a in zip(batch.ids, batch.questions, batch.answers)]
+            rows = batch.rows()
             sampled = episodes(rows, k, False, self.temperature)
             scores = sampled.rewards.float().cpu()
         else:

@@ -17,44 +17,18 @@ from scgrpo.step_log import phase_peak
 log = logging.getLogger(__name__)
 
 
-def batch_rows(batch: PromptBatch) -> list[dict]:
-    """The data rows of a batch, as environments receive them."""
-    return [{"id": i, "question": q, "answer": a} for i, q, a in zip(batch.ids, batch.questions, batch.answers)]
-
-
-def sample_episodes(pl_module, batch: PromptBatch) -> RolloutBatch:
-    """G episodes of each row of ``batch`` in the module's environment; rewarded by it (no verifier runs)."""
-    g = pl_module.generation.num_generations
-    episodes = pl_module.episode_runner.run(pl_module.actor, batch_rows(batch), g)
-    rollouts = RolloutBatch(
-        prompt_ids=episodes.prompt_ids,
-        prompt_mask=episodes.prompt_mask,
-        completion_ids=episodes.completion_ids,
-        completion_mask=episodes.completion_mask,
-        env_mask=episodes.env_mask,
-        truncated=episodes.truncated,
-        group_size=g,
-        sample_ids=[i for i in batch.ids for _ in range(g)],
-        questions=episodes.questions,
-        answers=[a for a in batch.answers for _ in range(g)],
-        completions=episodes.completions,
-        rewards=episodes.rewards,
-        infos=episodes.infos,
-        entropy_sum=episodes.entropy_sum,
-        sampler_logprobs=episodes.sampler_logprobs,
-    )
-    rollouts.stats.update(episodes.stats)
-    rollouts.stats["rollout/sampled"] = float(len(episodes.completions))
-    return rollouts
-
-
 def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
-    """G completions (or episodes, with an environment) of each prompt of ``batch`` under the current policy."""
-    if getattr(pl_module, "episode_runner", None) is not None:
-        return sample_episodes(pl_module, batch)
-    settings = pl_module.generation
-    g = settings.num_generations
-    generated = pl_module.sample(pl_module.format_prompts(batch.questions), g)
+    """G completions of each prompt of ``batch`` under the current policy; with an environment, G episodes of each
+    row instead, rewarded by the environment (no verifier runs)."""
+    g = pl_module.generation.num_generations
+    runner = getattr(pl_module, "episode_runner", None)
+    if runner is not None:
+        generated = runner.run(pl_module.actor, batch.rows(), g)
+        questions = generated.questions  # each episode's first message
+        extra = dict(env_mask=generated.env_mask, rewards=generated.rewards, infos=generated.infos)
+    else:
+        generated = pl_module.sample(pl_module.format_prompts(batch.questions), g)
+        questions, extra = [q for q in batch.questions for _ in range(g)], {}
     rollouts = RolloutBatch(
         prompt_ids=generated.prompt_ids,
         prompt_mask=generated.prompt_mask,
@@ -63,11 +37,12 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         truncated=generated.truncated,
         group_size=g,
         sample_ids=[i for i in batch.ids for _ in range(g)],
-        questions=[q for q in batch.questions for _ in range(g)],
+        questions=questions,
         answers=[a for a in batch.answers for _ in range(g)],
         completions=generated.completions,
         entropy_sum=generated.entropy_sum,
         sampler_logprobs=generated.sampler_logprobs,
+        **extra,
     )
     rollouts.stats.update(generated.stats)
     rollouts.stats["rollout/sampled"] = float(len(generated.completions))  # rollouts drawn (DAPO: summed over rounds)

@@ -22,6 +22,10 @@ class PromptBatch:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def rows(self) -> list[dict[str, Any]]:
+        """The batch's data rows ``{"id", "question", "answer"}``, as environments receive them."""
+        return [{"id": i, "question": q, "answer": a} for i, q, a in zip(self.ids, self.questions, self.answers)]
+
 
 @dataclass
 class RolloutBatch:
