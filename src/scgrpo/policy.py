@@ -113,9 +113,10 @@ class Policy:
     def sample_ids(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool = False,
                    temperature: Optional[float] = None, reserve: Optional[tuple[int, int]] = None) -> Generated:
         """One completion of each left-padded prompt of token ids ``[N, Tp]`` (the histories of episodes, as
-        sampled); ``reserve`` as :func:`~scgrpo.rollout.engine.generate_ids`."""
+        sampled), as ids only (``completions`` empty); ``reserve`` as :func:`~scgrpo.rollout.engine.generate_ids`."""
         return self._sampling(lambda settings: generate_ids(self.model, self.tokenizer, prompt_ids, prompt_mask,
-                                                            settings, greedy, temperature, reserve=reserve))
+                                                            settings, greedy, temperature, reserve=reserve,
+                                                            texts=False))
 
     def _sampling(self, sample) -> Generated:
         def run() -> Generated:

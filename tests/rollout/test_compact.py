@@ -405,3 +405,63 @@ def test_auto_counts_the_allocators_unused_reserve_as_memory_left(monkeypatch):
     assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 7  # 0.25 * 300 MiB / 10 MiB
     reserved["value"] = 0
     assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 2  # 0.25 * 100 MiB / 10 MiB
+
+
+def test_padding_rows_of_a_prefill_store_nothing(tok, batch):
+    """Rows of length 0 (a recorded prefill's shape filled up) write no cache entry, even into a slot another row
+    uses, and leave the other rows' logits as a prefill without them gives."""
+    decoder = CompactDecoder(tiny("llama", len(tok)))
+    lengths = batch["attention_mask"][:3].sum(1)
+    ids = torch.stack([torch.cat([r[r != 2], r[r == 2]]) for r in batch["input_ids"][:3]])  # right-padded
+    alone = decoder.new_cache(4, 64)
+    expected = decoder.prefill(ids, lengths, torch.tensor([0, 1, 2]), alone)
+    padded = decoder.new_cache(4, 64)
+    got = decoder.prefill(torch.cat([ids, ids[:2]]), torch.cat([lengths, torch.zeros(2, dtype=torch.long)]),
+                          torch.tensor([0, 1, 2, 1, 3]), padded)
+    assert torch.allclose(got[:3], expected, atol=1e-6)
+    assert torch.equal(padded, alone)  # slot 1 kept its row's entries, slot 3 stayed empty
+
+
+def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(tok, monkeypatch):
+    """The turns of an episode batch (calls of growing prompts, one reserve) walk the model for the support check
+    and refresh the adapters' copies at the first call only; outside the block every call does both."""
+    from scgrpo.rollout import model_parts
+    from scgrpo.rollout.engine import GenerationSettings, generate_ids, one_model_state, release_rollout_workspaces
+
+    model = with_lora(tiny("llama", len(tok)))
+    counts = {"check": 0, "refresh": 0}
+    check, refresh = model_parts.unsupported_reason, CompactDecoder.refresh
+
+    def counted_check(*args):
+        counts["check"] += 1
+        return check(*args)
+
+    def counted_refresh(self):
+        counts["refresh"] += 1
+        return refresh(self)
+
+    monkeypatch.setattr(model_parts, "unsupported_reason", counted_check)
+    monkeypatch.setattr(CompactDecoder, "refresh", counted_refresh)
+    settings = GenerationSettings(num_generations=2, max_new_tokens=4)
+    prompts = [torch.randint(3, 50, (3, width)) for width in (5, 9, 14)]
+
+    def turns():
+        return [generate_ids(model, tok, ids, torch.ones_like(ids), settings, greedy=True, reserve=(3, 40),
+                             texts=False) for ids in prompts]
+
+    release_rollout_workspaces()
+    with one_model_state():
+        inside = turns()
+    assert counts == {"check": 1, "refresh": 1}
+    assert all(out.completions == [] for out in inside)
+    counts.update(check=0, refresh=0)
+    outside = turns()
+    assert counts == {"check": 3, "refresh": 3}
+    assert all(torch.equal(a.completion_ids, b.completion_ids) for a, b in zip(inside, outside))
+    with one_model_state():  # a call longer than the reserve checked before is checked again
+        generate_ids(model, tok, prompts[0], torch.ones_like(prompts[0]), settings, greedy=True, reserve=(3, 40))
+        counts.update(check=0, refresh=0)
+        longer = torch.randint(3, 50, (3, 60))
+        generate_ids(model, tok, longer, torch.ones_like(longer), settings, greedy=True)
+    assert counts["check"] == 1
+    release_rollout_workspaces()

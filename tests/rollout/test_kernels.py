@@ -91,6 +91,74 @@ def test_decode_attention_reads_strided_rows_under_any_launch_setting(launch):
     assert all(int(counters.abs().sum()) == 0 for _, _, counters in kernels._partials.values())
 
 
+
+def prefill_reference(qkv, lengths, slots, cache, cos, sin, heads, t):
+    """Per row: rotation at positions 0 .. T - 1, its real tokens' keys and values into its slot, causal attention
+    over them (a padding position attends to every real token before it; a row of no tokens gives zeros)."""
+    cache = cache.clone()
+    _, _, kv, _, dim = cache.shape
+    n = lengths.shape[0]
+    q, k, v = qkv.split([heads * dim, kv * dim, kv * dim], -1)
+    q, k, v = q.view(n, t, heads, dim), k.view(n, t, kv, dim), v.view(n, t, kv, dim)
+    c, s = cos[:t].unsqueeze(1), sin[:t].unsqueeze(1)
+    q, k = rotate(q, c, s), rotate(k, c, s)
+    outs = []
+    for i in range(n):
+        m = int(lengths[i])
+        if m == 0:
+            outs.append(torch.zeros(t, heads * dim, device=qkv.device))
+            continue
+        cache[0, int(slots[i]), :, :m] = k[i, :m].transpose(0, 1)
+        cache[1, int(slots[i]), :, :m] = v[i, :m].transpose(0, 1)
+        keys = k[i].transpose(0, 1).repeat_interleave(heads // kv, 0)  # [heads, T, D]
+        values = v[i].transpose(0, 1).repeat_interleave(heads // kv, 0)
+        pos = torch.arange(t, device=qkv.device)
+        visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] < int(lengths[i]))
+        attn = F.scaled_dot_product_attention(q[i].transpose(0, 1), keys, values, attn_mask=visible,
+                                              scale=dim ** -0.5)  # [heads, T, D]
+        outs.append(attn.transpose(0, 1).reshape(t, heads * dim))
+    return torch.cat(outs), cache
+
+
+@runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv,dim,t", [(6, 2, 64, 70), (4, 4, 32, 64), (3, 1, 32, 9)])
+def test_prefill_attention_equals_pytorch_attention(heads, kv, dim, t, dtype):
+    if dtype == torch.bfloat16 and DEVICE.type != "cuda":
+        pytest.skip("bf16 on a GPU (the interpreter's bf16 products are not exact)")
+    torch.manual_seed(0)
+    # full, one token, padded, past a block, none (a padding row: writes nothing, even into another row's slot)
+    lengths = torch.tensor([t, 1, max(1, t - 5), min(t, 65), 0], device=DEVICE)
+    slots = torch.tensor([4, 0, 2, 1, 4], device=DEVICE)  # (slot 3 is another row's: left as it was)
+    out = (heads + 2 * kv) * dim
+    wide = torch.randn(5 * t, out + 24, device=DEVICE).to(dtype)  # rows of a wider tensor (LoRA's z after them)
+    cache = torch.randn(2, 5, kv, t + 16, dim, device=DEVICE).to(dtype)
+    cos, sin = rope(t + 16, dim)
+    expected, expected_cache = prefill_reference(wide[:, :out].float(), lengths, slots, cache.float(), cos, sin,
+                                                 heads, t)
+    got = kernels.prefill_attention(wide[:, :out], lengths, slots, cache, cos.to(dtype), sin.to(dtype), heads,
+                                    dim ** -0.5, block=32 if t < 64 else 64)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    # padding positions have no reference (a padding row: zeros)
+    real = torch.cat([torch.arange(t, device=DEVICE) < max(int(n), t * (n == 0)) for n in lengths])
+    assert torch.allclose(got.float()[real], expected[real], **tol), (got.float()[real] - expected[real]).abs().max()
+    assert torch.isfinite(got.float()).all()
+    assert torch.allclose(cache.float(), expected_cache, **tol)  # each row's real positions in its slot only
+
+
+@runs
+def test_prefill_attention_rejects_shapes_it_cannot_take():
+    cache = torch.zeros(2, 2, 1, 8, 32, device=DEVICE)
+    cos = torch.zeros(8, 32, device=DEVICE)
+    lengths = torch.tensor([3, 3], device=DEVICE)
+    with pytest.raises(ValueError, match="T <= the cache length"):
+        kernels.prefill_attention(torch.zeros(2 * 9, 4 * 32, device=DEVICE), lengths, torch.arange(2, device=DEVICE),
+                                  cache, cos, cos, 2, 0.1)
+    with pytest.raises(ValueError, match=r"\[N T, \.\.\.\] rows"):
+        kernels.prefill_attention(torch.zeros(7, 4 * 32, device=DEVICE), lengths, torch.arange(2, device=DEVICE),
+                                  cache, cos, cos, 2, 0.1)
+
+
 @runs
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_engine_with_the_kernel_equals_generate(family, tok, batch):
@@ -101,6 +169,23 @@ def test_the_engine_with_the_kernel_equals_generate(family, tok, batch):
     assert decoder.fused_attention
     tokens = SlotDecoder(decoder, [], 2, NEW, greedy=True)(batch["input_ids"], batch["attention_mask"])[0]
     assert torch.equal(tokens, hf_greedy(model, batch, NEW))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
+def test_recorded_prefills_equal_generate_for_every_shape(tok, batch):
+    """Prefills replayed from CUDA graphs (rows padded to a power of two, positions to a bucket) give the tokens
+    of the Hugging Face model, call after call; a shape seen before records nothing."""
+    model = with_lora(tiny("llama", len(tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).to(DEVICE)
+    sampler = SlotDecoder(CompactDecoder(model), [], 2, NEW, greedy=True)
+    texts = ["hello there", "a", "what is 2+2? answer:", "zzz", "The quick brown fox", "1 2 3 4 5 6 7 8"]
+    recorded = []
+    for chosen in (texts, texts[:3], texts[1:2] * 5, texts, texts[:3]):
+        enc = {k: v.to(DEVICE) for k, v in tok(chosen, return_tensors="pt", padding=True).items()}
+        tokens = sampler(enc["input_ids"], enc["attention_mask"])[0]
+        assert torch.equal(tokens, hf_greedy(model, enc, NEW))
+        recorded.append(len(sampler._prefills))
+    assert sampler.decoder.prefill_kernels and sampler.prefill_graphs  # (no silent fallback)
+    assert recorded[3:] == [recorded[2]] * 2 and recorded[2] >= 2  # the repeated shapes replayed
 
 
 @runs

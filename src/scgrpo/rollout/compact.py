@@ -383,28 +383,39 @@ class CompactDecoder:
     def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
         """Runs right-padded prompts ``ids`` ``[n, T]`` (``lengths`` ``[n]`` real tokens each) from position 0,
         stores their keys/values in cache rows ``slots`` ``[n]`` and returns the fp32 logits ``[n, V]`` after
-        each prompt's last token. Where the block kernels can run (:attr:`prefill_kernels`), the work between
+        each prompt's last token (a row of length 0 pads a batch: nothing stored, its logits meaningless). Where the block kernels can run (:attr:`prefill_kernels`), the work between
         the matmuls is theirs (fewer launches, the decode step's roundings), else the eager layer code's."""
         n, t = ids.shape
-        cos, sin = self.rope_tables(cache.shape[4])
-        cos, sin = cos[:t].unsqueeze(0), sin[:t].unsqueeze(0)  # [1, T, D]
-        positions = torch.arange(t, device=ids.device)
-        causal = positions.view(1, t) <= positions.view(t, 1)  # [T, T]
-        mask = (causal.unsqueeze(0) & (positions.view(1, 1, t) < lengths.view(n, 1, 1))).unsqueeze(1)  # [n,1,T,T]
+        cos_table, sin_table = self.rope_tables(cache.shape[4])
         x = F.embedding(ids, self.embed)  # [n, T, H]
         if self.prefill_kernels:
             try:
-                return self._prefill_blocks(x, lengths, slots, cache, cos, sin, mask)
+                return self._prefill_blocks(x, lengths, slots, cache, cos_table, sin_table)
             except Exception as err:  # noqa: BLE001 - as in decode: the eager layers are exact
                 self.prefill_kernels = False
                 log.warning("the prefill's block kernels failed (%s: %s); prefilling with the eager layers",
                             type(err).__name__, one_line(err))
+        empty = lengths == 0
+        if bool(empty.any()):  # padding rows (a recorded prefill's shape): no cache write, zero logits
+            logits = torch.zeros(n, self.embed.shape[0], dtype=torch.float32, device=ids.device)
+            logits[~empty] = self.prefill(ids[~empty], lengths[~empty], slots[~empty], cache)
+            return logits
+        cos, sin = cos_table[:t].unsqueeze(0), sin_table[:t].unsqueeze(0)  # [1, T, D]
+        mask = self._prefill_mask(lengths, t)
         for i, layer in enumerate(self.layers):
             args = layer.args()
             q, k, v = self.attention_in(x, cos, sin, *args.attention_in)  # [n, T, kv, G, D], [n, T, kv, D] x 2
             x = self.attention_out(x, self._prefill_attention(i, q, k, v, slots, cache, mask), *args.attention_out)
         last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
         return self.logits(last)
+
+    @staticmethod
+    def _prefill_mask(lengths: Tensor, t: int) -> Tensor:
+        """``[n, 1, T, T]``: causal, and no key past its row's ``lengths``."""
+        n = lengths.shape[0]
+        positions = torch.arange(t, device=lengths.device)
+        causal = positions.view(1, t) <= positions.view(t, 1)  # [T, T]
+        return (causal.unsqueeze(0) & (positions.view(1, 1, t) < lengths.view(n, 1, 1))).unsqueeze(1)
 
     def _prefill_attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, slots: Tensor, cache: Tensor,
                            mask: Tensor) -> Tensor:
@@ -420,15 +431,17 @@ class CompactDecoder:
                                               attn_mask=mask, scale=self.scaling)  # [n, heads, T, D]
         return attn.transpose(1, 2)
 
-    def _prefill_blocks(self, x: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor, cos: Tensor, sin: Tensor,
-                        mask: Tensor) -> Tensor:
+    def _prefill_blocks(self, x: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor, cos_table: Tensor,
+                        sin_table: Tensor) -> Tensor:
         """:meth:`prefill` with :meth:`_decode_blocks`' kernels between the matmuls (LoRA's B products added by
-        the kernels that read each output), over the ``n T`` positions as rows."""
+        the kernels that read each output), over the ``n T`` positions as rows; the attention, its rotation and
+        the cache write are :func:`kernels.prefill_attention`'s one launch a layer (the prefill was host-bound:
+        about 30 ms for any size on an H100 with PyTorch's attention and the eager rotation, docs/envs.md)."""
         n, t, width = x.shape
 
         def attend(i: int, qkv: Tensor) -> Tensor:
-            q, k, v = self.split_heads(qkv[:, : self.layers[i].qkv.out].view(n, t, -1), (n, t), cos, sin, None, None)
-            return self._prefill_attention(i, q, k, v, slots, cache, mask).reshape(n * t, -1)
+            return kernels.prefill_attention(qkv[:, : self.layers[i].qkv.out], lengths, slots, cache[i], cos_table,
+                                             sin_table, self.heads, self.scaling)
 
         x, y, up = self._block_layers(x.reshape(n * t, width), attend, decode=False)
         last = torch.arange(n, device=x.device) * t + lengths - 1  # each prompt's last position

@@ -349,10 +349,12 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
     if settings.engine != "loop" or settings.decode_forward != "auto":
         return None
     entry = _DECODERS.get(model)
-    # (the check walks every module and parameter: inside one episode batch, whose turns call again, done once per
-    # length; outside, every call, as the model may have changed in between)
+    # (the check walks every module and parameter: inside one episode batch, whose turns call again, done once up to
+    # the longest length asked, a check that passes at a length passing at every shorter one; outside, every call, as
+    # the model may have changed in between)
     checked = _CHECKED_LENGTHS.get() if entry is not None and "decoder" in entry else None
-    reason = None if checked is not None and (id(model), max_length) in checked else unsupported_reason(model, max_length)
+    same = checked is not None and checked.get(id(model), -1) >= max_length
+    reason = None if same else unsupported_reason(model, max_length)
     if reason is not None:
         if entry is None or entry.get("reason") != reason:
             log.info("compact decode forward not used (%s); decoding with the Hugging Face forward", reason)
@@ -371,20 +373,25 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
                                  memory_budget=budget_bytes(settings.memory_budget_gib),
                                  keep_workspace=settings.keep_workspace)
         entry = _DECODERS[model] = {"decoder": decoder, "options": options, "samplers": {}}
-    entry["decoder"].refresh()
+        same = False
+    if not same:  # (inside one model state the adapters read at its first call stay)
+        entry["decoder"].refresh()
     if _CHECKED_LENGTHS.get() is not None:
-        _CHECKED_LENGTHS.get().add((id(model), max_length))
+        lengths = _CHECKED_LENGTHS.get()
+        lengths[id(model)] = max(lengths.get(id(model), -1), max_length)
     return entry
 
 
-_CHECKED_LENGTHS: "contextvars.ContextVar[Optional[set]]" = contextvars.ContextVar("scgrpo_checked_lengths", default=None)
+_CHECKED_LENGTHS: "contextvars.ContextVar[Optional[dict]]" = contextvars.ContextVar("scgrpo_checked_lengths",
+                                                                                      default=None)
 
 
 @contextlib.contextmanager
 def one_model_state() -> Iterator[None]:
     """Inside the block the sampled model does not change (the turns of one episode batch): the compact forward's
-    support check runs once per sequence length instead of at every call."""
-    token = _CHECKED_LENGTHS.set(set())
+    support check and its adapters' refresh run at the first call (and at a call longer than any before, for the
+    check), not at every call."""
+    token = _CHECKED_LENGTHS.set({})
     try:
         yield
     finally:
@@ -457,15 +464,18 @@ def generate_ids(
     temperature: Optional[float] = None,
     cuda_graphs: bool = True,
     reserve: Optional[tuple[int, int]] = None,
+    texts: bool = True,
 ) -> Generated:
     """One completion of each left-padded prompt ``[N, Tp]`` (token ids, as they are: nothing is re-tokenized).
     ``reserve`` ``(rows, length)``: size the compact engine's workspace for up to that many rows of that many
-    positions, so that calls that grow (the turns of episodes) reuse one KV cache and its CUDA graphs."""
+    positions, so that calls that grow (the turns of episodes) reuse one KV cache and its CUDA graphs (and the
+    compact forward's support is checked for that length). ``texts``: decode the completions to text (False:
+    ``completions`` is empty, for callers that read the ids only)."""
     eos_ids = eos_token_ids(model, tokenizer)
     temperature = temperature if temperature is not None else settings.temperature
     entropy_sum = sampler_logprobs = None
     stats: dict = {}
-    max_length = prompt_ids.shape[1] + settings.max_new_tokens
+    max_length = max(prompt_ids.shape[1] + settings.max_new_tokens, reserve[1] if reserve is not None else 0)
     use_graphs = settings.cuda_graphs and cuda_graphs
     compact = compact_decoder(model, settings, max_length)
     if compact is not None:
@@ -498,6 +508,6 @@ def generate_ids(
     completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
     if sampler_logprobs is not None:
         sampler_logprobs = sampler_logprobs * completion_mask
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return Generated(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts,
+    decoded = tokenizer.batch_decode(completion_ids, skip_special_tokens=True) if texts else []
+    return Generated(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, decoded,
                      None if greedy else entropy_sum, None if greedy else sampler_logprobs, stats)

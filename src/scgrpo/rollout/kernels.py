@@ -166,6 +166,94 @@ if AVAILABLE:
                 tl.atomic_xchg(arrived + pair, 0)  # ready for the next layer's launch
 
 
+    @triton.jit
+    def _prefill_attention_kernel(
+        qkv, stride_qkv,  # [N T, (H + 2 KV) D]: row r's position p at r T + p
+        cos, sin, stride_rope,  # [Lmax, D]
+        lengths,  # [N] int64: real tokens of each row (the rest are padding)
+        slots,  # [N] int64: each row's cache slot
+        cache, stride_ckv, stride_cs, stride_ch, stride_cl,  # one layer: [2, S, KV, Lmax, D], last stride 1
+        out, stride_out,  # [N T, H D]
+        scale, T,
+        G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, H: tl.constexpr, KV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, STOP: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        mb = tl.program_id(2)
+        g = h // G
+        length = tl.load(lengths + r)
+        slot = tl.load(slots + r)
+        d1 = tl.arange(0, HALF)
+        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query positions
+        m_in = m < T
+        rows = qkv + (r * T) * stride_qkv
+        dtype = cache.dtype.element_ty
+        q_at = m[:, None] * stride_qkv + h * D + d1[None, :]
+        q1 = tl.load(rows + q_at, mask=m_in[:, None], other=0.0).to(dtype).to(tl.float32)
+        q2 = tl.load(rows + q_at + HALF, mask=m_in[:, None], other=0.0).to(dtype).to(tl.float32)
+        rope_m = m[:, None] * stride_rope + d1[None, :]
+        c1 = tl.load(cos + rope_m, mask=m_in[:, None], other=0.0).to(tl.float32)
+        c2 = tl.load(cos + rope_m + HALF, mask=m_in[:, None], other=0.0).to(tl.float32)
+        s1 = tl.load(sin + rope_m, mask=m_in[:, None], other=0.0).to(tl.float32)
+        s2 = tl.load(sin + rope_m + HALF, mask=m_in[:, None], other=0.0).to(tl.float32)
+        q1, q2 = (q1 * c1 - q2 * s1).to(dtype), (q2 * c2 + q1 * s2).to(dtype)
+        k_col = (H + g) * D + d1
+        v_col = (H + KV + g) * D + d1
+        base_k = cache + slot * stride_cs + g * stride_ch
+        base_v = base_k + stride_ckv
+        if h % G == 0:  # the kv head's first query head writes its block's keys (rotated) and values
+            w = (m_in & (m < length))[:, None]  # (a padding position's are never read: not written)
+            at = m[:, None] * stride_qkv
+            k1 = tl.load(rows + at + k_col[None, :], mask=m_in[:, None], other=0.0).to(dtype).to(tl.float32)
+            k2 = tl.load(rows + at + k_col[None, :] + HALF, mask=m_in[:, None], other=0.0).to(dtype).to(tl.float32)
+            k1, k2 = (k1 * c1 - k2 * s1).to(dtype), (k2 * c2 + k1 * s2).to(dtype)
+            c_at = m[:, None] * stride_cl + d1[None, :]
+            tl.store(base_k + c_at, k1, mask=w)
+            tl.store(base_k + c_at + HALF, k2, mask=w)
+            tl.store(base_v + c_at, tl.load(rows + at + v_col[None, :], mask=w).to(dtype), mask=w)
+            tl.store(base_v + c_at + HALF, tl.load(rows + at + v_col[None, :] + HALF, mask=w).to(dtype), mask=w)
+        # keys past the row's length are padding: never loaded (a query there attends to the real tokens only)
+        hi = tl.minimum(tl.minimum((mb + 1) * BLOCK_M, T), length)
+        mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, HALF], tl.float32)
+        n_off = tl.arange(0, BLOCK_N)
+        # a fixed bound where Triton's CPU interpreter runs it (it cannot loop to a loaded value)
+        for start in range(0, hi if STOP == 0 else STOP, BLOCK_N):
+            n = start + n_off
+            n_in = n < hi
+            at = n[:, None] * stride_qkv
+            rope_n = n[:, None] * stride_rope + d1[None, :]
+            kc1 = tl.load(cos + rope_n, mask=n_in[:, None], other=0.0).to(tl.float32)
+            kc2 = tl.load(cos + rope_n + HALF, mask=n_in[:, None], other=0.0).to(tl.float32)
+            ks1 = tl.load(sin + rope_n, mask=n_in[:, None], other=0.0).to(tl.float32)
+            ks2 = tl.load(sin + rope_n + HALF, mask=n_in[:, None], other=0.0).to(tl.float32)
+            kb1 = tl.load(rows + at + k_col[None, :], mask=n_in[:, None], other=0.0).to(dtype).to(tl.float32)
+            kb2 = tl.load(rows + at + k_col[None, :] + HALF, mask=n_in[:, None], other=0.0).to(dtype).to(tl.float32)
+            kb1, kb2 = (kb1 * kc1 - kb2 * ks1).to(dtype), (kb2 * kc2 + kb1 * ks2).to(dtype)
+            scores = (tl.dot(q1, tl.trans(kb1), input_precision=PRECISION)
+                      + tl.dot(q2, tl.trans(kb2), input_precision=PRECISION)) * scale  # [BM, BN]
+            visible = n_in[None, :] & (n[None, :] <= m[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(mx, tl.max(scores, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no (-inf) - (-inf)
+            alpha = tl.exp(mx - m_ref)
+            p = tl.exp(scores - m_ref[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            vb1 = tl.load(rows + at + v_col[None, :], mask=n_in[:, None], other=0.0).to(dtype)
+            vb2 = tl.load(rows + at + v_col[None, :] + HALF, mask=n_in[:, None], other=0.0).to(dtype)
+            pd = p.to(dtype)
+            acc1 = acc1 * alpha[:, None] + tl.dot(pd, vb1, input_precision=PRECISION)
+            acc2 = acc2 * alpha[:, None] + tl.dot(pd, vb2, input_precision=PRECISION)
+            mx = m_new
+        l = tl.where(l == 0.0, 1.0, l)  # a row of no tokens (a padding row): zeros
+        o_at = out + (r * T + m[:, None]) * stride_out + h * D + d1[None, :]
+        tl.store(o_at, (acc1 / l[:, None]).to(out.dtype.element_ty), mask=m_in[:, None])
+        tl.store(o_at + HALF, (acc2 / l[:, None]).to(out.dtype.element_ty), mask=m_in[:, None])
+
+
 def default_launch(programs: int, cache_len: int) -> dict:
     """Keys/values per loop iteration, warps per program, pipelining stages, parts per row: the fastest of
     ``scripts/tune_decode_attention.py`` on an H100 (many short rows: small blocks and programs; long rows:
@@ -225,5 +313,39 @@ def decode_attention(qkv: Tensor, lens: Tensor, cache: Tensor, cos: Tensor, sin:
             BLOCK_N=launch["block_n"], SPLITS=splits, ROTATE=rotate, PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
             STOP=cache.shape[3] if cache.device.type == "cpu" else 0, num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
+        )
+    return out
+
+
+PREFILL_BLOCK = 64
+"""Query and key positions per program and per loop iteration of :func:`prefill_attention`"""
+
+
+def prefill_attention(qkv: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor, cos: Tensor, sin: Tensor,
+                      heads: int, scale: float, block: int = PREFILL_BLOCK) -> Tensor:
+    """Causal attention of whole prompts from position 0, in one launch per layer; returns ``[N T, heads * D]``.
+
+    ``qkv`` ``[N T, (heads + 2 kv) D]``: the projection's output for ``N`` right-padded prompts of ``T``
+    positions (row ``r``'s position ``p`` at ``r T + p``; any row stride), LoRA's term included; q and k are
+    rotated here, as :func:`decode_attention` does (in fp32, rounded once). ``lengths`` ``[N]``: each prompt's
+    real tokens; keys past them are neither read nor written, so a padding position's output is finite but
+    meaningless, and a row of length 0 (padding a batch to a recorded shape) writes nothing and outputs zeros.
+    ``slots`` ``[N]``: the cache slots whose first ``lengths`` positions receive the rotated keys and the values.
+    ``cache`` ``[2, S, kv, Lmax, D]`` (one layer, ``Lmax >= T``); ``cos``/``sin`` ``[Lmax, D]``."""
+    _, _, kv, lmax, dim = cache.shape
+    n = lengths.shape[0]
+    t = qkv.shape[0] // max(n, 1)
+    if not supports(dim) or cache.stride(-1) != 1 or qkv.stride(-1) != 1 or n * t != qkv.shape[0] or t > lmax:
+        raise ValueError(f"prefill_attention needs [N T, ...] rows, T <= the cache length and contiguous head dims, "
+                         f"a power of two from 32 to 256 (got {tuple(qkv.shape)} for {n} rows, D {dim}, cache {lmax})")
+    out = torch.empty(n * t, heads * dim, dtype=cache.dtype, device=cache.device)
+    with torch.cuda.device(cache.device) if cache.device.type == "cuda" else contextlib.nullcontext():
+        _prefill_attention_kernel[(n, heads, triton.cdiv(t, block))](
+            qkv, qkv.stride(0), cos, sin, cos.stride(0), lengths, slots,
+            cache, cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            out, out.stride(0), scale, t,
+            G=heads // kv, D=dim, HALF=dim // 2, H=heads, KV=kv, BLOCK_M=block, BLOCK_N=block,
+            PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+            STOP=t if cache.device.type == "cpu" else 0, num_warps=4, num_stages=2,
         )
     return out

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from scgrpo.errors import one_line
 from scgrpo.rollout.compact import CompactDecoder
 from scgrpo.rollout.compiled import Compiled
 from scgrpo.rollout.graphs import warmup_stream
@@ -50,6 +51,19 @@ MIN_COMPACT_SLOTS = 8
 little, and every slot count records its own CUDA graphs."""
 PREFILL_TOKENS = 16384
 """Prompt tokens one prefill runs at most (its activations cover every prompt in it at once)."""
+MAX_PREFILL_GRAPHS = 32
+"""Prefill shapes a workspace records as CUDA graphs; past that, prefills run uncaptured."""
+
+
+@dataclass
+class PrefillGraph:
+    """A prefill recorded for ``rows`` prompts of ``positions`` tokens (padded to them), with its fixed inputs."""
+
+    graph: "torch.cuda.CUDAGraph"
+    ids: Tensor  # [rows, positions]
+    lengths: Tensor  # [rows]: 0 for padding rows (they write no cache entry)
+    slots: Tensor  # [rows]
+    logits: Tensor  # [rows, V] the recorded output
 
 
 @dataclass
@@ -133,6 +147,9 @@ class SlotDecoder:
         self._out: Optional[Outputs] = None
         self._states: dict[int, SlotState] = {}
         self._top: Optional[int] = None  # slots of the kept workspace's full-size state
+        # prefills as CUDA graphs (with the prefill's kernels: about eight launches a layer, still host-bound)
+        self.prefill_graphs = self.graphs
+        self._prefills: dict[tuple, PrefillGraph] = {}
 
     # ------------------------------------------------------------------------------------------ one step
     def _ban_eos(self, logits: Tensor, count: Tensor) -> Tensor:
@@ -388,6 +405,7 @@ class SlotDecoder:
         smaller = self._compact(state, keep, self._state(size, cache_len, rows, within=state))
         if not self.keep_workspace:  # the bigger cache (and its graphs) go now, not after the rollout
             self._states = {k: v for k, v in self._states.items() if k <= size}
+            self._prefills.clear()
             self.pool = None  # new graphs take a new pool: the old one dies with its last graph
         return smaller
 
@@ -407,6 +425,7 @@ class SlotDecoder:
     def release(self) -> None:
         """Frees the kept workspaces (KV caches, graphs, output buffers)."""
         self._states.clear()
+        self._prefills.clear()
         self._out, self._key, self.pool, self._top = None, None, None, None
 
     def _admit(self, state: SlotState, out: Outputs, right: Tensor, lengths: Tensor, rows: list[int],
@@ -417,12 +436,74 @@ class SlotDecoder:
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         lens = lengths[row_t]
         width = int(lens.max())
-        chunk = max(1, PREFILL_TOKENS // max(width, 1))  # prompts a prefill runs
+        graphed = self._graphs_prefill()
+        span = length_bucket(width, state.cache.shape[4]) if graphed else width  # positions a prefill runs
+        chunk = max(1, PREFILL_TOKENS // max(span, 1))  # prompts a prefill runs
         for start in range(0, len(rows), chunk):
             r, s, ln = row_t[start : start + chunk], slot_t[start : start + chunk], lens[start : start + chunk]
-            logits = self.decoder.prefill(right[r, :width], ln, s, state.cache)  # [k, V]
+            if graphed:
+                logits = self._graphed_prefill(state, right[r, :width], ln, s, span, chunk)
+            else:
+                logits = self.decoder.prefill(right[r, :width], ln, s, state.cache)  # [k, V]
             state.lens[s] = ln
             state.row[s] = r
             state.count[s] = 0
             state.live[s] = True
             self._emit(state, out, logits, s)
+
+    def _graphs_prefill(self) -> bool:
+        """Prefills run as CUDA graphs: graphs on, the prefill's kernels running (the eager layers' host work
+        includes shape-dependent masks), and room for another recording or some kept."""
+        return self.prefill_graphs and self.decoder.prefill_kernels
+
+    def _graphed_prefill(self, state: SlotState, ids: Tensor, lengths: Tensor, slots: Tensor, span: int,
+                         most: int) -> Tensor:
+        """:meth:`CompactDecoder.prefill` of ``ids`` ``[k, W]`` replayed from a CUDA graph recorded for the next
+        power of two of ``k`` rows (at most ``most``) of ``span`` positions; the padding rows have length 0 (the
+        prefill's attention writes no cache entry for them). Returns ``[k, V]`` logits, valid until the next
+        prefill. A shape not yet recorded is recorded (its warm-up run, on the side stream, is this call's
+        prefill), unless :data:`MAX_PREFILL_GRAPHS` are; a recording that fails turns prefill graphs off."""
+        k, width = ids.shape
+        rows = min(1 << max(k - 1, 0).bit_length(), max(most, k))
+        key = (rows, span, state.cache.data_ptr(), tuple(state.cache.shape))
+        entry = self._prefills.get(key)
+        if entry is None and len(self._prefills) >= MAX_PREFILL_GRAPHS:
+            return self.decoder.prefill(ids, lengths, slots, state.cache)
+        if entry is None:
+            device = self.device
+            entry = PrefillGraph(graph=torch.cuda.CUDAGraph(),
+                                 ids=torch.full((rows, span), self.pad_id, dtype=torch.long, device=device),
+                                 lengths=torch.zeros(rows, dtype=torch.long, device=device),
+                                 slots=torch.zeros(rows, dtype=torch.long, device=device), logits=ids.new_empty(0))
+        entry.ids[:k, :width] = ids
+        entry.ids[:k, width:] = self.pad_id
+        entry.ids[k:] = self.pad_id
+        entry.lengths[:k] = lengths
+        entry.lengths[k:] = 0
+        entry.slots[:k] = slots
+        entry.slots[k:] = 0
+        if key in self._prefills:
+            entry.graph.replay()
+            return entry.logits[:k]
+        stream = warmup_stream(self.device)  # the warm-up run is this call's prefill (it compiles and allocates)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self.decoder.prefill(entry.ids, entry.lengths, entry.slots, state.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        if not self.decoder.prefill_kernels:  # its kernels failed (and it fell back to the eager layers)
+            return logits[:k]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(entry.graph, pool=self.pool):
+                entry.logits = self.decoder.prefill(entry.ids, entry.lengths, entry.slots, state.cache)
+            if not self.decoder.prefill_kernels:
+                raise RuntimeError("the prefill's kernels failed inside the recording")
+        except Exception as err:  # noqa: BLE001 - the uncaptured prefill serves
+            self.prefill_graphs = False
+            log.warning("recording the prefill as a CUDA graph failed (%s: %s); prefilling uncaptured",
+                        type(err).__name__, one_line(err))
+            return logits[:k]
+        self._prefills[key] = entry
+        self.stats["rollout/graphs_recorded"] = self.stats.get("rollout/graphs_recorded", 0.0) + 1
+        return logits[:k]
