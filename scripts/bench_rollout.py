@@ -159,19 +159,18 @@ def compact_runner(model, ids, mask, max_new: int, greedy: bool = False, **kwarg
     sampler = SlotDecoder(decoder, [EOS], EOS, max_new, greedy=greedy, min_new_tokens=0 if greedy else max_new,
                           **kwargs)
 
-    prefill = decoder.prefill
+    admit = sampler._admit
 
     spent = [0.0]
 
-    def timed_prefill(*args):  # (synchronised: the prompts' forward passes timed apart from the decode steps)
-        torch.cuda.synchronize()
+    def timed_prefill(*args):  # (synchronised: the prompts' forward passes timed apart from the decode steps; the
+        torch.cuda.synchronize()  # admission, around any recording of the prefill as a CUDA graph)
         start = time.perf_counter()
-        logits = prefill(*args)
+        admit(*args)
         torch.cuda.synchronize()
         spent[0] += time.perf_counter() - start
-        return logits
 
-    decoder.prefill = timed_prefill
+    sampler._admit = timed_prefill
 
     def run():
         torch.cuda.synchronize()
@@ -360,25 +359,24 @@ class EngineClock:
 
 @contextlib.contextmanager
 def engine_clock():
-    """Every :class:`CompactDecoder` prefill and :class:`SlotDecoder` decode burst timed, bracketed by
-    synchronisation (the engine reads the device right after each anyway), into the yielded clock."""
-    from scgrpo.rollout.compact import CompactDecoder
+    """Every :class:`SlotDecoder` admission (the prefill of the rows it admits, recorded or replayed as a CUDA
+    graph or not, and the draw of their first tokens) and decode burst timed, bracketed by synchronisation (the
+    engine reads the device right after each anyway), into the yielded clock."""
     from scgrpo.rollout.slots import SlotDecoder
 
     clock = EngineClock()
-    prefill, run = CompactDecoder.prefill, SlotDecoder._run
+    admit, run = SlotDecoder._admit, SlotDecoder._run
 
-    def timed_prefill(self, ids, lengths, *args):
+    def timed_prefill(self, state, out, right, lengths, rows, slots):
         sync()
         start = time.perf_counter()
-        logits = prefill(self, ids, lengths, *args)
+        admit(self, state, out, right, lengths, rows, slots)
         sync()
         seconds = time.perf_counter() - start
-        tokens = int(lengths.sum())
+        tokens = int(lengths[rows].sum())
         clock.prefill_s += seconds
         clock.prefill_tokens += tokens
         clock.prefill_calls.append((tokens, seconds))
-        return logits
 
     def timed_run(self, *args):
         sync()
@@ -387,11 +385,11 @@ def engine_clock():
         sync()
         clock.decode_s += time.perf_counter() - start
 
-    CompactDecoder.prefill, SlotDecoder._run = timed_prefill, timed_run
+    SlotDecoder._admit, SlotDecoder._run = timed_prefill, timed_run
     try:
         yield clock
     finally:
-        CompactDecoder.prefill, SlotDecoder._run = prefill, run
+        SlotDecoder._admit, SlotDecoder._run = admit, run
 
 
 def clocked(fn, clock: EngineClock, phases=None):

@@ -11,6 +11,10 @@ which rows ended. Then:
 - **compaction**: with nobody waiting and at most half the slots live, the live ones move to the front of a
   smaller workspace (the next power of two), whose steps cost less.
 
+Prefills are CUDA graphs too where the prefill's kernels run (:meth:`CompactDecoder.prefill` is about eight
+launches a layer, host-bound below some ten thousand tokens): one per power of two of rows and bucket of
+positions (:func:`length_bucket`), the rows filled up with empty ones that write no cache entry.
+
 A row's tokens depend only on its own prompt and draws: compaction and refill change which slot a row sits in,
 never what it samples (greedy: bit for bit up to the matmul's batch-size dependence).
 """
@@ -26,7 +30,6 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from scgrpo.errors import one_line
 from scgrpo.rollout.compact import CompactDecoder
 from scgrpo.rollout.compiled import Compiled
 from scgrpo.rollout.graphs import warmup_stream
@@ -452,8 +455,8 @@ class SlotDecoder:
             self._emit(state, out, logits, s)
 
     def _graphs_prefill(self) -> bool:
-        """Prefills run as CUDA graphs: graphs on, the prefill's kernels running (the eager layers' host work
-        includes shape-dependent masks), and room for another recording or some kept."""
+        """Prefills run as CUDA graphs: graphs on (:attr:`prefill_graphs`, on by default with them) and the
+        prefill's kernels running (the eager layers' work includes a host read for padding rows)."""
         return self.prefill_graphs and self.decoder.prefill_kernels
 
     def _graphed_prefill(self, state: SlotState, ids: Tensor, lengths: Tensor, slots: Tensor, span: int,
@@ -462,7 +465,8 @@ class SlotDecoder:
         power of two of ``k`` rows (at most ``most``) of ``span`` positions; the padding rows have length 0 (the
         prefill's attention writes no cache entry for them). Returns ``[k, V]`` logits, valid until the next
         prefill. A shape not yet recorded is recorded (its warm-up run, on the side stream, is this call's
-        prefill), unless :data:`MAX_PREFILL_GRAPHS` are; a recording that fails turns prefill graphs off."""
+        prefill; where the prefill's kernels fail there, it falls back to the eager layers and nothing is
+        recorded), unless :data:`MAX_PREFILL_GRAPHS` are."""
         k, width = ids.shape
         rows = min(1 << max(k - 1, 0).bit_length(), max(most, k))
         key = (rows, span, state.cache.data_ptr(), tuple(state.cache.shape))
@@ -494,16 +498,10 @@ class SlotDecoder:
             return logits[:k]
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        try:
-            with torch.cuda.graph(entry.graph, pool=self.pool):
-                entry.logits = self.decoder.prefill(entry.ids, entry.lengths, entry.slots, state.cache)
-            if not self.decoder.prefill_kernels:
-                raise RuntimeError("the prefill's kernels failed inside the recording")
-        except Exception as err:  # noqa: BLE001 - the uncaptured prefill serves
-            self.prefill_graphs = False
-            log.warning("recording the prefill as a CUDA graph failed (%s: %s); prefilling uncaptured",
-                        type(err).__name__, one_line(err))
-            return logits[:k]
+        # (as the decode step's recording, a failure here is not caught: a stream capture that failed leaves the
+        # device's random generator mid-capture, so no uncaptured fallback would run safely after it)
+        with torch.cuda.graph(entry.graph, pool=self.pool):
+            entry.logits = self.decoder.prefill(entry.ids, entry.lengths, entry.slots, state.cache)
         self._prefills[key] = entry
         self.stats["rollout/graphs_recorded"] = self.stats.get("rollout/graphs_recorded", 0.0) + 1
         return logits[:k]
