@@ -90,3 +90,19 @@ def test_bench_table_turns_the_result_into_the_summary_keys(smoke, tmp_path, mon
     rows = table.multiturn_table("cpu")
     assert sum(line.startswith(("| compact_", "| hf_")) for line in rows) == 4
     assert table.multiturn_entries("h100") == {} and table.multiturn_table("h100") == []
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_runner_harness_plays_the_bench_episodes_the_same_each_run(chat):
+    harness = _load("profile_runner")
+    runner, policy, rows, group = harness.setup(chat, eos_share=0.0)
+    out = harness.run_once(runner, policy, rows, group)
+    spec = bench.CASES["smollm2_64_multiturn"]
+    assert out.completion_mask.shape[0] == spec["seqs"] and policy.calls == spec["turns"]
+    assert out.completion_mask.sum(1).tolist() == [spec["turns"] * spec["max_new"]] * spec["seqs"]
+    if not chat:  # the word-level tokenizer: an observation of n words is n tokens
+        assert out.env_mask.sum(1).tolist() == [(spec["turns"] - 1) * spec["observation"]] * spec["seqs"]
+    assert out.stats["episode/turns_mean"] == spec["turns"] and out.stats["episode/truncated"] == 1.0
+    assert harness.digest(harness.run_once(runner, policy, rows, group)) == harness.digest(out)
+    early = harness.setup(chat, eos_share=0.5)  # some turns end at end-of-sequence: shorter episodes
+    assert harness.run_once(*early).completion_mask.sum() < out.completion_mask.sum()

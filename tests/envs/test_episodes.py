@@ -184,6 +184,113 @@ def test_call_all_returns_values_errors_and_timeouts_in_order():
     assert out[2] == ("timeout", None) and out[3] == ("ok", 4)
 
 
+def test_a_hung_call_among_many_instant_ones_times_out_alone_and_the_results_keep_the_calls_order():
+    import threading
+
+    release = threading.Event()
+    calls = [lambda i=i: (time.sleep(0.002 * (i % 3)), i)[1] for i in range(40)]  # varied lengths: out of order
+    calls[7] = release.wait
+    start = time.monotonic()
+    try:
+        out = call_all(calls, timeout_s=0.3, max_workers=4)
+    finally:
+        release.set()
+    assert 0.3 <= time.monotonic() - start < 2.0
+    assert out[7] == ("timeout", None)
+    assert out[:7] + out[8:] == [("ok", i) for i in range(40) if i != 7]
+
+
+def test_each_call_has_its_time_limit_from_its_own_start():
+    # one worker: the calls run one after the other, each well within the limit, together past it
+    start = time.monotonic()
+    out = call_all([lambda: time.sleep(0.15) or "a", lambda: time.sleep(0.15) or "b", lambda: time.sleep(0.15) or "c"],
+                   timeout_s=0.3, max_workers=1)
+    assert out == [("ok", "a"), ("ok", "b"), ("ok", "c")] and time.monotonic() - start >= 0.45
+
+
+def test_calls_that_hang_in_every_worker_are_left_behind_and_the_others_still_run():
+    import threading
+
+    release = threading.Event()
+    try:
+        out = call_all([release.wait, release.wait] + [lambda i=i: i for i in range(5)], timeout_s=0.2, max_workers=2)
+    finally:
+        release.set()
+    assert out == [("timeout", None)] * 2 + [("ok", i) for i in range(5)]
+
+
+def test_call_all_runs_at_most_max_workers_calls_at_once_and_uses_them():
+    import threading
+
+    lock, now, peak = threading.Lock(), [0], [0]
+
+    def call():
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        time.sleep(0.1)
+        with lock:
+            now[0] -= 1
+
+    start = time.monotonic()
+    out = call_all([call] * 9, timeout_s=5.0, max_workers=3)
+    assert out == [("ok", None)] * 9 and peak[0] == 3
+    assert time.monotonic() - start < 0.9  # in parallel: about 3 x 0.1 s
+
+
+def test_call_all_counts_an_exception_of_any_kind_as_an_error():
+    class Stop(BaseException):
+        pass
+
+    def stop():
+        raise Stop()
+
+    out = call_all([stop, lambda: 2], timeout_s=1.0, max_workers=1)
+    assert out[0][0] == "error" and isinstance(out[0][1], Stop) and out[1] == ("ok", 2)
+
+
+def test_observations_tokenized_together_are_each_tokenized_alone(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    chat = ChatTurns(AutoTokenizer.from_pretrained(tiny_model_dir))
+    eos = chat.tokenizer.eos_token
+    observations, ended = ["obs1", "obs 2", "obs1", "", "obs1"], [None, eos, None, eos, eos]
+    together = chat.ids_many(observations, ended)
+    assert together == [chat.ids(o, e) for o, e in zip(observations, ended)]
+    assert together[0] != together[4]  # the end-of-turn text the model sampled is not repeated
+    together[0].append(-1)  # each a list of its own
+    assert together[2] == chat.ids("obs1", None)
+    assert chat.ids_many([], []) == []
+
+
+def test_each_episode_reads_its_own_first_observation_and_its_own_answers(module):
+    import itertools
+
+    counter = itertools.count()
+
+    class Distinct(Scripted):  # every episode its own first observation and answers
+        def reset(self, row, seed):
+            super().reset(row, seed)
+            self.n = next(counter)
+            return f"Task {self.n}"
+
+        def step(self, action):
+            result = super().step(action)
+            if not result.done:
+                result.observation = f"obs{self.t} of {self.n}"
+            return result
+
+    tok = module.tokenizer
+    _, ep = play(module, Distinct(turns=2))
+    assert sorted(ep.questions) == [f"Task {n}" for n in range(4)]
+    for i, question in enumerate(ep.questions):
+        n = question.split()[1]
+        prompt = tok.decode(ep.prompt_ids[i][ep.prompt_mask[i].bool()])
+        assert prompt.endswith(f"user\nTask {n}<|im_end|>\n<|im_start|>assistant\n")
+        env = tok.decode(ep.completion_ids[i][ep.env_mask[i].bool()])
+        assert f"obs1 of {n}<|im_end|>" in env and f"[user] obs1 of {n}" in ep.completions[i]
+
+
 def test_evaluation_plays_episodes_with_seeds_fixed_by_the_row(module):
     seeds = []
 

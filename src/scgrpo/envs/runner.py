@@ -5,6 +5,11 @@ completions), then the environments answer, in parallel threads and each within 
 observations are rendered by the chat template and appended as token ids. The history is never decoded and
 tokenized again: the ids the policy is trained on are the ids it sampled and read.
 
+The host's own work in a turn is kept to a few passes over the batch: the sampler's outputs are read into lists in
+one copy per tensor, the turn's observations are tokenized in one call (each distinct text once: a group's episodes
+often read the same), the histories are padded in one array; the environment calls are taken in order by a few
+reused threads (:func:`call_all`), so that a call that returns at once costs no hand-over to a thread of its own.
+
 Between turns the KV cache is re-filled by one prefill of each live history (the sampler's workspace, its cache
 and CUDA graphs are sized once for the whole episode batch and reused by every turn). ``docs/envs.md`` gives the
 measured cost of that prefill against the decode steps.
@@ -22,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,7 +41,7 @@ log = logging.getLogger(__name__)
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 
 
-_IDLE: "queue.SimpleQueue" = queue.SimpleQueue()  # inboxes of the worker threads free for a call
+_IDLE: "queue.SimpleQueue" = queue.SimpleQueue()  # inboxes of the worker threads free for work
 MAX_STUCK = 256
 """Calls still running past their time limit (each holds a thread) at which the run stops: the environment hangs"""
 _stuck = [0]
@@ -47,51 +53,111 @@ class EnvironmentHangs(InputError):
 
 
 def _worker(inbox: "queue.SimpleQueue") -> None:
-    """Runs the calls put in its ``inbox`` one after the other, and offers itself again after each."""
+    """Works on the batches of calls put in its ``inbox`` one after the other, and offers itself again after each."""
     while True:
-        fn, box, done, abandoned = inbox.get()
-        try:
-            box.append((OK, fn()))
-        except BaseException as err:  # noqa: BLE001 - a user's environment may raise anything
-            box.append((ERROR, err))
-        done.set()
-        with _stuck_lock:
-            if abandoned.is_set():  # it came back after its caller gave up on it
-                _stuck[0] -= 1
+        inbox.get().work()
         _IDLE.put(inbox)
 
 
+def _engage(calls: "_Calls") -> None:
+    """One more thread on ``calls``: a free one, or a new one where none is free."""
+    try:
+        inbox = _IDLE.get_nowait()
+    except queue.Empty:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_worker, args=(inbox,), daemon=True, name="scgrpo-env").start()
+    inbox.put(calls)
+
+
+class _Calls:
+    """The calls of one :func:`call_all`, taken in order by the threads engaged on it; a thread takes the next call
+    when it is done with its last. Before it runs a call, a thread engages one more when every thread engaged is
+    inside a call and calls are left (up to ``max_workers`` at once), so that a call that hangs holds up no other.
+    ``running`` maps each call being run to the time it was taken (its time limit runs from there); the caller
+    abandons those past their limit (the thread leaves them behind, and is no longer counted as engaged)."""
+
+    def __init__(self, calls: Sequence[Callable[[], Any]], max_workers: int) -> None:
+        self.calls, self.max_workers = calls, max_workers
+        self.results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
+        self.running: dict[int, float] = {}
+        self.next = self.finished = self.engaged = 0  # finished: returned or abandoned
+        self.stopped = False  # the caller gave up on the rest (the environment hangs): take no more calls
+        self.lock = threading.Lock()
+        self.all_finished = threading.Condition(self.lock)
+
+    def engage_one(self) -> None:
+        """Under the lock: a thread more where every engaged one is inside a call and calls are left."""
+        if (self.next < len(self.calls) and len(self.running) == self.engaged and self.engaged < self.max_workers
+                and not self.stopped):
+            _engage(self)  # (it cannot take a call before the lock is released)
+            self.engaged += 1
+
+    def work(self) -> None:
+        """Runs calls until none is left; a call that ran past its time limit (abandoned) ends the thread's work."""
+        calls, lock, running = self.calls, self.lock, self.running
+        with lock:
+            while True:
+                k = self.next
+                if k >= len(calls) or self.stopped:
+                    self.engaged -= 1
+                    return
+                self.next = k + 1
+                running[k] = time.monotonic()
+                try:
+                    self.engage_one()
+                except RuntimeError as err:  # no thread could be started: this one still runs its call
+                    log.debug("no thread more for environment calls: %s", err)
+                lock.release()
+                try:
+                    result = (OK, calls[k]())
+                except BaseException as err:  # noqa: BLE001 - a user's environment may raise anything
+                    result = (ERROR, err)
+                finally:
+                    lock.acquire()
+                if running.pop(k, None) is None:  # it came back after its caller gave up on it
+                    with _stuck_lock:
+                        _stuck[0] -= 1
+                    return
+                self.results[k] = result
+                self.finished += 1
+                if self.finished == len(calls):
+                    self.all_finished.notify()
+
+
 def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
-    """Runs ``calls`` in daemon threads, ``max_workers`` at a time, each within ``timeout_s`` seconds of its
-    start. Returns per call ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that
-    hangs is left behind in its daemon thread (it cannot hold the process at exit). The threads are kept for
-    later calls (an episode batch makes a few hundred), one started where none is free."""
-    results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
-    for start in range(0, len(calls), max_workers):
-        wave = []
-        for k in range(start, min(start + max_workers, len(calls))):
-            try:
-                inbox = _IDLE.get_nowait()
-            except queue.Empty:
-                inbox = queue.SimpleQueue()
-                threading.Thread(target=_worker, args=(inbox,), daemon=True, name="scgrpo-env").start()
-            box: list = []
-            done, abandoned = threading.Event(), threading.Event()
-            inbox.put((calls[k], box, done, abandoned))
-            wave.append((k, box, done, abandoned))
-        deadline = time.monotonic() + timeout_s
-        for k, box, done, abandoned in wave:
-            done.wait(max(deadline - time.monotonic(), 0.0))
-            with _stuck_lock:
-                if box:
-                    results[k] = box[0]
-                else:
-                    abandoned.set()
+    """Runs ``calls`` in daemon threads, at most ``max_workers`` at a time (not counting those left behind past
+    their time limit), each within ``timeout_s`` seconds of its own start. Returns per call, in the calls' order,
+    ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that hangs is left behind in its
+    daemon thread (it cannot hold the process at exit) and the others go on in other threads. The threads are kept
+    for later calls (an episode batch makes a few hundred); each runs calls one after the other, so that calls that
+    return at once cost no thread hand-over each (see :class:`_Calls`)."""
+    if not calls:
+        return []
+    batch = _Calls(calls, max_workers)
+    with batch.lock:
+        _engage(batch)
+        batch.engaged = 1
+        while batch.finished < len(calls):
+            now = time.monotonic()
+            late = [k for k, start in batch.running.items() if now - start >= timeout_s]
+            if not late:  # until the first limit passes (a call not taken yet starts later)
+                wait = min(batch.running.values(), default=now) + timeout_s - now
+                batch.all_finished.wait(min(max(wait, 1e-4), threading.TIMEOUT_MAX))
+                continue
+            for k in late:  # abandoned: its result stays a timeout, its thread is left behind
+                del batch.running[k]
+                batch.engaged -= 1
+                batch.finished += 1
+                with _stuck_lock:
                     _stuck[0] += 1
-        if _stuck[0] > MAX_STUCK:
-            raise EnvironmentHangs(f"{_stuck[0]} environment calls are still running past their {timeout_s:g} s time "
-                                   "limit, each holding a thread: the environment hangs. Fix it, or raise its timeout_s")
-    return results
+            if _stuck[0] > MAX_STUCK:
+                batch.stopped = True
+                break
+            batch.engage_one()  # in place of the threads left behind
+    if _stuck[0] > MAX_STUCK:
+        raise EnvironmentHangs(f"{_stuck[0]} environment calls are still running past their {timeout_s:g} s time "
+                               "limit, each holding a thread: the environment hangs. Fix it, or raise its timeout_s")
+    return batch.results
 
 
 class ChatTurns:
@@ -122,11 +188,20 @@ class ChatTurns:
     def ids(self, observation: str, ended_turn: Optional[str]) -> list[int]:
         """The observation's ids; ``ended_turn``: the text of the end-of-sequence token the model's turn ended
         with (None: cut at the turn's token limit), which the template's end-of-turn text then does not repeat."""
-        head = self.after_turn
-        if ended_turn and head.startswith(ended_turn):
-            head = head[len(ended_turn):]
-        text = head + self.before + observation + self.after
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.ids_many([observation], [ended_turn])[0]
+
+    def ids_many(self, observations: Sequence[str], ended_turns: Sequence[Optional[str]]) -> list[list[int]]:
+        """:meth:`ids` of each observation (after the turn that ended with the matching ``ended_turns``), in one
+        call of the tokenizer, each distinct text tokenized once (the episodes of a group often read the same)."""
+        texts = []
+        for observation, ended_turn in zip(observations, ended_turns):
+            head = self.after_turn
+            if ended_turn and head.startswith(ended_turn):
+                head = head[len(ended_turn):]
+            texts.append(head + self.before + observation + self.after)
+        distinct = list(dict.fromkeys(texts))
+        ids = dict(zip(distinct, self.tokenizer(distinct, add_special_tokens=False)["input_ids"] if distinct else []))
+        return [list(ids[text]) for text in texts]
 
 
 @dataclass
@@ -247,8 +322,10 @@ class EpisodeRunner:
             if not episode.done and not isinstance(first, str):
                 self._junk(episode, f"reset returned {type(first).__name__}, not the first observation's text", stats)
             questions.append(first if isinstance(first, str) else str(row.get("question", "")))
-        for episode, ids in zip(episodes, tok(policy.format_prompts(questions), add_special_tokens=False)["input_ids"]):
-            episode.prompt = list(ids)
+        distinct = list(dict.fromkeys(questions))  # a group's episodes mostly start from one observation
+        prompts = dict(zip(distinct, tok(policy.format_prompts(distinct), add_special_tokens=False)["input_ids"]))
+        for episode, question in zip(episodes, questions):
+            episode.prompt = list(prompts[question])
         eos_text = {i: tok.decode([i]) for i in _eos_ids(policy)}
         if self._chat is None:
             self._chat = ChatTurns(tok, self.environment.observation_role)
@@ -292,14 +369,14 @@ class EpisodeRunner:
             generated = self._decode(policy, going, greedy, temperature, reserve)
             add_engine_stats(engine_stats, generated.stats)
             acting, actions = [], []
-            for k, episode in enumerate(going):
-                ended = self._append_turn(episode, generated, k, tok, eos_text)
+            for episode, ended in zip(going, self._append_turns(going, generated, tok, eos_text)):
                 if episode.done:  # a fault at reset, or the token budget
                     continue
                 acting.append(episode)
                 actions.append((episode.transcript[-1], ended))
             results = self._calls([_step_call(e.env, text) for e, (text, _) in zip(acting, actions)], acting,
                                   "step", stats)
+            reading, observations, ended_turns = [], [], []  # the episodes that go on, with their observations
             for episode, (text, ended), result in zip(acting, actions, results):
                 if episode.done:
                     continue
@@ -317,15 +394,24 @@ class EpisodeRunner:
                     self._junk(episode, f"step returned a {type(result.observation).__name__} observation, not text",
                                stats)
                     continue
-                observation = self._chat.ids(result.observation, ended)
-                if turn + 1 >= settings.max_turns or len(episode.tokens) + len(observation) >= settings.max_episode_tokens:
+                reading.append(episode)
+                observations.append(result.observation)
+                ended_turns.append(ended)
+            if turn + 1 >= settings.max_turns:  # no room for another model turn, whatever the observations
+                for episode in reading:
+                    episode.done = episode.truncated = True
+                    _close(episode.env)
+                continue
+            # every observation of the turn rendered and tokenized at once
+            for episode, text, ids in zip(reading, observations, self._chat.ids_many(observations, ended_turns)):
+                if len(episode.tokens) + len(ids) >= settings.max_episode_tokens:
                     episode.done = episode.truncated = True  # no room for another model turn
                     _close(episode.env)
                     continue
-                episode.tokens += observation
-                episode.model += [0.0] * len(observation)
-                episode.logprobs += [0.0] * len(observation)
-                episode.transcript.append(f"[{self.environment.observation_role}] {result.observation}")
+                episode.tokens += ids
+                episode.model += [0.0] * len(ids)
+                episode.logprobs += [0.0] * len(ids)
+                episode.transcript.append(f"[{self.environment.observation_role}] {text}")
 
     def _junk(self, episode: Episode, message: str, stats: dict) -> None:
         self.errors += 1
@@ -336,12 +422,10 @@ class EpisodeRunner:
         """One turn of every episode in ``going``: their histories, left-padded, through the sampler."""
         pad = policy.tokenizer.pad_token_id
         histories = [e.prompt + e.tokens for e in going]
-        width = max(len(h) for h in histories)
-        ids = torch.full((len(going), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(going), width), dtype=torch.long)
-        for k, history in enumerate(histories):
-            ids[k, width - len(history):] = torch.tensor(history, dtype=torch.long)
-            mask[k, width - len(history):] = 1
+        lengths = [len(h) for h in histories]
+        width = max(lengths)
+        ids = _rows([[pad] * (width - len(h)) + h for h in histories], (len(going), width), np.int64)
+        mask = _filled(lengths, width, left=True).long()
         device = policy.device
         generated = policy.sample_ids(ids.to(device), mask.to(device), greedy=greedy, temperature=temperature,
                                       reserve=reserve)
@@ -350,49 +434,49 @@ class EpisodeRunner:
             "completion_ids", "completion_mask", "truncated", "entropy_sum", "sampler_logprobs")
             if getattr(generated, name) is not None})
 
-    def _append_turn(self, episode: Episode, generated, k: int, tok, eos_text: dict[int, str]) -> Optional[str]:
-        """Books row ``k`` of ``generated`` as the episode's next model turn, cut at the token budget; returns the
-        text of the end-of-sequence token it ended with (None: cut)."""
-        length = int(generated.completion_mask[k].sum())
-        ids = generated.completion_ids[k, :length].tolist()
-        room = self.settings.max_episode_tokens - len(episode.tokens)
-        cut = len(ids) > room
-        ids = ids[:room]
-        logprobs = (generated.sampler_logprobs[k, : len(ids)].tolist() if generated.sampler_logprobs is not None
-                    else [0.0] * len(ids))
-        episode.tokens += ids
-        episode.model += [1.0] * len(ids)
-        episode.logprobs += logprobs
-        if generated.entropy_sum is not None:  # a turn cut at the budget keeps its share (the sampler gives sums)
-            episode.entropy += float(generated.entropy_sum[k]) * len(ids) / max(length, 1)
-        episode.turns += 1
-        episode.transcript.append(tok.decode(ids, skip_special_tokens=True).strip())
-        if episode.fault is not None:
-            episode.done = True
-        elif cut or len(episode.tokens) >= self.settings.max_episode_tokens:
-            episode.done = episode.truncated = True
-            _close(episode.env)
-        return eos_text.get(ids[-1]) if ids and not bool(generated.truncated[k]) and not cut else None
+    def _append_turns(self, going: list[Episode], generated, tok, eos_text: dict[int, str]) -> list[Optional[str]]:
+        """Books row ``k`` of ``generated`` as the next model turn of ``going[k]``, cut at the token budget; returns
+        for each the text of the end-of-sequence token its turn ended with (None: cut)."""
+        budget = self.settings.max_episode_tokens
+        lengths = generated.completion_mask.sum(1).tolist()  # each tensor read into lists at once
+        rows = generated.completion_ids.tolist()
+        truncated = generated.truncated.tolist()
+        logprob_rows = generated.sampler_logprobs.tolist() if generated.sampler_logprobs is not None else None
+        entropies = generated.entropy_sum.tolist() if generated.entropy_sum is not None else None
+        ended = []
+        for k, episode in enumerate(going):
+            length = int(lengths[k])
+            ids = rows[k][:length]
+            room = budget - len(episode.tokens)
+            cut = len(ids) > room
+            ids = ids[:room]
+            episode.tokens += ids
+            episode.model += [1.0] * len(ids)
+            episode.logprobs += logprob_rows[k][: len(ids)] if logprob_rows is not None else [0.0] * len(ids)
+            if entropies is not None:  # a turn cut at the budget keeps its share (the sampler gives sums)
+                episode.entropy += entropies[k] * len(ids) / max(length, 1)
+            episode.turns += 1
+            episode.transcript.append(tok.decode(ids, skip_special_tokens=True).strip())
+            if episode.fault is not None:
+                episode.done = True
+            elif cut or len(episode.tokens) >= budget:
+                episode.done = episode.truncated = True
+                _close(episode.env)
+            ended.append(eos_text.get(ids[-1]) if ids and not truncated[k] and not cut else None)
+        return ended
 
     def _tensors(self, policy, episodes: list[Episode], questions: list[str], greedy: bool) -> Episodes:
         device, pad = policy.device, policy.tokenizer.pad_token_id
         n = len(episodes)
         tp = max((len(e.prompt) for e in episodes), default=1)
         c = max((len(e.tokens) for e in episodes), default=1)
-        prompt_ids = torch.full((n, tp), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((n, tp), dtype=torch.long)
-        completion_ids = torch.full((n, c), pad, dtype=torch.long)
-        model = torch.zeros((n, c), dtype=torch.float32)
-        env = torch.zeros((n, c), dtype=torch.float32)
-        logprobs = torch.zeros((n, c), dtype=torch.float32)
-        for i, e in enumerate(episodes):
-            prompt_ids[i, tp - len(e.prompt):] = torch.tensor(e.prompt, dtype=torch.long)
-            prompt_mask[i, tp - len(e.prompt):] = 1
-            length = len(e.tokens)
-            completion_ids[i, :length] = torch.tensor(e.tokens, dtype=torch.long)
-            model[i, :length] = torch.tensor(e.model)
-            env[i, :length] = 1.0 - torch.tensor(e.model)
-            logprobs[i, :length] = torch.tensor(e.logprobs)
+        prompt_ids = _rows([[pad] * (tp - len(e.prompt)) + e.prompt for e in episodes], (n, tp), np.int64)
+        prompt_mask = _filled([len(e.prompt) for e in episodes], tp, left=True).long()
+        completion_ids = _rows([e.tokens + [pad] * (c - len(e.tokens)) for e in episodes], (n, c), np.int64)
+        model = _rows([e.model + [0.0] * (c - len(e.model)) for e in episodes], (n, c), np.float32)
+        # the environment's tokens: the episode's tokens the model did not sample (padding is neither)
+        env = _filled([len(e.tokens) for e in episodes], c).float() - model
+        logprobs = _rows([e.logprobs + [0.0] * (c - len(e.logprobs)) for e in episodes], (n, c), np.float32)
         infos = [{"turns": e.turns, "env": e.infos, **({"fault": e.fault} if e.fault else {})} for e in episodes]
         return Episodes(
             questions=questions,
@@ -404,6 +488,17 @@ class EpisodeRunner:
             entropy_sum=None if greedy else torch.tensor([e.entropy for e in episodes], device=device),
             sampler_logprobs=None if greedy else logprobs.to(device),
         )
+
+
+def _rows(rows: list[list], shape: tuple[int, int], dtype) -> Tensor:
+    """Equal-length Python rows as one CPU tensor of ``shape`` (one conversion, not one per row)."""
+    return torch.from_numpy(np.array(rows, dtype=dtype).reshape(shape))
+
+
+def _filled(lengths: list[int], width: int, left: bool = False) -> Tensor:
+    """``[len(lengths), width]`` bool: the first ``lengths[i]`` places of row ``i`` (with ``left``, the last)."""
+    places, lengths = torch.arange(width), torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+    return places >= width - lengths if left else places < lengths
 
 
 ENGINE_COUNTERS = ("rollout/decode_steps", "rollout/prefills", "rollout/compactions", "rollout/graphs_recorded")
