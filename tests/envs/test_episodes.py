@@ -238,6 +238,26 @@ def test_call_all_runs_at_most_max_workers_calls_at_once_and_uses_them():
     assert time.monotonic() - start < 0.9  # in parallel: about 3 x 0.1 s
 
 
+def test_workers_take_no_more_calls_once_their_caller_has_left(monkeypatch):
+    """A caller that leaves early (interrupted, or out of threads) stops the batch: its calls are not all run."""
+    from scgrpo.envs import runner
+
+    ran = []
+
+    def call():
+        time.sleep(0.05)
+        ran.append(1)
+
+    def interrupted(batch, timeout_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_wait_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        call_all([call] * 20, timeout_s=5.0, max_workers=1)
+    time.sleep(0.5)
+    assert len(ran) <= 2  # the call under way when the caller left, at most one more
+
+
 def test_call_all_counts_an_exception_of_any_kind_as_an_error():
     class Stop(BaseException):
         pass
@@ -257,6 +277,9 @@ def test_observations_tokenized_together_are_each_tokenized_alone(tiny_model_dir
     observations, ended = ["obs1", "obs 2", "obs1", "", "obs1"], [None, eos, None, eos, eos]
     together = chat.ids_many(observations, ended)
     assert together == [chat.ids(o, e) for o, e in zip(observations, ended)]
+    for ids, observation, end in zip(together, observations, ended):  # each as its own text, tokenized alone
+        head = chat.after_turn[len(end):] if end and chat.after_turn.startswith(end) else chat.after_turn
+        assert ids == chat.tokenizer(head + observation + chat.after, add_special_tokens=False)["input_ids"]
     assert together[0] != together[4]  # the end-of-turn text the model sampled is not repeated
     together[0].append(-1)  # each a list of its own
     assert together[2] == chat.ids("obs1", None)

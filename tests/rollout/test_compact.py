@@ -422,9 +422,11 @@ def test_padding_rows_of_a_prefill_store_nothing(tok, batch):
     assert torch.equal(padded, alone)  # slot 1 kept its row's entries, slot 3 stayed empty
 
 
-def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(tok, monkeypatch):
+@pytest.mark.parametrize("keep_workspace", [True, False])
+def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(tok, monkeypatch, keep_workspace):
     """The turns of an episode batch (calls of growing prompts, one reserve) walk the model for the support check
-    and refresh the adapters' copies at the first call only; outside the block every call does both."""
+    and refresh the adapters' copies at the first call only; outside the block every call does both. Without kept
+    workspaces each call releases the weight copies, so each call inside the block refreshes them again."""
     from scgrpo.rollout import model_parts
     from scgrpo.rollout.engine import GenerationSettings, generate_ids, one_model_state, release_rollout_workspaces
 
@@ -442,7 +444,7 @@ def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(
 
     monkeypatch.setattr(model_parts, "unsupported_reason", counted_check)
     monkeypatch.setattr(CompactDecoder, "refresh", counted_refresh)
-    settings = GenerationSettings(num_generations=2, max_new_tokens=4)
+    settings = GenerationSettings(num_generations=2, max_new_tokens=4, keep_workspace=keep_workspace)
     prompts = [torch.randint(3, 50, (3, width)) for width in (5, 9, 14)]
 
     def turns():
@@ -452,7 +454,7 @@ def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(
     release_rollout_workspaces()
     with one_model_state():
         inside = turns()
-    assert counts == {"check": 1, "refresh": 1}
+    assert counts == ({"check": 1, "refresh": 1} if keep_workspace else {"check": 3, "refresh": 3})
     assert all(out.completions == [] for out in inside)
     counts.update(check=0, refresh=0)
     outside = turns()
@@ -465,3 +467,20 @@ def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(
         generate_ids(model, tok, longer, torch.ones_like(longer), settings, greedy=True)
     assert counts["check"] == 1
     release_rollout_workspaces()
+
+
+def test_prefills_are_recorded_only_with_kept_workspaces_and_no_memory_budget(tok):
+    """Recorded prefills keep their activations and logits while the workspace is kept: not under a memory budget
+    (which does not count them), nor where each call frees its workspace (each would record again)."""
+    decoder = CompactDecoder(tiny("llama", len(tok)))
+    decoder.prefill_kernels = True  # (as on a GPU with Triton)
+
+    def records(**kwargs) -> bool:
+        sampler = SlotDecoder(decoder, [], 2, 4, memory_budget=kwargs.pop("memory_budget", None))
+        sampler.prefill_graphs = True  # (as on a GPU)
+        sampler.keep_workspace = kwargs.pop("keep_workspace", True)
+        return sampler._graphs_prefill()
+
+    assert records()
+    assert not records(memory_budget=20 * 2**30)
+    assert not records(keep_workspace=False)

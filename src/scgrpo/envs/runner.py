@@ -135,29 +135,39 @@ def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: 
         return []
     batch = _Calls(calls, max_workers)
     with batch.lock:
-        _engage(batch)
-        batch.engaged = 1
-        while batch.finished < len(calls):
-            now = time.monotonic()
-            late = [k for k, start in batch.running.items() if now - start >= timeout_s]
-            if not late:  # until the first limit passes (a call not taken yet starts later)
-                wait = min(batch.running.values(), default=now) + timeout_s - now
-                batch.all_finished.wait(min(max(wait, 1e-4), threading.TIMEOUT_MAX))
-                continue
-            for k in late:  # abandoned: its result stays a timeout, its thread is left behind
-                del batch.running[k]
-                batch.engaged -= 1
-                batch.finished += 1
-                with _stuck_lock:
-                    _stuck[0] += 1
-            if _stuck[0] > MAX_STUCK:
+        try:
+            _engage(batch)
+            batch.engaged = 1
+            _wait_all(batch, timeout_s)
+        finally:  # (a caller that leaves early, interrupted or out of threads: the workers take no more calls)
+            if batch.finished < len(calls):
                 batch.stopped = True
-                break
-            batch.engage_one()  # in place of the threads left behind
     if _stuck[0] > MAX_STUCK:
         raise EnvironmentHangs(f"{_stuck[0]} environment calls are still running past their {timeout_s:g} s time "
                                "limit, each holding a thread: the environment hangs. Fix it, or raise its timeout_s")
     return batch.results
+
+
+def _wait_all(batch: _Calls, timeout_s: float) -> None:
+    """Under ``batch.lock``: waits until every call returned or ran past its time limit (those are abandoned,
+    their threads replaced), or until :data:`MAX_STUCK` calls are stuck."""
+    calls = batch.calls
+    while batch.finished < len(calls):
+        now = time.monotonic()
+        late = [k for k, start in batch.running.items() if now - start >= timeout_s]
+        if not late:  # until the first limit passes (a call not taken yet starts later)
+            wait = min(batch.running.values(), default=now) + timeout_s - now
+            batch.all_finished.wait(min(max(wait, 1e-4), threading.TIMEOUT_MAX))
+            continue
+        for k in late:  # abandoned: its result stays a timeout, its thread is left behind
+            del batch.running[k]
+            batch.engaged -= 1
+            batch.finished += 1
+            with _stuck_lock:
+                _stuck[0] += 1
+        if _stuck[0] > MAX_STUCK:
+            return
+        batch.engage_one()  # in place of the threads left behind
 
 
 class ChatTurns:

@@ -157,6 +157,7 @@ class CompactDecoder:
         self._copy_tables: dict = {}
         self.copy_kernel = True  # the adapters' copies as one launch (norms.scaled_copy) where Triton runs
         self.version = 0
+        self.releases = 0  # calls of release (the copies then need a refresh before the next decode)
 
     def _block_layout(self) -> Optional[dict]:
         """Each projection's :attr:`Projection.blocks`, when every layer has the same (else None: the unrolled
@@ -215,6 +216,7 @@ class CompactDecoder:
             proj.release()
         self.scratch = None
         self.version += 1
+        self.releases += 1
 
     @staticmethod
     def _four_bit_mode(requested: str, linears: list, memory_budget: Optional[int], keep_workspace: bool) -> str:
@@ -392,6 +394,8 @@ class CompactDecoder:
             try:
                 return self._prefill_blocks(x, lengths, slots, cache, cos_table, sin_table)
             except Exception as err:  # noqa: BLE001 - as in decode: the eager layers are exact
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise  # (a recording's warm-up run, uncaptured, meets the failure first)
                 self.prefill_kernels = False
                 log.warning("the prefill's block kernels failed (%s: %s); prefilling with the eager layers",
                             type(err).__name__, one_line(err))

@@ -353,7 +353,9 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
     # the longest length asked, a check that passes at a length passing at every shorter one; outside, every call, as
     # the model may have changed in between)
     checked = _CHECKED_LENGTHS.get() if entry is not None and "decoder" in entry else None
-    same = checked is not None and checked.get(id(model), -1) >= max_length
+    seen = checked.get(id(model)) if checked is not None else None  # (longest length checked, decoder releases)
+    # (a decoder released since, keep_workspace off, has no weight copies left: it is refreshed again)
+    same = seen is not None and seen[0] >= max_length and seen[1] == entry["decoder"].releases
     reason = None if same else unsupported_reason(model, max_length)
     if reason is not None:
         if entry is None or entry.get("reason") != reason:
@@ -378,7 +380,8 @@ def compact_decoder(model, settings: GenerationSettings, max_length: int):
         entry["decoder"].refresh()
     if _CHECKED_LENGTHS.get() is not None:
         lengths = _CHECKED_LENGTHS.get()
-        lengths[id(model)] = max(lengths.get(id(model), -1), max_length)
+        longest = max(lengths[id(model)][0], max_length) if id(model) in lengths else max_length
+        lengths[id(model)] = (longest, entry["decoder"].releases)
     return entry
 
 

@@ -13,7 +13,8 @@ which rows ended. Then:
 
 Prefills are CUDA graphs too where the prefill's kernels run (:meth:`CompactDecoder.prefill` is about eight
 launches a layer, host-bound below some ten thousand tokens): one per power of two of rows and bucket of
-positions (:func:`length_bucket`), the rows filled up with empty ones that write no cache entry.
+positions (:func:`length_bucket`), the rows filled up with empty ones that write no cache entry; not with a memory
+budget or without kept workspaces (see :meth:`SlotDecoder._graphs_prefill`).
 
 A row's tokens depend only on its own prompt and draws: compaction and refill change which slot a row sits in,
 never what it samples (greedy: bit for bit up to the matmul's batch-size dependence).
@@ -455,9 +456,13 @@ class SlotDecoder:
             self._emit(state, out, logits, s)
 
     def _graphs_prefill(self) -> bool:
-        """Prefills run as CUDA graphs: graphs on (:attr:`prefill_graphs`, on by default with them) and the
-        prefill's kernels running (the eager layers' work includes a host read for padding rows)."""
-        return self.prefill_graphs and self.decoder.prefill_kernels
+        """Prefills run as CUDA graphs: graphs on (:attr:`prefill_graphs`, on by default with them), the prefill's
+        kernels running (the eager layers' work includes a host read for padding rows), the workspace kept between
+        calls (else each call would record its prefills again) and no memory budget (the recordings keep the
+        activations of the largest prefill, and each its logits, while the workspace is kept: memory a budget
+        does not count)."""
+        return (self.prefill_graphs and self.decoder.prefill_kernels and self.keep_workspace
+                and self.memory_budget is None)
 
     def _graphed_prefill(self, state: SlotState, ids: Tensor, lengths: Tensor, slots: Tensor, span: int,
                          most: int) -> Tensor:
