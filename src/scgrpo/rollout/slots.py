@@ -499,6 +499,7 @@ class SlotDecoder:
         with torch.cuda.stream(stream):
             logits = self.decoder.prefill(entry.ids, entry.lengths, entry.slots, state.cache)
         torch.cuda.current_stream().wait_stream(stream)
+        logits.record_stream(torch.cuda.current_stream())  # (read there: not reused before that is done)
         if not self.decoder.prefill_kernels:  # its kernels failed (and it fell back to the eager layers)
             return logits[:k]
         if self.pool is None:
