@@ -484,13 +484,12 @@ class SlotDecoder:
                                  ids=torch.full((rows, span), self.pad_id, dtype=torch.long, device=device),
                                  lengths=torch.zeros(rows, dtype=torch.long, device=device),
                                  slots=torch.zeros(rows, dtype=torch.long, device=device), logits=ids.new_empty(0))
+        entry.ids.fill_(self.pad_id)
         entry.ids[:k, :width] = ids
-        entry.ids[:k, width:] = self.pad_id
-        entry.ids[k:] = self.pad_id
+        entry.lengths.zero_()
         entry.lengths[:k] = lengths
-        entry.lengths[k:] = 0
+        entry.slots.zero_()
         entry.slots[:k] = slots
-        entry.slots[k:] = 0
         if key in self._prefills:
             entry.graph.replay()
             return entry.logits[:k]
