@@ -26,6 +26,7 @@ from typing import Any, ContextManager, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from scgrpo.data.buffer import VerifiedBuffer
 from scgrpo.distributed import full_parameters
@@ -313,19 +314,23 @@ class SelfTeacher:
             for k in range(0, len(rows), micro):
                 chunk = rows[k : k + micro]
                 index = torch.tensor(chunk, device=device)
-                ids, mask, cut_here = self.teacher_inputs(policy, rollouts, chunk, [references[i] for i in chunk])
+                with record_function("scgrpo.teacher.inputs"):
+                    ids, mask, cut_here = self.teacher_inputs(policy, rollouts, chunk, [references[i] for i in chunk])
                 cut, tokens = cut + cut_here, tokens + ids.numel()
-                teacher_hidden = self._teacher_hidden(policy, ids, mask, c)  # [n, C, H]
+                with record_function("scgrpo.teacher.teacher_forward"):
+                    teacher_hidden = self._teacher_hidden(policy, ids, mask, c)  # [n, C, H]
                 if spec.output == "hidden":
                     if signal.teacher_hidden is None:
                         signal.teacher_hidden = teacher_hidden.new_zeros(n, c, teacher_hidden.shape[-1])
                     signal.teacher_hidden[index] = teacher_hidden
                     continue
-                student_hidden = policy.completion_hidden(
-                    rollouts.input_ids[index], rollouts.attention_mask[index], c)  # [n, C, H]
-                divergence = chunked_divergence(
-                    teacher_hidden, student_hidden, head, spec.divergence, policy.temperature,
-                    policy.logprob_chunk_size)  # [n, C]
+                with record_function("scgrpo.teacher.student_forward"):
+                    student_hidden = policy.completion_hidden(
+                        rollouts.input_ids[index], rollouts.attention_mask[index], c)  # [n, C, H]
+                with record_function("scgrpo.teacher.divergence"):
+                    divergence = chunked_divergence(
+                        teacher_hidden, student_hidden, head, spec.divergence, policy.temperature,
+                        policy.logprob_chunk_size)  # [n, C]
                 signal.divergence[index] = divergence * rollouts.completion_mask[index]
         return cut, tokens
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
 from scgrpo.objectives import Credit, LossInputs, LossOutput, Objective
@@ -191,13 +192,15 @@ class PolicyUpdate:
             real = i < len(plan.chunks)
             # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
             chunk = plan.chunks[i] if real else torch.zeros(1, dtype=torch.long, device=plan.rows.device)
-            out, entropy = self.policy.runner(lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step))
+            with record_function("scgrpo.update.forward"):
+                out, entropy = self.policy.runner(lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step))
             finite = bool(torch.isfinite(out.loss))
             if not finite:  # counted and reported once per step by the guard
                 local[NONFINITE] += 1
             if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
                 # FSDP averages gradients over ranks; each rank's loss is its share of the global one
-                self.backward(out.loss * (world if real else 0.0))
+                with record_function("scgrpo.update.backward"):
+                    self.backward(out.loss * (world if real else 0.0))
             if finite and real:
                 self._book(local, out, entropy, share=len(chunk) / max(len(plan.rows), 1))
         if world > 1:
