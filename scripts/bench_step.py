@@ -248,6 +248,7 @@ def write_profile(profiler, path: str) -> None:
     lines += [f"{e.key}  {e.cpu_time_total / 1e3:.1f}  {getattr(e, total, 0) / 1e3:.1f}" for e in phases]
     sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else f"self_{device}_time_total"
     lines += ["", events.table(sort_by=sort, row_limit=40, max_name_column_width=80)]
+    lines += ["", "host (CPU) time:", events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80)]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
@@ -259,6 +260,9 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"measured_steps": len(steps)}
     for key in ("memory/rollout_peak_gib", "memory/scoring_peak_gib", "memory/teacher_peak_gib", "memory/update_peak_gib",
+                "memory/budget_gib", "memory/update_passes", "memory/update_tokens_per_pass", "memory/teacher_passes",
+                "memory/student_passes", "memory/gradient_checkpointing", "memory/train_kib_per_token",
+                "memory/forward_kib_per_token", "memory/train_checkpointed_kib_per_token",
                 "wall_s", "time/step_s", "time/generation_s", "time/verification_s", "time/scoring_s",
                 "time/teacher_s", "time/train_s", "tokens/completion", "tokens/train", "tokens/teacher",
                 "train/completion_length", "train/reward", "rollout/slots", "rollout/decode_steps",
@@ -281,13 +285,13 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def run_case(name: str, *, model: str, objective: str, prompts: int, group: int, max_new: int, min_new: int = 0,
-             quantization: Optional[str] = None, gradient_checkpointing: bool = False,
+             quantization: Optional[str] = None, gradient_checkpointing: Optional[bool] = None,
              micro_batch_size: Optional[int] = None, steps: int = 5, warmup: int = 2, devices: int = 1,
              cuda_graphs: bool = True, lr: float = 1e-5, coin_flip_rewards: bool = False,
              decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True,
              logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None, four_bit: str = "auto",
              memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None,
-             profile: Optional[str] = None, fused_lora: bool = True) -> dict[str, Any]:
+             profile: Optional[str] = None, fused_lora: bool = True, fused_16bit: bool = True) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo.data import PromptDataModule
@@ -301,7 +305,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
     module = RLVRModule(
         model=model,
         objective=SCGRPO() if objective == "scgrpo" else GRPO(),
-        lora=LoraSettings(r=16, alpha=32, fused_4bit=fused_lora),
+        lora=LoraSettings(r=16, alpha=32, fused_4bit=fused_lora, fused_16bit=fused_16bit),
         dtype="bfloat16",
         quantization=quantization,
         generation=GenerationSettings(num_generations=group, max_new_tokens=max_new, min_new_tokens=min_new,
@@ -353,7 +357,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
         "decode_forward": decode_forward, "max_slots": max_slots, "keep_workspace": keep_workspace,
         "logprob_chunk_size": logprob_chunk_size, "four_bit": four_bit, "memory_budget_gib": memory_budget_gib,
-        "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora,
+        "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
     }
@@ -540,6 +544,11 @@ def main() -> None:
         common = dict(model=smollm2, prompts=32, group=8, max_new=128)
         cases["smollm2_grpo"] = dict(objective="grpo", **common)
         cases["smollm2_scgrpo"] = dict(objective="scgrpo", **common)
+        # the package defaults with the process held to 22 GiB (a 24 GB card): the memory budget's default reads the cap
+        cases["smollm2_grpo_22gib"] = dict(objective="grpo", memory_fraction_gib=22.0, **common)
+        cases["smollm2_scgrpo_22gib"] = dict(objective="scgrpo", memory_fraction_gib=22.0, **common)
+        # the same step before the adapter terms of the bf16 layers were fused (peft's fp32 branch)
+        cases["smollm2_scgrpo_peft_lora"] = dict(objective="scgrpo", fused_16bit=False, **common)
         cases["smollm2_grpo_no_graphs"] = dict(objective="grpo", cuda_graphs=False, **common)
         # the decode loop over the Hugging Face forward (the engine before the compact forward), same call
         cases["smollm2_grpo_hf_forward"] = dict(objective="grpo", decode_forward="hf", **common)
@@ -591,6 +600,11 @@ def main() -> None:
         consumer = dict(micro_batch_size=2, logprob_chunk_size=512, memory_budget_gib=20.0, memory_fraction_gib=20.0,
                         **common)
         cases["qwen8b_scgrpo_1k_20gib"] = dict(max_new=1024, min_new=1024, **consumer)
+        # the package defaults within 20 GiB: the memory budget (its default read from the cap) sizes micro-batches,
+        # log-prob chunks and checkpointing; GRPO beside it for SC-GRPO's overhead at this size
+        auto = dict(common, gradient_checkpointing=None, memory_fraction_gib=20.0, max_new=1024, min_new=1024)
+        cases["qwen8b_scgrpo_1k_20gib_auto"] = dict(auto)
+        cases["qwen8b_grpo_1k_20gib_auto"] = dict(auto, objective="grpo")
         cases["qwen8b_scgrpo_4k_20gib"] = dict(max_new=4096, min_new=4096, steps=1, warmup=0, **consumer)
         if suffix:  # other blocks, other names: the summary's figures stay those of one kind of block
             cases = {k + suffix: v for k, v in cases.items()}

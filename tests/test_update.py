@@ -164,14 +164,17 @@ def _policy(head, hidden_table, temperature=1.0, chunk=1024):
     """A stand-in policy: row i's hidden states are ``hidden_table[i]`` (found from the prompt id); records calls."""
     calls = {}
 
-    def completion_hidden(input_ids, attention_mask, c):
+    def completion_hidden(input_ids, attention_mask, c, model=None):
         calls["hidden"] = (input_ids.clone(), attention_mask.clone(), c)
         return hidden_table[input_ids[:, 0]]
 
     policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), max_completion_tokens=3, device=torch.device("cpu"),
                              completion_hidden=completion_hidden, lm_head=lambda: head, temperature=temperature,
-                             logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls)
-    policy.head_logprobs = lambda hidden, targets, entropy=True: Policy.head_logprobs(policy, hidden, targets, entropy)
+                             logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls, budget=None)
+    policy.head_logprobs = lambda hidden, targets, entropy=True, mask=None: Policy.head_logprobs(
+        policy, hidden, targets, entropy, mask)
+    policy.chunk_size = lambda models=1: chunk
+    policy.span_hidden = lambda rollouts, span, model=None: Policy.span_hidden(policy, rollouts, span, model)
     return policy
 
 
@@ -198,11 +201,12 @@ def test_the_micro_batch_loss_hands_the_objective_the_chosen_rows_of_everything(
     ids, attention, c = update.policy.calls["hidden"]
     assert torch.equal(ids, rollouts.input_ids[rows]) and torch.equal(attention, rollouts.attention_mask[rows]) and c == 3
     logprobs, inputs = objective.calls["loss"]
+    mask = rollouts.completion_mask[rows]
     want_logprobs, want_entropy = _by_hand(head, table[rows], rollouts.completion_ids[rows], 0.7)
+    want_logprobs, want_entropy = want_logprobs * mask, want_entropy * mask  # only the model's tokens; 0 elsewhere
     torch.testing.assert_close(logprobs.double(), want_logprobs)
     assert logprobs.requires_grad and float(out.loss) == pytest.approx(float(want_logprobs[0].sum() + want_logprobs[1, :2].sum()), rel=1e-5)
     torch.testing.assert_close(inputs.entropy.double(), want_entropy)
-    mask = rollouts.completion_mask[rows]
     assert float(entropy) == pytest.approx(float((want_entropy * mask).sum() / 5), rel=1e-5)  # 3 + 2 response tokens
     for name, want in [("completion_mask", mask), ("advantages", torch.tensor([2.0, 0.5])),
                        ("old_logprobs", rollouts.old_logprobs[rows]), ("ref_logprobs", rollouts.ref_logprobs[rows]),
@@ -247,7 +251,7 @@ def _scripted(outputs, world=1, **kwargs):
     update = PolicyUpdate(_policy(None, None), None, backward=lambda loss: backward.append(float(loss)), **kwargs)
     queue = iter(outputs)
 
-    def micro_batch_loss(rollouts, rows, plan, book=True, step=0):
+    def micro_batch_loss(rollouts, rows, plan, book=True, step=0, span=None):
         calls.append((rows.tolist(), book, step))
         return next(queue)
 

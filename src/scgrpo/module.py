@@ -5,6 +5,7 @@ passes), :mod:`scgrpo.selfteacher`, the objective, :mod:`scgrpo.update`, :mod:`s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
 from torch.profiler import record_function
 
+from scgrpo.budget import MemoryBudget
 from scgrpo.callbacks import (
     AdapterExport,
     AtomicCheckpointIO,
@@ -43,6 +45,9 @@ from scgrpo.update import PolicyUpdate, StepPlan, StepSums, check_tis_cap
 from scgrpo.verifiers import Verifier, VerifierRunner
 
 
+NAN = float("nan")
+
+
 class RLVRModule(LightningModule):
     """Trains a causal LM with an RLVR objective on rollouts that the callbacks attach to each batch.
 
@@ -66,9 +71,17 @@ class RLVRModule(LightningModule):
         system_prompt: a system message put before each question (None: the chat template's default).
         success_threshold: a rollout counts as correct (and verified) when its reward is >= this.
         max_grad_norm: gradient clipping by global norm (0 = off).
-        micro_batch_size: rows per forward/backward (gradient accumulation inside a step); None = all at once.
-        logprob_chunk_size: tokens per chunk of fp32 logits in the log-prob computation.
-        gradient_checkpointing: recompute activations in backward (non-reentrant); off during generation.
+        micro_batch_size: rows per forward/backward (gradient accumulation inside a step); None = all at once on CPU,
+            as many as the memory budget holds on a GPU (with a budget, at most this many).
+        logprob_chunk_size: tokens per chunk of fp32 logits in the log-prob computation (fewer where the memory
+            budget needs it).
+        gradient_checkpointing: recompute activations in backward (non-reentrant); off during generation. None: on a
+            GPU, on for a step only when the memory budget cannot hold one row's activations without it; true:
+            always; false: never.
+        memory_budget_gib: GPU memory (GiB) the process may hold (:mod:`scgrpo.budget`): it sizes the rollout's
+            decode slots, the scoring, teacher and update micro-batches, their log-prob chunks and gradient
+            checkpointing. None: what the card has free at the start (within a
+            ``set_per_process_memory_fraction`` cap), less 5% of the card. Ignored on CPU.
         quantization: "nf4" loads the frozen base in 4 bits through bitsandbytes (QLoRA: double quantisation,
             compute and storage in bf16); None keeps it in ``dtype``. Needs a GPU; one GPU per run (not sharded).
         eval_samples: k for Avg@k and Pass@k in validation.
@@ -102,7 +115,8 @@ class RLVRModule(LightningModule):
         max_grad_norm: float = 1.0,
         micro_batch_size: Optional[int] = None,
         logprob_chunk_size: int = 1024,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: Optional[bool] = None,
+        memory_budget_gib: Optional[float] = None,
         quantization: Optional[str] = None,
         eval_samples: int = 4,
         eval_temperature: Optional[float] = None,
@@ -121,6 +135,10 @@ class RLVRModule(LightningModule):
             raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
         check_tis_cap(tis_cap)
         check_model_settings(model, lora, quantization, dtype)
+        self.budget = MemoryBudget(memory_budget_gib)  # (checks the value)
+        self.memory_budget_gib = memory_budget_gib
+        if memory_budget_gib is not None and generation.memory_budget_gib is None:  # the rollout plans for it too
+            generation = dataclasses.replace(generation, memory_budget_gib=memory_budget_gib)
         self.guard = DivergenceGuard(max_nonfinite_skips)
         self.model_name, self.quantization, self.lora, self.dtype_name = model, quantization, lora, dtype
         self.objective = objective if objective is not None else GRPO()
@@ -187,8 +205,11 @@ class RLVRModule(LightningModule):
             device = torch.device("cuda" if self.quantization is not None else "cpu")
         self.actor = build_policy(self.model_name, self.dtype_name, self.lora, self.quantization, device,
                                   self.generation, self.system_prompt, self.logprob_chunk_size,
-                                  self.gradient_checkpointing, getattr(self, "_device_mesh", None))
+                                  self.gradient_checkpointing is True, getattr(self, "_device_mesh", None))
         self.runner, self.tokenizer = self.actor.runner, self.actor.tokenizer
+        network = self.actor.model
+        self.budget.setup(device, getattr(network, "config", None), next(network.parameters()).dtype)
+        self.actor.budget = self.budget
         self.actor.max_completion_tokens = self.max_completion_tokens
 
     @property
@@ -275,7 +296,7 @@ class RLVRModule(LightningModule):
     def policy_update(self) -> PolicyUpdate:
         """The update as the module's settings stand now (micro-batches, clipping, TIS)."""
         return PolicyUpdate(self.actor, self.objective, self.manual_backward, self.micro_batch_size,
-                            self.max_grad_norm, self.tis_cap)
+                            self.max_grad_norm, self.tis_cap, auto_checkpointing=self.gradient_checkpointing is None)
 
     def _step(self) -> int:
         return self.global_step if self._trainer is not None else 0
@@ -287,6 +308,7 @@ class RLVRModule(LightningModule):
         rollouts = batch.rollouts
         if rollouts is None or rollouts.rewards is None:
             raise RuntimeError("the batch has no verified rollouts; RolloutCallback and VerificationCallback must run first")
+        self.budget.begin_step()
         update, plan, sums, start = self.policy_update(), None, StepSums(), time.perf_counter()
         reason = on_any_rank(nonfinite_inputs(rollouts), self.device)  # a diverged sampler: skip the rest
         if reason is None:
@@ -299,6 +321,10 @@ class RLVRModule(LightningModule):
             self.actor.sync()
         train_time = time.perf_counter() - start
         phase_peak(rollouts.stats, self.device, "update")
+        if self.budget.active:
+            peaks = [v for k, v in rollouts.stats.items() if k.startswith("memory/") and k.endswith("_peak_gib")]
+            rollouts.stats.update(self.budget.metrics(), **{"memory/peak_allocated_gib": max(peaks, default=NAN)})
+            self.budget.log_once()
         self._guard_step(reason)
         self._log_step(rollouts, plan, sums, update, train_time)
         if hasattr(datamodule := getattr(self.trainer, "datamodule", None), "batches_consumed"):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from scgrpo.budget import MemoryBudget, Span, row_extents
 from scgrpo.distributed import PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, shard_policy
 from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives.functional import chunked_token_logprobs
@@ -48,6 +49,9 @@ class Policy:
         self.system_prompt, self.logprob_chunk_size = system_prompt, logprob_chunk_size
         self._loaded_on = device
         self.max_completion_tokens = generation.max_new_tokens  # an episode's token budget when rollouts are episodes
+        self.budget: Optional[MemoryBudget] = None  # sizes the passes on a GPU (set by the module)
+        self.checkpointing = False  # gradient checkpointing is on in the network
+        self.has_lora = False
 
     @property
     def device(self) -> torch.device:
@@ -149,33 +153,100 @@ class Policy:
         hidden = self.completion_hidden(input_ids, attention_mask, num_completion, model)
         return self.head_logprobs(hidden, input_ids[:, -num_completion:], entropy)
 
-    def head_logprobs(self, hidden: Tensor, targets: Tensor, entropy: bool = True) -> tuple[Tensor, Tensor]:
+    def head_logprobs(self, hidden: Tensor, targets: Tensor, entropy: bool = True,
+                      mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """fp32 log-probs ``[N, C]`` of ``targets`` from the states ``hidden`` ``[N, C, H]`` through the LM head,
-        chunk by chunk, at the sampling temperature, and each distribution's entropy (when ``entropy``)."""
-        return chunked_token_logprobs(hidden, self.lm_head(), targets, self.temperature, self.logprob_chunk_size,
-                                      entropy)
+        chunk by chunk, at the sampling temperature, and each distribution's entropy (when ``entropy``). With
+        ``mask`` ``[N, C]`` only its tokens go through the head (the others, padding or the environment's, are 0:
+        each token's values are those of the whole pass, bit for bit)."""
+        chunk = self.chunk_size()
+        if mask is None:
+            return chunked_token_logprobs(hidden, self.lm_head(), targets, self.temperature, chunk, entropy)
+        keep = mask.bool()
+        logprobs, entropies = chunked_token_logprobs(hidden[keep].unsqueeze(0), self.lm_head(), targets[keep].unsqueeze(0),
+                                                     self.temperature, chunk, entropy)
+        full = logprobs.new_zeros(keep.shape).masked_scatter(keep, logprobs[0])
+        return full, entropies.new_zeros(keep.shape).masked_scatter(keep, entropies[0])
+
+    def chunk_size(self, models: int = 1) -> int:
+        """Tokens per block of fp32 logits: ``logprob_chunk_size``, fewer where the memory budget needs it."""
+        return self.budget.chunk_size(self.logprob_chunk_size, models) if self.budget is not None else self.logprob_chunk_size
+
+    def spans(self, kind: str, rollouts: RolloutBatch, rows: Optional[Tensor] = None, max_rows: Optional[int] = None,
+              fixed: float = 0.0) -> list[Span]:
+        """Micro-batches of ``rows`` (default all) for a pass of ``kind``: sized and cut by the memory budget on a
+        GPU (:mod:`scgrpo.budget`); else blocks of ``max_rows`` rows (all: None) in batch order, uncut."""
+        n, c = rollouts.completion_ids.shape
+        chosen = torch.arange(n, device=self.device) if rows is None else rows
+        if self.budget is None or not self.budget.active:
+            return [Span(block, 0, c) for block in torch.split(chosen, max_rows or max(len(chosen), 1))] if len(chosen) else []
+        first, width = row_extents(rollouts.prompt_mask, rollouts.context_mask)
+        return self.budget.plan(kind, first, width, rollouts.prompt_ids.shape[1], self.device, chosen.tolist(),
+                                max_rows, fixed)
+
+    def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor:
+        """``[n, width, H]`` final hidden states of the span's rows that predict their first ``width`` completion
+        tokens, the span's columns only."""
+        tp = rollouts.prompt_ids.shape[1]
+        rows = span.rows
+        ids = torch.cat([rollouts.prompt_ids[rows, span.left :], rollouts.completion_ids[rows, : span.width]], 1)
+        mask = torch.cat([rollouts.prompt_mask[rows, span.left :], rollouts.context_mask[rows, : span.width]], 1)
+        assert ids.shape[1] == tp - span.left + span.width
+        return self.completion_hidden(ids, mask, span.width, model)
+
+    def set_gradient_checkpointing(self, on: bool) -> None:
+        """Switches gradient checkpointing (non-reentrant) on or off in the network."""
+        if on == self.checkpointing:
+            return
+        causal_lm = unwrap_causal_lm(self.model)
+        if on:
+            causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if self.has_lora and hasattr(causal_lm, "enable_input_require_grads"):
+                causal_lm.enable_input_require_grads()
+        else:
+            causal_lm.gradient_checkpointing_disable()
+            if self.has_lora and hasattr(causal_lm, "disable_input_require_grads"):
+                causal_lm.disable_input_require_grads()
+        self.checkpointing = on
 
     def score(self, rollouts: RolloutBatch, old: bool, reference: bool) -> None:
         """Fills the log-probs an objective needs besides the trained ones: ``old_logprobs`` under the sampling
         weights (``old``: several optimiser steps per batch) and ``ref_logprobs`` under the reference, the
         adapters off (``reference``: a KL term). No dropout, no gradient."""
 
+        if reference and not hasattr(self.model, "disable_adapter"):
+            raise ValueError("beta > 0 uses the base model (adapters off) as reference; it needs LoRA (lora != null)")
+
         @torch.no_grad()
         def run() -> None:
-            c = rollouts.completion_ids.shape[1]
-            with self.eval_mode():
+            with self.eval_mode(), full_parameters(self.runner):
                 if old:
-                    rollouts.old_logprobs = self.token_logprobs(
-                        rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
+                    rollouts.old_logprobs = self._span_logprobs(rollouts, entropy=False)[0]
                 if reference:
-                    if not hasattr(self.model, "disable_adapter"):
-                        raise ValueError(
-                            "beta > 0 uses the base model (adapters off) as reference; it needs LoRA (lora != null)")
                     with self.model.disable_adapter():
-                        rollouts.ref_logprobs = self.token_logprobs(
-                            rollouts.input_ids, rollouts.attention_mask, c, entropy=False)[0]
+                        rollouts.ref_logprobs = self._span_logprobs(rollouts, entropy=False)[0]
 
         self.runner(run)
+
+    def _span_logprobs(self, rollouts: RolloutBatch, entropy: bool, max_rows: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """``[N, C]`` log-probs and entropies of the model's tokens of the whole batch (0 elsewhere), in the passes
+        :meth:`spans` plans (no gradient)."""
+        n, c = rollouts.completion_ids.shape
+        logprobs = torch.zeros(n, c, dtype=torch.float32, device=self.device)
+        entropies = torch.zeros_like(logprobs)
+        spans = self.spans("forward", rollouts, max_rows=max_rows)
+        if self.budget is not None and self.budget.active and spans:
+            self.budget.note("scoring", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
+        for span in spans:
+            measure = self.budget.measure("forward", span.tokens(rollouts.prompt_ids.shape[1])) if self.budget else (
+                contextlib.nullcontext())
+            with measure:
+                hidden = self.span_hidden(rollouts, span)
+                mask = rollouts.completion_mask[span.rows, : span.width]
+                lp, ent = self.head_logprobs(hidden, rollouts.completion_ids[span.rows, : span.width], entropy, mask)
+            logprobs[span.rows, : span.width] = lp
+            entropies[span.rows, : span.width] = ent
+        return logprobs, entropies
 
     def batch_entropy(self, rollouts: RolloutBatch, micro_batch_size: Optional[int]) -> Tensor:
         """``[N, C]`` token entropies of the whole batch under the current (= sampling) weights, no dropout, in
@@ -183,12 +254,8 @@ class Policy:
 
         @torch.no_grad()
         def run() -> Tensor:
-            n, c = rollouts.completion_ids.shape
-            parts = []
             with self.eval_mode(), full_parameters(self.runner):
-                for rows in torch.split(torch.arange(n, device=self.device), micro_batch_size or n):
-                    parts.append(self.token_logprobs(rollouts.input_ids[rows], rollouts.attention_mask[rows], c)[1])
-            return torch.cat(parts)
+                return self._span_logprobs(rollouts, entropy=True, max_rows=micro_batch_size)[1]
 
         return self.runner(run)
 
@@ -228,4 +295,6 @@ def build_policy(model: str, dtype: str, lora: Optional[LoraSettings], quantizat
                 "weights without their quantisation state. Use one GPU per run for QLoRA, or bf16 LoRA with FSDP"
             )
         shard_policy(runner, data_parallel_mesh(mesh), compute_dtype)
-    return Policy(runner, tokenizer, generation, device, system_prompt, logprob_chunk_size)
+    policy = Policy(runner, tokenizer, generation, device, system_prompt, logprob_chunk_size)
+    policy.checkpointing, policy.has_lora = gradient_checkpointing, lora is not None
+    return policy

@@ -18,6 +18,7 @@ What the signal becomes (weights, advantages, a distillation term) is the object
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from scgrpo.budget import MemoryBudget, Span, pack, row_extents
 from scgrpo.data.buffer import VerifiedBuffer
 from scgrpo.distributed import full_parameters
 from scgrpo.models import max_sequence_length
@@ -169,8 +171,16 @@ class TeacherModel(Protocol):
     model: nn.Module  # the network (a peft model: ``disable_adapter`` for the base weights)
     temperature: float
     logprob_chunk_size: int
+    budget: Optional[MemoryBudget]  # sizes the passes on a GPU (None or inactive: blocks of rows in batch order)
 
     def lm_head(self) -> nn.Module: ...
+
+    def chunk_size(self, models: int = 1) -> int: ...
+
+    def spans(self, kind: str, rollouts: RolloutBatch, rows: Optional[Tensor] = None, max_rows: Optional[int] = None,
+              fixed: float = 0.0) -> list[Span]: ...
+
+    def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor: ...
 
     def completion_hidden(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
                           model: Optional[nn.Module] = None) -> Tensor: ...
@@ -246,9 +256,10 @@ class SelfTeacher:
             self._warned_truncation = True
         return out, cut
 
-    def teacher_inputs(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], references: list[str]) -> tuple[Tensor, Tensor, int]:
-        """Input ids and attention mask ``[n, Tt + C]`` of the teacher view for ``rows``: the teacher's prompt
-        (left-padded), then the very completion tokens the rollout sampled. Also the number of cut references."""
+    def teacher_prompt_ids(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int],
+                           references: list[str]) -> tuple[list[list[int]], int]:
+        """Token ids of the teacher's prompt for each of ``rows`` (references cut to fit, see the class doc), and
+        the number of cut references."""
         tok = policy.tokenizer
         questions = [rollouts.questions[i] for i in rows]
         c = rollouts.completion_ids.shape[1]
@@ -259,12 +270,28 @@ class SelfTeacher:
                          add_special_tokens=False)["input_ids"]
             for k, ids in zip(cut, redone):
                 prompt_ids[k] = ids
-        encoded = tok.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")  # left, as the tokenizer pads
+        return prompt_ids, len(cut)
+
+    @staticmethod
+    def assemble(policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], prompt_ids: list[list[int]],
+                 width: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """Input ids and attention mask ``[n, Tt + width]`` of the teacher view of ``rows``: their teacher prompts
+        left-padded to the longest, then the first ``width`` (default all ``C``) completion tokens the rollouts
+        sampled."""
+        c = rollouts.completion_ids.shape[1] if width is None else width
+        encoded = policy.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")  # left-padded
         device = rollouts.completion_ids.device
         index = torch.tensor(rows, device=device)
-        ids = torch.cat([encoded["input_ids"].to(device), rollouts.completion_ids[index]], dim=1)  # [n, Tt + C]
-        mask = torch.cat([encoded["attention_mask"].to(device), rollouts.context_mask[index].long()], dim=1)
-        return ids, mask, len(cut)
+        ids = torch.cat([encoded["input_ids"].to(device), rollouts.completion_ids[index, :c]], dim=1)  # [n, Tt + c]
+        mask = torch.cat([encoded["attention_mask"].to(device), rollouts.context_mask[index, :c].long()], dim=1)
+        return ids, mask
+
+    def teacher_inputs(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], references: list[str]) -> tuple[Tensor, Tensor, int]:
+        """Input ids and attention mask ``[n, Tt + C]`` of the teacher view for ``rows``: the teacher's prompt
+        (left-padded), then the very completion tokens the rollout sampled. Also the number of cut references."""
+        prompt_ids, cut = self.teacher_prompt_ids(policy, rollouts, rows, references)
+        ids, mask = self.assemble(policy, rollouts, rows, prompt_ids)
+        return ids, mask, cut
 
     # ------------------------------------------------------------------------------------------ pass
     def __call__(self, policy: TeacherModel, rollouts: RolloutBatch, threshold: float,
@@ -299,40 +326,91 @@ class SelfTeacher:
     @torch.no_grad()
     def _passes(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], references: list[Optional[str]],
                 signal: TeacherSignal, micro: int) -> tuple[int, int]:
-        """Teacher (and student) passes over ``rows`` in micro-batches of ``micro`` rows, eval mode (no dropout),
-        weights gathered once when sharded. Fills the signal's divergence or teacher states."""
+        """Student, then teacher passes over ``rows``, eval mode (no dropout), weights gathered once when sharded;
+        fills the signal's divergence (or teacher states). Passes: blocks of ``micro`` rows in batch order, or,
+        under a memory budget, the micro-batches it packs (rows of like lengths, each cut to its own span). The
+        student's states of the model's tokens are kept (``[M, H]``, M tokens) until the teacher passes have
+        compared them (``[N, C, H]``); only those tokens go through the head."""
         n, c = rollouts.completion_ids.shape
         device = rollouts.completion_ids.device
         spec = self.spec
-        head = policy.lm_head()
+        budget = policy.budget if policy.budget is not None and policy.budget.active else None
         if spec.output == "divergence":
             signal.divergence = torch.zeros(n, c, dtype=torch.float32, device=device)
         else:
             signal.teacher_hidden = None  # allocated at the first pass, in the model's dtype
-        cut = tokens = 0
-        with policy.eval_mode(), full_parameters(policy.runner):
-            for k in range(0, len(rows), micro):
-                chunk = rows[k : k + micro]
-                index = torch.tensor(chunk, device=device)
-                with record_function("scgrpo.teacher.inputs"):
-                    ids, mask, cut_here = self.teacher_inputs(policy, rollouts, chunk, [references[i] for i in chunk])
-                cut, tokens = cut + cut_here, tokens + ids.numel()
-                with record_function("scgrpo.teacher.teacher_forward"):
-                    teacher_hidden = self._teacher_hidden(policy, ids, mask, c)  # [n, C, H]
-                if spec.output == "hidden":
-                    if signal.teacher_hidden is None:
-                        signal.teacher_hidden = teacher_hidden.new_zeros(n, c, teacher_hidden.shape[-1])
-                    signal.teacher_hidden[index] = teacher_hidden
-                    continue
+        mask = rollouts.completion_mask.bool()  # [N, C] the model's tokens: where D is defined
+        prompt_ids, cut = [], 0
+        if rows:
+            with record_function("scgrpo.teacher.inputs"):
+                prompt_ids, cut = self.teacher_prompt_ids(policy, rollouts, rows, [references[i] for i in rows])
+        chunk = policy.chunk_size(2)
+        fixed = budget.logit_fixed(chunk, models=2) if budget is not None else 0.0
+        with policy.eval_mode(), full_parameters(policy.runner):  # (every rank gathers, rows or not)
+            if not rows:
+                return cut, 0
+            student = None
+            if spec.output == "divergence":
                 with record_function("scgrpo.teacher.student_forward"):
-                    student_hidden = policy.completion_hidden(
-                        rollouts.input_ids[index], rollouts.attention_mask[index], c)  # [n, C, H]
-                with record_function("scgrpo.teacher.divergence"):
-                    divergence = chunked_divergence(
-                        teacher_hidden, student_hidden, head, spec.divergence, policy.temperature,
-                        policy.logprob_chunk_size)  # [n, C]
-                signal.divergence[index] = divergence * rollouts.completion_mask[index]
+                    student = self._student_states(policy, rollouts, rows, mask, micro, budget)
+            # teacher sequences: prompts of their own lengths, the rollouts' completions after them
+            lengths = [len(ids) for ids in prompt_ids]
+            widest = max(lengths)
+            first = [widest - length for length in lengths]
+            _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
+            if budget is not None:
+                batches = pack(first, width, widest, budget.costs["forward"], fixed, budget.room())
+                budget.note("teacher", len(batches), max(len(m) * (widest - left + w) for m, left, w in batches))
+            else:
+                batches = [(list(range(k, min(k + micro, len(rows)))), 0, c) for k in range(0, len(rows), micro)]
+            tokens = 0
+            for members, _, w in batches:
+                index_rows = [rows[k] for k in members]
+                index = torch.tensor(index_rows, device=device)
+                with record_function("scgrpo.teacher.inputs"):
+                    ids, attention = self.assemble(policy, rollouts, index_rows, [prompt_ids[k] for k in members], w)
+                tokens += ids.numel()
+                measure = budget.measure("forward", ids.numel(), fixed) if budget is not None else contextlib.nullcontext()
+                with measure:
+                    with record_function("scgrpo.teacher.teacher_forward"):
+                        teacher_hidden = self._teacher_hidden(policy, ids, attention, w)  # [n, w, H]
+                    if spec.output == "hidden":
+                        if signal.teacher_hidden is None:
+                            signal.teacher_hidden = teacher_hidden.new_zeros(n, c, teacher_hidden.shape[-1])
+                        signal.teacher_hidden[index, :w] = teacher_hidden
+                        continue
+                    keep = mask[index, :w]  # [n, w]
+                    with record_function("scgrpo.teacher.divergence"):
+                        divergence = chunked_divergence(
+                            teacher_hidden[keep].unsqueeze(0), student[index, :w][keep].unsqueeze(0), policy.lm_head(),
+                            spec.divergence, policy.temperature, chunk)[0]  # [k] the model's tokens of these rows
+                    signal.divergence[index, :w] = signal.divergence[index, :w].masked_scatter(keep, divergence)
         return cut, tokens
+
+    @staticmethod
+    def _student_states(policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], mask: Tensor, micro: int,
+                        budget) -> Tensor:
+        """``[N, C, H]`` the student's final states before each of the model's tokens of ``rows`` (zeros elsewhere),
+        in blocks of ``micro`` rows or the budget's micro-batches."""
+        n, c = rollouts.completion_ids.shape
+        device = rollouts.completion_ids.device
+        chosen = torch.tensor(rows, device=device)
+        if budget is not None:
+            spans = policy.spans("forward", rollouts, chosen)
+            budget.note("student", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
+        else:
+            spans = [Span(block, 0, c) for block in torch.split(chosen, micro)]
+        states = None
+        for span in spans:
+            tokens = span.tokens(rollouts.prompt_ids.shape[1])
+            measure = budget.measure("forward", tokens) if budget is not None else contextlib.nullcontext()
+            with measure:
+                hidden = policy.span_hidden(rollouts, span)  # [n, width, H]
+            if states is None:
+                states = hidden.new_zeros(n, c, hidden.shape[-1])
+            keep = mask[span.rows, : span.width].unsqueeze(-1)
+            states[span.rows, : span.width] = hidden * keep
+        return states
 
     def _teacher_hidden(self, policy: TeacherModel, ids: Tensor, mask: Tensor, c: int) -> Tensor:
         if self.spec.weights == "base":

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from scgrpo.budget import phase_peak_bytes
 from scgrpo.distributed import all_reduce, mean_over_ranks
 from scgrpo.rollout.types import RolloutBatch
 from scgrpo.update import StepPlan, StepSums
@@ -23,8 +24,7 @@ def phase_peak(stats: dict, device: torch.device, name: str) -> None:
     new phase (the peaks of sampling, teacher pass and update are logged apart)."""
     if device.type == "cuda":
         key = f"memory/{name}_peak_gib"
-        stats[key] = max(stats.get(key, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
-        torch.cuda.reset_peak_memory_stats(device)
+        stats[key] = max(stats.get(key, 0.0), phase_peak_bytes(device) / 2**30)
 
 
 def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passes: int, success_threshold: float,

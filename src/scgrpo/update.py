@@ -15,6 +15,7 @@ the training forward itself (LoRA dropout included).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from scgrpo.budget import Span, row_extents
 from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
 from scgrpo.objectives import Credit, LossInputs, LossOutput, Objective
 from scgrpo.objectives.functional import masked_mean
@@ -58,6 +60,8 @@ class StepPlan:
     num_chunks: int  # forward/backward passes every rank runs (the most chunks of any rank)
     global_rows: float  # rows in the loss over all ranks
     norms: LossNorms
+    spans: Optional[list[Span]] = None  # the chunks' columns, when the memory budget cuts them (None: whole rows)
+    kind: str = "train"  # the budget's kind of pass: "train", or "train_checkpointed" under checkpointing
 
 
 @dataclass
@@ -145,11 +149,15 @@ class PolicyUpdate:
         micro_batch_size: rows per forward/backward pass (None: all rows at once).
         max_grad_norm: gradient clipping by global norm (0 = measured, not clipped).
         tis_cap: truncated importance sampling cap on pi_trainer / pi_sampler (0 = off).
+        auto_checkpointing: with a memory budget, switch gradient checkpointing on for a step whose longest row
+            does not fit without it (and off for one whose does).
     """
 
     def __init__(self, policy: Policy, objective: Objective, backward: Callable[[Tensor], None],
-                 micro_batch_size: Optional[int] = None, max_grad_norm: float = 1.0, tis_cap: float = 0.0) -> None:
+                 micro_batch_size: Optional[int] = None, max_grad_norm: float = 1.0, tis_cap: float = 0.0,
+                 auto_checkpointing: bool = False) -> None:
         self.policy, self.objective, self.backward = policy, objective, backward
+        self.auto_checkpointing = auto_checkpointing
         self.micro_batch_size, self.max_grad_norm, self.tis_cap = micro_batch_size, max_grad_norm, tis_cap
         self.mismatch = MismatchMeter()  # booked on the step's first optimisation pass only
         self.first_pass = True
@@ -171,7 +179,8 @@ class PolicyUpdate:
         if objective.needs_batch_entropy:
             selection = objective.token_mask(self.policy.batch_entropy(rollouts, self.micro_batch_size), mask)
         rows = torch.nonzero(objective.rows_in_loss(credit, signal)).squeeze(1)  # [n]
-        chunks = list(torch.split(rows, self.micro_batch_size or max(len(rows), 1))) if len(rows) else []
+        spans, kind = self._micro_batches(rollouts, rows)
+        chunks = [span.rows for span in spans]
         teacher_rows = float(signal.has_teacher.sum()) if signal is not None else 0.0
         local = [float(mask.sum()), float(mask.shape[0]), teacher_rows, float(len(rows))]
         num_tokens, num_rows, num_teacher_rows, global_rows = all_reduce(local, device=self.device)
@@ -180,7 +189,34 @@ class PolicyUpdate:
             num_chunks = int(all_reduce([float(len(chunks))], "max", self.device)[0])
         return StepPlan(rewards=rewards, credit=credit, signal=signal, selection=selection, rows=rows, chunks=chunks,
                         num_chunks=num_chunks, global_rows=global_rows,
-                        norms=LossNorms(num_tokens=num_tokens, num_rows=num_rows, num_teacher_rows=num_teacher_rows))
+                        norms=LossNorms(num_tokens=num_tokens, num_rows=num_rows, num_teacher_rows=num_teacher_rows),
+                        spans=spans if self._budgeted else None, kind=kind)
+
+    @property
+    def _budgeted(self) -> bool:
+        budget = getattr(self.policy, "budget", None)
+        return budget is not None and budget.active
+
+    def _micro_batches(self, rollouts: RolloutBatch, rows: Tensor) -> tuple[list[Span], str]:
+        """The update's micro-batches of ``rows`` and their kind of pass. With a memory budget (GPU), gradient
+        checkpointing is switched on when the longest row alone does not fit without it and ``auto_checkpointing``
+        lets it (and off again when it does); the rows are then packed by what the chosen kind of pass costs."""
+        policy = self.policy
+        if not self._budgeted or not len(rows):
+            c = rollouts.completion_ids.shape[1]
+            blocks = torch.split(rows, self.micro_batch_size or max(len(rows), 1)) if len(rows) else []
+            return [Span(block, 0, c) for block in blocks], "train"
+        budget = policy.budget
+        fixed = budget.logit_fixed(policy.chunk_size())
+        if self.auto_checkpointing:
+            first, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
+            longest = max(rollouts.prompt_ids.shape[1] - f + w for f, w in zip(first, width))
+            policy.set_gradient_checkpointing(not budget.fits("train", longest, fixed))
+        kind = "train_checkpointed" if policy.checkpointing else "train"
+        spans = policy.spans(kind, rollouts, rows, self.micro_batch_size, fixed)
+        budget.note("update", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
+        budget.chosen["gradient_checkpointing"] = float(policy.checkpointing)
+        return spans, kind
 
     def accumulate(self, rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, step: int = 0) -> None:
         """One pass of forward + backward over the rows of ``plan`` (no optimiser step) at optimiser step ``step``
@@ -192,15 +228,22 @@ class PolicyUpdate:
             real = i < len(plan.chunks)
             # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
             chunk = plan.chunks[i] if real else torch.zeros(1, dtype=torch.long, device=plan.rows.device)
-            with record_function("scgrpo.update.forward"):
-                out, entropy = self.policy.runner(lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step))
-            finite = bool(torch.isfinite(out.loss))
-            if not finite:  # counted and reported once per step by the guard
-                local[NONFINITE] += 1
-            if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
-                # FSDP averages gradients over ranks; each rank's loss is its share of the global one
-                with record_function("scgrpo.update.backward"):
-                    self.backward(out.loss * (world if real else 0.0))
+            span = plan.spans[i] if real and plan.spans is not None else None
+            tokens = span.tokens(rollouts.prompt_ids.shape[1]) if span is not None else 0
+            budget = self.policy.budget if span is not None else None
+            measure = budget.measure(plan.kind, tokens, budget.logit_fixed(self.policy.chunk_size())) if budget else (
+                contextlib.nullcontext())
+            with measure:
+                with record_function("scgrpo.update.forward"):
+                    out, entropy = self.policy.runner(
+                        lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step, span))
+                finite = bool(torch.isfinite(out.loss))
+                if not finite:  # counted and reported once per step by the guard
+                    local[NONFINITE] += 1
+                if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
+                    # FSDP averages gradients over ranks; each rank's loss is its share of the global one
+                    with record_function("scgrpo.update.backward"):
+                        self.backward(out.loss * (world if real else 0.0))
             if finite and real:
                 self._book(local, out, entropy, share=len(chunk) / max(len(plan.rows), 1))
         if world > 1:
@@ -223,24 +266,27 @@ class PolicyUpdate:
         local["entropy"] += float(entropy) * share
 
     def micro_batch_loss(self, rollouts: RolloutBatch, rows: Tensor, plan: StepPlan, book: bool = True,
-                         step: int = 0) -> tuple[LossOutput, Tensor]:
+                         step: int = 0, span: Optional[Span] = None) -> tuple[LossOutput, Tensor]:
         """The loss of the rows ``rows`` and their mean token entropy (run inside the policy runner's forward);
         the caller runs backward. ``book``: count these rows in the step's sampler-trainer mismatch (not for a
-        rank's zero-weight pass)."""
+        rank's zero-weight pass). ``span``: the rows' columns that the pass runs on (a budget's micro-batch; the
+        completion columns after its ``width`` are padding for every row of it); None: whole rows."""
         c = rollouts.completion_ids.shape[1]
+        span = span if span is not None else Span(rows, 0, c)
+        width = span.width
         credit, signal, policy = plan.credit, plan.signal, self.policy
-        hidden = policy.completion_hidden(rollouts.input_ids[rows], rollouts.attention_mask[rows], c)  # [n, C, H]
-        logprobs, entropy = policy.head_logprobs(hidden, rollouts.completion_ids[rows])  # [n, C]
-        mask = rollouts.completion_mask[rows]
+        hidden = policy.span_hidden(rollouts, span)  # [n, width, H]
+        mask = rollouts.completion_mask[rows, :width]
+        logprobs, entropy = policy.head_logprobs(hidden, rollouts.completion_ids[rows, :width], mask=mask)  # [n, width]
 
         def pick(x: Optional[Tensor]) -> Optional[Tensor]:
-            return None if x is None else x[rows]
+            return None if x is None else x[rows, :width]
 
-        old_logprobs = rollouts.old_logprobs[rows] if rollouts.old_logprobs is not None else logprobs.detach()
+        old_logprobs = pick(rollouts.old_logprobs) if rollouts.old_logprobs is not None else logprobs.detach()
         token_weights = pick(credit.token_weights)
         if rollouts.sampler_logprobs is not None:
             meter = self.mismatch if book and self.first_pass else None
-            token_weights = sampler_correction(old_logprobs, rollouts.sampler_logprobs[rows], mask, token_weights,
+            token_weights = sampler_correction(old_logprobs, pick(rollouts.sampler_logprobs), mask, token_weights,
                                                self.tis_cap, meter)
         inputs = LossInputs(
             completion_mask=mask,
@@ -253,13 +299,13 @@ class PolicyUpdate:
             hidden=hidden,
             lm_head=policy.lm_head(),
             teacher_hidden=pick(signal.teacher_hidden) if signal is not None else None,
-            has_teacher=pick(signal.has_teacher) if signal is not None else None,
+            has_teacher=signal.has_teacher[rows] if signal is not None else None,
             num_teacher_rows=plan.norms.num_teacher_rows,
             num_tokens=plan.norms.num_tokens,
             num_sequences=plan.norms.num_rows,
             max_len=policy.max_completion_tokens,
             temperature=policy.temperature,
-            chunk_size=policy.logprob_chunk_size,
+            chunk_size=policy.chunk_size(),
             step=step,
         )
         return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)

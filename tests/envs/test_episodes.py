@@ -113,8 +113,8 @@ def test_environment_tokens_carry_no_loss_no_entropy_and_no_divergence(module):
 
     rows = plan.rows
 
-    def capture(hidden, ids, entropy=True):
-        logprobs, ent = head(hidden, ids, entropy)
+    def capture(hidden, ids, entropy=True, mask=None):
+        logprobs, ent = head(hidden, ids, entropy, mask)
         logprobs.retain_grad()
         ent = ent + 1000.0 * rollouts.env_mask[rows]  # an environment token counted would show
         captured["logprobs"], captured["entropy"] = logprobs, ent

@@ -1,0 +1,240 @@
+"""The memory budget: its sizing arithmetic, its measurements, and budgeted passes (rows sorted, packed and cut to
+their spans) that give the unbudgeted numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from scgrpo.objectives import GRPO, SCGRPO
+from scgrpo.budget import GIB, MIN_MARGIN, TENSOR_SHARE, MemoryBudget, pack, row_extents, shape_costs
+from scgrpo.update import StepSums
+from tests.helpers import tiny_module
+from tests.test_module import _rollouts
+
+
+def test_row_extents_find_each_rows_first_prompt_token_and_last_completion_token():
+    prompt = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])
+    completion = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    first, width = row_extents(prompt, completion)
+    assert first == [2, 0, 3] and width == [2, 5, 1]  # an empty completion keeps one column
+
+
+def test_pack_sorts_by_length_and_fills_each_micro_batch_up_to_the_room():
+    """Prompt width 10; rows (first prompt column, completion width): 0 (0, 3), 1 (2, 8), 2 (5, 1), 3 (5, 4), 4 (4, 2).
+    By hand, at 1 byte a padded token and 36 bytes of room: the order is 2 (w1), 4 (w2), 0 (w3), 3 (w4), 1 (w8).
+    [2]: 1 x (10-5+1) = 6; [2,4]: 2 x (10-4+2) = 16; [2,4,0]: 3 x (10-0+3) = 39 > 36, so 0 starts the next one;
+    [0,3]: 2 x (10-0+4) = 28; [0,3,1]: 3 x (10-0+8) = 54 > 36; [1]: 18."""
+    first, width = [0, 2, 5, 5, 4], [3, 8, 1, 4, 2]
+    assert pack(first, width, 10, per_token=1.0, fixed=0.0, room=36) == [([2, 4], 4, 2), ([0, 3], 0, 4), ([1], 2, 8)]
+    # a fixed part (a block of logits) is paid by every pass: 20 bytes leave 16
+    assert pack(first, width, 10, 1.0, 20.0, 36) == [([2, 4], 4, 2), ([0], 0, 3), ([3], 5, 4), ([1], 2, 8)]
+    # rows per pass capped (micro_batch_size), a subset of rows, and a room that holds every row at once
+    assert pack(first, width, 10, 1.0, 0.0, 1e9, max_rows=2) == [([2, 4], 4, 2), ([0, 3], 0, 4), ([1], 2, 8)]
+    assert pack(first, width, 10, 1.0, 0.0, 1e9, rows=[1, 3]) == [([3, 1], 2, 8)]
+    # a row too long for the room alone still gets a pass of its own
+    assert pack(first, width, 10, 1.0, 0.0, 5) == [([2], 5, 1), ([4], 4, 2), ([0], 0, 3), ([3], 5, 4), ([1], 2, 8)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pack_covers_every_row_once_within_the_room(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, tp = 40, 16
+    first = torch.randint(0, tp, (n,), generator=g).tolist()
+    width = torch.randint(1, 30, (n,), generator=g).tolist()
+    room, per_token, fixed = 400.0, 1.5, 10.0
+    batches = pack(first, width, tp, per_token, fixed, room, max_rows=7)
+    assert sorted(i for rows, _, _ in batches for i in rows) == list(range(n))
+    for rows, left, w in batches:
+        assert left == min(first[i] for i in rows) and w == max(width[i] for i in rows) and len(rows) <= 7
+        assert len(rows) == 1 or fixed + per_token * len(rows) * (tp - left + w) <= room
+
+
+def test_shape_costs_by_hand():
+    """H=4, I=8, L=2, bf16: forward 1.5 x ((12 + 24) x 2 + 32 + 8) = 168; a layer kept for backward (32 + 32) x 2 + 32
+    = 160, train 1.25 x 2 x 160 = 400; checkpointed 1.25 x (2 x 4 x 2 + 2 x 160) = 420 (two layers' worth plus the
+    inputs: above train at two layers, far below it at thirty)."""
+    config = types.SimpleNamespace(hidden_size=4, intermediate_size=8, num_hidden_layers=2)
+    assert shape_costs(config, 2) == {"forward": 168.0, "train": 400.0, "train_checkpointed": 420.0}
+    smollm2 = types.SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
+    costs = shape_costs(smollm2, 2)
+    assert costs["forward"] < costs["train_checkpointed"] < costs["train"] / 5
+
+
+class FakeCard:
+    """torch.cuda's memory reads as a card of ``total`` bytes with ``free`` free, this process holding ``reserved``
+    and ``allocated``, under a per-process ``fraction``; passes raise the peak by calling :meth:`use`."""
+
+    def __init__(self, monkeypatch, total=80 * GIB, free=70 * GIB, reserved=2 * GIB, allocated=1 * GIB, fraction=1.0):
+        self.total, self.free, self.reserved, self.allocated, self.fraction = total, free, reserved, allocated, fraction
+        self.peak = allocated
+        for name, fn in [("mem_get_info", lambda d=None: (self.free, self.total)),
+                         ("memory_reserved", lambda d=None: self.reserved),
+                         ("memory_allocated", lambda d=None: self.allocated),
+                         ("max_memory_allocated", lambda d=None: self.peak),
+                         ("reset_peak_memory_stats", self._reset),
+                         ("get_per_process_memory_fraction", lambda d=None: self.fraction),
+                         ("current_device", lambda: 0)]:
+            monkeypatch.setattr(torch.cuda, name, fn, raising=False)
+
+    def _reset(self, device=None):
+        self.peak = self.allocated
+
+    def use(self, nbytes):
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+
+def _budget(gib=None):
+    budget = MemoryBudget(gib)
+    config = types.SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=100)
+    budget.setup(torch.device("cuda", 0), config, torch.bfloat16)
+    return budget
+
+
+def test_the_default_budget_is_what_the_process_can_reach_less_a_margin(monkeypatch):
+    card = FakeCard(monkeypatch)  # 70 free + 2 reserved by this process = 72 reachable; margin 5% of it
+    assert _budget().total == int(72 * GIB * 0.95)
+    card.fraction = 20 / 80  # set_per_process_memory_fraction(20 GiB): the cap bounds it
+    assert _budget().total == 19 * GIB
+    card.total, card.free, card.reserved, card.fraction = 8 * GIB, 6 * GIB, 0, 1.0  # a small card: margin 0.5 GiB
+    assert _budget().total == 6 * GIB - MIN_MARGIN
+    assert _budget(20.0).total == 20 * GIB  # set by the user: as given
+    with pytest.raises(ValueError, match="memory_budget_gib"):
+        MemoryBudget(0.0)
+
+
+def test_room_and_chunk_size_follow_what_is_allocated(monkeypatch):
+    card = FakeCard(monkeypatch, allocated=4 * GIB)
+    budget = _budget(10.0)
+    assert budget.room() == TENSOR_SHARE * 10 * GIB - 4 * GIB
+    assert budget.chunk_size(1024) == 1024  # 100-entry vocabulary: blocks are small
+    budget.vocab = 150_000  # 3 fp32 copies x 150k x 4 B = 1.8 MB a token; a tenth of 4.5 GiB holds 268 tokens
+    assert budget.chunk_size(1024) == 256 and budget.chunk_size(1024, models=2) == 128
+    card.allocated = int(8.49 * GIB)  # almost nothing left: the floor
+    assert budget.chunk_size(1024) == 64
+
+
+def test_a_measured_pass_replaces_the_estimate_then_raises_it(monkeypatch):
+    card = FakeCard(monkeypatch)
+    budget = _budget(10.0)
+    estimate = budget.costs["train"]
+    with budget.measure("train", tokens=1000, fixed=2000):
+        card.use(1000 * 50 + 2000)
+    assert budget.costs["train"] == 50.0 != estimate  # (peak - fixed) / tokens, below the estimate: replaced
+    with budget.measure("train", tokens=1000):
+        card.use(1000 * 40)
+    assert budget.costs["train"] == 50.0  # lower: kept
+    with budget.measure("train", tokens=100):
+        card.use(100 * 90)
+    assert budget.costs["train"] == 50.0  # too few tokens to count
+    with budget.measure("train", tokens=2000):
+        card.use(2000 * 60)
+    assert budget.costs["train"] == 60.0
+
+
+@pytest.fixture
+def budgeted(monkeypatch):
+    """Activates a module's budget on CPU (a card with nothing allocated), with ``bytes_per_token`` for every kind."""
+
+    def activate(module, total: float, bytes_per_token: float):
+        FakeCard(monkeypatch, allocated=0)
+        budget = module.budget
+        budget.total, budget.device, budget.vocab = int(total), torch.device("cpu"), 0
+        budget.costs = {kind: bytes_per_token for kind in ("forward", "train", "train_checkpointed")}
+        module.actor.budget = budget
+        return budget
+
+    return activate
+
+
+def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(tiny_model_dir, budgeted):
+    """Rows sorted and packed by the budget, each micro-batch cut to its span, against one pass over whole rows: the
+    same loss and gradients within fp32 rounding (cutting padding columns changes summation lengths)."""
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=GRPO(aggregation="seq-mean-token-mean"))
+    module.configure_model()
+    module.manual_backward = lambda loss: loss.backward()
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+
+    def run():
+        for p in params:
+            p.grad = None
+        update = module.policy_update()
+        plan = update.plan(rollouts)
+        sums = StepSums()
+        update.accumulate(rollouts, plan, sums)
+        return plan, sums["loss"], [p.grad.clone() for p in params]
+
+    whole, loss, grads = run()
+    assert whole.spans is None and len(whole.chunks) == 1
+    tp = rollouts.prompt_ids.shape[1]
+    budget = budgeted(module, total=3 * (tp + 6) * 1000 / TENSOR_SHARE, bytes_per_token=1000.0)  # 3 full rows a pass
+    plan, budgeted_loss, budgeted_grads = run()
+    assert len(plan.spans) >= 3 and sorted(torch.cat(plan.chunks).tolist()) == list(range(8))
+    first, width = row_extents(rollouts.prompt_mask, rollouts.context_mask)
+    for span in plan.spans:
+        rows = span.rows.tolist()
+        assert span.left == min(first[i] for i in rows) and span.width == max(width[i] for i in rows)
+    assert budget.chosen["update_passes"] == len(plan.spans) and budget.chosen["gradient_checkpointing"] == 0.0
+    assert budgeted_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    for g, want in zip(budgeted_grads, grads):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+
+
+def test_checkpointing_is_switched_on_only_when_one_row_does_not_fit(tiny_model_dir, budgeted):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir)
+    module.configure_model()
+    module.manual_backward = lambda loss: loss.backward()
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    tp, longest = rollouts.prompt_ids.shape[1], rollouts.prompt_ids.shape[1] + 6
+    budget = budgeted(module, total=10 * longest / TENSOR_SHARE, bytes_per_token=1.0)
+    budget.costs["train"] = 100.0  # one row needs 100 x longest > 10 x longest of room
+    module.policy_update().plan(rollouts)
+    assert module.actor.checkpointing and budget.chosen["gradient_checkpointing"] == 1.0
+    layers = module.actor.model.get_base_model().model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)
+    budget.costs["train"] = 1.0
+    module.policy_update().plan(rollouts)
+    assert not module.actor.checkpointing and not any(layer.gradient_checkpointing for layer in layers)
+    module.gradient_checkpointing = False  # never: the budget does not switch it
+    budget.costs["train"] = 100.0
+    module.policy_update().plan(rollouts)
+    assert not module.actor.checkpointing
+
+
+def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(tiny_model_dir, budgeted):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=SCGRPO())
+    module.configure_model()
+    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # a partial and a solve-none group
+    whole = module.run_self_teacher(rollouts).divergence
+    module.actor.score(rollouts, old=True, reference=True)
+    old, ref = rollouts.old_logprobs, rollouts.ref_logprobs
+    entropy = module.actor.batch_entropy(rollouts, None)
+    budget = budgeted(module, total=2 * 60 * 1000 / TENSOR_SHARE, bytes_per_token=1000.0)  # about 2 rows a pass
+    cut = module.run_self_teacher(rollouts).divergence
+    assert budget.chosen["teacher_passes"] > 1 and budget.chosen["student_passes"] > 1
+    mask = rollouts.completion_mask.bool()
+    assert (whole[~mask] == 0).all() and (cut[~mask] == 0).all() and (whole[mask] > 0).any()
+    torch.testing.assert_close(cut, whole, rtol=1e-3, atol=1e-6)
+    module.actor.score(rollouts, old=True, reference=True)
+    assert budget.chosen["scoring_passes"] > 1
+    torch.testing.assert_close(rollouts.old_logprobs, old, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rollouts.ref_logprobs, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module.actor.batch_entropy(rollouts, None), entropy, rtol=1e-5, atol=1e-5)
+    assert (old[~mask] == 0).all() and (entropy[~mask] == 0).all()  # only the model's tokens are scored
+
+
+def test_the_budget_passes_to_the_rollout_and_is_ignored_on_cpu(tiny_model_dir):
+    module = tiny_module(tiny_model_dir, memory_budget_gib=12.0)
+    assert module.generation.memory_budget_gib == 12.0
+    module.configure_model()
+    assert not module.budget.active and module.budget.metrics() == {}
+    kept = tiny_module(tiny_model_dir, memory_budget_gib=12.0,
+                       generation=dataclasses.replace(module.generation, memory_budget_gib=4.0))
+    assert kept.generation.memory_budget_gib == 4.0  # the rollout's own setting wins
