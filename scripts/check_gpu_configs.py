@@ -23,10 +23,11 @@ embedded ``smollm2``. The process is held to ``--cap-gib`` (22) GiB, or to the c
 ``model.generation.memory_budget_gib`` where that is lower: ``scripts/memory_cap/sitecustomize.py``, put first
 on the run's ``PYTHONPATH``, calls ``torch.cuda.set_per_process_memory_fraction`` on each process's own device
 when it initialises CUDA (the caching allocator then fails rather than reserve more) and records the process's
-peak reserved memory at exit. The package sizes its rollout workspaces by ``torch.cuda.mem_get_info`` where a
-config sets no memory budget, and that reports the whole card, not the cap: ``--free-memory cap`` (the default)
-has it report a card of the cap's size, as a 24 GB card would; ``card`` leaves the real card's figures. A run
-passes when it exits 0 with every step in its metrics.csv, the cap applied.
+peak reserved memory at exit. The package reads the cap itself (its memory budget's default and the rollout's
+free-memory reading are bounded by ``torch.cuda.get_per_process_memory_fraction``), so ``--free-memory card``
+(the default) leaves ``torch.cuda.mem_get_info`` reporting the real card; ``cap`` has it report a card of the
+cap's size instead, as a 24 GB card would. A run passes when it exits 0 with every step in its metrics.csv, the
+cap applied. ``--parallel`` runs the one-GPU runs side by side, one per GPU (each its own process and cap).
 
 Writes ``benchmarks/results/gpu_configs_<card>.json`` (``--out``): per run the config files, status, steps
 completed (counted in its metrics.csv), wall seconds, peak reserved memory (the cap's measure, largest rank), peak
@@ -49,6 +50,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -360,11 +362,12 @@ def stop(process: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 
 def run_one(run: Run, work: str, steps: int = 3, model: Optional[str] = None, timeout_s: float = 600.0,
-            expect_cap: bool = True, extra: tuple[str, ...] = (), free_memory: str = "cap",
-            tail_lines: int = 40) -> dict:
+            expect_cap: bool = True, extra: tuple[str, ...] = (), free_memory: str = "card",
+            tail_lines: int = 40, visible: Optional[str] = None) -> dict:
     """Trains ``run`` for ``steps`` steps in a fresh process under ``work`` and returns its result. With
     ``expect_cap`` (a GPU machine) a run passes only if its output shows the memory cap applied; ``free_memory``:
-    what ``torch.cuda.mem_get_info`` reports in it (``cap`` or ``card``, see the module's docstring)."""
+    what ``torch.cuda.mem_get_info`` reports in it (``cap`` or ``card``, see the module's docstring); ``visible``:
+    the run's ``CUDA_VISIBLE_DEVICES`` (runs side by side, each on its own GPUs)."""
     os.makedirs(work, exist_ok=True)
     root_dir, log_path, peaks_path = (os.path.join(work, n) for n in ("runs", "log.txt", "peaks.jsonl"))
     fit = [sys.executable, "-m", "scgrpo.cli", "fit", *(f"--config={os.path.join(ROOT, c)}" for c in run.configs),
@@ -372,6 +375,8 @@ def run_one(run: Run, work: str, steps: int = 3, model: Optional[str] = None, ti
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                **{CAP_ENV: f"{run.cap_gib:g}", PEAKS_ENV: peaks_path, VIEW_ENV: free_memory})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (CAP_FOLDER, SRC, os.environ.get("PYTHONPATH", "")) if p)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(fit, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -515,7 +520,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default=None,
                         help="the model for the configs that name smollm2 (a folder or a .gguf file)")
     parser.add_argument("--cap-gib", type=float, default=22.0, help="memory each run's process may reserve")
-    parser.add_argument("--free-memory", choices=["cap", "card"], default="cap",
+    parser.add_argument("--parallel", action="store_true",
+                        help="run the one-GPU runs side by side, one per GPU of the machine (CUDA_VISIBLE_DEVICES), "
+                             "after the runs that need several GPUs")
+    parser.add_argument("--free-memory", choices=["cap", "card"], default="card",
                         help="what torch.cuda.mem_get_info reports in the runs: a card of the cap's size, or the "
                              "real card")
     parser.add_argument("--steps", type=int, default=3)
@@ -583,27 +591,56 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, sigterm)
     scratch = tempfile.mkdtemp(prefix="scgrpo-gpu-configs-")
-    results, left, longest = [], [], 0.0
-    try:
-        for i, run in enumerate(chosen):
-            if run.skip:
-                result = skipped_result(run)
-                why = f"{run.stands_for} ({run.skip})" if run.stands_for else run.skip
-                print(f"[{i + 1}/{len(chosen)}] {run.name}: {result['status']}: {why}", flush=True)
-            elif args.deadline_s is not None and time.monotonic() - started + longest > args.deadline_s:
+    results, left, longest = [], [], [0.0]
+    lock = threading.Lock()
+    runs: list[dict] = []
+
+    def one(i: int, run: Run, visible: Optional[str] = None) -> None:
+        nonlocal runs
+        if run.skip:
+            result = skipped_result(run)
+            why = f"{run.stands_for} ({run.skip})" if run.stands_for else run.skip
+            print(f"[{i + 1}/{len(chosen)}] {run.name}: {result['status']}: {why}", flush=True)
+        elif args.deadline_s is not None and time.monotonic() - started + longest[0] > args.deadline_s:
+            with lock:
                 left.append(run.name)
-                continue
-            else:
-                print(f"[{i + 1}/{len(chosen)}] {run.name} ...", flush=True)
-                result = run_one(run, os.path.join(scratch, f"{i:02d}"), args.steps, model, args.timeout_s,
-                                 extra=tuple(args.extra), free_memory=args.free_memory)
-                longest = max(longest, result["wall_s"])
-                peak = result["peak_reserved_gib"]
-                print(f"    {result['status']}: {result['steps']}/{args.steps} steps, {result['wall_s']:.0f} s, peak "
-                      f"reserved {'-' if peak is None else f'{peak:.2f}'} GiB of {run.cap_gib:g}"
-                      + (f"; {result['error']}" if result.get("error") else ""), flush=True)
+            return
+        else:
+            print(f"[{i + 1}/{len(chosen)}] {run.name} ...", flush=True)
+            result = run_one(run, os.path.join(scratch, f"{i:02d}"), args.steps, model, args.timeout_s,
+                             extra=tuple(args.extra), free_memory=args.free_memory, visible=visible)
+            longest[0] = max(longest[0], result["wall_s"])
+            peak = result["peak_reserved_gib"]
+            print(f"    {run.name}: {result['status']}: {result['steps']}/{args.steps} steps, {result['wall_s']:.0f} s, "
+                  f"peak reserved {'-' if peak is None else f'{peak:.2f}'} GiB of {run.cap_gib:g}"
+                  + (f"; {result['error']}" if result.get("error") else ""), flush=True)
+        with lock:
             results.append({**result, "date": time.strftime("%Y-%m-%d"), "command_line": command})
             runs = write_results(out, results, plan_names, dict(header))  # after each run: a cut command keeps them
+
+    try:
+        if args.parallel and here > 1:  # runs on several GPUs first, alone; then one run per GPU at a time
+            queue = [(i, r) for i, r in enumerate(chosen) if (r.devices or r.devices_needed()) > 1 or r.skip]
+            for i, run in queue:
+                one(i, run)
+            single = [(i, r) for i, r in enumerate(chosen) if not ((r.devices or r.devices_needed()) > 1 or r.skip)]
+
+            def worker(gpu: int) -> None:
+                while True:
+                    with lock:
+                        if not single:
+                            return
+                        i, run = single.pop(0)
+                    one(i, run, str(gpu))
+
+            threads = [threading.Thread(target=worker, args=(g,)) for g in range(here)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for i, run in enumerate(chosen):
+                one(i, run)
     finally:
         if args.keep:
             print(f"run folders kept in {scratch}")

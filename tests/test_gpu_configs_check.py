@@ -343,7 +343,7 @@ def test_a_command_records_each_run_and_resume_leaves_out_those_with_a_result(tm
     monkeypatch.setattr(check, "bitsandbytes_imports", lambda: True)
     ran = []
 
-    def fake_run(run, work, steps, model, timeout_s, extra=(), free_memory="cap"):
+    def fake_run(run, work, steps, model, timeout_s, extra=(), free_memory="card", visible=None):
         ran.append(run.name)
         ok = run.name == "grpo_arith_gpu"
         return {"name": run.name, "configs": list(run.configs), "status": "passed" if ok else "failed",

@@ -173,6 +173,13 @@ def test_teacher_sees_the_reference_in_its_system_message_and_scores_the_same_to
     assert has_system and base == ""  # the test template has no default system message
     # the teacher's text: reference in the system turn only, the user turn is the student's question
     ids, _, _ = module.self_teacher.teacher_inputs(module.actor, rollouts, [2], [signal.references[2]])
+    # rows sharing a question and a reference are rendered once: the ids are those of each row rendered alone
+    rows = [r for r in range(8) if signal.references[r] is not None]
+    together, _ = module.self_teacher.teacher_prompt_ids(module.actor, rollouts, rows, [signal.references[r] for r in rows])
+    assert len(set(map(tuple, together))) < len(rows)  # (some rows share both here)
+    for row, got in zip(rows, together):
+        alone = module.self_teacher.teacher_prompts(module.actor, [rollouts.questions[row]], [signal.references[row]])
+        assert got == module.tokenizer(alone, add_special_tokens=False)["input_ids"][0]
     text = module.tokenizer.decode(ids[0], skip_special_tokens=False)
     system_part, user_part = text.split("<|im_start|>user\n")
     assert signal.references[2] in system_part and "<|im_start|>system" in system_part

@@ -263,7 +263,12 @@ class SelfTeacher:
         tok = policy.tokenizer
         questions = [rollouts.questions[i] for i in rows]
         c = rollouts.completion_ids.shape[1]
-        prompt_ids = tok(self.teacher_prompts(policy, questions, references), add_special_tokens=False)["input_ids"]
+        # rendered and tokenised once per (question, reference): a solve-none group's rows share both
+        pairs = list(dict.fromkeys(zip(questions, references)))
+        rendered = tok(self.teacher_prompts(policy, [q for q, _ in pairs], [r for _, r in pairs]),
+                       add_special_tokens=False)["input_ids"]
+        by_pair = dict(zip(pairs, rendered))
+        prompt_ids = [list(by_pair[pair]) for pair in zip(questions, references)]
         references, cut = self._fit_references(policy, questions, list(references), prompt_ids, c)
         if cut:  # only the cut rows are rendered and tokenised again
             redone = tok(self.teacher_prompts(policy, [questions[k] for k in cut], [references[k] for k in cut]),

@@ -149,9 +149,9 @@ def test_a_verified_episode_reaches_the_teachers_system_prompt(module):
     signal = teacher(module.actor, rollouts, 1.0)
     assert signal.references[2] in (ep.completions[0], ep.completions[1])
     assert "[user] obs1" in signal.references[2]  # the transcript holds the observation between the turns
-    system = seen[-1].split("<|im_start|>user")[0]
-    assert signal.references[2] in system and "Verified solution" in system
-    assert "Task one" in seen[-1].split("<|im_start|>user")[1]  # the student's own first observation
+    prompt = next(p for p in seen if signal.references[2] in p.split("<|im_start|>user")[0])  # row 2's teacher prompt
+    assert "Verified solution" in prompt.split("<|im_start|>user")[0]
+    assert "Task one" in prompt.split("<|im_start|>user")[1]  # the student's own first observation
 
 
 @pytest.mark.parametrize("fault,counter", [("raise", "episode/env_errors"), ("junk", "episode/env_errors"),
