@@ -1,17 +1,26 @@
-"""The GPU running out of memory in a phase of a run is one error naming the phase, the memory and the setting to
-change. The allocator's failure is simulated on the CPU: raised as PyTorch raises it."""
+"""The GPU running out of memory in any phase of a run ends it in one ``scgrpo: error:`` line naming the phase and
+the setting to change, with the last whole step's checkpoint intact and resumable. The allocator's failure is
+simulated on the CPU: the phase's function raises what PyTorch raises."""
 
 import gc
+import glob
 import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import scgrpo.callbacks.rollout as rollout
+from scgrpo.cli import main
 from scgrpo.errors import GPUOutOfMemory
+from scgrpo.evaluation import Evaluation
+from scgrpo.module import RLVRModule
 from scgrpo.oom import out_of_memory_as_error, out_of_memory_message
+from scgrpo.update import PolicyUpdate
+from tests.test_cli_configs import QUICKSTART, _the_error_line, _tiny_args
 
 FAILED = "CUDA out of memory. Tried to allocate 2.00 GiB"
+FAILING_STEP = 2  # the allocator fails in the third step (two whole steps before it)
 SMALLER_UPDATE = "lower model.memory_budget_gib or model.micro_batch_size, or set model.gradient_checkpointing: true"
 
 
@@ -92,3 +101,148 @@ def test_other_errors_pass_as_they_are():
     assert info.value is error
     with pytest.raises(ValueError, match="phase must be one of"), out_of_memory_as_error("sampling", _module()):
         pass
+
+
+# ------------------------------------------------------------------------------------------ in a run
+def _trainable(module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """The trainable weights after each whole step, by step, and at each training start (``"start"``)."""
+    seen: dict = {"start": []}
+    step_end, train_start = RLVRModule.on_train_batch_end, RLVRModule.on_train_start
+
+    def after_step(self, *args):
+        step_end(self, *args)
+        seen[self.global_step] = _trainable(self)
+
+    def at_start(self):
+        seen["start"].append(_trainable(self))
+        train_start(self)
+
+    monkeypatch.setattr(RLVRModule, "on_train_batch_end", after_step)
+    monkeypatch.setattr(RLVRModule, "on_train_start", at_start)
+    return seen
+
+
+def _fail_in(phase: str, patch, after: int = FAILING_STEP) -> None:
+    """Makes ``phase`` of the step after ``after`` whole ones fail as the allocator would."""
+
+    def fails(global_step: int) -> None:
+        if global_step == after:
+            raise torch.OutOfMemoryError(FAILED)
+
+    if phase == "rollout":
+        sample = rollout.sample_rollouts
+        patch.setattr(rollout, "sample_rollouts",
+                      lambda module, batch: fails(module.global_step) or sample(module, batch))
+    elif phase == "scoring":
+        score = RLVRModule.score_rollouts
+        patch.setattr(RLVRModule, "score_rollouts",
+                      lambda self, rollouts: fails(self.global_step) or score(self, rollouts))
+    elif phase == "teacher":
+        teach = RLVRModule.run_self_teacher
+        patch.setattr(RLVRModule, "run_self_teacher",
+                      lambda self, rollouts: fails(self.global_step) or teach(self, rollouts))
+    elif phase == "update":
+        accumulate = PolicyUpdate.accumulate
+
+        def after_backward(self, rollouts, plan, sums, step=0):
+            accumulate(self, rollouts, plan, sums, step)  # every micro-batch's forward and backward
+            if step == after:  # gradients that an optimiser step would apply, and the failure before it
+                for p in self.policy.trainable_parameters():
+                    p.grad = torch.ones_like(p) if p.grad is None else p.grad + 1
+                fails(step)
+
+        patch.setattr(PolicyUpdate, "accumulate", after_backward)
+    else:
+        add = Evaluation.add
+        patch.setattr(Evaluation, "add",
+                      lambda self, batch, module, *args: fails(module.global_step) or add(self, batch, module, *args))
+
+
+SMALLER_ROLLOUT = "set model.memory_budget_gib below the card's free memory or lower model.generation.max_slots"
+SMALLER_PASSES = ("set model.memory_budget_gib below the card's free memory, lower model.micro_batch_size or set "
+                  "model.gradient_checkpointing: true")
+PHASES = {  # the phase, the run's settings (the quickstart's SC-GRPO: a teacher pass) and the settings named
+    "rollout": ([], SMALLER_ROLLOUT),
+    "scoring": (["--model.objective=scgrpo.objectives.GRPO", "--model.objective.init_args.beta=0.05"], SMALLER_PASSES),
+    "teacher": ([], SMALLER_PASSES),
+    "update": (["--model.micro_batch_size=2"], SMALLER_PASSES),
+    "validation": (["--trainer.val_check_interval=2", "--model.eval_greedy=false", "--data.max_eval_prompts=2"],
+                   SMALLER_ROLLOUT),
+}
+
+
+def _run(tiny_model_dir, *args) -> None:
+    """``scgrpo fit`` of the quickstart's SC-GRPO on the tiny model, rewarded by a verifier it can satisfy."""
+    main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir), "--trainer.max_steps=4",
+          "--trainer.val_check_interval=100", "--model.validate_before_training=false",
+          "--model.log_completions_every_n_steps=0", "--model.verifier=tests.verifiers.helpers.ParityVerifier", *args])
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_out_of_memory_in_a_phase_is_one_line_and_the_last_checkpoint_is_the_last_whole_step(
+        phase, tiny_model_dir, tmp_path, monkeypatch, capsys, steps):
+    monkeypatch.chdir(tmp_path)
+    settings, named = PHASES[phase]
+    with monkeypatch.context() as patch, pytest.raises(SystemExit) as info:
+        _fail_in(phase, patch)
+        _run(tiny_model_dir, "--checkpoint.every_n_train_steps=1", *settings)
+    assert info.value.code == 2
+    line = _the_error_line(capsys.readouterr().err)
+    assert line == (f"scgrpo: error: out of GPU memory in the {phase} phase (budget: the card's free memory): {named}; "
+                    "the last checkpoint is kept")
+
+    (last,) = glob.glob(str(tmp_path / "runs" / "*" / "version_0" / "checkpoints" / "last.ckpt"))
+    checkpoint = torch.load(last, weights_only=False)
+    assert checkpoint["global_step"] == FAILING_STEP and checkpoint["PromptDataModule"]["batches_consumed"] == 2
+    whole, untrained = steps[FAILING_STEP], steps["start"][0]
+    assert set(checkpoint["state_dict"]) == set(whole)
+    assert any(not torch.equal(untrained[name], value) for name, value in whole.items())  # (two steps trained)
+    for name, value in whole.items():
+        assert torch.equal(checkpoint["state_dict"][name], value), name
+
+    _run(tiny_model_dir, "--checkpoint.every_n_train_steps=1", *settings, "--trainer.max_steps=3",
+         f"--ckpt_path={last}")  # resumes, and trains on
+    for name, value in whole.items():
+        assert torch.equal(steps["start"][-1][name], value), name
+    assert torch.load(last, weights_only=False)["global_step"] == 3 and 3 in steps
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_with_scgrpo_debug_the_error_is_raised_with_the_original_as_its_cause(phase, tiny_model_dir, tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SCGRPO_DEBUG", "1")
+    with monkeypatch.context() as patch, pytest.raises(GPUOutOfMemory, match=f"in the {phase} phase") as info:
+        _fail_in(phase, patch, after=0)  # in the first step (validation: the one before training)
+        _run(tiny_model_dir, *PHASES[phase][0], "--model.validate_before_training=true")
+    assert type(info.value.__cause__) is torch.OutOfMemoryError and str(info.value.__cause__) == FAILED
+
+
+def test_out_of_memory_between_the_optimiser_steps_of_a_batch_leaves_no_half_updated_checkpoint(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, steps):
+    """GRPO with two passes over each batch takes two optimiser steps a batch. Failing in the second pass of the
+    third batch (optimiser step 5), after the first pass moved the weights, no checkpoint is written on the error:
+    ``last.ckpt`` stays the second batch's (step 4)."""
+    monkeypatch.chdir(tmp_path)
+    accumulate = PolicyUpdate.accumulate
+
+    def second_pass_fails(self, rollouts, plan, sums, step=0):
+        if step == 5:
+            raise torch.OutOfMemoryError(FAILED)
+        accumulate(self, rollouts, plan, sums, step)
+
+    with monkeypatch.context() as patch, pytest.raises(SystemExit):
+        patch.setattr(PolicyUpdate, "accumulate", second_pass_fails)
+        _run(tiny_model_dir, "--checkpoint.every_n_train_steps=1", "--model.objective=scgrpo.objectives.GRPO",
+             "--model.objective.init_args.num_iterations=2", "--trainer.max_steps=8")
+    assert "in the update phase" in _the_error_line(capsys.readouterr().err)
+    (last,) = glob.glob(str(tmp_path / "runs" / "*" / "version_0" / "checkpoints" / "last.ckpt"))
+    checkpoint = torch.load(last, weights_only=False)
+    assert checkpoint["global_step"] == 4 and checkpoint["PromptDataModule"]["batches_consumed"] == 2
+    for name, value in steps[4].items():
+        assert torch.equal(checkpoint["state_dict"][name], value), name

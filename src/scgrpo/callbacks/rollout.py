@@ -11,6 +11,7 @@ from lightning.pytorch import Callback
 
 from scgrpo.distributed import all_reduce
 from scgrpo.guard import nonfinite_inputs
+from scgrpo.oom import out_of_memory_as_error
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
 from scgrpo.step_log import phase_peak
 
@@ -115,8 +116,9 @@ class RolloutCallback(Callback):
         stats: dict = {}
         phase_peak(stats, pl_module.device, "before")  # starts the sampling phase's peak
         start = time.perf_counter()
-        rollouts = sample_rollouts(pl_module, batch)
-        pl_module.actor.sync()
+        with out_of_memory_as_error("rollout", pl_module):
+            rollouts = sample_rollouts(pl_module, batch)
+            pl_module.actor.sync()
         rollouts.stats["time/generation_s"] = time.perf_counter() - start
         phase_peak(rollouts.stats, pl_module.device, "rollout")
         batch.rollouts = rollouts
@@ -178,7 +180,8 @@ class DynamicSamplingCallback(Callback):
         while rounds < objective.max_sampling_rounds and more_needed():
             rounds += 1
             start = time.perf_counter()
-            extra = sample_rollouts(pl_module, datamodule.extra_batch())
+            with out_of_memory_as_error("rollout", pl_module):
+                extra = sample_rollouts(pl_module, datamodule.extra_batch())
             verify_rollouts(pl_module, extra)
             sampled = extra.stats["rollout/sampled"]
             counted = {k: v for k, v in extra.stats.items() if k in EPISODE_COUNTERS}  # faults of every round
