@@ -117,6 +117,7 @@ def steps(monkeypatch):
     def after_step(self, *args):
         step_end(self, *args)
         seen[self.global_step] = _trainable(self)
+        seen[f"extra_consumed {self.global_step}"] = self.trainer.datamodule.extra_consumed
 
     def at_start(self):
         seen["start"].append(_trainable(self))
@@ -221,6 +222,26 @@ def test_with_scgrpo_debug_the_error_is_raised_with_the_original_as_its_cause(ph
         _fail_in(phase, patch, after=0)  # in the first step (validation: the one before training)
         _run(tiny_model_dir, *PHASES[phase][0], "--model.validate_before_training=true")
     assert type(info.value.__cause__) is torch.OutOfMemoryError and str(info.value.__cause__) == FAILED
+
+
+def test_the_checkpoint_written_on_the_error_holds_the_last_whole_step(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                      steps):
+    """With no periodic checkpoint at the step before, the one written on the error is that step's: its weights
+    (the failed update's gradients never applied) and its data position, DAPO's extra prompts included (every
+    group of an always-right verifier has equal rewards: each step samples its extra rounds before the update)."""
+    monkeypatch.chdir(tmp_path)
+    with monkeypatch.context() as patch, pytest.raises(SystemExit):
+        _fail_in("update", patch)
+        _run(tiny_model_dir, "--checkpoint.every_n_train_steps=100", "--model.objective=scgrpo.objectives.DAPO",
+             "--model.objective.init_args.max_sampling_rounds=2",
+             "--model.verifier=tests.verifiers.helpers.AlwaysRight")
+    assert "in the update phase" in _the_error_line(capsys.readouterr().err)
+    (last,) = glob.glob(str(tmp_path / "runs" / "*" / "version_0" / "checkpoints" / "last.ckpt"))
+    checkpoint = torch.load(last, weights_only=False)
+    assert checkpoint["global_step"] == FAILING_STEP
+    assert checkpoint["PromptDataModule"]["extra_consumed"] == steps[f"extra_consumed {FAILING_STEP}"] == 4
+    for name, value in steps[FAILING_STEP].items():
+        assert torch.equal(checkpoint["state_dict"][name], value), name
 
 
 def test_out_of_memory_between_the_optimiser_steps_of_a_batch_leaves_no_half_updated_checkpoint(
