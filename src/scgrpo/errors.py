@@ -1,4 +1,4 @@
-"""The one exception class for faults in what the user supplied."""
+"""The exceptions for faults in what the user supplied (a file, a folder, settings the GPU cannot hold)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,8 @@ def json_fault(err, line: int = 0) -> str:
     """A :class:`json.JSONDecodeError` as "line N: not valid JSON (what at column C)" (``line``: the line of a
     file of one JSON value per line; else the error's own)."""
     return f"line {line or err.lineno}: not valid JSON ({err.msg} at column {err.colno})"
+
+
+class GPUOutOfMemory(InputError):
+    """The GPU ran out of memory in a phase of a step (see :mod:`scgrpo.oom`): the settings ask for more memory than
+    the card has free, so it ends the run in one line naming the phase and the setting to change."""

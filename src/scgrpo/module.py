@@ -35,6 +35,7 @@ from scgrpo.evaluation import Evaluation
 from scgrpo.guard import DivergenceGuard, nonfinite_inputs, on_any_rank
 from scgrpo.models import LoraSettings, check_model_settings
 from scgrpo.objectives import GRPO, Objective
+from scgrpo.oom import out_of_memory_as_error
 from scgrpo.policy import Policy, build_policy
 from scgrpo.run_state import RngBookmark, check_trainable, checkpoint_rng, restore_rng, rng_state, trainable_only
 from scgrpo.rollout.engine import Generated, GenerationSettings
@@ -314,9 +315,10 @@ class RLVRModule(LightningModule):
         if reason is None:
             signal = self._teacher_signal(rollouts, start)  # the scoring pass and the self-teacher
             start = time.perf_counter()
-            plan = update.plan(rollouts, signal)  # credit, the rows in the loss, micro-batches
+            with out_of_memory_as_error("scoring", self):  # (the batch-entropy pass of objectives that need one)
+                plan = update.plan(rollouts, signal)  # credit, the rows in the loss, micro-batches
             reason = on_any_rank(nonfinite_inputs(rollouts, plan), self.device)
-        with record_function("scgrpo.update"):  # (a profiler's range; nothing when none runs)
+        with record_function("scgrpo.update"), out_of_memory_as_error("update", self):  # (a profiler's range)
             reason = self._optimise(update, rollouts, plan, sums, reason)
             self.actor.sync()
         train_time = time.perf_counter() - start
@@ -334,12 +336,13 @@ class RLVRModule(LightningModule):
     def _teacher_signal(self, rollouts: RolloutBatch, start: float) -> Optional[TeacherSignal]:
         """The scoring pass (old or reference log-probs, when the objective needs them) and the self-teacher."""
         if self.objective.num_iterations > 1 or self.objective.beta > 0:
-            self.score_rollouts(rollouts)
-            self.actor.sync()
+            with out_of_memory_as_error("scoring", self):
+                self.score_rollouts(rollouts)
+                self.actor.sync()
             rollouts.stats["time/scoring_s"] = time.perf_counter() - start
         # verification and DAPO's extra rounds belong to the rollout phase; the scoring pass, when run, to its own
         phase_peak(rollouts.stats, self.device, "scoring" if "time/scoring_s" in rollouts.stats else "rollout")
-        with record_function("scgrpo.teacher"):
+        with record_function("scgrpo.teacher"), out_of_memory_as_error("teacher", self):
             signal = self.run_self_teacher(rollouts)
         if signal is not None:
             phase_peak(rollouts.stats, self.device, "teacher")
@@ -407,7 +410,8 @@ class RLVRModule(LightningModule):
 
     def validation_step(self, batch: PromptBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         episodes = self.play_episodes if self.episode_runner is not None else None
-        self.evaluation.add(batch, self, self.verifier_runner, episodes)  # (samples through self.sample)
+        with out_of_memory_as_error("validation", self):
+            self.evaluation.add(batch, self, self.verifier_runner, episodes)  # (samples through self.sample)
 
     def on_validation_epoch_end(self) -> None:
         for metrics in self.evaluation.metrics(self.global_step, log_summary=self.global_rank == 0).values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from lightning.pytorch import Callback
 
 from scgrpo.distributed import all_reduce
 from scgrpo.guard import nonfinite_inputs
+from scgrpo.oom import out_of_memory_as_error
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
 from scgrpo.step_log import phase_peak
 
@@ -115,8 +117,9 @@ class RolloutCallback(Callback):
         stats: dict = {}
         phase_peak(stats, pl_module.device, "before")  # starts the sampling phase's peak
         start = time.perf_counter()
-        rollouts = sample_rollouts(pl_module, batch)
-        pl_module.actor.sync()
+        with out_of_memory_as_error("rollout", pl_module):
+            rollouts = sample_rollouts(pl_module, batch)
+            pl_module.actor.sync()
         rollouts.stats["time/generation_s"] = time.perf_counter() - start
         phase_peak(rollouts.stats, pl_module.device, "rollout")
         batch.rollouts = rollouts
@@ -156,9 +159,16 @@ class DynamicSamplingCallback(Callback):
     """DAPO's dynamic sampling: drops the groups whose rewards are all equal and samples more prompts until
     the batch again holds as many groups as it started with, for at most ``objective.max_sampling_rounds``
     extra rounds. Logs ``dapo/extra_rounds`` and ``dapo/kept_groups``. Runs after verification and only for
-    objectives with ``dynamic_sampling``."""
+    objectives with ``dynamic_sampling``.
+
+    A step stopped by an exception (Ctrl-C, the GPU out of memory) puts the extra prompts' stream back where it
+    stood at the step's start, so the checkpoint written on the exception holds the last whole step's position."""
+
+    def __init__(self) -> None:
+        self._extra_consumed: Optional[int] = None  # the extra stream's position at the start of the step under way
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
+        self._extra_consumed = getattr(getattr(trainer, "datamodule", None), "extra_consumed", None)
         objective = pl_module.objective
         if not getattr(objective, "dynamic_sampling", False) or batch.rollouts is None:
             return
@@ -178,7 +188,8 @@ class DynamicSamplingCallback(Callback):
         while rounds < objective.max_sampling_rounds and more_needed():
             rounds += 1
             start = time.perf_counter()
-            extra = sample_rollouts(pl_module, datamodule.extra_batch())
+            with out_of_memory_as_error("rollout", pl_module):
+                extra = sample_rollouts(pl_module, datamodule.extra_batch())
             verify_rollouts(pl_module, extra)
             sampled = extra.stats["rollout/sampled"]
             counted = {k: v for k, v in extra.stats.items() if k in EPISODE_COUNTERS}  # faults of every round
@@ -191,3 +202,13 @@ class DynamicSamplingCallback(Callback):
         batch.rollouts.stats["dapo/kept_groups"] = float(have)
         if have < target:
             log.debug("dynamic sampling stopped at %d of %d groups after %d extra rounds", have, target, rounds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: PromptBatch, batch_idx: int) -> None:
+        self._extra_consumed = None  # (the step is done)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # before StepCheckpoint's on_exception writes last.ckpt (Lightning runs checkpoint callbacks last)
+        datamodule = getattr(trainer, "datamodule", None)
+        if self._extra_consumed is not None and hasattr(datamodule, "extra_consumed"):
+            datamodule.extra_consumed = self._extra_consumed
+            self._extra_consumed = None
