@@ -53,11 +53,14 @@ def card_memory(device: Optional[torch.device] = None) -> Optional[tuple[float, 
 
 
 def out_of_memory_message(phase: str, module) -> str:
-    """The one line for an out-of-memory error in ``phase`` of ``module``'s run: the budget
-    (``module.memory_budget_gib``; None: the card's free memory), this process's allocated and reserved memory and
+    """The one line for an out-of-memory error in ``phase`` of ``module``'s run: the memory budget (the one
+    ``module.budget`` resolved, else ``module.memory_budget_gib``; None: the card's free memory), this process's allocated and reserved memory and
     the card's free and total memory, and the settings that make ``phase`` smaller."""
-    budget = getattr(module, "memory_budget_gib", None)
-    memory = [f"budget {budget:.1f} GiB" if budget is not None else "budget: the card's free memory"]
+    given = getattr(module, "memory_budget_gib", None)
+    resolved = getattr(getattr(module, "budget", None), "gib_resolved", None)  # (the default, once on a GPU)
+    budget = resolved if resolved is not None else given
+    memory = [f"budget {budget:.1f} GiB{'' if given is not None else ' (the default)'}" if budget is not None
+              else "budget: the card's free memory"]
     device = getattr(module, "device", None)
     figures = card_memory(device if isinstance(device, torch.device) and device.type == "cuda" else None)
     held_elsewhere = 0.0
