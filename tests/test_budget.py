@@ -122,17 +122,21 @@ def test_a_measured_pass_replaces_the_estimate_then_raises_it(monkeypatch):
     budget = _budget(10.0)
     estimate = budget.costs["train"]
     with budget.measure("train", tokens=1000, fixed=2000):
-        card.use(1000 * 50 + 2000)
-    assert budget.costs["train"] == 50.0 != estimate  # (peak - fixed) / tokens, below the estimate: replaced
+        card.use(int(1000 * 0.5 * estimate) + 2000)
+    assert budget.costs["train"] == pytest.approx(0.5 * estimate)  # (peak - fixed) / tokens replaces the estimate
     with budget.measure("train", tokens=1000):
-        card.use(1000 * 40)
-    assert budget.costs["train"] == 50.0  # lower: kept
+        card.use(int(1000 * 0.4 * estimate))
+    assert budget.costs["train"] == pytest.approx(0.5 * estimate)  # lower: kept
     with budget.measure("train", tokens=100):
-        card.use(100 * 90)
-    assert budget.costs["train"] == 50.0  # too few tokens to count
+        card.use(int(100 * 0.9 * estimate))
+    assert budget.costs["train"] == pytest.approx(0.5 * estimate)  # too few tokens to count
     with budget.measure("train", tokens=2000):
-        card.use(2000 * 60)
-    assert budget.costs["train"] == 60.0
+        card.use(int(2000 * 0.6 * estimate))
+    assert budget.costs["train"] == pytest.approx(0.6 * estimate)
+    forward = budget.costs["forward"]
+    with budget.measure("forward", tokens=1000):
+        pass  # a pass whose peak stayed where it began (memory freed inside it reused)
+    assert budget.costs["forward"] == pytest.approx(0.25 * forward)  # the floor: a quarter of the estimate
 
 
 @pytest.fixture
@@ -144,6 +148,7 @@ def budgeted(monkeypatch):
         budget = module.budget
         budget.total, budget.device, budget.vocab = int(total), torch.device("cpu"), 0
         budget.costs = {kind: bytes_per_token for kind in ("forward", "train", "train_checkpointed")}
+        budget.measured = set(budget.costs)  # (the fake card's passes measure nothing: the costs stay)
         module.actor.budget = budget
         return budget
 
@@ -185,7 +190,10 @@ def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(tin
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
 
 
-def test_checkpointing_is_switched_on_only_when_one_row_does_not_fit(tiny_model_dir, budgeted):
+def test_checkpointing_is_switched_on_when_one_row_does_not_fit_or_it_saves_passes(tiny_model_dir, budgeted):
+    """Room for 10 of the longest rows' tokens; 8 rows. Plain passes cost ``train`` bytes a token, checkpointed ones 1:
+    100 (one row does not fit) -> checkpointing; 2 (plain: 5 rows a pass, 2 passes; checkpointed: 1 pass, and 1.5 x 1
+    <= 2) -> checkpointing; 1.1 (plain: all 8 rows in 1 pass) -> none; never when the module says false."""
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir)
     module.configure_model()
@@ -198,9 +206,13 @@ def test_checkpointing_is_switched_on_only_when_one_row_does_not_fit(tiny_model_
     assert module.actor.checkpointing and budget.chosen["gradient_checkpointing"] == 1.0
     layers = module.actor.model.get_base_model().model.layers
     assert all(layer.gradient_checkpointing for layer in layers)
-    budget.costs["train"] = 1.0
-    module.policy_update().plan(rollouts)
+    budget.costs["train"] = 2.0
+    plan = module.policy_update().plan(rollouts)
+    assert module.actor.checkpointing and len(plan.spans) == 1 and plan.kind == "train_checkpointed"
+    budget.costs["train"] = 1.1
+    plan = module.policy_update().plan(rollouts)
     assert not module.actor.checkpointing and not any(layer.gradient_checkpointing for layer in layers)
+    assert len(plan.spans) == 1 and plan.kind == "train"
     module.gradient_checkpointing = False  # never: the budget does not switch it
     budget.costs["train"] = 100.0
     module.policy_update().plan(rollouts)
@@ -217,8 +229,10 @@ def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(tiny_mod
     old, ref = rollouts.old_logprobs, rollouts.ref_logprobs
     entropy = module.actor.batch_entropy(rollouts, None)
     budget = budgeted(module, total=2 * 60 * 1000 / TENSOR_SHARE, bytes_per_token=1000.0)  # about 2 rows a pass
+    budget.begin_step()
     cut = module.run_self_teacher(rollouts).divergence
-    assert budget.chosen["teacher_passes"] > 1 and budget.chosen["student_passes"] > 1
+    # under a budget each micro-batch's teacher and student rows share one forward: no pass of the student alone
+    assert budget.chosen["teacher_passes"] > 1 and budget.chosen["student_passes"] != budget.chosen["student_passes"]
     mask = rollouts.completion_mask.bool()
     assert (whole[~mask] == 0).all() and (cut[~mask] == 0).all() and (whole[mask] > 0).any()
     torch.testing.assert_close(cut, whole, rtol=1e-3, atol=1e-6)

@@ -50,6 +50,9 @@ CHOICES = ("scoring_passes", "scoring_tokens_per_pass", "student_passes", "stude
 """What the plans of a step choose, logged as ``memory/<name>`` (NaN where the phase did not run)"""
 MIN_MEASURED_TOKENS = 256
 """A pass of fewer padded tokens does not update the measured costs (its fixed part would dominate)"""
+FLOOR_SHARE = 0.25
+"""A measured cost is taken no lower than this share of the shape-based estimate (a pass whose peak fell inside
+memory freed during it would otherwise read as almost free)"""
 LOGIT_COPIES = 3
 """fp32 [tokens, V] blocks alive at once while a chunk of log-probs (or of a divergence, per model) is computed"""
 
@@ -147,7 +150,7 @@ class MemoryBudget:
         self.total: Optional[int] = None  # bytes, once resolved on a GPU
         self.costs: dict[str, float] = {}
         self.measured: set[str] = set()
-        self.fixed: dict[str, float] = {}
+        self.floor: dict[str, float] = {}  # a measured cost is never taken below this (a quarter of the estimate)
         self.chosen: dict[str, float] = {}  # what this step's plans chose (logged as memory/*)
         self._logged = False
 
@@ -166,6 +169,7 @@ class MemoryBudget:
         else:
             self.total = max(int(reachable - max(MIN_MARGIN, MARGIN_SHARE * min(total, reachable))), 0)
         self.costs = shape_costs(config, torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2)
+        self.floor = {kind: FLOOR_SHARE * cost for kind, cost in self.costs.items()}
         self.vocab = int(getattr(config, "vocab_size", 0) or 0)
 
     @property
@@ -219,7 +223,7 @@ class MemoryBudget:
         yield
         peak = torch.cuda.max_memory_allocated(self.device) - start
         if tokens >= MIN_MEASURED_TOKENS:
-            per_token = max(peak - fixed, 0.0) / tokens
+            per_token = max((peak - fixed) / tokens, self.floor.get(kind, 0.0))
             if kind not in self.measured:  # the first measurement replaces the shape-based estimate
                 self.costs[kind], self.measured = per_token, self.measured | {kind}
             else:

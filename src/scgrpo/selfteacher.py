@@ -354,6 +354,8 @@ class SelfTeacher:
         with policy.eval_mode(), full_parameters(policy.runner):  # (every rank gathers, rows or not)
             if not rows:
                 return cut, 0
+            if budget is not None and spec.output == "divergence" and spec.weights == "policy":
+                return cut, self._shared_passes(policy, rollouts, rows, prompt_ids, signal, budget, chunk, fixed)
             student = None
             if spec.output == "divergence":
                 with record_function("scgrpo.teacher.student_forward"):
@@ -392,6 +394,47 @@ class SelfTeacher:
                     signal.divergence[index, :w] = signal.divergence[index, :w].masked_scatter(keep, divergence)
         return cut, tokens
 
+    def _shared_passes(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], prompt_ids: list[list[int]],
+                       signal: TeacherSignal, budget: MemoryBudget, chunk: int, fixed: float) -> int:
+        """Under a memory budget: each micro-batch's teacher and student rows in one forward (``[2n, W + w]``: the
+        teacher prompts and the student's own, left-padded to the longest, then the same ``w`` completion columns),
+        which halves the passes' launches (the passes of a small model are bound by them, not by the GPU). Rows
+        are packed by their teacher sequences, each row costing twice. Returns the padded tokens run."""
+        device = rollouts.completion_ids.device
+        tp = rollouts.prompt_ids.shape[1]
+        mask = rollouts.completion_mask.bool()
+        teacher_len = [len(ids) for ids in prompt_ids]
+        student_len = rollouts.prompt_mask[rows].sum(1).tolist()
+        widest = max(max(teacher_len), max(student_len))
+        first = [widest - max(t, s) for t, s in zip(teacher_len, student_len)]
+        _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
+        batches = pack(first, width, widest, 2 * budget.costs["forward"], fixed, budget.room())
+        budget.note("teacher", len(batches), max(2 * len(m) * (widest - left + w) for m, left, w in batches))
+        pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
+        tokens = 0
+        for members, left, w in batches:
+            index = torch.tensor([rows[k] for k in members], device=device)
+            span = widest - left  # prompt columns of this micro-batch
+            with record_function("scgrpo.teacher.inputs"):
+                teacher, teacher_mask = self.assemble(policy, rollouts, index.tolist(), [prompt_ids[k] for k in members], w)
+                own = min(span, tp)  # the student's prompts are left-padded to tp: their last ``own`` columns
+                student = torch.cat([rollouts.prompt_ids[index, tp - own :], rollouts.completion_ids[index, :w]], 1)
+                student_mask = torch.cat([rollouts.prompt_mask[index, tp - own :], rollouts.context_mask[index, :w].long()], 1)
+                ids = torch.cat([_left_pad(teacher, span + w, pad), _left_pad(student, span + w, pad)])  # [2n, W + w]
+                attention = torch.cat([_left_pad(teacher_mask, span + w, 0), _left_pad(student_mask, span + w, 0)])
+            tokens += ids.numel()
+            with budget.measure("forward", ids.numel(), fixed):
+                with record_function("scgrpo.teacher.shared_forward"):
+                    hidden = policy.completion_hidden(ids, attention, w)  # [2n, w, H]
+                k = len(members)
+                keep = mask[index, :w]  # [n, w]
+                with record_function("scgrpo.teacher.divergence"):
+                    divergence = chunked_divergence(
+                        hidden[:k][keep].unsqueeze(0), hidden[k:][keep].unsqueeze(0), policy.lm_head(),
+                        self.spec.divergence, policy.temperature, chunk)[0]  # [m] the model's tokens of these rows
+                signal.divergence[index, :w] = signal.divergence[index, :w].masked_scatter(keep, divergence)
+        return tokens
+
     @staticmethod
     def _student_states(policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], mask: Tensor, micro: int,
                         budget) -> Tensor:
@@ -424,3 +467,10 @@ class SelfTeacher:
             with policy.model.disable_adapter():
                 return policy.completion_hidden(ids, mask, c)
         return policy.completion_hidden(ids, mask, c)
+
+
+def _left_pad(x: Tensor, width: int, value: int) -> Tensor:
+    """``[n, t]`` -> ``[n, width]`` with ``value`` columns before it (``width`` >= t)."""
+    if x.shape[1] >= width:
+        return x[:, x.shape[1] - width :]
+    return torch.cat([x.new_full((x.shape[0], width - x.shape[1]), value), x], 1)

@@ -34,6 +34,10 @@ from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 
 NONFINITE = "nonfinite"
 """Key of ``StepSums``' counter of micro-batches whose loss was NaN or infinite"""
+CHECKPOINTED_PASS = 1.5
+"""A pass under gradient checkpointing costs about this many plain passes (it runs the forward twice: a third more
+arithmetic and, where launches bound the passes, half as many more): with a memory budget the update checkpoints
+when that takes fewer passes by this factor (one checkpointed pass rather than two plain ones)"""
 OWN_STATS = ("loss", "entropy", "grad_norm", "kl", "clip_fraction", NONFINITE)
 """Keys of the step's sums that step logging names itself; every other key is an objective statistic"""
 
@@ -198,9 +202,10 @@ class PolicyUpdate:
         return budget is not None and budget.active
 
     def _micro_batches(self, rollouts: RolloutBatch, rows: Tensor) -> tuple[list[Span], str]:
-        """The update's micro-batches of ``rows`` and their kind of pass. With a memory budget (GPU), gradient
-        checkpointing is switched on when the longest row alone does not fit without it and ``auto_checkpointing``
-        lets it (and off again when it does); the rows are then packed by what the chosen kind of pass costs."""
+        """The update's micro-batches of ``rows`` and their kind of pass. With a memory budget (GPU) and
+        ``auto_checkpointing``, gradient checkpointing is on for this step when the longest row alone does not fit
+        without it, or when it packs the rows into so many fewer passes that it is faster
+        (:data:`CHECKPOINTED_PASS`), and off otherwise; the rows are packed by what the chosen kind of pass costs."""
         policy = self.policy
         if not self._budgeted or not len(rows):
             c = rollouts.completion_ids.shape[1]
@@ -208,12 +213,19 @@ class PolicyUpdate:
             return [Span(block, 0, c) for block in blocks], "train"
         budget = policy.budget
         fixed = budget.logit_fixed(policy.chunk_size())
+        spans = None
         if self.auto_checkpointing:
             first, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
             longest = max(rollouts.prompt_ids.shape[1] - f + w for f, w in zip(first, width))
-            policy.set_gradient_checkpointing(not budget.fits("train", longest, fixed))
+            plain = policy.spans("train", rollouts, rows, self.micro_batch_size, fixed) if budget.fits(
+                "train", longest, fixed) else None
+            held = policy.spans("train_checkpointed", rollouts, rows, self.micro_batch_size, fixed)
+            checkpointed = plain is None or CHECKPOINTED_PASS * len(held) <= len(plain)
+            policy.set_gradient_checkpointing(checkpointed)
+            spans = held if checkpointed else plain
         kind = "train_checkpointed" if policy.checkpointing else "train"
-        spans = policy.spans(kind, rollouts, rows, self.micro_batch_size, fixed)
+        if spans is None:
+            spans = policy.spans(kind, rollouts, rows, self.micro_batch_size, fixed)
         budget.note("update", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
         budget.chosen["gradient_checkpointing"] = float(policy.checkpointing)
         return spans, kind
