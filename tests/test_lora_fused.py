@@ -79,24 +79,31 @@ def test_fused_lora_over_an_fp32_base_is_pefts_bit_for_bit(dropout):
     assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
 
 
+def assert_one_layer_within_two_rounding_steps(block: torch.nn.Module, fuse) -> None:
+    """``block``'s one bf16 layer ``"0"`` with an ordinary adapter (B ~ N(0, 0.02)), without and with dropout, in
+    train mode: the fused term (``fuse`` converts the layer) differs from peft's by at most two bf16 steps of the
+    output's size (the roundings of A, z and the sum)."""
+    for dropout in (0.0, 0.3):
+        model = get_peft_model(block, LoraConfig(r=16, lora_alpha=32, target_modules=["0"], lora_dropout=dropout))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02)
+        model.train()
+        x = torch.randn(5, 256, dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        expected = model(x)
+        fused = copy.deepcopy(model)
+        assert fuse(fused) == 1
+        torch.manual_seed(1)  # (the same dropout mask)
+        out = fused(x)
+        assert out.dtype == torch.bfloat16
+        step = 2.0 ** -7 * float(expected.abs().max())  # one bf16 step at the output's largest size
+        assert float((out.float() - expected.float()).abs().max()) <= 2 * step
+        block = model.unload()
+
+
 def test_one_bf16_layer_with_dropout_is_within_two_rounding_steps():
-    """One bf16 layer with an ordinary adapter (B ~ N(0, 0.02)), dropout on: the fused term differs from peft's by
-    at most two bf16 steps of the output's size (the roundings of A, z and the sum)."""
     torch.manual_seed(0)
-    block = torch.nn.Sequential(torch.nn.Linear(256, 384).to(torch.bfloat16))
-    model = get_peft_model(block, LoraConfig(r=16, lora_alpha=32, target_modules=["0"], lora_dropout=0.3))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-    model.train()
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
-    torch.manual_seed(1)
-    expected = model(x)
-    fused = copy.deepcopy(model)
-    assert fuse_16bit_lora_adds(fused) == 1
-    torch.manual_seed(1)
-    out = fused(x)
-    assert out.dtype == torch.bfloat16
-    step = 2.0 ** -7 * float(expected.abs().max())
-    assert float((out.float() - expected.float()).abs().max()) <= 2 * step
+    assert_one_layer_within_two_rounding_steps(torch.nn.Sequential(torch.nn.Linear(256, 384).to(torch.bfloat16)),
+                                               fuse_16bit_lora_adds)

@@ -354,9 +354,8 @@ def test_fused_lora_add_on_4bit_layers_equals_pefts_branch(dtype, tol, grad_tol,
 def test_fused_lora_add_of_one_bf16_layer_is_within_a_rounding_step_of_pefts():
     """One bf16 4-bit layer with an ordinary adapter (B ~ N(0, 0.02)): the fused term differs from peft's by at most
     two bf16 steps of the output's size (the roundings of A, z and the sum), with dropout in train mode too."""
-    from peft import LoraConfig, get_peft_model
-
     from scgrpo.models import fuse_4bit_lora_adds
+    from tests.test_lora_fused import assert_one_layer_within_two_rounding_steps
 
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(256, 384).to(torch.bfloat16))
@@ -365,20 +364,4 @@ def test_fused_lora_add_of_one_bf16_layer_is_within_a_rounding_step_of_pefts():
     layer.bias = torch.nn.Parameter(block[0].bias.data.clone(), requires_grad=False)
     block[0] = layer
     block.is_loaded_in_4bit = True
-    for dropout in (0.0, 0.3):
-        model = get_peft_model(block, LoraConfig(r=16, lora_alpha=32, target_modules=["0"], lora_dropout=dropout))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.02)
-        model.train()
-        x = torch.randn(5, 256, dtype=torch.bfloat16)
-        torch.manual_seed(1)
-        expected = model(x)
-        fused = copy.deepcopy(model)
-        assert fuse_4bit_lora_adds(fused) == 1
-        torch.manual_seed(1)  # (the same dropout mask)
-        out = fused(x)
-        step = 2.0 ** -7 * float(expected.abs().max())  # one bf16 step at the output's largest size
-        assert float((out.float() - expected.float()).abs().max()) <= 2 * step
-        block = model.unload()
+    assert_one_layer_within_two_rounding_steps(block, fuse_4bit_lora_adds)
