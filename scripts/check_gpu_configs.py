@@ -20,7 +20,7 @@ config's settings instead).
 Each run. A fresh ``python -m scgrpo.cli fit --config ... --trainer.max_steps=3`` with no validation before or
 during the steps and its output in a scratch folder (``fit_overrides``); ``--model`` replaces the configs'
 embedded ``smollm2``. The process is held to ``--cap-gib`` (22) GiB, or to the config's own
-``model.generation.memory_budget_gib`` where that is lower: ``scripts/memory_cap/sitecustomize.py``, put first
+``model.memory_budget_gib`` (or ``model.generation.memory_budget_gib``) where that is lower: ``scripts/memory_cap/sitecustomize.py``, put first
 on the run's ``PYTHONPATH``, calls ``torch.cuda.set_per_process_memory_fraction`` on each process's own device
 when it initialises CUDA (the caching allocator then fails rather than reserve more) and records the process's
 peak reserved memory at exit. The package reads the cap itself (its memory budget's default and the rollout's
@@ -238,7 +238,7 @@ def plan(gpus: int, cap_gib: float = 22.0, devices: Optional[int] = None, model:
     checks = [r for r in runs if r.on_gpu()]
     bitsandbytes: Optional[bool] = None
     for run in checks:
-        budget = (run.model.get("generation") or {}).get("memory_budget_gib")
+        budget = run.model.get("memory_budget_gib") or (run.model.get("generation") or {}).get("memory_budget_gib")
         run.cap_gib = min(cap_gib, float(budget)) if budget else cap_gib  # a config planned for less is held to it
         name = str(run.model.get("model", SMOLLM2))
         problem = None if (name == SMOLLM2 and model) else offline_model_problem(name)

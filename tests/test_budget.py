@@ -14,6 +14,15 @@ from scgrpo.budget import GIB, MIN_MARGIN, TENSOR_SHARE, MemoryBudget, pack, row
 from scgrpo.update import StepSums
 from tests.helpers import tiny_module
 from tests.test_module import _rollouts
+from tests.test_selfteacher import _sampled
+
+QUESTIONS = ["What is 1 + 1?", "What is 23 + 4 and then what is 5 times 6 exactly?"]  # prompts of different lengths
+
+
+def _cut(spans, rollouts) -> None:
+    """The spans cut columns: some leave out padding before the prompts, some after the completions."""
+    c = rollouts.completion_ids.shape[1]
+    assert any(span.left > 0 for span in spans) and any(span.width < c for span in spans)
 
 
 def test_row_extents_find_each_rows_first_prompt_token_and_last_completion_token():
@@ -25,18 +34,18 @@ def test_row_extents_find_each_rows_first_prompt_token_and_last_completion_token
 
 def test_pack_sorts_by_length_and_fills_each_micro_batch_up_to_the_room():
     """Prompt width 10; rows (first prompt column, completion width): 0 (0, 3), 1 (2, 8), 2 (5, 1), 3 (5, 4), 4 (4, 2).
-    By hand, at 1 byte a padded token and 36 bytes of room: the order is 2 (w1), 4 (w2), 0 (w3), 3 (w4), 1 (w8).
-    [2]: 1 x (10-5+1) = 6; [2,4]: 2 x (10-4+2) = 16; [2,4,0]: 3 x (10-0+3) = 39 > 36, so 0 starts the next one;
-    [0,3]: 2 x (10-0+4) = 28; [0,3,1]: 3 x (10-0+8) = 54 > 36; [1]: 18."""
+    Their own spans (10 - first + width): 13, 16, 6, 9, 8, so the order is 2, 4, 3, 0, 1. By hand, at 1 byte a padded
+    token and 36 bytes of room: [2]: 1 x 6; [2,4]: 2 x (10-4+2) = 16; [2,4,3]: 3 x (10-4+4) = 30; [2,4,3,0]: 4 x
+    (10-0+4) = 56 > 36, so 0 starts the next one; [0,1]: 2 x (10-0+8) = 36."""
     first, width = [0, 2, 5, 5, 4], [3, 8, 1, 4, 2]
-    assert pack(first, width, 10, per_token=1.0, fixed=0.0, room=36) == [([2, 4], 4, 2), ([0, 3], 0, 4), ([1], 2, 8)]
+    assert pack(first, width, 10, per_token=1.0, fixed=0.0, room=36) == [([2, 4, 3], 4, 4), ([0, 1], 0, 8)]
     # a fixed part (a block of logits) is paid by every pass: 20 bytes leave 16
-    assert pack(first, width, 10, 1.0, 20.0, 36) == [([2, 4], 4, 2), ([0], 0, 3), ([3], 5, 4), ([1], 2, 8)]
+    assert pack(first, width, 10, 1.0, 20.0, 36) == [([2, 4], 4, 2), ([3], 5, 4), ([0], 0, 3), ([1], 2, 8)]
     # rows per pass capped (micro_batch_size), a subset of rows, and a room that holds every row at once
-    assert pack(first, width, 10, 1.0, 0.0, 1e9, max_rows=2) == [([2, 4], 4, 2), ([0, 3], 0, 4), ([1], 2, 8)]
+    assert pack(first, width, 10, 1.0, 0.0, 1e9, max_rows=2) == [([2, 4], 4, 2), ([3, 0], 0, 4), ([1], 2, 8)]
     assert pack(first, width, 10, 1.0, 0.0, 1e9, rows=[1, 3]) == [([3, 1], 2, 8)]
     # a row too long for the room alone still gets a pass of its own
-    assert pack(first, width, 10, 1.0, 0.0, 5) == [([2], 5, 1), ([4], 4, 2), ([0], 0, 3), ([3], 5, 4), ([1], 2, 8)]
+    assert pack(first, width, 10, 1.0, 0.0, 5) == [([2], 5, 1), ([4], 4, 2), ([3], 5, 4), ([0], 0, 3), ([1], 2, 8)]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -162,7 +171,7 @@ def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(tin
     module = tiny_module(tiny_model_dir, objective=GRPO(aggregation="seq-mean-token-mean"))
     module.configure_model()
     module.manual_backward = lambda loss: loss.backward()
-    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], QUESTIONS)
     params = [p for p in module.policy.parameters() if p.requires_grad]
 
     def run():
@@ -176,10 +185,11 @@ def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(tin
 
     whole, loss, grads = run()
     assert whole.spans is None and len(whole.chunks) == 1
-    tp = rollouts.prompt_ids.shape[1]
-    budget = budgeted(module, total=3 * (tp + 6) * 1000 / TENSOR_SHARE, bytes_per_token=1000.0)  # 3 full rows a pass
+    width = rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1]
+    budget = budgeted(module, total=3 * width * 1000 / TENSOR_SHARE, bytes_per_token=1000.0)  # 3 full rows a pass
     plan, budgeted_loss, budgeted_grads = run()
     assert len(plan.spans) >= 3 and sorted(torch.cat(plan.chunks).tolist()) == list(range(8))
+    _cut(plan.spans, rollouts)
     first, width = row_extents(rollouts.prompt_mask, rollouts.context_mask)
     for span in plan.spans:
         rows = span.rows.tolist()
@@ -223,12 +233,13 @@ def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(tiny_mod
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=SCGRPO())
     module.configure_model()
-    rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # a partial and a solve-none group
+    rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], QUESTIONS)  # a partial and a solve-none group
     whole = module.run_self_teacher(rollouts).divergence
     module.actor.score(rollouts, old=True, reference=True)
     old, ref = rollouts.old_logprobs, rollouts.ref_logprobs
     entropy = module.actor.batch_entropy(rollouts, None)
-    budget = budgeted(module, total=2 * 60 * 1000 / TENSOR_SHARE, bytes_per_token=1000.0)  # about 2 rows a pass
+    width = rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1]
+    budget = budgeted(module, total=3 * width * 1000 / TENSOR_SHARE, bytes_per_token=1000.0)  # about 3 rows a pass
     budget.begin_step()
     cut = module.run_self_teacher(rollouts).divergence
     # under a budget each micro-batch's teacher and student rows share one forward: no pass of the student alone
@@ -238,6 +249,7 @@ def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(tiny_mod
     torch.testing.assert_close(cut, whole, rtol=1e-3, atol=1e-6)
     module.actor.score(rollouts, old=True, reference=True)
     assert budget.chosen["scoring_passes"] > 1
+    _cut(module.actor.spans("forward", rollouts), rollouts)
     torch.testing.assert_close(rollouts.old_logprobs, old, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rollouts.ref_logprobs, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(module.actor.batch_entropy(rollouts, None), entropy, rtol=1e-5, atol=1e-5)
@@ -252,3 +264,58 @@ def test_the_budget_passes_to_the_rollout_and_is_ignored_on_cpu(tiny_model_dir):
     kept = tiny_module(tiny_model_dir, memory_budget_gib=12.0,
                        generation=dataclasses.replace(module.generation, memory_budget_gib=4.0))
     assert kept.generation.memory_budget_gib == 4.0  # the rollout's own setting wins
+
+
+def test_micro_batch_size_caps_the_rows_of_every_budgeted_pass(tiny_model_dir, budgeted):
+    """With room for every row at once, ``micro_batch_size`` still caps the rows of a pass: the update, scoring and
+    teacher passes (there, a pass's teacher and student rows together: 2 x the cap sequences)."""
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=SCGRPO(), micro_batch_size=3)
+    module.configure_model()
+    rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], QUESTIONS)
+    budget = budgeted(module, total=1e12, bytes_per_token=1.0)
+    budget.begin_step()
+    signal = module.run_self_teacher(rollouts)
+    module.score_rollouts(rollouts)  # (GRPO defaults: nothing to score) ...
+    module.actor.score(rollouts, old=True, reference=False, micro_batch_size=3)  # ... so the pass is run by hand
+    plan = module.policy_update().plan(rollouts, signal)
+    teacher_rows = int(signal.has_teacher.sum())
+    assert budget.chosen["teacher_passes"] == -(-teacher_rows // 3)
+    assert budget.chosen["scoring_passes"] == 3 and all(len(span.rows) <= 3 for span in plan.spans)
+    assert budget.chosen["update_passes"] == -(-len(plan.rows) // 3)
+
+
+def test_a_pass_measured_inside_a_phase_does_not_hide_the_phases_peak(monkeypatch):
+    """measure() resets the allocator's peak for its pass; the phase's peak (phase_peak_bytes) still holds what the
+    phase reached before it."""
+    from scgrpo.budget import phase_peak_bytes
+
+    card = FakeCard(monkeypatch, allocated=1 * GIB)
+    budget = _budget(10.0)
+    device = torch.device("cuda", 0)
+    phase_peak_bytes(device)  # a new phase
+    card.use(5 * GIB)  # the phase's peak so far: 6 GiB
+    with budget.measure("forward", tokens=1000):
+        card.use(2 * GIB)  # the pass's own: 3 GiB
+    assert phase_peak_bytes(device) == 6 * GIB
+    card.use(1 * GIB)
+    assert phase_peak_bytes(device) == 2 * GIB  # (the next phase starts afresh)
+
+
+def test_metrics_and_the_log_line_name_the_budget_the_costs_and_the_choices(monkeypatch, caplog):
+    FakeCard(monkeypatch)
+    budget = _budget(10.0)
+    budget.begin_step()
+    budget.note("update", 2, 4096)
+    budget.chosen["gradient_checkpointing"] = 1.0
+    metrics = budget.metrics()
+    assert metrics["memory/budget_gib"] == 10.0 and metrics["memory/update_passes"] == 2.0
+    assert metrics["memory/update_tokens_per_pass"] == 4096.0 and metrics["memory/gradient_checkpointing"] == 1.0
+    assert metrics["memory/train_kib_per_token"] == budget.costs["train"] / 1024
+    assert metrics["memory/teacher_passes"] != metrics["memory/teacher_passes"]  # NaN: no teacher pass this step
+    with caplog.at_level("INFO", logger="scgrpo.budget"):
+        budget.log_once()
+        budget.log_once()
+    lines = [r.getMessage() for r in caplog.records if r.name == "scgrpo.budget"]
+    assert len(lines) == 1 and lines[0].startswith("memory budget 10.0 GiB (set to 10 GiB")
+    assert "update passes 2" in lines[0] and "gradient checkpointing 1" in lines[0] and "teacher" not in lines[0]

@@ -22,6 +22,7 @@ from tests.test_cli_configs import QUICKSTART, _the_error_line, _tiny_args
 FAILED = "CUDA out of memory. Tried to allocate 2.00 GiB"
 FAILING_STEP = 2  # the allocator fails in the third step (two whole steps before it)
 SMALLER_UPDATE = "lower model.memory_budget_gib or model.micro_batch_size, or set model.gradient_checkpointing: true"
+SMALLER_FORWARD = "lower model.memory_budget_gib or model.micro_batch_size"  # (checkpointing: only the update)
 
 
 # ------------------------------------------------------------------------------------------ the message
@@ -45,8 +46,8 @@ def _module(**settings) -> SimpleNamespace:
 @pytest.mark.parametrize("phase, settings", [
     ("rollout", "lower model.memory_budget_gib or model.generation.max_slots"),
     ("validation", "lower model.memory_budget_gib or model.generation.max_slots"),
-    ("scoring", SMALLER_UPDATE),
-    ("teacher", SMALLER_UPDATE),
+    ("scoring", SMALLER_FORWARD),
+    ("teacher", SMALLER_FORWARD),
     ("update", SMALLER_UPDATE),
 ])
 def test_the_message_names_the_phase_the_memory_and_the_settings_of_the_phase(phase, settings, monkeypatch):
@@ -65,8 +66,19 @@ def test_without_a_budget_or_cuda_the_message_says_the_card_s_free_memory_and_le
     assert out_of_memory_message("teacher", _module(gradient_checkpointing=True, micro_batch_size=1)) == (
         "out of GPU memory in the teacher phase (budget: the card's free memory): set model.memory_budget_gib below "
         "the card's free memory")
+    on = _module(gradient_checkpointing=None, actor=SimpleNamespace(checkpointing=True))  # the budget switched it on
+    assert out_of_memory_message("update", on).endswith(": set model.memory_budget_gib below the card's free memory or "
+                                                         "lower model.micro_batch_size")
     assert out_of_memory_message("rollout", _module()).endswith(
         ": set model.memory_budget_gib below the card's free memory or lower model.generation.max_slots")
+
+
+def test_the_budget_the_run_resolved_is_named_as_the_default(monkeypatch):
+    _card(monkeypatch, allocated=18.0, reserved=19.5, free=0.3, total=20.5)
+    module = _module(budget=SimpleNamespace(gib_resolved=20.9))  # no budget set: the default the run read from the card
+    assert out_of_memory_message("teacher", module).startswith(
+        "out of GPU memory in the teacher phase (budget 20.9 GiB (the default); 18.0 GiB allocated")
+    assert out_of_memory_message("teacher", module).endswith(": lower model.memory_budget_gib or model.micro_batch_size")
 
 
 def test_memory_held_by_another_process_is_named(monkeypatch):
@@ -165,13 +177,14 @@ def _fail_in(phase: str, patch, after: int = FAILING_STEP) -> None:
 
 
 SMALLER_ROLLOUT = "set model.memory_budget_gib below the card's free memory or lower model.generation.max_slots"
-SMALLER_PASSES = ("set model.memory_budget_gib below the card's free memory, lower model.micro_batch_size or set "
-                  "model.gradient_checkpointing: true")
+SMALLER_PASSES = "set model.memory_budget_gib below the card's free memory or lower model.micro_batch_size"
+SMALLER_UPDATE_PASSES = ("set model.memory_budget_gib below the card's free memory, lower model.micro_batch_size or "
+                         "set model.gradient_checkpointing: true")
 PHASES = {  # the phase, the run's settings (the quickstart's SC-GRPO: a teacher pass) and the settings named
     "rollout": ([], SMALLER_ROLLOUT),
     "scoring": (["--model.objective=scgrpo.objectives.GRPO", "--model.objective.init_args.beta=0.05"], SMALLER_PASSES),
     "teacher": ([], SMALLER_PASSES),
-    "update": (["--model.micro_batch_size=2"], SMALLER_PASSES),
+    "update": (["--model.micro_batch_size=2"], SMALLER_UPDATE_PASSES),
     "validation": (["--trainer.val_check_interval=2", "--model.eval_greedy=false", "--data.max_eval_prompts=2"],
                    SMALLER_ROLLOUT),
 }

@@ -65,10 +65,6 @@ class Span:
     left: int  # first column kept (columns before it are padding for every row)
     width: int  # completion columns kept (after them only padding), >= 1
 
-    def cut(self, full: Tensor, prompt_width: int) -> Tensor:
-        """The micro-batch's part of a ``[N, Tp + C, ...]`` tensor."""
-        return full[self.rows, self.left : prompt_width + self.width]
-
     def tokens(self, prompt_width: int) -> int:
         return len(self.rows) * (prompt_width - self.left + self.width)
 
@@ -88,10 +84,11 @@ def pack(first: list[int], width: list[int], prompt_width: int, per_token: float
          max_rows: Optional[int] = None, rows: Optional[list[int]] = None) -> list[tuple[list[int], int, int]]:
     """Micro-batches ``(rows, left, width)`` of the rows ``rows`` (default: all), packed so that each one's cost,
     ``fixed + per_token x rows x (prompt_width - left + width)``, stays within ``room`` bytes, with at most
-    ``max_rows`` rows. Rows are taken in order of completion width, then of prompt length, so that a micro-batch
-    holds rows of like lengths and little padding. A row that alone exceeds ``room`` still gets a micro-batch of
-    its own (the pass may then run out of memory, and says so)."""
-    order = sorted(rows if rows is not None else range(len(first)), key=lambda i: (width[i], -first[i], i))
+    ``max_rows`` rows. Rows are taken in order of their own span (``prompt_width - first + width``), then of
+    completion width, so that a micro-batch holds rows of like lengths and little padding. A row that alone exceeds
+    ``room`` still gets a micro-batch of its own (the pass may then run out of memory, and says so)."""
+    order = sorted(rows if rows is not None else range(len(first)),
+                   key=lambda i: (prompt_width - first[i] + width[i], width[i], i))
     batches: list[tuple[list[int], int, int]] = []
     members: list[int] = []
     left = right = 0
@@ -164,6 +161,7 @@ class MemoryBudget:
             return
         self.device = device
         reachable, total, _ = process_limit(device)
+        self.reachable = reachable
         if self.gib is not None:
             self.total = int(self.gib * GIB)
         else:
@@ -185,12 +183,12 @@ class MemoryBudget:
         return float(LOGIT_COPIES * models * chunk_size * self.vocab * 4)
 
     def chunk_size(self, configured: int, models: int = 1) -> int:
-        """Tokens per block of fp32 logits: ``configured``, or fewer (a multiple of 64, at least 64) so that the
-        blocks take at most a tenth of the room left."""
+        """Tokens per block of fp32 logits: ``configured``, or fewer (a multiple of 64, at least 64 or
+        ``configured`` if that is smaller) so that the blocks take at most a tenth of the room left."""
         if not self.active or not self.vocab:
             return configured
         fit = int(0.1 * max(self.room(), 0) // (LOGIT_COPIES * models * self.vocab * 4))
-        return max(64, min(configured, fit // 64 * 64))
+        return min(configured, max(64, fit // 64 * 64))
 
     def plan(self, kind: str, first: list[int], width: list[int], prompt_width: int, device: torch.device,
              rows: Optional[list[int]] = None, max_rows: Optional[int] = None, fixed: float = 0.0) -> list[Span]:
@@ -241,9 +239,9 @@ class MemoryBudget:
 
     def describe(self) -> str:
         """One line: the budget and what the step's passes chose (logged once per run)."""
-        reachable, total, free = process_limit(self.device)
+        _, total, free = process_limit(self.device)
         source = f"set to {self.gib:g} GiB" if self.gib is not None else (
-            f"default: {reachable / GIB:.1f} GiB reachable less a margin")
+            f"default: {self.reachable / GIB:.1f} GiB reachable at the start less a margin")
         chosen = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in self.chosen.items() if v == v)
         return (f"memory budget {self.total / GIB:.1f} GiB ({source}; card {total / GIB:.1f} GiB, {free / GIB:.1f} "
                 f"free): {chosen}")

@@ -81,8 +81,10 @@ class RLVRModule(LightningModule):
             always; false: never.
         memory_budget_gib: GPU memory (GiB) the process may hold (:mod:`scgrpo.budget`): it sizes the rollout's
             decode slots, the scoring, teacher and update micro-batches, their log-prob chunks and gradient
-            checkpointing. None: what the card has free at the start (within a
-            ``set_per_process_memory_fraction`` cap), less 5% of the card. Ignored on CPU.
+            checkpointing. None: what the process can reach when the model is loaded (the card's free memory and
+            its own reserve, within a ``set_per_process_memory_fraction`` cap), less 5% of it (at least 0.5 GiB).
+            A budget set here is also the rollout's ``generation.memory_budget_gib`` (unless that is set); with the
+            default the rollout sizes its slots from the same reachable memory. Ignored on CPU.
         quantization: "nf4" loads the frozen base in 4 bits through bitsandbytes (QLoRA: double quantisation,
             compute and storage in bf16); None keeps it in ``dtype``. Needs a GPU; one GPU per run (not sharded).
         eval_samples: k for Avg@k and Pass@k in validation.
@@ -280,7 +282,8 @@ class RLVRModule(LightningModule):
         return self.episode_runner.run(self.actor, rows, num_samples, greedy, temperature, seed)
 
     def score_rollouts(self, rollouts: RolloutBatch) -> None:
-        self.actor.score(rollouts, old=self.objective.num_iterations > 1, reference=self.objective.beta > 0)
+        self.actor.score(rollouts, old=self.objective.num_iterations > 1, reference=self.objective.beta > 0,
+                         micro_batch_size=self.micro_batch_size)
 
     def policy_is_finite(self) -> bool:
         return self.actor.is_finite()

@@ -85,7 +85,9 @@ def _advice(phase: str, module, budget: Optional[float]) -> str:
         lower, switch = ["model.generation.max_slots"], []
     else:
         lower = [] if getattr(module, "micro_batch_size", None) == 1 else ["model.micro_batch_size"]
-        switch = [] if getattr(module, "gradient_checkpointing", False) else ["model.gradient_checkpointing: true"]
+        # checkpointing holds less only in the update (the other passes keep no activations), and not once it is on
+        on = getattr(module, "gradient_checkpointing", False) or getattr(getattr(module, "actor", None), "checkpointing", False)
+        switch = ["model.gradient_checkpointing: true"] if phase == "update" and not on else []
     if budget is not None:
         text = "lower " + " or ".join(["model.memory_budget_gib", *lower])
         return text + "".join(f", or set {setting}" for setting in switch)

@@ -209,10 +209,11 @@ class Policy:
                 causal_lm.disable_input_require_grads()
         self.checkpointing = on
 
-    def score(self, rollouts: RolloutBatch, old: bool, reference: bool) -> None:
+    def score(self, rollouts: RolloutBatch, old: bool, reference: bool, micro_batch_size: Optional[int] = None) -> None:
         """Fills the log-probs an objective needs besides the trained ones: ``old_logprobs`` under the sampling
         weights (``old``: several optimiser steps per batch) and ``ref_logprobs`` under the reference, the
-        adapters off (``reference``: a KL term). No dropout, no gradient."""
+        adapters off (``reference``: a KL term), in passes of at most ``micro_batch_size`` rows (None: all, or what
+        the memory budget holds). No dropout, no gradient."""
 
         if reference and not hasattr(self.model, "disable_adapter"):
             raise ValueError("beta > 0 uses the base model (adapters off) as reference; it needs LoRA (lora != null)")
@@ -221,10 +222,10 @@ class Policy:
         def run() -> None:
             with self.eval_mode(), full_parameters(self.runner):
                 if old:
-                    rollouts.old_logprobs = self._span_logprobs(rollouts, entropy=False)[0]
+                    rollouts.old_logprobs = self._span_logprobs(rollouts, False, micro_batch_size)[0]
                 if reference:
                     with self.model.disable_adapter():
-                        rollouts.ref_logprobs = self._span_logprobs(rollouts, entropy=False)[0]
+                        rollouts.ref_logprobs = self._span_logprobs(rollouts, False, micro_batch_size)[0]
 
         self.runner(run)
 
@@ -234,12 +235,14 @@ class Policy:
         n, c = rollouts.completion_ids.shape
         logprobs = torch.zeros(n, c, dtype=torch.float32, device=self.device)
         entropies = torch.zeros_like(logprobs)
-        spans = self.spans("forward", rollouts, max_rows=max_rows)
-        if self.budget is not None and self.budget.active and spans:
-            self.budget.note("scoring", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
+        budget = self.budget if self.budget is not None and self.budget.active else None
+        fixed = budget.logit_fixed(self.chunk_size()) if budget is not None else 0.0
+        spans = self.spans("forward", rollouts, max_rows=max_rows, fixed=fixed)
+        if budget is not None and spans:
+            budget.note("scoring", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
         for span in spans:
-            measure = self.budget.measure("forward", span.tokens(rollouts.prompt_ids.shape[1])) if self.budget else (
-                contextlib.nullcontext())
+            tokens = span.tokens(rollouts.prompt_ids.shape[1])
+            measure = budget.measure("forward", tokens, fixed) if budget is not None else contextlib.nullcontext()
             with measure:
                 hidden = self.span_hidden(rollouts, span)
                 mask = rollouts.completion_mask[span.rows, : span.width]

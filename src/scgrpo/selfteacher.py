@@ -355,7 +355,7 @@ class SelfTeacher:
             if not rows:
                 return cut, 0
             if budget is not None and spec.output == "divergence" and spec.weights == "policy":
-                return cut, self._shared_passes(policy, rollouts, rows, prompt_ids, signal, budget, chunk, fixed)
+                return cut, self._shared_passes(policy, rollouts, rows, prompt_ids, signal, budget, chunk, fixed, micro)
             student = None
             if spec.output == "divergence":
                 with record_function("scgrpo.teacher.student_forward"):
@@ -366,7 +366,7 @@ class SelfTeacher:
             first = [widest - length for length in lengths]
             _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
             if budget is not None:
-                batches = pack(first, width, widest, budget.costs["forward"], fixed, budget.room())
+                batches = pack(first, width, widest, budget.costs["forward"], fixed, budget.room(), micro)
                 budget.note("teacher", len(batches), max(len(m) * (widest - left + w) for m, left, w in batches))
             else:
                 batches = [(list(range(k, min(k + micro, len(rows)))), 0, c) for k in range(0, len(rows), micro)]
@@ -395,11 +395,12 @@ class SelfTeacher:
         return cut, tokens
 
     def _shared_passes(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], prompt_ids: list[list[int]],
-                       signal: TeacherSignal, budget: MemoryBudget, chunk: int, fixed: float) -> int:
+                       signal: TeacherSignal, budget: MemoryBudget, chunk: int, fixed: float, micro: int) -> int:
         """Under a memory budget: each micro-batch's teacher and student rows in one forward (``[2n, W + w]``: the
         teacher prompts and the student's own, left-padded to the longest, then the same ``w`` completion columns),
         which halves the passes' launches (the passes of a small model are bound by them, not by the GPU). Rows
-        are packed by their teacher sequences, each row costing twice. Returns the padded tokens run."""
+        are packed by their teacher sequences, each row costing twice, at most ``micro`` rows (``2 x micro``
+        sequences) a pass. Returns the padded tokens of the teacher sequences."""
         device = rollouts.completion_ids.device
         tp = rollouts.prompt_ids.shape[1]
         mask = rollouts.completion_mask.bool()
@@ -408,7 +409,7 @@ class SelfTeacher:
         widest = max(max(teacher_len), max(student_len))
         first = [widest - max(t, s) for t, s in zip(teacher_len, student_len)]
         _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
-        batches = pack(first, width, widest, 2 * budget.costs["forward"], fixed, budget.room())
+        batches = pack(first, width, widest, 2 * budget.costs["forward"], fixed, budget.room(), micro)
         budget.note("teacher", len(batches), max(2 * len(m) * (widest - left + w) for m, left, w in batches))
         pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
         tokens = 0
@@ -422,7 +423,7 @@ class SelfTeacher:
                 student_mask = torch.cat([rollouts.prompt_mask[index, tp - own :], rollouts.context_mask[index, :w].long()], 1)
                 ids = torch.cat([_left_pad(teacher, span + w, pad), _left_pad(student, span + w, pad)])  # [2n, W + w]
                 attention = torch.cat([_left_pad(teacher_mask, span + w, 0), _left_pad(student_mask, span + w, 0)])
-            tokens += ids.numel()
+            tokens += ids.numel() // 2  # (the teacher's half, as the passes without a budget count them)
             with budget.measure("forward", ids.numel(), fixed):
                 with record_function("scgrpo.teacher.shared_forward"):
                     hidden = policy.completion_hidden(ids, attention, w)  # [2n, w, H]
@@ -444,7 +445,7 @@ class SelfTeacher:
         device = rollouts.completion_ids.device
         chosen = torch.tensor(rows, device=device)
         if budget is not None:
-            spans = policy.spans("forward", rollouts, chosen)
+            spans = policy.spans("forward", rollouts, chosen, micro)
             budget.note("student", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
         else:
             spans = [Span(block, 0, c) for block in torch.split(chosen, micro)]

@@ -154,7 +154,8 @@ class PolicyUpdate:
         max_grad_norm: gradient clipping by global norm (0 = measured, not clipped).
         tis_cap: truncated importance sampling cap on pi_trainer / pi_sampler (0 = off).
         auto_checkpointing: with a memory budget, switch gradient checkpointing on for a step whose longest row
-            does not fit without it (and off for one whose does).
+            does not fit without it, or whose rows it packs into fewer passes by :data:`CHECKPOINTED_PASS` (and
+            off otherwise).
     """
 
     def __init__(self, policy: Policy, objective: Objective, backward: Callable[[Tensor], None],
