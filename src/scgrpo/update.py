@@ -208,10 +208,14 @@ class PolicyUpdate:
         without it, or when it packs the rows into so many fewer passes that it is faster
         (:data:`CHECKPOINTED_PASS`), and off otherwise; the rows are packed by what the chosen kind of pass costs."""
         policy = self.policy
-        if not self._budgeted or not len(rows):
+        if not self._budgeted:
             c = rollouts.completion_ids.shape[1]
             blocks = torch.split(rows, self.micro_batch_size or max(len(rows), 1)) if len(rows) else []
             return [Span(block, 0, c) for block in blocks], "train"
+        if not len(rows):  # (a rank without rows runs zero-weight passes: as the others checkpoint, so does it)
+            if self.auto_checkpointing and world_size() > 1:
+                policy.set_gradient_checkpointing(bool(all_reduce([0.0], "max", self.device)[0]))
+            return [], "train_checkpointed" if policy.checkpointing else "train"
         budget = policy.budget
         fixed = budget.logit_fixed(policy.chunk_size())
         spans = None
@@ -222,6 +226,8 @@ class PolicyUpdate:
                 "train", longest, fixed) else None
             held = policy.spans("train_checkpointed", rollouts, rows, self.micro_batch_size, fixed)
             checkpointed = plain is None or CHECKPOINTED_PASS * len(held) <= len(plain)
+            if world_size() > 1:  # one choice on every rank (a sharded backward's recomputation gathers weights)
+                checkpointed = bool(all_reduce([float(checkpointed)], "max", self.device)[0])
             policy.set_gradient_checkpointing(checkpointed)
             spans = held if checkpointed else plain
         kind = "train_checkpointed" if policy.checkpointing else "train"
