@@ -333,9 +333,10 @@ class SelfTeacher:
                 signal: TeacherSignal, micro: int) -> tuple[int, int]:
         """Student, then teacher passes over ``rows``, eval mode (no dropout), weights gathered once when sharded;
         fills the signal's divergence (or teacher states). Passes: blocks of ``micro`` rows in batch order, or,
-        under a memory budget, the micro-batches it packs (rows of like lengths, each cut to its own span). The
-        student's states of the model's tokens are kept (``[M, H]``, M tokens) until the teacher passes have
-        compared them (``[N, C, H]``); only those tokens go through the head."""
+        under a memory budget, the micro-batches it packs (rows of like lengths, each cut to its own span, at most
+        ``micro`` rows). The student's states before the model's tokens are kept (``[N, C, H]``, zeros elsewhere)
+        until the teacher passes have compared them, and only those tokens go through the head; under a budget a
+        micro-batch's teacher and student rows share one forward instead (:meth:`_shared_passes`)."""
         n, c = rollouts.completion_ids.shape
         device = rollouts.completion_ids.device
         spec = self.spec
