@@ -393,10 +393,11 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
     device = torch.device("cuda", torch.cuda.current_device())
     policy, tokenizer, prompts = qlora_policy_and_prompts(model, rows, group, device)
     results = []
-    default_chunk = four_bit_module.STREAM_CHUNK
+    default_chunk, default_kernel = four_bit_module.STREAM_CHUNK, four_bit_module.STREAM_KERNEL
     for name, spec in cases.items():
         print(f"== {name}", flush=True)
         four_bit_module.STREAM_CHUNK = spec.get("chunk", default_chunk)
+        four_bit_module.STREAM_KERNEL = spec.get("kernel", default_kernel)
         settings = GenerationSettings(num_generations=group, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                       four_bit=spec["four_bit"], keep_workspace=True)
         torch.manual_seed(0)
@@ -420,7 +421,8 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
                 torch.cuda.synchronize()
             write_profile(prof, f"{profile}.{name}.txt")
         result = {"case": name, "model": model, "quantization": "nf4", "lora": "r=16 alpha=32 all-linear",
-                  "four_bit": spec["four_bit"], "stream_chunk": four_bit_module.STREAM_CHUNK, "rows": rows,
+                  "four_bit": spec["four_bit"], "stream_chunk": four_bit_module.STREAM_CHUNK,
+                  "stream_kernel": four_bit_module.STREAM_KERNEL, "rows": rows,
                   "new_tokens": new_tokens, "first_call_s": first, "seconds": times, "median_s": seconds,
                   "ms_per_decode_step": 1000 * seconds / new_tokens, "new_tok_s": rows * new_tokens / seconds,
                   "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -432,7 +434,7 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
         results.append(result)
         release_rollout_workspaces()
         torch.cuda.empty_cache()
-    four_bit_module.STREAM_CHUNK = default_chunk
+    four_bit_module.STREAM_CHUNK, four_bit_module.STREAM_KERNEL = default_chunk, default_kernel
     del policy
     torch.cuda.empty_cache()
     return results
@@ -576,6 +578,8 @@ def main() -> None:
             sampling[f"qwen8b_sampling_{mode}"] = dict(four_bit=mode)
         sampling["qwen8b_sampling_streamed_whole"] = dict(four_bit="streamed", chunk=1 << 30)  # (the default)
         sampling["qwen8b_sampling_streamed_8m"] = dict(four_bit="streamed", chunk=1 << 23)  # in runs of 8M weights
+        # streamed, the codes read inside the matmul (scgrpo.rollout.nf4_matmul) instead of a dequantized scratch
+        sampling["qwen8b_sampling_streamed_fused"] = dict(four_bit="streamed", kernel="fused")
         common = dict(model=qwen, objective="scgrpo", quantization="nf4", prompts=8, group=8, gradient_checkpointing=True,
                       coin_flip_rewards=True, keep_workspace=False)
         # 1,024 tokens with the targets' settings (micro-batches of 4 rows), peft's LoRA forward on the 4-bit layers

@@ -224,7 +224,7 @@ def start_interpreter_run() -> None:
         return
     # one thread: the interpreter is single-threaded Python, and the suite beside it keeps the other core
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    files = [__file__, os.path.join(os.path.dirname(__file__), "test_norms.py")]
+    files = [__file__] + [os.path.join(os.path.dirname(__file__), f) for f in ("test_norms.py", "test_nf4_matmul.py")]
     _background["run"] = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "not interpreter", *files],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

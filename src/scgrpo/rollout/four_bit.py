@@ -28,6 +28,10 @@ from torch import Tensor
 MODES = ("auto", "resident", "streamed", "layers")
 """GenerationSettings.four_bit's values (see scgrpo.rollout.engine)"""
 STREAM_CHUNK = 1 << 30
+STREAM_KERNEL = "dequantize"
+"""How a streamed projection multiplies: "dequantize" (bitsandbytes' kernel into the scratch, then a matmul) or
+"fused" (:mod:`scgrpo.rollout.nf4_matmul`: the codes read inside the matmul, nf4 weights only; the others are
+dequantized). Benchmarks set it (``scripts/bench_step.py``'s ``qwen8b_sampling_streamed_fused``)"""
 
 
 def resident_fits(copy: int, left: int, kept: bool = False) -> bool:
@@ -164,14 +168,27 @@ def streamed_matmul(x: Tensor, dequantizers: list[Dequantizer], plan: list[tuple
                     scratch: Tensor, lora_a: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
     """``[x W_1^T | ... | x W_k^T | x A^T] (+ bias)`` for ``x`` ``[M, K]``: each run of ``plan`` dequantized into
     ``scratch`` and multiplied at once (``W x^T`` into rows of the transposed output, so every run writes a
-    contiguous block), the adapters' down-projections ``lora_a`` ``[R, K]`` after them."""
+    contiguous block), the adapters' down-projections ``lora_a`` ``[R, K]`` after them. With :data:`STREAM_KERNEL`
+    "fused", each weight the fused kernel takes is multiplied by it instead (no scratch)."""
     m = x.shape[0]
     out = sum(d.rows for d in dequantizers)
     rank = 0 if lora_a is None else lora_a.shape[0]
     y_t = torch.empty(out + rank, m, dtype=x.dtype, device=x.device)
     x_t = x.t()
     cols = dequantizers[0].cols
+    fused = set()
+    if STREAM_KERNEL == "fused":
+        from scgrpo.rollout.nf4_matmul import nf4_matmul_t, supported
+
+        at = 0
+        for i, d in enumerate(dequantizers):
+            if supported(d, x.device):
+                nf4_matmul_t(x, d, y_t[at : at + d.rows])
+                fused.add(i)
+            at += d.rows
     for i, start, end, at in plan:
+        if i in fused:
+            continue
         w = scratch[: (end - start) * cols].view(end - start, cols)
         dequantizers[i].into(w, start, end)
         torch.mm(w, x_t, out=y_t[at : at + end - start])
