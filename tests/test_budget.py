@@ -306,7 +306,7 @@ def test_metrics_and_the_log_line_name_the_budget_the_costs_and_the_choices(monk
     FakeCard(monkeypatch)
     budget = _budget(10.0)
     budget.begin_step()
-    budget.note("update", 2, 4096)
+    budget.note("update", [4096, 1000])
     budget.chosen["gradient_checkpointing"] = 1.0
     metrics = budget.metrics()
     assert metrics["memory/budget_gib"] == 10.0 and metrics["memory/update_passes"] == 2.0

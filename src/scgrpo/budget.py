@@ -69,6 +69,23 @@ class Span:
         return len(self.rows) * (prompt_width - self.left + self.width)
 
 
+def whole_rows(rows: Tensor, max_rows: Optional[int], completion_width: int) -> list[Span]:
+    """Blocks of ``max_rows`` of ``rows`` (all at once: None) in their order, uncut: the passes without a budget."""
+    if not len(rows):
+        return []
+    return [Span(block, 0, completion_width) for block in torch.split(rows, max_rows or len(rows))]
+
+
+def active(budget: Optional["MemoryBudget"]) -> Optional["MemoryBudget"]:
+    """``budget`` where it sizes passes (resolved on a GPU), else None."""
+    return budget if budget is not None and budget.active else None
+
+
+def measuring(budget: Optional["MemoryBudget"], kind: str, tokens: int, fixed: float = 0.0):
+    """``budget.measure(...)`` for a pass, or nothing without an active budget."""
+    return budget.measure(kind, tokens, fixed) if budget is not None and budget.active else contextlib.nullcontext()
+
+
 def row_extents(prompt_mask: Tensor, context_mask: Tensor) -> tuple[list[int], list[int]]:
     """Per row, the first prompt column that holds a token and the completion columns up to the last that does
     (at least 1): ``[N, Tp]`` and ``[N, C]`` masks (prompts left-padded, completions right-padded)."""
@@ -201,10 +218,12 @@ class MemoryBudget:
         """Forgets the last step's choices (a phase that does not run this step logs NaN)."""
         self.chosen = {key: float("nan") for key in CHOICES}
 
-    def note(self, phase: str, passes: int, tokens: int) -> None:
-        """Records a phase's choice: its number of passes and the padded tokens of its largest (``memory/*``)."""
-        self.chosen[f"{phase}_passes"] = float(passes)
-        self.chosen[f"{phase}_tokens_per_pass"] = float(tokens)
+    def note(self, phase: str, tokens: list[int]) -> None:
+        """Records a phase's choice (``memory/*``): its number of passes and the padded tokens of its largest, from
+        the padded tokens of each pass."""
+        if tokens:
+            self.chosen[f"{phase}_passes"] = float(len(tokens))
+            self.chosen[f"{phase}_tokens_per_pass"] = float(max(tokens))
 
     def fits(self, kind: str, tokens: int, fixed: float = 0.0) -> bool:
         return fixed + self.costs[kind] * tokens <= self.room()

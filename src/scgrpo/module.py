@@ -139,7 +139,6 @@ class RLVRModule(LightningModule):
         check_tis_cap(tis_cap)
         check_model_settings(model, lora, quantization, dtype)
         self.budget = MemoryBudget(memory_budget_gib)  # (checks the value)
-        self.memory_budget_gib = memory_budget_gib
         if memory_budget_gib is not None and generation.memory_budget_gib is None:  # the rollout plans for it too
             generation = dataclasses.replace(generation, memory_budget_gib=memory_budget_gib)
         self.guard = DivergenceGuard(max_nonfinite_skips)
@@ -184,6 +183,11 @@ class RLVRModule(LightningModule):
         if self._self_teacher is None or self._self_teacher.spec is not spec:
             self._self_teacher = SelfTeacher(spec)
         return self._self_teacher
+
+    @property
+    def memory_budget_gib(self) -> Optional[float]:
+        """The budget the run was given (None: the default, :attr:`budget` resolves it on a GPU)."""
+        return self.budget.gib
 
     @property
     def sharded(self) -> bool:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from scgrpo.budget import MemoryBudget, Span, row_extents
+from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, whole_rows
 from scgrpo.distributed import PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, shard_policy
 from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives.functional import chunked_token_logprobs
@@ -178,8 +178,8 @@ class Policy:
         GPU (:mod:`scgrpo.budget`); else blocks of ``max_rows`` rows (all: None) in batch order, uncut."""
         n, c = rollouts.completion_ids.shape
         chosen = torch.arange(n, device=self.device) if rows is None else rows
-        if self.budget is None or not self.budget.active:
-            return [Span(block, 0, c) for block in torch.split(chosen, max_rows or max(len(chosen), 1))] if len(chosen) else []
+        if active(self.budget) is None:
+            return whole_rows(chosen, max_rows, c)
         first, width = row_extents(rollouts.prompt_mask, rollouts.context_mask)
         return self.budget.plan(kind, first, width, rollouts.prompt_ids.shape[1], self.device, chosen.tolist(),
                                 max_rows, fixed)
@@ -187,11 +187,9 @@ class Policy:
     def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor:
         """``[n, width, H]`` final hidden states of the span's rows that predict their first ``width`` completion
         tokens, the span's columns only."""
-        tp = rollouts.prompt_ids.shape[1]
         rows = span.rows
         ids = torch.cat([rollouts.prompt_ids[rows, span.left :], rollouts.completion_ids[rows, : span.width]], 1)
         mask = torch.cat([rollouts.prompt_mask[rows, span.left :], rollouts.context_mask[rows, : span.width]], 1)
-        assert ids.shape[1] == tp - span.left + span.width
         return self.completion_hidden(ids, mask, span.width, model)
 
     def set_gradient_checkpointing(self, on: bool) -> None:
@@ -235,15 +233,14 @@ class Policy:
         n, c = rollouts.completion_ids.shape
         logprobs = torch.zeros(n, c, dtype=torch.float32, device=self.device)
         entropies = torch.zeros_like(logprobs)
-        budget = self.budget if self.budget is not None and self.budget.active else None
+        tp = rollouts.prompt_ids.shape[1]
+        budget = active(self.budget)
         fixed = budget.logit_fixed(self.chunk_size()) if budget is not None else 0.0
         spans = self.spans("forward", rollouts, max_rows=max_rows, fixed=fixed)
-        if budget is not None and spans:
-            budget.note("scoring", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
+        if budget is not None:
+            budget.note("scoring", [s.tokens(tp) for s in spans])
         for span in spans:
-            tokens = span.tokens(rollouts.prompt_ids.shape[1])
-            measure = budget.measure("forward", tokens, fixed) if budget is not None else contextlib.nullcontext()
-            with measure:
+            with measuring(budget, "forward", span.tokens(tp), fixed):
                 hidden = self.span_hidden(rollouts, span)
                 mask = rollouts.completion_mask[span.rows, : span.width]
                 lp, ent = self.head_logprobs(hidden, rollouts.completion_ids[span.rows, : span.width], entropy, mask)

@@ -18,7 +18,6 @@ What the signal becomes (weights, advantages, a distillation term) is the object
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -29,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from scgrpo.budget import MemoryBudget, Span, pack, row_extents
+from scgrpo.budget import MemoryBudget, Span, active, measuring, pack, row_extents
 from scgrpo.data.buffer import VerifiedBuffer
 from scgrpo.distributed import full_parameters
 from scgrpo.models import max_sequence_length
@@ -340,7 +339,7 @@ class SelfTeacher:
         n, c = rollouts.completion_ids.shape
         device = rollouts.completion_ids.device
         spec = self.spec
-        budget = policy.budget if policy.budget is not None and policy.budget.active else None
+        budget = active(policy.budget)
         if spec.output == "divergence":
             signal.divergence = torch.zeros(n, c, dtype=torch.float32, device=device)
         else:
@@ -368,7 +367,7 @@ class SelfTeacher:
             _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
             if budget is not None:
                 batches = pack(first, width, widest, budget.costs["forward"], fixed, budget.room(), micro)
-                budget.note("teacher", len(batches), max(len(m) * (widest - left + w) for m, left, w in batches))
+                budget.note("teacher", [len(m) * (widest - left + w) for m, left, w in batches])
             else:
                 batches = [(list(range(k, min(k + micro, len(rows)))), 0, c) for k in range(0, len(rows), micro)]
             tokens = 0
@@ -378,8 +377,7 @@ class SelfTeacher:
                 with record_function("scgrpo.teacher.inputs"):
                     ids, attention = self.assemble(policy, rollouts, index_rows, [prompt_ids[k] for k in members], w)
                 tokens += ids.numel()
-                measure = budget.measure("forward", ids.numel(), fixed) if budget is not None else contextlib.nullcontext()
-                with measure:
+                with measuring(budget, "forward", ids.numel(), fixed):
                     with record_function("scgrpo.teacher.teacher_forward"):
                         teacher_hidden = self._teacher_hidden(policy, ids, attention, w)  # [n, w, H]
                     if spec.output == "hidden":
@@ -411,7 +409,7 @@ class SelfTeacher:
         first = [widest - max(t, s) for t, s in zip(teacher_len, student_len)]
         _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
         batches = pack(first, width, widest, 2 * budget.costs["forward"], fixed, budget.room(), micro)
-        budget.note("teacher", len(batches), max(2 * len(m) * (widest - left + w) for m, left, w in batches))
+        budget.note("teacher", [2 * len(m) * (widest - left + w) for m, left, w in batches])
         pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
         tokens = 0
         for members, left, w in batches:
@@ -443,18 +441,13 @@ class SelfTeacher:
         """``[N, C, H]`` the student's final states before each of the model's tokens of ``rows`` (zeros elsewhere),
         in blocks of ``micro`` rows or the budget's micro-batches."""
         n, c = rollouts.completion_ids.shape
-        device = rollouts.completion_ids.device
-        chosen = torch.tensor(rows, device=device)
+        tp = rollouts.prompt_ids.shape[1]
+        spans = policy.spans("forward", rollouts, torch.tensor(rows, device=rollouts.completion_ids.device), micro)
         if budget is not None:
-            spans = policy.spans("forward", rollouts, chosen, micro)
-            budget.note("student", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
-        else:
-            spans = [Span(block, 0, c) for block in torch.split(chosen, micro)]
+            budget.note("student", [s.tokens(tp) for s in spans])
         states = None
         for span in spans:
-            tokens = span.tokens(rollouts.prompt_ids.shape[1])
-            measure = budget.measure("forward", tokens) if budget is not None else contextlib.nullcontext()
-            with measure:
+            with measuring(budget, "forward", span.tokens(tp)):
                 hidden = policy.span_hidden(rollouts, span)  # [n, width, H]
             if states is None:
                 states = hidden.new_zeros(n, c, hidden.shape[-1])

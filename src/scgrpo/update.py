@@ -15,7 +15,6 @@ the training forward itself (LoRA dropout included).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from scgrpo.budget import Span, row_extents
+from scgrpo.budget import Span, active, measuring, row_extents, whole_rows
 from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
 from scgrpo.objectives import Credit, LossInputs, LossOutput, Objective
 from scgrpo.objectives.functional import masked_mean
@@ -199,8 +198,7 @@ class PolicyUpdate:
 
     @property
     def _budgeted(self) -> bool:
-        budget = getattr(self.policy, "budget", None)
-        return budget is not None and budget.active
+        return active(getattr(self.policy, "budget", None)) is not None
 
     def _micro_batches(self, rollouts: RolloutBatch, rows: Tensor) -> tuple[list[Span], str]:
         """The update's micro-batches of ``rows`` and their kind of pass. With a memory budget (GPU) and
@@ -209,9 +207,7 @@ class PolicyUpdate:
         (:data:`CHECKPOINTED_PASS`), and off otherwise; the rows are packed by what the chosen kind of pass costs."""
         policy = self.policy
         if not self._budgeted:
-            c = rollouts.completion_ids.shape[1]
-            blocks = torch.split(rows, self.micro_batch_size or max(len(rows), 1)) if len(rows) else []
-            return [Span(block, 0, c) for block in blocks], "train"
+            return whole_rows(rows, self.micro_batch_size, rollouts.completion_ids.shape[1]), "train"
         if not len(rows):  # (a rank without rows runs zero-weight passes: as the others checkpoint, so does it)
             if self.auto_checkpointing and world_size() > 1:
                 policy.set_gradient_checkpointing(bool(all_reduce([0.0], "max", self.device)[0]))
@@ -233,7 +229,7 @@ class PolicyUpdate:
         kind = "train_checkpointed" if policy.checkpointing else "train"
         if spans is None:
             spans = policy.spans(kind, rollouts, rows, self.micro_batch_size, fixed)
-        budget.note("update", len(spans), max(s.tokens(rollouts.prompt_ids.shape[1]) for s in spans))
+        budget.note("update", [s.tokens(rollouts.prompt_ids.shape[1]) for s in spans])
         budget.chosen["gradient_checkpointing"] = float(policy.checkpointing)
         return spans, kind
 
@@ -248,11 +244,10 @@ class PolicyUpdate:
             # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
             chunk = plan.chunks[i] if real else torch.zeros(1, dtype=torch.long, device=plan.rows.device)
             span = plan.spans[i] if real and plan.spans is not None else None
+            budget = self.policy.budget if span is not None else None  # (a budget's own spans only)
             tokens = span.tokens(rollouts.prompt_ids.shape[1]) if span is not None else 0
-            budget = self.policy.budget if span is not None else None
-            measure = budget.measure(plan.kind, tokens, budget.logit_fixed(self.policy.chunk_size())) if budget else (
-                contextlib.nullcontext())
-            with measure:
+            fixed = budget.logit_fixed(self.policy.chunk_size()) if budget is not None else 0.0
+            with measuring(budget, plan.kind, tokens, fixed):
                 with record_function("scgrpo.update.forward"):
                     out, entropy = self.policy.runner(
                         lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step, span))
