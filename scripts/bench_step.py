@@ -291,8 +291,14 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              decode_forward: str = "auto", max_slots: int = 0, keep_workspace: bool = True,
              logprob_chunk_size: int = 1024, memory_snapshot: Optional[str] = None, four_bit: str = "auto",
              memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None,
-             profile: Optional[str] = None, fused_lora: bool = True, fused_16bit: bool = True) -> dict[str, Any]:
+             profile: Optional[str] = None, fused_lora: bool = True, fused_16bit: bool = True,
+             cudnn_attention: bool = False, shared_teacher_passes: bool = True,
+             stream_kernel: str = "dequantize") -> dict[str, Any]:
     import lightning.pytorch as pl
+
+    from scgrpo import policy as policy_module
+    from scgrpo import selfteacher as selfteacher_module
+    from scgrpo.rollout import four_bit as four_bit_module
 
     from scgrpo.data import PromptDataModule
     from scgrpo.distributed import FSDP2Strategy
@@ -344,9 +350,13 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         torch.cuda.set_per_process_memory_fraction(memory_fraction_gib * 2**30 / torch.cuda.mem_get_info()[1])
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
+    defaults = policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL
+    policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES = cudnn_attention, shared_teacher_passes
+    four_bit_module.STREAM_KERNEL = stream_kernel
     try:
         trainer.fit(module, data)
     finally:
+        policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL = defaults
         if limited:
             process_peak = torch.cuda.max_memory_reserved() / 2**30
             torch.cuda.set_per_process_memory_fraction(1.0)
@@ -358,6 +368,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "decode_forward": decode_forward, "max_slots": max_slots, "keep_workspace": keep_workspace,
         "logprob_chunk_size": logprob_chunk_size, "four_bit": four_bit, "memory_budget_gib": memory_budget_gib,
         "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
+        "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
+        "stream_kernel": stream_kernel,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
     }
@@ -551,6 +563,11 @@ def main() -> None:
         cases["smollm2_scgrpo_22gib"] = dict(objective="scgrpo", memory_fraction_gib=22.0, **common)
         # the same step before the adapter terms of the bf16 layers were fused (peft's fp32 branch)
         cases["smollm2_scgrpo_peft_lora"] = dict(objective="scgrpo", fused_16bit=False, **common)
+        # the step's passes free to use cuDNN's attention (before policy.CUDNN_ATTENTION), and the self-teacher's
+        # student and teacher rows in passes of their own (selfteacher.SHARED_PASSES off)
+        for objective in ("grpo", "scgrpo"):
+            cases[f"smollm2_{objective}_cudnn_attention"] = dict(objective=objective, cudnn_attention=True, **common)
+        cases["smollm2_scgrpo_separate_teacher_passes"] = dict(objective="scgrpo", shared_teacher_passes=False, **common)
         cases["smollm2_grpo_no_graphs"] = dict(objective="grpo", cuda_graphs=False, **common)
         # the decode loop over the Hugging Face forward (the engine before the compact forward), same call
         cases["smollm2_grpo_hf_forward"] = dict(objective="grpo", decode_forward="hf", **common)
@@ -609,6 +626,8 @@ def main() -> None:
         auto = dict(common, gradient_checkpointing=None, memory_fraction_gib=20.0, max_new=1024, min_new=1024)
         cases["qwen8b_scgrpo_1k_20gib_auto"] = dict(auto)
         cases["qwen8b_grpo_1k_20gib_auto"] = dict(auto, objective="grpo")
+        for objective in ("grpo", "scgrpo"):  # ... the streamed 4-bit base through the fused nf4 matmul
+            cases[f"qwen8b_{objective}_1k_20gib_auto_fused_nf4"] = dict(auto, objective=objective, stream_kernel="fused")
         cases["qwen8b_scgrpo_4k_20gib"] = dict(max_new=4096, min_new=4096, steps=1, warmup=0, **consumer)
         if suffix:  # other blocks, other names: the summary's figures stay those of one kind of block
             cases = {k + suffix: v for k, v in cases.items()}

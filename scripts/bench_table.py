@@ -53,9 +53,9 @@ def load_rows(card: str) -> list[dict]:
     return rows
 
 
-BUDGET_FILES = ("bench_smollm2_budget_h200.json", "bench_smollm2_budget_trl_h200.json",
-                "bench_smollm2_budget_5steps_h200.json", "bench_smollm2_budget_profiled_h200.json",
-                "bench_smollm2_before_budget_h100.json")
+BUDGET_FILES = ("bench_smollm2_attention_h200.json", "bench_smollm2_budget_trl_h200.json",
+                "bench_smollm2_budget_h200.json", "bench_smollm2_budget_5steps_h200.json",
+                "bench_smollm2_budget_profiled_h200.json", "bench_smollm2_before_budget_h100.json")
 """The memory budget's measurements: read by :func:`budget_entries` only (their case names are the suite's own,
 and the earlier figures keep theirs)"""
 
@@ -88,10 +88,12 @@ def budget_entries() -> dict[str, dict]:
         return {}
     out = {}
     sc, grpo, capped = c["smollm2_scgrpo"], c["smollm2_grpo"], c["smollm2_scgrpo_22gib"]
-    calls = [file_cases(name) for name in BUDGET_FILES[:4]]
+    cudnn_sc, cudnn_grpo = c["smollm2_scgrpo_cudnn_attention"], c["smollm2_grpo_cudnn_attention"]
+    separate = c["smollm2_scgrpo_separate_teacher_passes"]
+    calls = [file_cases(name) for name in BUDGET_FILES[:5]]
     others = ", ".join(f"{k['smollm2_scgrpo']['wall_s'] / k['smollm2_grpo']['wall_s']:.2f}" for k in calls[1:] if k)
-    before = file_cases(BUDGET_FILES[4])
-    was = (f"; before the budget, on an H100 ({BUDGET_FILES[4]}, 3 steps, one profiled): "
+    before = file_cases(BUDGET_FILES[5])
+    was = (f"; before the budget, on an H100 ({BUDGET_FILES[5]}, 3 steps, one profiled): "
            f"{before['smollm2_scgrpo']['wall_s'] / before['smollm2_grpo']['wall_s']:.2f}, and the issue's own "
            "measurement (not in these results) 3.0 on an H200") if before else ""
     out["scgrpo_over_grpo_step"] = entry(
@@ -102,11 +104,17 @@ def budget_entries() -> dict[str, dict]:
         f"pass {sc['time_teacher_s']:.2f} s (teacher and student rows in one forward), update {sc['time_train_s']:.2f} "
         f"vs {grpo['time_train_s']:.2f} s ({sc['tokens_train']:.0f} vs {grpo['tokens_train']:.0f} trained tokens: "
         "SC-GRPO trains the solve-none rows through their diversity advantage), generation "
-        f"{sc['time_generation_s']:.2f} vs {grpo['time_generation_s']:.2f} s. The same pair in the other calls on H200s "
-        f"(5 steps each, the budget's earlier versions in two of them): {others}; the step times vary by up to 20% "
-        "from call to call. The teacher pass is the gap: in the profiled call (profiles/step_budget_h200.*) its host "
-        "side took 566 ms against 192 ms of GPU work (the passes of this small model are bound by kernel launches)"
-        f"{was}",
+        f"{sc['time_generation_s']:.2f} vs {grpo['time_generation_s']:.2f} s. In the same call with the passes free "
+        f"to use cuDNN's attention, as before (policy.CUDNN_ATTENTION): {cudnn_sc['wall_s']:.2f} vs "
+        f"{cudnn_grpo['wall_s']:.2f} s ({cudnn_sc['wall_s'] / cudnn_grpo['wall_s']:.2f}; cuDNN plans each new shape "
+        "of a pass anew, tens of ms of host time); with the self-teacher's student and teacher rows in passes of their "
+        f"own (selfteacher.SHARED_PASSES off) {separate['wall_s']:.2f} s (teacher pass {separate['time_teacher_s']:.2f} "
+        "s). The same pair in earlier calls on H200s (the budget's earlier versions, cuDNN's attention): "
+        f"{others}; the step times vary by up to 20% from call to call. The teacher pass is the gap, now bound by "
+        "the GPU: in the profiled step (profiles/step_attention_h200.smollm2_scgrpo.txt) its forward took 290 ms of "
+        "GPU time against 210 ms of host time, elementwise work (the norms, rotary embeddings, casts) as much as "
+        "the matmuls, over the padded tokens of one [2n, W] batch whose student rows are padded to the teacher's "
+        f"width{was}",
     )
     out["scgrpo_22gib_over_uncapped"] = entry(
         "scgrpo_22gib_over_uncapped", capped["wall_s"] / sc["wall_s"], sc["card"], sc["command"],
@@ -129,9 +137,11 @@ def budget_entries() -> dict[str, dict]:
             f"measured in an earlier call on an H200 (bench_smollm2_budget_trl_h200.json); in that call the budget's "
             f"first version (a 15.0 GiB default) peaked at {first['peak_allocated_gib']:.2f} GiB "
             f"({first['peak_allocated_gib'] / trl['peak_allocated_gib']:.2f}x). The budget spends memory where it "
-            "buys speed: one plain pass of the 12.5k trained tokens (about 0.7 MiB of activations a token) against "
-            "a checkpointed one for this launch-bound model, and the rollout's KV cache and graphs stay between "
-            f"steps. TRL's step took {trl['wall_s']:.1f} s, ours {now['wall_s']:.2f} s",
+            f"buys speed: one plain pass of the {now['tokens_train'] / 1000:.1f}k trained tokens (about 0.7 MiB of "
+            "activations a token) against a checkpointed one, and the rollout's KV cache and graphs (1.8 GiB at "
+            "its peak) stay between steps. A peak of half TRL's would need the update checkpointed at the "
+            f"defaults and the rollout's own peak below it. TRL's step took {trl['wall_s']:.1f} s, ours "
+            f"{now['wall_s']:.2f} s",
         )
     return out
 

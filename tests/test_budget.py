@@ -319,3 +319,173 @@ def test_metrics_and_the_log_line_name_the_budget_the_costs_and_the_choices(monk
     lines = [r.getMessage() for r in caplog.records if r.name == "scgrpo.budget"]
     assert len(lines) == 1 and lines[0].startswith("memory budget 10.0 GiB (set to 10 GiB")
     assert "update passes 2" in lines[0] and "gradient checkpointing 1" in lines[0] and "teacher" not in lines[0]
+
+
+# ------------------------------------------------------------------------------- a pass that runs out of memory
+def _fails_over(limit: int):
+    """A pass body that runs out of memory on more than ``limit`` rows, and the rows it saw succeed."""
+    done: list[int] = []
+
+    def run(rows: list[int]) -> None:
+        if len(rows) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.40 GiB")
+        done.extend(rows)
+
+    return run, done
+
+
+def test_a_pass_that_runs_out_of_memory_is_planned_again_in_smaller_passes(monkeypatch, caplog):
+    from scgrpo.budget import SPLIT_GROWTH, run_passes
+
+    FakeCard(monkeypatch, allocated=0)
+    budget = _budget(10.0)
+    budget.begin_step()
+    cost = budget.costs["forward"]
+    replans = []
+
+    def replan(rows):  # as a budget packs: room for 5 rows at the first cost, fewer as it grows
+        replans.append(list(rows))
+        per_pass = max(int(5 * cost / budget.costs["forward"]), 1)
+        return [rows[k : k + per_pass] for k in range(0, len(rows), per_pass)]
+
+    run, done = _fails_over(1)
+    with caplog.at_level("WARNING", logger="scgrpo.budget"):
+        run_passes(budget, "forward", [[0], [1, 2, 3, 4, 5], [6, 7]], list, replan, run)
+    assert sorted(done) == list(range(8)) and len(done) == 8  # every row once
+    assert done[0] == 0  # the passes before the failure stand
+    assert replans[0] == [1, 2, 3, 4, 5, 6, 7]  # the failed pass's rows and every later pass's, planned again
+    assert replans[1] == [1, 2, 3, 4, 5, 6, 7]  # [1, 2] failed too: 2 rows a pass at twice the cost, 1 at four times
+    assert budget.chosen["split_passes"] == len(replans) == 2
+    assert budget.costs["forward"] == pytest.approx(cost * SPLIT_GROWTH ** 2) and "forward" in budget.measured
+    warnings = [r.getMessage() for r in caplog.records if r.name == "scgrpo.budget"]
+    assert len(warnings) == 1 and "forward pass of 5 rows ran out of GPU memory within the 10.0 GiB budget" in warnings[0]
+    assert budget.metrics()["memory/split_passes"] == 2.0
+    budget.begin_step()
+    assert budget.metrics()["memory/split_passes"] != budget.metrics()["memory/split_passes"]  # NaN: none this step
+
+
+@pytest.mark.parametrize("case", ["one row", "no budget", "several ranks", "backward begun", "other error"])
+def test_a_failure_that_cannot_be_split_passes_on(case, monkeypatch):
+    from scgrpo import budget as budget_module
+
+    FakeCard(monkeypatch, allocated=0)
+    budget = _budget(10.0)
+    run, _ = _fails_over(0 if case == "one row" else 1)
+    items, undone = [[0, 1]], (lambda: True)
+    if case == "one row":
+        items = [[0]]
+    elif case == "no budget":
+        budget = None
+    elif case == "several ranks":
+        monkeypatch.setattr(budget_module, "world_size", lambda: 2)
+    elif case == "backward begun":
+        undone = lambda: False  # noqa: E731
+    else:
+        def run(rows):  # noqa: F811
+            raise RuntimeError("a shape mismatch")
+    with pytest.raises(RuntimeError):
+        budget_module.run_passes(budget, "forward", items, list, lambda rows: [rows], run, undone)
+    if budget is not None:
+        assert budget.chosen.get("split_passes") is None and "forward" not in budget.measured
+
+
+def _out_of_memory_over(monkeypatch, policy, limit: int) -> list[int]:
+    """Every forward of the policy over more than ``limit`` sequences runs out of memory; returns the sizes seen."""
+    seen: list[int] = []
+    forward = type(policy).completion_hidden
+
+    def completion_hidden(self, input_ids, *args, **kwargs):
+        seen.append(input_ids.shape[0])
+        if input_ids.shape[0] > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.40 GiB")
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(policy), "completion_hidden", completion_hidden)
+    return seen
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_teacher_and_scoring_passes_that_run_out_of_memory_give_the_values_of_passes_that_fit(
+        shared, tiny_model_dir, budgeted, monkeypatch):
+    from scgrpo import selfteacher
+
+    monkeypatch.setattr(selfteacher, "SHARED_PASSES", shared)
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=SCGRPO())
+    module.configure_model()
+    rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], QUESTIONS)
+    whole = module.run_self_teacher(rollouts).divergence
+    module.actor.score(rollouts, old=True, reference=False)
+    old = rollouts.old_logprobs
+    budget = budgeted(module, total=1e12, bytes_per_token=1.0)  # room for all rows in one pass ...
+    budget.begin_step()
+    seen = _out_of_memory_over(monkeypatch, module.actor, 4)  # ... which the card does not have
+    cut = module.run_self_teacher(rollouts).divergence
+    assert max(seen) > 4 and budget.chosen["split_passes"] >= 1
+    torch.testing.assert_close(cut, whole, rtol=1e-3, atol=1e-6)
+    module.actor.score(rollouts, old=True, reference=False)  # planned at the raised cost (split again if need be)
+    assert budget.chosen["scoring_passes"] >= 2 and max(seen[-int(budget.chosen["scoring_passes"]):]) <= 4
+    torch.testing.assert_close(rollouts.old_logprobs, old, rtol=1e-5, atol=1e-5)
+
+
+def test_an_update_pass_that_runs_out_of_memory_in_its_forward_is_split_and_gives_the_same_gradient(
+        tiny_model_dir, budgeted, monkeypatch):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=GRPO(aggregation="seq-mean-token-mean"))
+    module.configure_model()
+    module.manual_backward = lambda loss: loss.backward()
+    rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], QUESTIONS)  # every row in the loss
+    rollouts.sampler_logprobs = torch.zeros_like(rollouts.completion_mask, dtype=torch.float32)  # (booked)
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+
+    def run(update):
+        for p in params:
+            p.grad = None
+        plan = update.plan(rollouts)
+        sums = StepSums()
+        update.accumulate(rollouts, plan, sums)
+        return plan, sums["loss"], [p.grad.clone() for p in params]
+
+    _, loss, grads = run(module.policy_update())
+    budget = budgeted(module, total=1e12, bytes_per_token=1.0)
+    budget.begin_step()
+    seen: list[int] = []
+    loss_of = type(module.objective).loss
+
+    def loss_over_three_rows_fails(self, logprobs, inputs):  # after the pass booked its mismatch
+        seen.append(len(inputs.advantages))
+        if len(inputs.advantages) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.40 GiB")
+        return loss_of(self, logprobs, inputs)
+
+    monkeypatch.setattr(type(module.objective), "loss", loss_over_three_rows_fails)
+    update = module.policy_update()
+    plan, split_loss, split_grads = run(update)
+    assert seen[0] == 8 and budget.chosen["split_passes"] >= 1 and all(len(s.rows) <= 3 for s in plan.spans)
+    assert plan.num_chunks == len(plan.chunks) == len(plan.spans) == budget.chosen["update_passes"]
+    assert sorted(torch.cat(plan.chunks).tolist()) == list(range(8))
+    assert split_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    for g, want in zip(split_grads, grads):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+    assert update.mismatch.tokens == float(rollouts.completion_mask.sum())  # each row's tokens booked once
+
+
+def test_an_update_pass_that_runs_out_of_memory_in_its_backward_is_not_run_again(tiny_model_dir, budgeted):
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir, objective=GRPO())
+    module.configure_model()
+    rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], QUESTIONS)
+    budget = budgeted(module, total=1e12, bytes_per_token=1.0)
+    budget.begin_step()
+    calls = []
+
+    def backward(loss):
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.40 GiB")
+
+    module.manual_backward = backward
+    update = module.policy_update()
+    plan = update.plan(rollouts)
+    with pytest.raises(torch.OutOfMemoryError):
+        update.accumulate(rollouts, plan, StepSums())
+    assert calls == [1] and budget.chosen.get("split_passes") != budget.chosen.get("split_passes")  # NaN: none

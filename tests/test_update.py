@@ -376,3 +376,22 @@ def test_an_update_clips_at_norm_one_by_default():
     update = PolicyUpdate(SimpleNamespace(trainable_parameters=lambda: [w]), GRPO(), backward=lambda loss: None)
     assert update.clip(_plan(), StepSums()) is None
     torch.testing.assert_close(w.grad, torch.tensor([0.6, 0.8]))
+
+
+def test_a_steps_passes_on_a_gpu_leave_out_cudnn_attention_and_put_the_backends_back(monkeypatch):
+    """cuDNN's attention plans each new shape anew (tens of ms of host time a pass): off inside the passes of a
+    step on a GPU, the other kernels on, and the process's own choice back after them; on CPU nothing changes."""
+    from scgrpo import policy as policy_module
+
+    backends = torch.backends.cuda
+    before = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled())
+    assert backends.cudnn_sdp_enabled()  # (PyTorch's default: allowed)
+    with policy_module.attention_backends(torch.device("cuda", 0)):
+        assert not backends.cudnn_sdp_enabled()
+        assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled() and backends.math_sdp_enabled()
+    assert (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled()) == before
+    with policy_module.attention_backends(torch.device("cpu")):
+        assert backends.cudnn_sdp_enabled()
+    monkeypatch.setattr(policy_module, "CUDNN_ATTENTION", True)
+    with policy_module.attention_backends(torch.device("cuda", 0)):
+        assert backends.cudnn_sdp_enabled()

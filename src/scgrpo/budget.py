@@ -16,6 +16,12 @@ run they come from the model's shapes (:func:`shape_costs`, deliberately high); 
 peak (``torch.cuda.max_memory_allocated`` above what was allocated when it began) and the cost of that kind of
 pass becomes the largest measured, so later steps are sized by what the passes really took.
 
+A pass that runs out of memory anyway (a cost measured on shorter rows, a fragmented cache, another process on the
+card) is not the end of the step: its kind's cost per token is doubled, the cached blocks are released, and its rows
+and those of the passes after it are planned again (:func:`run_passes`; ``memory/split_passes`` counts them). Only a
+pass of one row, a backward, or a pass on several ranks (whose passes must pair up) still fails, with the one-line
+message of :mod:`scgrpo.oom`.
+
 On CPU there is no budget: passes run ``micro_batch_size`` rows at a time in batch order, uncut, as they always
 did (the same numbers bit for bit).
 """
@@ -23,13 +29,16 @@ did (the same numbers bit for bit).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
+from scgrpo.distributed import world_size
+from scgrpo.oom import is_out_of_memory
 from scgrpo.rollout.memory import memory_free
 
 log = logging.getLogger(__name__)
@@ -46,13 +55,17 @@ PASS_KINDS = ("forward", "train", "train_checkpointed")
 """Kinds of pass: a forward without gradient (scoring, teacher), a forward + backward, the same under gradient
 checkpointing"""
 CHOICES = ("scoring_passes", "scoring_tokens_per_pass", "student_passes", "student_tokens_per_pass", "teacher_passes",
-           "teacher_tokens_per_pass", "update_passes", "update_tokens_per_pass", "gradient_checkpointing")
+           "teacher_tokens_per_pass", "update_passes", "update_tokens_per_pass", "gradient_checkpointing",
+           "split_passes")
 """What the plans of a step choose, logged as ``memory/<name>`` (NaN where the phase did not run)"""
 MIN_MEASURED_TOKENS = 256
 """A pass of fewer padded tokens does not update the measured costs (its fixed part would dominate)"""
 FLOOR_SHARE = 0.25
 """A measured cost is taken no lower than this share of the shape-based estimate (a pass whose peak fell inside
 memory freed during it would otherwise read as almost free)"""
+SPLIT_GROWTH = 2.0
+"""After a pass runs out of memory, its kind's cost per token is multiplied by this before its rows are planned
+again (:func:`run_passes`)"""
 LOGIT_COPIES = 3
 """fp32 [tokens, V] blocks alive at once while a chunk of log-probs (or of a divergence, per model) is computed"""
 
@@ -67,6 +80,11 @@ class Span:
 
     def tokens(self, prompt_width: int) -> int:
         return len(self.rows) * (prompt_width - self.left + self.width)
+
+
+def span_rows(span: Span) -> list[int]:
+    """The batch rows of a micro-batch."""
+    return span.rows.tolist()
 
 
 def whole_rows(rows: Tensor, max_rows: Optional[int], completion_width: int) -> list[Span]:
@@ -122,6 +140,36 @@ def pack(first: list[int], width: list[int], prompt_width: int, per_token: float
     return batches
 
 
+Item = TypeVar("Item")
+
+
+def run_passes(budget: Optional["MemoryBudget"], kind: str, items: Sequence[Item], rows_of: Callable[[Item], list[int]],
+               replan: Callable[[list[int]], Sequence[Item]], run: Callable[[Item], None],
+               undone: Callable[[], bool] = lambda: True) -> list[Item]:
+    """``run(item)`` for each planned pass of ``items``. Under an active budget on one process, a pass of several rows
+    that runs out of GPU memory is given up: the cost of ``kind`` is raised (:meth:`MemoryBudget.missed`), the cached
+    blocks released, and its rows with those of every later pass are planned again (``replan(rows)``) and run. The
+    failed ``run`` must have left nothing half done (what it wrote is written again by the passes that replace it);
+    ``undone()`` says whether it did, when it was asked at the failure (an update's backward had begun: False). Without
+    a budget, on several ranks, for a pass of one row or a pass not undone, the error passes on. Returns the passes
+    that ran."""
+    pending, ran = list(items), []
+    while pending:
+        item = pending.pop(0)
+        try:
+            run(item)
+            ran.append(item)
+            continue
+        except Exception as err:  # noqa: BLE001 - only a failed allocation is handled; the rest is raised again
+            if not (is_out_of_memory(err) and active(budget) is not None and len(rows_of(item)) > 1
+                    and world_size() == 1 and undone()):
+                raise
+        rows = [row for failed in (item, *pending) for row in rows_of(failed)]  # (the error and its frames are gone)
+        budget.missed(kind, len(rows_of(item)))
+        pending = list(replan(rows))
+    return ran
+
+
 def shape_costs(config, dtype_bytes: int) -> dict[str, float]:
     """Bytes per token of each kind of pass, from a decoder's shapes (hidden H, MLP I, L layers): an upper estimate
     used until the passes have measured their own. A forward without gradient holds a layer's temporaries (the
@@ -167,6 +215,7 @@ class MemoryBudget:
         self.floor: dict[str, float] = {}  # a measured cost is never taken below this (a quarter of the estimate)
         self.chosen: dict[str, float] = {}  # what this step's plans chose (logged as memory/*)
         self._logged = False
+        self._warned_split = False
 
     @property
     def active(self) -> bool:
@@ -224,6 +273,22 @@ class MemoryBudget:
         if tokens:
             self.chosen[f"{phase}_passes"] = float(len(tokens))
             self.chosen[f"{phase}_tokens_per_pass"] = float(max(tokens))
+
+    def missed(self, kind: str, rows: int) -> None:
+        """A pass of ``kind`` over ``rows`` rows ran out of memory: its cost per token is multiplied by
+        :data:`SPLIT_GROWTH` (and no later measurement lowers it), the allocator's cached blocks are released, and the
+        step's ``memory/split_passes`` counts it; the first time, a warning says so."""
+        self.costs[kind] = SPLIT_GROWTH * self.costs[kind]
+        self.measured.add(kind)
+        split = self.chosen.get("split_passes", float("nan"))
+        self.chosen["split_passes"] = 1.0 if split != split else split + 1.0
+        if not self._warned_split:
+            log.warning("a %s pass of %d rows ran out of GPU memory within the %.1f GiB budget; its rows are planned "
+                        "again at %.0f KiB a token (memory/split_passes counts such passes)", kind.replace("_", " "),
+                        rows, self.total / GIB, self.costs[kind] / 1024)
+            self._warned_split = True
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def fits(self, kind: str, tokens: int, fixed: float = 0.0) -> bool:
         return fixed + self.costs[kind] * tokens <= self.room()

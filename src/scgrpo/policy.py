@@ -16,12 +16,29 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, whole_rows
+from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, run_passes, span_rows, whole_rows
 from scgrpo.distributed import PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, shard_policy
 from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives.functional import chunked_token_logprobs
 from scgrpo.rollout.engine import Generated, GenerationSettings, generate, generate_ids
 from scgrpo.rollout.types import RolloutBatch
+
+CUDNN_ATTENTION = False
+"""Whether the passes of a step (scoring, teacher, update, their backward) may use cuDNN's attention. Off: PyTorch
+picks among its flash, memory-efficient and math kernels. cuDNN's attention builds an execution plan for each new
+shape of a pass, tens of milliseconds of host time, and a step's passes change shape from step to step (their rows
+and widths follow the sampled lengths). The rollout engine's own passes are not affected."""
+
+
+def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context of a step's forward and backward passes on ``device``: on a GPU without cuDNN's attention
+    unless :data:`CUDNN_ATTENTION` (a backward recomputing a checkpointed layer must pick the kernel its forward
+    did, so the update's backward runs inside it too); elsewhere nothing."""
+    if device.type != "cuda" or CUDNN_ATTENTION:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -140,9 +157,10 @@ class Policy:
         causal_lm = unwrap_causal_lm(self.model if model is None else model)
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [N, T, H]
+        with attention_backends(input_ids.device):
+            hidden = backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state  # [N, T, H]
         return hidden[:, -num_completion - 1 : -1]  # [N, C, H]: the state before each completion token
 
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int, entropy: bool = True,
@@ -237,15 +255,20 @@ class Policy:
         budget = active(self.budget)
         fixed = budget.logit_fixed(self.chunk_size()) if budget is not None else 0.0
         spans = self.spans("forward", rollouts, max_rows=max_rows, fixed=fixed)
-        if budget is not None:
-            budget.note("scoring", [s.tokens(tp) for s in spans])
-        for span in spans:
+
+        def run(span: Span) -> None:
             with measuring(budget, "forward", span.tokens(tp), fixed):
                 hidden = self.span_hidden(rollouts, span)
                 mask = rollouts.completion_mask[span.rows, : span.width]
                 lp, ent = self.head_logprobs(hidden, rollouts.completion_ids[span.rows, : span.width], entropy, mask)
             logprobs[span.rows, : span.width] = lp
             entropies[span.rows, : span.width] = ent
+
+        ran = run_passes(budget, "forward", spans, span_rows,
+                         lambda rows: self.spans("forward", rollouts, torch.tensor(rows, device=self.device), max_rows,
+                                                 fixed), run)
+        if budget is not None:
+            budget.note("scoring", [s.tokens(tp) for s in ran])
         return logprobs, entropies
 
     def batch_entropy(self, rollouts: RolloutBatch, micro_batch_size: Optional[int]) -> Tensor:

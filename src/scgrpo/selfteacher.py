@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from scgrpo.budget import MemoryBudget, Span, active, measuring, pack, row_extents
+from scgrpo.budget import MemoryBudget, Span, active, measuring, pack, row_extents, run_passes, span_rows
 from scgrpo.data.buffer import VerifiedBuffer
 from scgrpo.distributed import full_parameters
 from scgrpo.models import max_sequence_length
@@ -47,6 +47,10 @@ from scgrpo.rollout.types import (  # noqa: F401 - the signal's types, importabl
 )
 
 log = logging.getLogger(__name__)
+
+SHARED_PASSES = True
+"""Under a memory budget, a micro-batch's teacher and student rows share one forward (:meth:`SelfTeacher._shared_passes`);
+False: the student's passes, then the teacher's, each packed by its own lengths"""
 
 @dataclass
 class RoutePlan:
@@ -354,7 +358,7 @@ class SelfTeacher:
         with policy.eval_mode(), full_parameters(policy.runner):  # (every rank gathers, rows or not)
             if not rows:
                 return cut, 0
-            if budget is not None and spec.output == "divergence" and spec.weights == "policy":
+            if SHARED_PASSES and budget is not None and spec.output == "divergence" and spec.weights == "policy":
                 return cut, self._shared_passes(policy, rollouts, rows, prompt_ids, signal, budget, chunk, fixed, micro)
             student = None
             if spec.output == "divergence":
@@ -365,18 +369,23 @@ class SelfTeacher:
             widest = max(lengths)
             first = [widest - length for length in lengths]
             _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
+
+            def plan(members: Optional[list[int]] = None) -> list[tuple[list[int], int, int]]:
+                return pack(first, width, widest, budget.costs["forward"], fixed, budget.room(), micro, members)
+
             if budget is not None:
-                batches = pack(first, width, widest, budget.costs["forward"], fixed, budget.room(), micro)
-                budget.note("teacher", [len(m) * (widest - left + w) for m, left, w in batches])
+                batches = plan()
             else:
                 batches = [(list(range(k, min(k + micro, len(rows)))), 0, c) for k in range(0, len(rows), micro)]
             tokens = 0
-            for members, _, w in batches:
+
+            def run(batch: tuple[list[int], int, int]) -> None:
+                nonlocal tokens
+                members, _, w = batch
                 index_rows = [rows[k] for k in members]
                 index = torch.tensor(index_rows, device=device)
                 with record_function("scgrpo.teacher.inputs"):
                     ids, attention = self.assemble(policy, rollouts, index_rows, [prompt_ids[k] for k in members], w)
-                tokens += ids.numel()
                 with measuring(budget, "forward", ids.numel(), fixed):
                     with record_function("scgrpo.teacher.teacher_forward"):
                         teacher_hidden = self._teacher_hidden(policy, ids, attention, w)  # [n, w, H]
@@ -384,13 +393,18 @@ class SelfTeacher:
                         if signal.teacher_hidden is None:
                             signal.teacher_hidden = teacher_hidden.new_zeros(n, c, teacher_hidden.shape[-1])
                         signal.teacher_hidden[index, :w] = teacher_hidden
-                        continue
-                    keep = mask[index, :w]  # [n, w]
-                    with record_function("scgrpo.teacher.divergence"):
-                        divergence = chunked_divergence(
-                            teacher_hidden[keep].unsqueeze(0), student[index, :w][keep].unsqueeze(0), policy.lm_head(),
-                            spec.divergence, policy.temperature, chunk)[0]  # [k] the model's tokens of these rows
-                    signal.divergence[index, :w] = signal.divergence[index, :w].masked_scatter(keep, divergence)
+                    else:
+                        keep = mask[index, :w]  # [n, w]
+                        with record_function("scgrpo.teacher.divergence"):
+                            divergence = chunked_divergence(
+                                teacher_hidden[keep].unsqueeze(0), student[index, :w][keep].unsqueeze(0),
+                                policy.lm_head(), spec.divergence, policy.temperature, chunk)[0]  # [k] the model's tokens
+                        signal.divergence[index, :w] = signal.divergence[index, :w].masked_scatter(keep, divergence)
+                tokens += ids.numel()
+
+            ran = run_passes(budget, "forward", batches, lambda batch: batch[0], plan, run)
+            if budget is not None:
+                budget.note("teacher", [len(m) * (widest - left + w) for m, left, w in ran])
         return cut, tokens
 
     def _shared_passes(self, policy: TeacherModel, rollouts: RolloutBatch, rows: list[int], prompt_ids: list[list[int]],
@@ -408,11 +422,17 @@ class SelfTeacher:
         widest = max(max(teacher_len), max(student_len))
         first = [widest - max(t, s) for t, s in zip(teacher_len, student_len)]
         _, width = row_extents(rollouts.prompt_mask[rows], rollouts.context_mask[rows])
-        batches = pack(first, width, widest, 2 * budget.costs["forward"], fixed, budget.room(), micro)
-        budget.note("teacher", [2 * len(m) * (widest - left + w) for m, left, w in batches])
+
+        def plan(members: Optional[list[int]] = None) -> list[tuple[list[int], int, int]]:
+            return pack(first, width, widest, 2 * budget.costs["forward"], fixed, budget.room(), micro, members)
+
+        batches = plan()
         pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
         tokens = 0
-        for members, left, w in batches:
+
+        def run(batch: tuple[list[int], int, int]) -> None:
+            nonlocal tokens
+            members, left, w = batch
             index = torch.tensor([rows[k] for k in members], device=device)
             span = widest - left  # prompt columns of this micro-batch
             with record_function("scgrpo.teacher.inputs"):
@@ -422,7 +442,6 @@ class SelfTeacher:
                 student_mask = torch.cat([rollouts.prompt_mask[index, tp - own :], rollouts.context_mask[index, :w].long()], 1)
                 ids = torch.cat([_left_pad(teacher, span + w, pad), _left_pad(student, span + w, pad)])  # [2n, W + w]
                 attention = torch.cat([_left_pad(teacher_mask, span + w, 0), _left_pad(student_mask, span + w, 0)])
-            tokens += ids.numel() // 2  # (the teacher's half, as the passes without a budget count them)
             with budget.measure("forward", ids.numel(), fixed):
                 with record_function("scgrpo.teacher.shared_forward"):
                     hidden = policy.completion_hidden(ids, attention, w)  # [2n, w, H]
@@ -433,6 +452,10 @@ class SelfTeacher:
                         hidden[:k][keep].unsqueeze(0), hidden[k:][keep].unsqueeze(0), policy.lm_head(),
                         self.spec.divergence, policy.temperature, chunk)[0]  # [m] the model's tokens of these rows
                 signal.divergence[index, :w] = signal.divergence[index, :w].masked_scatter(keep, divergence)
+            tokens += ids.numel() // 2  # (the teacher's half, as the passes without a budget count them)
+
+        ran = run_passes(budget, "forward", batches, lambda batch: batch[0], plan, run)
+        budget.note("teacher", [2 * len(m) * (widest - left + w) for m, left, w in ran])
         return tokens
 
     @staticmethod
@@ -443,16 +466,22 @@ class SelfTeacher:
         n, c = rollouts.completion_ids.shape
         tp = rollouts.prompt_ids.shape[1]
         spans = policy.spans("forward", rollouts, torch.tensor(rows, device=rollouts.completion_ids.device), micro)
-        if budget is not None:
-            budget.note("student", [s.tokens(tp) for s in spans])
         states = None
-        for span in spans:
+
+        def run(span: Span) -> None:
+            nonlocal states
             with measuring(budget, "forward", span.tokens(tp)):
                 hidden = policy.span_hidden(rollouts, span)  # [n, width, H]
             if states is None:
                 states = hidden.new_zeros(n, c, hidden.shape[-1])
             keep = mask[span.rows, : span.width].unsqueeze(-1)
             states[span.rows, : span.width] = hidden * keep
+
+        ran = run_passes(budget, "forward", spans, span_rows,
+                         lambda again: policy.spans("forward", rollouts, torch.tensor(again, device=mask.device), micro),
+                         run)
+        if budget is not None:
+            budget.note("student", [s.tokens(tp) for s in ran])
         return states
 
     def _teacher_hidden(self, policy: TeacherModel, ids: Tensor, mask: Tensor, c: int) -> Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -24,11 +25,11 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from scgrpo.budget import Span, active, measuring, row_extents, whole_rows
+from scgrpo.budget import Span, active, measuring, row_extents, run_passes, whole_rows
 from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
 from scgrpo.objectives import Credit, LossInputs, LossOutput, Objective
 from scgrpo.objectives.functional import masked_mean
-from scgrpo.policy import Policy
+from scgrpo.policy import Policy, attention_backends
 from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 
 NONFINITE = "nonfinite"
@@ -239,27 +240,55 @@ class PolicyUpdate:
         rows, and ``nonfinite`` (> 0 on every rank when any rank met a NaN/inf loss)."""
         world = world_size()
         local: dict[str, float] = defaultdict(float)
-        for i in range(plan.num_chunks):
+        tp = rollouts.prompt_ids.shape[1]
+        backward_begun, current = False, 0
+
+        def run(i: int) -> None:
+            nonlocal backward_begun, current
+            current = i
             real = i < len(plan.chunks)
             # a rank with fewer chunks runs a zero-weight pass on row 0 so that its collectives match
             chunk = plan.chunks[i] if real else torch.zeros(1, dtype=torch.long, device=plan.rows.device)
             span = plan.spans[i] if real and plan.spans is not None else None
             budget = self.policy.budget if span is not None else None  # (a budget's own spans only)
-            tokens = span.tokens(rollouts.prompt_ids.shape[1]) if span is not None else 0
+            tokens = span.tokens(tp) if span is not None else 0
             fixed = budget.logit_fixed(self.policy.chunk_size()) if budget is not None else 0.0
+            booked = dataclasses.replace(self.mismatch)  # (a forward that runs out of memory is booked again)
+            backward_begun = False
             with measuring(budget, plan.kind, tokens, fixed):
-                with record_function("scgrpo.update.forward"):
-                    out, entropy = self.policy.runner(
-                        lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step, span))
+                try:
+                    with record_function("scgrpo.update.forward"):
+                        out, entropy = self.policy.runner(
+                            lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step, span))
+                except BaseException:
+                    self.mismatch = booked
+                    raise
                 finite = bool(torch.isfinite(out.loss))
                 if not finite:  # counted and reported once per step by the guard
                     local[NONFINITE] += 1
                 if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
                     # FSDP averages gradients over ranks; each rank's loss is its share of the global one
-                    with record_function("scgrpo.update.backward"):
+                    backward_begun = True
+                    with record_function("scgrpo.update.backward"), attention_backends(self.device):
                         self.backward(out.loss * (world if real else 0.0))
             if finite and real:
                 self._book(local, out, entropy, share=len(chunk) / max(len(plan.rows), 1))
+
+        def replan(rows: list[int]) -> range:
+            """The plan's passes from the failed one on, planned again (one process: they are all this rank's);
+            the plan keeps them for the batch's later optimisation passes."""
+            again = torch.tensor(rows, dtype=torch.long, device=plan.rows.device)
+            spans = self.policy.spans(plan.kind, rollouts, again, self.micro_batch_size,
+                                      self.policy.budget.logit_fixed(self.policy.chunk_size()))
+            plan.spans[current:] = spans
+            plan.chunks[current:] = [span.rows for span in spans]
+            plan.num_chunks = len(plan.chunks)
+            self.policy.budget.note("update", [span.tokens(tp) for span in plan.spans])
+            return range(current, plan.num_chunks)
+
+        run_passes(self.policy.budget if plan.spans is not None else None, plan.kind, range(plan.num_chunks),
+                   lambda i: plan.chunks[i].tolist() if i < len(plan.chunks) else [0], replan, run,
+                   undone=lambda: not backward_begun)
         if world > 1:
             sums.add(NONFINITE, all_reduce([local[NONFINITE]], "max", self.device)[0])
             sums.add("loss", all_reduce([local["loss"]], device=self.device)[0])

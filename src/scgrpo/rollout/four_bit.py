@@ -31,7 +31,8 @@ STREAM_CHUNK = 1 << 30
 STREAM_KERNEL = "dequantize"
 """How a streamed projection multiplies: "dequantize" (bitsandbytes' kernel into the scratch, then a matmul) or
 "fused" (:mod:`scgrpo.rollout.nf4_matmul`: the codes read inside the matmul, nf4 weights only; the others are
-dequantized). Benchmarks set it (``scripts/bench_step.py``'s ``qwen8b_sampling_streamed_fused``)"""
+dequantized). Benchmarks set it (``scripts/bench_step.py``'s ``qwen8b_sampling_streamed_fused``); measured on an H200
+(64 rows, Qwen3-8B shapes) it took 119.5 ms a decode step against 17.4 ms dequantizing, so it stays off"""
 
 
 def resident_fits(copy: int, left: int, kept: bool = False) -> bool:
