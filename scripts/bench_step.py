@@ -353,8 +353,12 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
     defaults = policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL
     policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES = cudnn_attention, shared_teacher_passes
     four_bit_module.STREAM_KERNEL = stream_kernel
+    error = None
     try:
         trainer.fit(module, data)
+    except Exception as err:  # noqa: BLE001 - a failed case keeps the steps it finished; the next case runs
+        error = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        print(f"[{name}] failed after {len(recorder.steps)} step(s): {error}", flush=True)
     finally:
         policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL = defaults
         if limited:
@@ -371,9 +375,13 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
         "stream_kernel": stream_kernel,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
-        "total_wall_s": time.perf_counter() - start, "steps": recorder.steps[warmup:],
+        "total_wall_s": time.perf_counter() - start,
+        # (a failed case: every step it finished, warm-up included, and the error)
+        "steps": recorder.steps[warmup:] if error is None else recorder.steps,
     }
-    result.update(summarise(recorder.steps[warmup:]))
+    result.update(summarise(result["steps"]))
+    if error is not None:
+        result["error"] = error
     if limited:  # the whole run's (model loading included), not only the measured steps'
         result["process_peak_reserved_gib"] = process_peak
     if result.get("wall_s"):
