@@ -495,13 +495,16 @@ def markdown(results: list[dict]) -> str:
 
 def write_results(path: str, results: list[dict], plan_names: list[str], header: dict) -> list[dict]:
     """Writes the results file: this command's runs, and the other runs of the plan from an earlier file of the
-    same card. Returns the runs written, in plan order."""
+    same card. Each run names the tree (``commit``) and the GPUs of the command that ran it; the header, the last
+    command's. Returns the runs written, in plan order."""
     kept: dict[str, dict] = {}
     if os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f)
         if earlier.get("card") == header["card"]:
-            kept = {r["name"]: r for r in earlier.get("runs", []) if r["name"] in plan_names}
+            # an earlier run keeps the tree and GPU count of the command that ran it
+            kept = {r["name"]: {"commit": earlier.get("commit"), "gpus": earlier.get("gpus"), **r}
+                    for r in earlier.get("runs", []) if r["name"] in plan_names}
             header["commands"] = list(dict.fromkeys([*earlier.get("commands", []), *header["commands"]]))
     kept.update({r["name"]: r for r in results})
     runs = [kept[n] for n in plan_names if n in kept]
@@ -615,7 +618,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"peak reserved {'-' if peak is None else f'{peak:.2f}'} GiB of {run.cap_gib:g}"
                   + (f"; {result['error']}" if result.get("error") else ""), flush=True)
         with lock:
-            results.append({**result, "date": time.strftime("%Y-%m-%d"), "command_line": command})
+            results.append({**result, "date": time.strftime("%Y-%m-%d"), "command_line": command,
+                            "commit": header["commit"], "gpus": here})
             runs = write_results(out, results, plan_names, dict(header))  # after each run: a cut command keeps them
 
     try:

@@ -335,30 +335,34 @@ def _fails_over(limit: int):
 
 
 def test_a_pass_that_runs_out_of_memory_is_planned_again_in_smaller_passes(monkeypatch, caplog):
-    from scgrpo.budget import SPLIT_GROWTH, run_passes
+    """The cost of the failed kind becomes twice the larger of itself and what the room allows the failed pass, so
+    that its rows are planned in at least two passes; the rows of the passes after it are planned with them."""
+    from scgrpo.budget import run_passes
 
     FakeCard(monkeypatch, allocated=0)
     budget = _budget(10.0)
     budget.begin_step()
-    cost = budget.costs["forward"]
+    room, per_row = budget.room(), 100  # tokens a row
+    budget.costs["forward"] = room / (8 * per_row)  # the estimate: all 8 rows fit one pass
     replans = []
 
-    def replan(rows):  # as a budget packs: room for 5 rows at the first cost, fewer as it grows
+    def replan(rows):  # as a budget packs: as many rows a pass as the room holds at the cost now
         replans.append(list(rows))
-        per_pass = max(int(5 * cost / budget.costs["forward"]), 1)
+        per_pass = max(int(room / (budget.costs["forward"] * per_row)), 1)
         return [rows[k : k + per_pass] for k in range(0, len(rows), per_pass)]
 
-    run, done = _fails_over(1)
+    run, done = _fails_over(1)  # (the card holds one row a pass, whatever the estimate says)
     with caplog.at_level("WARNING", logger="scgrpo.budget"):
-        run_passes(budget, "forward", [[0], [1, 2, 3, 4, 5], [6, 7]], list, replan, run)
+        run_passes(budget, "forward", [[0], [1, 2, 3, 4, 5], [6, 7]], list, lambda rows: per_row * len(rows), replan, run)
     assert sorted(done) == list(range(8)) and len(done) == 8  # every row once
     assert done[0] == 0  # the passes before the failure stand
     assert replans[0] == [1, 2, 3, 4, 5, 6, 7]  # the failed pass's rows and every later pass's, planned again
-    assert replans[1] == [1, 2, 3, 4, 5, 6, 7]  # [1, 2] failed too: 2 rows a pass at twice the cost, 1 at four times
-    assert budget.chosen["split_passes"] == len(replans) == 2
-    assert budget.costs["forward"] == pytest.approx(cost * SPLIT_GROWTH ** 2) and "forward" in budget.measured
+    # 5 rows failed: 2 x room / 5 rows a row (above the estimate): 2 rows a pass; [1, 2] failed: room / 1 row: 1 a pass
+    assert replans[1] == [1, 2, 3, 4, 5, 6, 7] and len(replans) == budget.chosen["split_passes"] == 2
+    assert budget.costs["forward"] == pytest.approx(room / per_row) and "forward" in budget.measured
     warnings = [r.getMessage() for r in caplog.records if r.name == "scgrpo.budget"]
-    assert len(warnings) == 1 and "forward pass of 5 rows ran out of GPU memory within the 10.0 GiB budget" in warnings[0]
+    assert len(warnings) == 1
+    assert "forward pass of 5 rows (500 tokens) ran out of GPU memory within the 10.0 GiB budget" in warnings[0]
     assert budget.metrics()["memory/split_passes"] == 2.0
     budget.begin_step()
     assert budget.metrics()["memory/split_passes"] != budget.metrics()["memory/split_passes"]  # NaN: none this step
@@ -384,7 +388,7 @@ def test_a_failure_that_cannot_be_split_passes_on(case, monkeypatch):
         def run(rows):  # noqa: F811
             raise RuntimeError("a shape mismatch")
     with pytest.raises(RuntimeError):
-        budget_module.run_passes(budget, "forward", items, list, lambda rows: [rows], run, undone)
+        budget_module.run_passes(budget, "forward", items, list, len, lambda rows: [rows], run, undone)
     if budget is not None:
         assert budget.chosen.get("split_passes") is None and "forward" not in budget.measured
 
@@ -463,6 +467,9 @@ def test_an_update_pass_that_runs_out_of_memory_in_its_forward_is_split_and_give
     plan, split_loss, split_grads = run(update)
     assert seen[0] == 8 and budget.chosen["split_passes"] >= 1 and all(len(s.rows) <= 3 for s in plan.spans)
     assert plan.num_chunks == len(plan.chunks) == len(plan.spans) == budget.chosen["update_passes"]
+    # planned again as a step's passes are (checkpointing chosen again at the raised costs): kind and network agree
+    assert plan.kind == ("train_checkpointed" if module.actor.checkpointing else "train")
+    assert budget.chosen["gradient_checkpointing"] == float(module.actor.checkpointing)
     assert sorted(torch.cat(plan.chunks).tolist()) == list(range(8))
     assert split_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
     for g, want in zip(split_grads, grads):

@@ -316,17 +316,18 @@ def test_steps_are_counted_in_the_metrics_and_the_error_line_is_found(tmp_path):
 
 def test_results_of_a_partial_command_join_the_earlier_ones_of_the_same_card(tmp_path):
     path = str(tmp_path / "gpu_configs_h100.json")
-    header = {"card": "NVIDIA H100 80GB HBM3", "commands": ["first"]}
+    header = {"card": "NVIDIA H100 80GB HBM3", "commands": ["first"], "commit": "c1", "gpus": 2}
     a = {"name": "a", "configs": ["configs/a.yaml"], "status": "passed", "steps": 3, "steps_planned": 3,
          "wall_s": 40.0, "peak_reserved_gib": 1.5, "peak_allocated_gib": 1.0, "cap_gib": 22.0}
     b = {"name": "b", "configs": ["configs/b.yaml", "configs/l.yaml"], "status": "failed", "steps": 1,
          "steps_planned": 3, "wall_s": 30.0, "peak_reserved_gib": 22.0, "peak_allocated_gib": None, "cap_gib": 22.0,
          "error": "torch.OutOfMemoryError: CUDA out of memory"}
     check.write_results(path, [a], ["a", "b", "c"], dict(header))
-    runs = check.write_results(path, [b], ["a", "b", "c"], dict(header, commands=["second"]))
+    runs = check.write_results(path, [b], ["a", "b", "c"], dict(header, commands=["second"], commit="c2", gpus=1))
     assert [r["name"] for r in runs] == ["a", "b"]
     saved = json.load(open(path))
-    assert saved["commands"] == ["first", "second"] and saved["runs"] == [a, b]
+    assert saved["commands"] == ["first", "second"] and saved["runs"] == [dict(a, commit="c1", gpus=2), b]
+    assert saved["commit"] == "c2" and saved["gpus"] == 1  # (the last command's; each earlier run keeps its own)
     table = check.markdown(runs)
     row = "| b.yaml + l.yaml | failed | 1/3 | 30 | 22.00 | - | 22 | torch.OutOfMemoryError: CUDA out of memory |"
     assert row in table

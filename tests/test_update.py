@@ -395,3 +395,12 @@ def test_a_steps_passes_on_a_gpu_leave_out_cudnn_attention_and_put_the_backends_
     monkeypatch.setattr(policy_module, "CUDNN_ATTENTION", True)
     with policy_module.attention_backends(torch.device("cuda", 0)):
         assert backends.cudnn_sdp_enabled()
+    monkeypatch.setattr(policy_module, "CUDNN_ATTENTION", False)
+    backends.enable_flash_sdp(False)  # the process's own choice stands inside, less cuDNN
+    try:
+        with policy_module.attention_backends(torch.device("cuda", 0)):
+            assert not backends.flash_sdp_enabled() and not backends.cudnn_sdp_enabled()
+            assert backends.mem_efficient_sdp_enabled()
+        assert not backends.flash_sdp_enabled() and backends.cudnn_sdp_enabled()
+    finally:
+        backends.enable_flash_sdp(True)

@@ -17,10 +17,10 @@ peak (``torch.cuda.max_memory_allocated`` above what was allocated when it began
 pass becomes the largest measured, so later steps are sized by what the passes really took.
 
 A pass that runs out of memory anyway (a cost measured on shorter rows, a fragmented cache, another process on the
-card) is not the end of the step: its kind's cost per token is doubled, the cached blocks are released, and its rows
-and those of the passes after it are planned again (:func:`run_passes`; ``memory/split_passes`` counts them). Only a
-pass of one row, a backward, or a pass on several ranks (whose passes must pair up) still fails, with the one-line
-message of :mod:`scgrpo.oom`.
+card) is not the end of the step: the cached blocks are released, its kind's cost per token is raised so that such a
+pass no longer fits (at least doubled), and its rows and those of the passes after it are planned again
+(:func:`run_passes`; ``memory/split_passes`` counts them). Only a pass of one row, a backward, or a pass on several
+ranks (whose passes must pair up) still fails, with the one-line message of :mod:`scgrpo.oom`.
 
 On CPU there is no budget: passes run ``micro_batch_size`` rows at a time in batch order, uncut, as they always
 did (the same numbers bit for bit).
@@ -64,8 +64,8 @@ FLOOR_SHARE = 0.25
 """A measured cost is taken no lower than this share of the shape-based estimate (a pass whose peak fell inside
 memory freed during it would otherwise read as almost free)"""
 SPLIT_GROWTH = 2.0
-"""After a pass runs out of memory, its kind's cost per token is multiplied by this before its rows are planned
-again (:func:`run_passes`)"""
+"""After a pass runs out of memory, its kind's cost per token becomes this times the larger of the cost and what
+would have let the pass fit the room left (:meth:`MemoryBudget.missed`), before its rows are planned again"""
 LOGIT_COPIES = 3
 """fp32 [tokens, V] blocks alive at once while a chunk of log-probs (or of a divergence, per model) is computed"""
 
@@ -143,16 +143,18 @@ def pack(first: list[int], width: list[int], prompt_width: int, per_token: float
 Item = TypeVar("Item")
 
 
-def run_passes(budget: Optional["MemoryBudget"], kind: str, items: Sequence[Item], rows_of: Callable[[Item], list[int]],
+def run_passes(budget: Optional["MemoryBudget"], kind: str | Callable[[], str], items: Sequence[Item],
+               rows_of: Callable[[Item], list[int]], tokens_of: Callable[[Item], int],
                replan: Callable[[list[int]], Sequence[Item]], run: Callable[[Item], None],
                undone: Callable[[], bool] = lambda: True) -> list[Item]:
     """``run(item)`` for each planned pass of ``items``. Under an active budget on one process, a pass of several rows
-    that runs out of GPU memory is given up: the cost of ``kind`` is raised (:meth:`MemoryBudget.missed`), the cached
-    blocks released, and its rows with those of every later pass are planned again (``replan(rows)``) and run. The
-    failed ``run`` must have left nothing half done (what it wrote is written again by the passes that replace it);
-    ``undone()`` says whether it did, when it was asked at the failure (an update's backward had begun: False). Without
-    a budget, on several ranks, for a pass of one row or a pass not undone, the error passes on. Returns the passes
-    that ran."""
+    that runs out of GPU memory is given up: the cost of ``kind`` (or of what ``kind()`` says now) is raised so that
+    such a pass no longer fits (:meth:`MemoryBudget.missed`), the cached blocks are released, and its rows with those
+    of every later pass are planned again (``replan(rows)``) and run. The failed ``run`` must have left nothing half
+    done (what it wrote is written again by the passes that replace it); ``undone()`` says whether it did, when it
+    was asked at the failure (an update's backward had begun, a buffer for the whole batch was being allocated:
+    False). Without a budget, on several ranks, for a pass of one row or a pass not undone, the error passes on.
+    Returns the passes that ran."""
     pending, ran = list(items), []
     while pending:
         item = pending.pop(0)
@@ -165,7 +167,7 @@ def run_passes(budget: Optional["MemoryBudget"], kind: str, items: Sequence[Item
                     and world_size() == 1 and undone()):
                 raise
         rows = [row for failed in (item, *pending) for row in rows_of(failed)]  # (the error and its frames are gone)
-        budget.missed(kind, len(rows_of(item)))
+        budget.missed(kind() if callable(kind) else kind, len(rows_of(item)), tokens_of(item))
         pending = list(replan(rows))
     return ran
 
@@ -274,21 +276,23 @@ class MemoryBudget:
             self.chosen[f"{phase}_passes"] = float(len(tokens))
             self.chosen[f"{phase}_tokens_per_pass"] = float(max(tokens))
 
-    def missed(self, kind: str, rows: int) -> None:
-        """A pass of ``kind`` over ``rows`` rows ran out of memory: its cost per token is multiplied by
-        :data:`SPLIT_GROWTH` (and no later measurement lowers it), the allocator's cached blocks are released, and the
-        step's ``memory/split_passes`` counts it; the first time, a warning says so."""
-        self.costs[kind] = SPLIT_GROWTH * self.costs[kind]
+    def missed(self, kind: str, rows: int, tokens: int) -> None:
+        """A pass of ``kind`` over ``rows`` rows (``tokens`` padded tokens) ran out of memory: the allocator's cached
+        blocks are released, and the cost per token of ``kind`` is raised to :data:`SPLIT_GROWTH` times the larger of
+        itself and what the room left now allows such a pass (so that the failed pass's rows are planned in at least two
+        passes; no later measurement lowers it). The step's ``memory/split_passes`` counts it; the first time, a
+        warning says so."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.costs[kind] = SPLIT_GROWTH * max(self.costs[kind], max(self.room(), 0.0) / max(tokens, 1))
         self.measured.add(kind)
         split = self.chosen.get("split_passes", float("nan"))
         self.chosen["split_passes"] = 1.0 if split != split else split + 1.0
         if not self._warned_split:
-            log.warning("a %s pass of %d rows ran out of GPU memory within the %.1f GiB budget; its rows are planned "
-                        "again at %.0f KiB a token (memory/split_passes counts such passes)", kind.replace("_", " "),
-                        rows, self.total / GIB, self.costs[kind] / 1024)
+            log.warning("a %s pass of %d rows (%d tokens) ran out of GPU memory within the %.1f GiB budget; its rows "
+                        "are planned again at %.0f KiB a token (memory/split_passes counts such passes)",
+                        kind.replace("_", " "), rows, tokens, self.total / GIB, self.costs[kind] / 1024)
             self._warned_split = True
-        gc.collect()
-        torch.cuda.empty_cache()
 
     def fits(self, kind: str, tokens: int, fixed: float = 0.0) -> bool:
         return fixed + self.costs[kind] * tokens <= self.room()

@@ -31,14 +31,19 @@ and widths follow the sampled lengths). The rollout engine's own passes are not 
 
 
 def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
-    """The context of a step's forward and backward passes on ``device``: on a GPU without cuDNN's attention
-    unless :data:`CUDNN_ATTENTION` (a backward recomputing a checkpointed layer must pick the kernel its forward
-    did, so the update's backward runs inside it too); elsewhere nothing."""
+    """The context of a step's forward and backward passes on ``device``: on a GPU, the attention kernels the process
+    allows less cuDNN's, unless :data:`CUDNN_ATTENTION` (a backward recomputing a checkpointed layer must pick the
+    kernel its forward did, so the update's backward runs inside it too); elsewhere nothing."""
     if device.type != "cuda" or CUDNN_ATTENTION:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    flags = torch.backends.cuda
+    kept = [backend for backend, on in ((SDPBackend.FLASH_ATTENTION, flags.flash_sdp_enabled()),
+                                        (SDPBackend.EFFICIENT_ATTENTION, flags.mem_efficient_sdp_enabled()),
+                                        (SDPBackend.MATH, flags.math_sdp_enabled())) if on]
+    # (the process's own choice stands, less cuDNN; where it allowed cuDNN alone, cuDNN it is)
+    return sdpa_kernel(kept) if kept else contextlib.nullcontext()
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -264,7 +269,7 @@ class Policy:
             logprobs[span.rows, : span.width] = lp
             entropies[span.rows, : span.width] = ent
 
-        ran = run_passes(budget, "forward", spans, span_rows,
+        ran = run_passes(budget, "forward", spans, span_rows, lambda span: span.tokens(tp),
                          lambda rows: self.spans("forward", rollouts, torch.tensor(rows, device=self.device), max_rows,
                                                  fixed), run)
         if budget is not None:

@@ -260,10 +260,10 @@ class PolicyUpdate:
                     with record_function("scgrpo.update.forward"):
                         out, entropy = self.policy.runner(
                             lambda: self.micro_batch_loss(rollouts, chunk, plan, real, step, span))
+                    finite = bool(torch.isfinite(out.loss))
                 except BaseException:
                     self.mismatch = booked
                     raise
-                finite = bool(torch.isfinite(out.loss))
                 if not finite:  # counted and reported once per step by the guard
                     local[NONFINITE] += 1
                 if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
@@ -275,20 +275,20 @@ class PolicyUpdate:
                 self._book(local, out, entropy, share=len(chunk) / max(len(plan.rows), 1))
 
         def replan(rows: list[int]) -> range:
-            """The plan's passes from the failed one on, planned again (one process: they are all this rank's);
+            """The plan's passes from the failed one on, planned again as a step's are (one process: they are all
+            this rank's; with ``auto_checkpointing`` the choice of checkpointing is made again at the raised cost);
             the plan keeps them for the batch's later optimisation passes."""
-            again = torch.tensor(rows, dtype=torch.long, device=plan.rows.device)
-            spans = self.policy.spans(plan.kind, rollouts, again, self.micro_batch_size,
-                                      self.policy.budget.logit_fixed(self.policy.chunk_size()))
+            spans, plan.kind = self._micro_batches(rollouts, torch.tensor(rows, dtype=torch.long, device=plan.rows.device))
             plan.spans[current:] = spans
             plan.chunks[current:] = [span.rows for span in spans]
             plan.num_chunks = len(plan.chunks)
             self.policy.budget.note("update", [span.tokens(tp) for span in plan.spans])
             return range(current, plan.num_chunks)
 
-        run_passes(self.policy.budget if plan.spans is not None else None, plan.kind, range(plan.num_chunks),
-                   lambda i: plan.chunks[i].tolist() if i < len(plan.chunks) else [0], replan, run,
-                   undone=lambda: not backward_begun)
+        run_passes(self.policy.budget if plan.spans is not None else None, lambda: plan.kind, range(plan.num_chunks),
+                   lambda i: plan.chunks[i].tolist() if i < len(plan.chunks) else [0],
+                   lambda i: plan.spans[i].tokens(tp) if plan.spans is not None and i < len(plan.spans) else 0,
+                   replan, run, undone=lambda: not backward_begun)
         if world > 1:
             sums.add(NONFINITE, all_reduce([local[NONFINITE]], "max", self.device)[0])
             sums.add("loss", all_reduce([local["loss"]], device=self.device)[0])
