@@ -224,3 +224,50 @@ def test_a_handle_neither_compares_nor_hashes_nor_outlives_its_process():
     worker.generation = 2
     with pytest.raises(RuntimeError, match="Stack object is gone"):
         handle._handle()
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
+def test_the_sandbox_starts_an_interpreter_that_lives_under_tmp(mode, tmp_path):
+    """A venv under /tmp (where ``python3 -m venv /tmp/v`` puts it) is bound on top of the sandbox's own /tmp, not
+    hidden by it: a program runs and scores from such an interpreter."""
+    import site
+    import subprocess
+    import sys
+    import venv
+
+    from tests.verifiers.test_code_attacks import mode_unavailable
+
+    if mode_unavailable(mode):
+        pytest.skip(mode_unavailable(mode))
+    assert str(tmp_path).startswith("/tmp/") or pytest.skip("the test's folder is not under /tmp here")
+    folder = tmp_path / "venv"
+    venv.create(folder, with_pip=False)
+    script = ("import sys\nfrom scgrpo.verifiers.sandbox import Sandbox\nbox = Sandbox(sys.argv[1])\n"
+              "out = box.run('def f(x):\\n    return x + 1\\n', [{'type': 'call', 'fn': 'f', 'args': [1]}])\n"
+              "print(box.mode, sys.prefix, out.results, out.failure)\n")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, *site.getsitepackages(), *sys.path[1:]]))
+    done = subprocess.run([str(folder / "bin" / "python"), "-c", script, mode], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [mode, str(folder), "[{'value':", "2}]", "None"]
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_code_test_skips_with_the_reason_where_no_sandbox_starts_unless_one_is_required(required, tmp_path):
+    import subprocess
+    import sys
+
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("from scgrpo.verifiers.sandbox import SandboxError\n\n\ndef test_probe():\n"
+                     "    raise SandboxError('no sandbox works here: bwrap: not installed')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "SCGRPO_REQUIRE_SANDBOX"}
+    if required:
+        env["SCGRPO_REQUIRE_SANDBOX"] = "1"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           str(probe)], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    if required:
+        assert "1 failed" in done.stdout
+    else:
+        assert "1 skipped" in done.stdout and "the code sandbox cannot start here: no sandbox works here" in done.stdout

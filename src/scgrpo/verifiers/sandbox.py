@@ -285,7 +285,9 @@ class Sandbox:
             command += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
             command += ["--unshare-user"]
-        made = set()
+        # the writable /tmp first: an interpreter that lives under /tmp (a venv there) is bound on top of it, not hidden
+        command += ["--size", str(lim.disk_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
+        made = {"/tmp"}
         for path in self.binds:
             for parent in _ancestors(path):
                 if parent not in made and not any(parent == b for b in self.binds):
@@ -295,8 +297,7 @@ class Sandbox:
         for link, target in self.links:
             command += ["--symlink", target, link]
         command += ["--dev", "/dev", "--size", str(1 << 20), "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
-                    "--size", str(lim.disk_mb << 20), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp",
-                    "--clearenv"]
+                    "--chdir", "/tmp", "--clearenv"]
         for key, value in env.items():
             command += ["--setenv", key, value]
         return command

@@ -180,13 +180,14 @@ def _build_root(libc, root, layout):
     _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for link, target in layout["symlinks"]:
         os.symlink(target, root + link)
+    # the writable /tmp first: an interpreter that lives under /tmp (a venv there) is bound on top of it, not hidden
+    os.makedirs(root + "/tmp", mode=0o755, exist_ok=True)
+    _mount(libc, "tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={layout['disk_mb']}m,mode=1777")
     for path in layout["binds"]:
         target = root + path
         os.makedirs(target, mode=0o755, exist_ok=True)
         _mount(libc, path, target, None, MS_BIND | MS_REC)
         _mount(libc, None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.makedirs(root + "/tmp", mode=0o755, exist_ok=True)
-    _mount(libc, "tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={layout['disk_mb']}m,mode=1777")
     os.makedirs(root + "/dev", mode=0o755)
     for name in ("null", "zero", "full", "random", "urandom"):
         open(root + "/dev/" + name, "w").close()
