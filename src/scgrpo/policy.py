@@ -25,7 +25,7 @@ from scgrpo.rollout.types import RolloutBatch
 
 CUDNN_ATTENTION = False
 """Whether the passes of a step (scoring, teacher, update, their backward) may use cuDNN's attention. Off: PyTorch
-picks among its flash, memory-efficient and math kernels. cuDNN's attention builds an execution plan for each new
+picks among the other kernels the process allows (flash, memory-efficient, math). cuDNN's attention builds an execution plan for each new
 shape of a pass, tens of milliseconds of host time, and a step's passes change shape from step to step (their rows
 and widths follow the sampled lengths). The rollout engine's own passes are not affected."""
 
