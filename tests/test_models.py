@@ -96,3 +96,56 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_with_the_fix(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="scgrpo.models"):
         models.warn_if_slow_cpu_dtype(torch.bfloat16, "cpu")
     assert not caplog.records
+
+
+def _convert_in_a_process(gguf: str, cache: str, calls: str, start, results) -> None:
+    """One process of the test below: resolve_model on a GGUF file whose conversion takes a while and says so."""
+    import os
+    import time
+    from pathlib import Path
+
+    os.environ["SCGRPO_CACHE"] = cache
+
+    def slow_conversion(gguf_path: Path, out_dir: Path) -> Path:  # as dequantize_gguf: the folder appears at once
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)
+        tmp = out_dir.parent / (out_dir.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_text(str(os.getpid()))
+        if out_dir.exists():
+            import shutil
+
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+        return out_dir
+
+    models.dequantize_gguf = slow_conversion
+    start.wait()
+    folder = models.resolve_model(gguf)
+    results.put((folder, Path(folder, "model.safetensors").read_text()))
+
+
+def test_processes_that_convert_one_gguf_file_at_once_convert_it_once_and_read_the_same_folder(tmp_path):
+    """Two processes (two ranks of a run, on an empty cache) resolve the same GGUF file together: one converts, the
+    other waits for it and reads the finished folder (before the lock both converted, and one replaced the folder
+    the other was reading)."""
+    import multiprocessing
+
+    gguf, calls = tmp_path / "model.gguf", tmp_path / "calls.txt"
+    gguf.write_bytes(b"GGUF")
+    context = multiprocessing.get_context("fork")
+    start, results = context.Event(), context.Queue()
+    workers = [context.Process(target=_convert_in_a_process,
+                               args=(str(gguf), str(tmp_path / "cache"), str(calls), start, results)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    got = [results.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    assert all(worker.exitcode == 0 for worker in workers)
+    assert len(calls.read_text().split()) == 1  # converted once
+    (folder, writer), (other, read) = got
+    assert folder == other and writer == read == calls.read_text().split()[0]
+    assert (tmp_path / "cache" / "models").is_dir() and folder.startswith(str(tmp_path / "cache" / "models"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -101,6 +102,27 @@ def dequantize_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def converted(gguf_path: Path, out_dir: Path) -> Path:
+    """``out_dir``, converted from ``gguf_path`` once (:func:`dequantize_gguf`). A lock file beside it serialises the
+    conversion across processes (the ranks of one run, runs sharing a cache): the first converts, the others wait for
+    it and read the folder it wrote, never one half written or being replaced."""
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f"{out_dir.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish converting %s into %s", gguf_path, out_dir)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if (out_dir / "model.safetensors").is_file():  # (converted while this process waited)
+                return out_dir
+            return dequantize_gguf(gguf_path, out_dir)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _gguf_cache_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}".encode()).hexdigest()[:10]
@@ -151,16 +173,14 @@ def check_model_folder(path: Path) -> None:
 
 def resolve_model(name: str) -> str:
     """A folder or hub id that ``from_pretrained`` reads: the embedded SmolLM2 and GGUF files are converted
-    once into the cache; local folders and hub ids pass through."""
+    once into the cache (one process at a time, :func:`converted`); local folders and hub ids pass through."""
     if name == SMOLLM2:
         gguf = smollm2_gguf_path()
-        out = cache_root() / "models" / "SmolLM2-135M-Instruct"
-        return str(out if (out / "model.safetensors").is_file() else dequantize_gguf(gguf, out))
+        return str(converted(gguf, cache_root() / "models" / "SmolLM2-135M-Instruct"))
     check_model_name(name)
     path = Path(os.path.expanduser(name))
     if name.endswith(".gguf"):
-        out = _gguf_cache_dir(path)
-        return str(out if (out / "model.safetensors").is_file() else dequantize_gguf(path, out))
+        return str(converted(path, _gguf_cache_dir(path)))
     if path.exists():
         return str(path)
     return name  # a hub id
