@@ -15,9 +15,9 @@ the training forward itself (LoRA dropout included).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
