@@ -147,18 +147,13 @@ def _fail_in(phase: str, patch, after: int = FAILING_STEP) -> None:
         if global_step == after:
             raise torch.OutOfMemoryError(FAILED)
 
-    if phase == "rollout":
-        sample = rollout.sample_rollouts
-        patch.setattr(rollout, "sample_rollouts",
-                      lambda module, batch: fails(module.global_step) or sample(module, batch))
-    elif phase == "scoring":
-        score = RLVRModule.score_rollouts
-        patch.setattr(RLVRModule, "score_rollouts",
-                      lambda self, rollouts: fails(self.global_step) or score(self, rollouts))
-    elif phase == "teacher":
-        teach = RLVRModule.run_self_teacher
-        patch.setattr(RLVRModule, "run_self_teacher",
-                      lambda self, rollouts: fails(self.global_step) or teach(self, rollouts))
+    # the phases entered through a call of (module, batch or rollouts): that call fails first
+    entries = {"rollout": (rollout, "sample_rollouts"), "scoring": (RLVRModule, "score_rollouts"),
+               "teacher": (RLVRModule, "run_self_teacher")}
+    if phase in entries:
+        owner, name = entries[phase]
+        original = getattr(owner, name)
+        patch.setattr(owner, name, lambda module, data: fails(module.global_step) or original(module, data))
     elif phase == "update":
         accumulate = PolicyUpdate.accumulate
 

@@ -29,7 +29,6 @@ did (the same numbers bit for bit).
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
@@ -38,7 +37,7 @@ import torch
 from torch import Tensor
 
 from scgrpo.distributed import world_size
-from scgrpo.oom import is_out_of_memory
+from scgrpo.oom import is_out_of_memory, release_memory
 from scgrpo.rollout.memory import memory_free
 
 log = logging.getLogger(__name__)
@@ -282,8 +281,7 @@ class MemoryBudget:
         itself and what the room left now allows such a pass (so that the failed pass's rows are planned in at least two
         passes; no later measurement lowers it). The step's ``memory/split_passes`` counts it; the first time, a
         warning says so."""
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
         self.costs[kind] = SPLIT_GROWTH * max(self.costs[kind], max(self.room(), 0.0) / max(tokens, 1))
         self.measured.add(kind)
         split = self.chosen.get("split_passes", float("nan"))

@@ -97,10 +97,12 @@ def _advice(phase: str, module, budget: Optional[float]) -> str:
     return ", ".join(actions[:-1]) + " or " + actions[-1] if len(actions) > 1 else actions[0]
 
 
-def release_memory(err: BaseException) -> None:
-    """Lets go of what a failed phase held: the tensors in the finished frames of ``err``'s traceback (the
-    traceback still prints; their local variables are gone) and PyTorch's cached blocks."""
-    traceback.clear_frames(err.__traceback__)  # (frames still running are left as they are)
+def release_memory(err: Optional[BaseException] = None) -> None:
+    """Lets go of what a failed phase or pass held: the tensors in the finished frames of ``err``'s traceback (the
+    traceback still prints; their local variables are gone), what only reference cycles still hold, and PyTorch's
+    cached blocks."""
+    if err is not None:
+        traceback.clear_frames(err.__traceback__)  # (frames still running are left as they are)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
