@@ -293,9 +293,11 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None,
              profile: Optional[str] = None, fused_lora: bool = True, fused_16bit: bool = True,
              cudnn_attention: bool = False, shared_teacher_passes: bool = True,
-             stream_kernel: str = "dequantize") -> dict[str, Any]:
+             stream_kernel: str = "dequantize", packed: bool = True, packed_update: bool = True,
+             pack_width: Optional[int] = None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
+    from scgrpo import packing as packing_module
     from scgrpo import policy as policy_module
     from scgrpo import selfteacher as selfteacher_module
     from scgrpo.rollout import four_bit as four_bit_module
@@ -350,9 +352,11 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         torch.cuda.set_per_process_memory_fraction(memory_fraction_gib * 2**30 / torch.cuda.mem_get_info()[1])
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    defaults = policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL
+    defaults = (policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL,
+                packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH)
     policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES = cudnn_attention, shared_teacher_passes
-    four_bit_module.STREAM_KERNEL = stream_kernel
+    four_bit_module.STREAM_KERNEL, packing_module.ENABLED, packing_module.TRAINING = stream_kernel, packed, packed_update
+    packing_module.PACK_WIDTH = pack_width or packing_module.PACK_WIDTH
     error = None
     try:
         trainer.fit(module, data)
@@ -360,7 +364,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         error = f"{type(err).__name__}: {' '.join(str(err).split())}"
         print(f"[{name}] failed after {len(recorder.steps)} step(s): {error}", flush=True)
     finally:
-        policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL = defaults
+        (policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL,
+         packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH) = defaults
         if limited:
             process_peak = torch.cuda.max_memory_reserved() / 2**30
             torch.cuda.set_per_process_memory_fraction(1.0)
@@ -373,7 +378,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "logprob_chunk_size": logprob_chunk_size, "four_bit": four_bit, "memory_budget_gib": memory_budget_gib,
         "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
         "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
-        "stream_kernel": stream_kernel,
+        "stream_kernel": stream_kernel, "packed": packed, "packed_update": packed_update,
+        "pack_width": pack_width or defaults[5],
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start,
         # (a failed case: every step it finished, warm-up included, and the error)
@@ -576,6 +582,11 @@ def main() -> None:
         for objective in ("grpo", "scgrpo"):
             cases[f"smollm2_{objective}_cudnn_attention"] = dict(objective=objective, cudnn_attention=True, **common)
         cases["smollm2_scgrpo_separate_teacher_passes"] = dict(objective="scgrpo", shared_teacher_passes=False, **common)
+        # every pass padded to its longest row (before scgrpo.packing); the update's passes padded; rows of 256 columns
+        for objective in ("grpo", "scgrpo"):
+            cases[f"smollm2_{objective}_padded"] = dict(objective=objective, packed=False, **common)
+            cases[f"smollm2_{objective}_padded_update"] = dict(objective=objective, packed_update=False, **common)
+            cases[f"smollm2_{objective}_pack256"] = dict(objective=objective, pack_width=256, **common)
         cases["smollm2_grpo_no_graphs"] = dict(objective="grpo", cuda_graphs=False, **common)
         # the decode loop over the Hugging Face forward (the engine before the compact forward), same call
         cases["smollm2_grpo_hf_forward"] = dict(objective="grpo", decode_forward="hf", **common)

@@ -21,6 +21,8 @@ TARGETS = {
     "scgrpo_22gib_over_uncapped": ("<=", 1.3),
     "grpo_over_trl_step": ("<=", 0.5),
     "grpo_over_trl_peak_mem": ("<=", 0.5),
+    "scgrpo_over_grpo_step_8b": ("<=", 1.15),
+    "qlora_8b_1k_step_20gib_s": ("<=", 35.0),
     "qlora_1p5b_peak_gib": ("<=", 8.0),
     "fsdp2_over_1gpu_throughput": (">=", 1.7),
     "rollout_over_hf_static_64": (">=", 3.0),
@@ -53,11 +55,15 @@ def load_rows(card: str) -> list[dict]:
     return rows
 
 
-BUDGET_FILES = ("bench_smollm2_attention_h200.json", "bench_smollm2_budget_trl_h200.json",
-                "bench_smollm2_budget_h200.json", "bench_smollm2_budget_5steps_h200.json",
-                "bench_smollm2_budget_profiled_h200.json", "bench_smollm2_before_budget_h100.json")
+BUDGET_FILE, TRL_FILE, WIDTH_FILE, ATTENTION_FILE, BEFORE_FILE = (
+    "bench_smollm2_packed_h200.json", "bench_smollm2_budget_trl_h200.json", "bench_smollm2_pack_width_h200.json",
+    "bench_smollm2_attention_h200.json", "bench_smollm2_before_budget_h100.json")
+EARLIER_FILES = (ATTENTION_FILE, "bench_smollm2_budget_h200.json", "bench_smollm2_budget_5steps_h200.json",
+                 "bench_smollm2_budget_profiled_h200.json")
+BUDGET_FILES = (BUDGET_FILE, TRL_FILE, WIDTH_FILE, *EARLIER_FILES, BEFORE_FILE)
 """The memory budget's measurements: read by :func:`budget_entries` only (their case names are the suite's own,
 and the earlier figures keep theirs)"""
+QWEN8B_FILE, QWEN8B_BEFORE_FILE = "bench_qwen8b_1k_20gib_auto_h200.json", "bench_qwen8b_1k_20gib_auto_before_h200.json"
 
 
 def load(card: str) -> dict[str, dict]:
@@ -82,66 +88,93 @@ def file_cases(name: str) -> dict[str, dict]:
 def budget_entries() -> dict[str, dict]:
     """SC-GRPO's step against GRPO's at the smollm2 suite's defaults (the memory budget's default sizes), the
     same SC-GRPO step with the process held to 22 GiB against it uncapped, and GRPO's peak memory at the defaults
-    under that cap against TRL's (one call)."""
-    c, pair = file_cases(BUDGET_FILES[0]), file_cases(BUDGET_FILES[1])
+    under that cap against TRL's (one call); the 8B-shaped QLoRA step under 20 GiB and SC-GRPO's cost there."""
+    c, pair, width = file_cases(BUDGET_FILE), file_cases(TRL_FILE), file_cases(WIDTH_FILE)
     if not c:
         return {}
     out = {}
     sc, grpo, capped = c["smollm2_scgrpo"], c["smollm2_grpo"], c["smollm2_scgrpo_22gib"]
-    cudnn_sc, cudnn_grpo = c["smollm2_scgrpo_cudnn_attention"], c["smollm2_grpo_cudnn_attention"]
-    separate = c["smollm2_scgrpo_separate_teacher_passes"]
-    calls = [file_cases(name) for name in BUDGET_FILES[:5]]
-    others = ", ".join(f"{k['smollm2_scgrpo']['wall_s'] / k['smollm2_grpo']['wall_s']:.2f}" for k in calls[1:] if k)
-    before = file_cases(BUDGET_FILES[5])
-    was = (f"; before the budget, on an H100 ({BUDGET_FILES[5]}, 3 steps, one profiled): "
+    padded_sc, padded_grpo = c["smollm2_scgrpo_padded"], c["smollm2_grpo_padded"]
+    calls = [file_cases(name) for name in EARLIER_FILES]
+    others = ", ".join(f"{k['smollm2_scgrpo']['wall_s'] / k['smollm2_grpo']['wall_s']:.2f}" for k in calls if k)
+    before = file_cases(BEFORE_FILE)
+    was = (f"; before the budget, on an H100 ({BEFORE_FILE}, 3 steps, one profiled): "
            f"{before['smollm2_scgrpo']['wall_s'] / before['smollm2_grpo']['wall_s']:.2f}, and the issue's own "
            "measurement (not in these results) 3.0 on an H200") if before else ""
+    wide = ""
+    if width:
+        w512 = width["smollm2_scgrpo"]["wall_s"] / width["smollm2_grpo"]["wall_s"]
+        w256 = width["smollm2_scgrpo_pack256"]["wall_s"] / width["smollm2_grpo_pack256"]["wall_s"]
+        wide = (f" In an earlier call ({WIDTH_FILE}) rows of 512 columns gave {w512:.2f} "
+                f"({width['smollm2_scgrpo']['wall_s']:.2f} vs {width['smollm2_grpo']['wall_s']:.2f} s) and rows of "
+                f"256 {w256:.2f}: 256 is the default since.")
     out["scgrpo_over_grpo_step"] = entry(
         "scgrpo_over_grpo_step", sc["wall_s"] / grpo["wall_s"], sc["card"], sc["command"],
         "SmolLM2-135M (real weights, two-digit addition, about 4% correct at the start: most groups solve-none), "
         "32 prompts x G=8, 128 new tokens, LoRA r=16, bf16, package defaults (the memory budget's default: the card's "
-        f"free memory): median wall time per step over 10 steps, {sc['wall_s']:.2f} vs {grpo['wall_s']:.2f} s: teacher "
-        f"pass {sc['time_teacher_s']:.2f} s (teacher and student rows in one forward), update {sc['time_train_s']:.2f} "
-        f"vs {grpo['time_train_s']:.2f} s ({sc['tokens_train']:.0f} vs {grpo['tokens_train']:.0f} trained tokens: "
+        f"free memory): median wall time per step over {sc['measured_steps']} steps, {sc['wall_s']:.2f} vs "
+        f"{grpo['wall_s']:.2f} s: teacher "
+        f"pass {sc['time_teacher_s']:.2f} s (teacher and student rows in one forward, packed end to end in rows of "
+        f"{sc.get('pack_width', 256)} columns: scgrpo.packing), update {sc['time_train_s']:.2f} vs "
+        f"{grpo['time_train_s']:.2f} s ({sc['tokens_train']:.0f} vs {grpo['tokens_train']:.0f} trained tokens: "
         "SC-GRPO trains the solve-none rows through their diversity advantage), generation "
-        f"{sc['time_generation_s']:.2f} vs {grpo['time_generation_s']:.2f} s. In the same call with the passes free "
-        f"to use cuDNN's attention, as before (policy.CUDNN_ATTENTION): {cudnn_sc['wall_s']:.2f} vs "
-        f"{cudnn_grpo['wall_s']:.2f} s ({cudnn_sc['wall_s'] / cudnn_grpo['wall_s']:.2f}; cuDNN plans each new shape "
-        "of a pass anew, tens of ms of host time); with the self-teacher's student and teacher rows in passes of their "
-        f"own (selfteacher.SHARED_PASSES off) {separate['wall_s']:.2f} s (teacher pass {separate['time_teacher_s']:.2f} "
-        "s). The same pair in earlier calls on H200s (the budget's earlier versions, cuDNN's attention): "
-        f"{others}; the step times vary by up to 20% from call to call. The teacher pass is the gap, now bound by "
-        "the GPU: in the profiled step (profiles/step_attention_h200.smollm2_scgrpo.txt) its forward took 290 ms of "
-        "GPU time against 210 ms of host time, elementwise work (the norms, rotary embeddings, casts) as much as "
-        "the matmuls, over the padded tokens of one [2n, W] batch whose student rows are padded to the teacher's "
-        f"width{was}",
+        f"{sc['time_generation_s']:.2f} vs {grpo['time_generation_s']:.2f} s. In the same call with every pass padded "
+        f"to its longest row, as before (scgrpo.packing.ENABLED off): {padded_sc['wall_s']:.2f} vs "
+        f"{padded_grpo['wall_s']:.2f} s ({padded_sc['wall_s'] / padded_grpo['wall_s']:.2f}; teacher pass "
+        f"{padded_sc['time_teacher_s']:.2f} s, half of its padded tokens padding).{wide} The same pair in earlier "
+        f"calls on H200s (padded passes; the budget's earlier versions): {others}; the step times vary by up to 20% "
+        f"from call to call{was}",
     )
     out["scgrpo_22gib_over_uncapped"] = entry(
         "scgrpo_22gib_over_uncapped", capped["wall_s"] / sc["wall_s"], sc["card"], sc["command"],
         "the same SC-GRPO step with the process held to 22 GiB (set_per_process_memory_fraction, a 24 GB card) and "
         f"the budget at its default ({capped['memory_budget_gib']:.1f} GiB, read from the cap) against it uncapped "
-        f"({capped['wall_s']:.2f} vs {sc['wall_s']:.2f} s): the budget packed the update into "
-        f"{capped['memory_update_passes']:.0f} pass with gradient checkpointing (one checkpointed pass rather than "
-        f"two plain ones), peak allocated {capped['peak_allocated_gib']:.1f} GiB against {sc['peak_allocated_gib']:.1f}. "
-        "Before the budget, `scgrpo fit` with these settings (configs/grpo_arith_gpu.yaml + replication/scgrpo.yaml) "
-        "under the same cap died in its first step with a raw out-of-memory traceback (as reported; it passes now, "
-        "docs/gpu_configs.md)",
+        f"({capped['wall_s']:.2f} vs {sc['wall_s']:.2f} s): the budget split the update into "
+        f"{capped['memory_update_passes']:.0f} {'checkpointed' if capped['memory_gradient_checkpointing'] else 'plain'} "
+        f"pass(es) (update.CHECKPOINTED_PASS), peak allocated {capped['peak_allocated_gib']:.1f} GiB against "
+        f"{sc['peak_allocated_gib']:.1f}. Before the budget, `scgrpo fit` with these settings "
+        "(configs/grpo_arith_gpu.yaml + replication/scgrpo.yaml) under the same cap died in its first step with a raw "
+        "out-of-memory traceback (as reported; it passes now, docs/gpu_configs.md)",
     )
     if pair:
-        first, trl, now = pair["smollm2_grpo_22gib"], pair["trl_grpo"], c["smollm2_grpo_22gib"]
+        trl, now = pair["trl_grpo"], c["smollm2_grpo_22gib"]
         out["grpo_over_trl_peak_mem"] = entry(
             "grpo_over_trl_peak_mem", now["peak_allocated_gib"] / trl["peak_allocated_gib"], now["card"],
             f"{now['command']} ; {pair['trl_grpo']['command']}",
             f"GRPO at the package defaults with the process held to 22 GiB: peak allocated {now['peak_allocated_gib']:.2f} "
             f"GiB against TRL 1.16's {trl['peak_allocated_gib']:.2f} GiB (its defaults: gradient checkpointing), TRL "
-            f"measured in an earlier call on an H200 (bench_smollm2_budget_trl_h200.json); in that call the budget's "
-            f"first version (a 15.0 GiB default) peaked at {first['peak_allocated_gib']:.2f} GiB "
-            f"({first['peak_allocated_gib'] / trl['peak_allocated_gib']:.2f}x). The budget spends memory where it "
-            f"buys speed: one plain pass of the {now['tokens_train'] / 1000:.1f}k trained tokens (about 0.7 MiB of "
-            "activations a token) against a checkpointed one, and the rollout's KV cache and graphs (1.8 GiB at "
-            "its peak) stay between steps. A peak of half TRL's would need the update checkpointed at the "
-            f"defaults and the rollout's own peak below it. TRL's step took {trl['wall_s']:.1f} s, ours "
-            f"{now['wall_s']:.2f} s",
+            f"measured in an earlier call on an H200 ({TRL_FILE}). The budget spends memory where it buys speed: one "
+            f"plain pass of the {now['tokens_train'] / 1000:.1f}k trained tokens (about 0.5 MiB of activations a "
+            "token, packed) against a checkpointed one, and the rollout's KV cache and graphs (1.8 GiB at its peak) "
+            "stay between steps. A peak of half TRL's would need the update checkpointed at the defaults and the "
+            f"rollout's own peak below it. TRL's step took {trl['wall_s']:.1f} s, ours {now['wall_s']:.2f} s",
+        )
+    q, q_before = file_cases(QWEN8B_FILE), file_cases(QWEN8B_BEFORE_FILE)
+    if q:
+        sc8, grpo8 = q["qwen8b_scgrpo_1k_20gib_auto"], q["qwen8b_grpo_1k_20gib_auto"]
+        earlier = ""
+        if q_before:
+            b = q_before["qwen8b_scgrpo_1k_20gib_auto_before"]
+            earlier = (f" In an earlier call ({QWEN8B_BEFORE_FILE}), before the default budget reached a rollout "
+                       f"that frees its workspace, sampling sized its KV cache from a quarter of the free memory: "
+                       f"{b['rollout_slots']:.0f} slots, step {b['wall_s']:.1f} s (sampling {b['time_generation_s']:.1f} s).")
+        shape = ("random Qwen3-8B-shaped model, nf4 double-quant base (QLoRA), LoRA r=16 all-linear, 8 prompts x G=8, "
+                 "1,024 completion tokens forced, the process held to 20 GiB, package defaults (budget "
+                 f"{sc8['memory_budget_gib']:.1f} GiB from the cap), the second step")
+        out["qlora_8b_1k_step_20gib_s"] = entry(
+            "qlora_8b_1k_step_20gib_s", sc8["wall_s"], sc8["card"], sc8["command"],
+            f"{shape}: SC-GRPO {sc8['wall_s']:.1f} s = sampling {sc8['time_generation_s']:.1f} s (streamed 4-bit "
+            f"mode, {sc8['rollout_slots']:.0f} decode slots for {sc8['prompts_per_gpu'] * sc8['group_size']} rows, "
+            f"{sc8['rollout_decode_steps']:.0f} decode steps), teacher pass {sc8['time_teacher_s']:.1f} s, update "
+            f"{sc8['time_train_s']:.1f} s ({sc8['memory_update_passes']:.0f} "
+            f"{'checkpointed' if sc8['memory_gradient_checkpointing'] else 'plain'} passes), peak allocated "
+            f"{sc8['peak_allocated_gib']:.1f} GiB.{earlier}",
+        )
+        out["scgrpo_over_grpo_step_8b"] = entry(
+            "scgrpo_over_grpo_step_8b", sc8["wall_s"] / grpo8["wall_s"], sc8["card"], sc8["command"],
+            f"{shape}: SC-GRPO {sc8['wall_s']:.1f} s against GRPO {grpo8['wall_s']:.1f} s (teacher pass "
+            f"{sc8['time_teacher_s']:.1f} s; sampling {sc8['time_generation_s']:.1f} vs {grpo8['time_generation_s']:.1f} s, "
+            f"update {sc8['time_train_s']:.1f} vs {grpo8['time_train_s']:.1f} s)",
         )
     return out
 

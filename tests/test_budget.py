@@ -164,9 +164,13 @@ def budgeted(monkeypatch):
     return activate
 
 
-def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(tiny_model_dir, budgeted):
+@pytest.mark.parametrize("forced", [False, True])
+def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(forced, tiny_model_dir, budgeted,
+                                                                             monkeypatch):
     """Rows sorted and packed by the budget, each micro-batch cut to its span, against one pass over whole rows: the
-    same loss and gradients within fp32 rounding (cutting padding columns changes summation lengths)."""
+    same loss and gradients within fp32 rounding (cutting padding columns changes summation lengths); ``forced``:
+    each micro-batch's sequences also run packed end to end."""
+    packed = _packings(monkeypatch, forced)
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=GRPO(aggregation="seq-mean-token-mean"))
     module.configure_model()
@@ -196,14 +200,15 @@ def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(tin
         assert span.left == min(first[i] for i in rows) and span.width == max(width[i] for i in rows)
     assert budget.chosen["update_passes"] == len(plan.spans) and budget.chosen["gradient_checkpointing"] == 0.0
     assert budgeted_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert all(p is not None for p in packed) and bool(packed) == forced
     for g, want in zip(budgeted_grads, grads):
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
 
 
 def test_checkpointing_is_switched_on_when_one_row_does_not_fit_or_it_saves_passes(tiny_model_dir, budgeted):
     """Room for 10 of the longest rows' tokens; 8 rows. Plain passes cost ``train`` bytes a token, checkpointed ones 1:
-    100 (one row does not fit) -> checkpointing; 2 (plain: 5 rows a pass, 2 passes; checkpointed: 1 pass, and 1.5 x 1
-    <= 2) -> checkpointing; 1.1 (plain: all 8 rows in 1 pass) -> none; never when the module says false."""
+    100 (one row does not fit) -> checkpointing; 3 (3 plain passes or 1 checkpointed) -> checkpointing; 2 (2 plain
+    passes) -> none; 1.1 (plain: all 8 rows in 1 pass) -> none; never when the module says false."""
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir)
     module.configure_model()
@@ -216,9 +221,12 @@ def test_checkpointing_is_switched_on_when_one_row_does_not_fit_or_it_saves_pass
     assert module.actor.checkpointing and budget.chosen["gradient_checkpointing"] == 1.0
     layers = module.actor.model.get_base_model().model.layers
     assert all(layer.gradient_checkpointing for layer in layers)
-    budget.costs["train"] = 2.0
+    budget.costs["train"] = 3.0  # plain: 3 rows a pass, 3 passes; checkpointed: 1 pass, and 2 x 1 < 3
     plan = module.policy_update().plan(rollouts)
     assert module.actor.checkpointing and len(plan.spans) == 1 and plan.kind == "train_checkpointed"
+    budget.costs["train"] = 2.0  # plain: 5 rows a pass, 2 passes, which cost no more than one checkpointed pass
+    plan = module.policy_update().plan(rollouts)
+    assert not module.actor.checkpointing and len(plan.spans) == 2 and plan.kind == "train"
     budget.costs["train"] = 1.1
     plan = module.policy_update().plan(rollouts)
     assert not module.actor.checkpointing and not any(layer.gradient_checkpointing for layer in layers)
@@ -229,7 +237,29 @@ def test_checkpointing_is_switched_on_when_one_row_does_not_fit_or_it_saves_pass
     assert not module.actor.checkpointing
 
 
-def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(tiny_model_dir, budgeted):
+def _packings(monkeypatch, forced: bool) -> list:
+    """The packings the policy's passes plan (None: declined); ``forced``: every pass packs whatever it saves
+    (:mod:`scgrpo.packing`), else every pass runs padded (none is planned)."""
+    from scgrpo import packing, policy as policy_module
+
+    plans = []
+
+    def plan(*args, **kwargs):
+        plans.append(packing.plan_packing(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(policy_module, "plan_packing", plan)
+    if forced:
+        monkeypatch.setattr(packing, "PACK_WIDTH", 8)
+        monkeypatch.setattr(packing, "PACK_GAIN", 2.0)
+    else:
+        monkeypatch.setattr(packing, "ENABLED", False)
+    return plans
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(forced, tiny_model_dir, budgeted, monkeypatch):
+    packed = _packings(monkeypatch, forced)
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=SCGRPO())
     module.configure_model()
@@ -247,13 +277,33 @@ def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(tiny_mod
     mask = rollouts.completion_mask.bool()
     assert (whole[~mask] == 0).all() and (cut[~mask] == 0).all() and (whole[mask] > 0).any()
     torch.testing.assert_close(cut, whole, rtol=1e-3, atol=1e-6)
+    assert all(p is not None for p in packed) and bool(packed) == forced
+    packed.clear()
     module.actor.score(rollouts, old=True, reference=True)
     assert budget.chosen["scoring_passes"] > 1
     _cut(module.actor.spans("forward", rollouts), rollouts)
     torch.testing.assert_close(rollouts.old_logprobs, old, rtol=1e-5, atol=1e-5)
+    assert all(p is not None for p in packed) and bool(packed) == forced
     torch.testing.assert_close(rollouts.ref_logprobs, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(module.actor.batch_entropy(rollouts, None), entropy, rtol=1e-5, atol=1e-5)
     assert (old[~mask] == 0).all() and (entropy[~mask] == 0).all()  # only the model's tokens are scored
+
+
+def test_the_default_budget_sizes_a_rollout_that_frees_its_workspace():
+    from scgrpo.rollout.engine import GenerationSettings
+
+    freed = GenerationSettings(keep_workspace=False)
+    budget = MemoryBudget()
+    assert budget.rollout_settings(freed) is freed  # not resolved (CPU)
+    budget.total = 19 * GIB
+    assert budget.rollout_settings(freed).memory_budget_gib == pytest.approx(19.0)
+    kept = GenerationSettings(keep_workspace=True)  # its recorded prefills are not counted by a budget
+    assert budget.rollout_settings(kept) is kept
+    own = GenerationSettings(keep_workspace=False, memory_budget_gib=12.0)
+    assert budget.rollout_settings(own) is own
+    given = MemoryBudget(20.0)  # a budget the run set reached the rollout when the module was built
+    given.total = 20 * GIB
+    assert given.rollout_settings(freed) is freed
 
 
 def test_the_budget_passes_to_the_rollout_and_is_ignored_on_cpu(tiny_model_dir):

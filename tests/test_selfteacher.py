@@ -330,7 +330,7 @@ def test_a_base_teacher_needs_adapters():
 
     from scgrpo.selfteacher import SelfTeacher
 
-    policy = SimpleNamespace(model=torch.nn.Linear(2, 2), completion_hidden=lambda *args: torch.zeros(1))
+    policy = SimpleNamespace(model=torch.nn.Linear(2, 2), completion_hidden=lambda *args, **kwargs: torch.zeros(1))
     with pytest.raises(ValueError, match="needs LoRA"):
         SelfTeacher(TeacherSpec(weights="base"))._teacher_hidden(policy, None, None, 1)
     assert SelfTeacher(TeacherSpec())._teacher_hidden(policy, None, None, 1).shape == (1,)  # the policy itself
@@ -351,6 +351,6 @@ def test_a_base_teacher_runs_the_policy_with_its_adapters_disabled():
         state["disabled"] = False
 
     policy = SimpleNamespace(model=SimpleNamespace(disable_adapter=disable_adapter),
-                             completion_hidden=lambda *args: torch.tensor([float(state["disabled"])]))
+                             completion_hidden=lambda *args, **kwargs: torch.tensor([float(state["disabled"])]))
     assert SelfTeacher(TeacherSpec(weights="base"))._teacher_hidden(policy, None, None, 1).tolist() == [1.0]
     assert SelfTeacher(TeacherSpec())._teacher_hidden(policy, None, None, 1).tolist() == [0.0]  # adapters on

@@ -164,7 +164,7 @@ def _policy(head, hidden_table, temperature=1.0, chunk=1024):
     """A stand-in policy: row i's hidden states are ``hidden_table[i]`` (found from the prompt id); records calls."""
     calls = {}
 
-    def completion_hidden(input_ids, attention_mask, c, model=None):
+    def completion_hidden(input_ids, attention_mask, c, model=None, packed=False):
         calls["hidden"] = (input_ids.clone(), attention_mask.clone(), c)
         return hidden_table[input_ids[:, 0]]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
@@ -236,6 +236,16 @@ class MemoryBudget:
         self.costs = shape_costs(config, torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2)
         self.floor = {kind: FLOOR_SHARE * cost for kind, cost in self.costs.items()}
         self.vocab = int(getattr(config, "vocab_size", 0) or 0)
+
+    def rollout_settings(self, generation):
+        """``generation`` (:class:`~scgrpo.rollout.engine.GenerationSettings`) with this default budget, once
+        resolved, as its ``memory_budget_gib`` where it has none and frees its workspace after each rollout, so that
+        its decode slots fill what the budget leaves rather than a quarter of the free memory (a kept workspace
+        records its prefills as CUDA graphs, which a budgeted rollout does not)."""
+        if (self.total is None or self.gib is not None or generation.memory_budget_gib is not None
+                or generation.keep_workspace):
+            return generation
+        return replace(generation, memory_budget_gib=self.total / GIB)
 
     @property
     def gib_resolved(self) -> Optional[float]:

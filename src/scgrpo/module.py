@@ -83,8 +83,10 @@ class RLVRModule(LightningModule):
             decode slots, the scoring, teacher and update micro-batches, their log-prob chunks and gradient
             checkpointing. None: what the process can reach when the model is loaded (the card's free memory and
             its own reserve, within a ``set_per_process_memory_fraction`` cap), less 5% of it (at least 0.5 GiB).
-            A budget set here is also the rollout's ``generation.memory_budget_gib`` (unless that is set); with the
-            default the rollout sizes its slots from the same reachable memory. Ignored on CPU.
+            A budget set here is also the rollout's ``generation.memory_budget_gib`` (unless that is set); the default
+            one too once resolved, where the rollout frees its workspace after each rollout
+            (``generation.keep_workspace: false``); a kept workspace sizes its slots from the free memory. Ignored
+            on CPU.
         quantization: "nf4" loads the frozen base in 4 bits through bitsandbytes (QLoRA: double quantisation,
             compute and storage in bf16); None keeps it in ``dtype``. Needs a GPU; one GPU per run (not sharded).
         eval_samples: k for Avg@k and Pass@k in validation.
@@ -217,6 +219,7 @@ class RLVRModule(LightningModule):
         network = self.actor.model
         self.budget.setup(device, getattr(network, "config", None), next(network.parameters()).dtype)
         self.actor.budget = self.budget
+        self.actor.generation = self.budget.rollout_settings(self.actor.generation)
         self.actor.max_completion_tokens = self.max_completion_tokens
 
     @property

@@ -20,6 +20,8 @@ from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, ru
 from scgrpo.distributed import PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, shard_policy
 from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives.functional import chunked_token_logprobs
+from scgrpo import packing
+from scgrpo.packing import packed_inputs, plan_packing, unpack_columns
 from scgrpo.rollout.engine import Generated, GenerationSettings, generate, generate_ids
 from scgrpo.rollout.types import RolloutBatch
 
@@ -44,6 +46,10 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
                                         (SDPBackend.MATH, flags.math_sdp_enabled())) if on]
     # (the process's own choice stands, less cuDNN; where it allowed cuDNN alone, cuDNN it is)
     return sdpa_kernel(kept) if kept else contextlib.nullcontext()
+
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+"""``config.layer_types`` a packed pass allows (each sequence sees only itself through the mask)."""
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -156,17 +162,52 @@ class Policy:
 
     # ------------------------------------------------------------------------------------ forward passes
     def completion_hidden(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                          model: Optional[nn.Module] = None) -> Tensor:
+                          model: Optional[nn.Module] = None, packed: bool = False) -> Tensor:
         """``[N, C, H]`` final hidden states that predict the last ``num_completion`` tokens of ``input_ids``
-        (``model``: the network to run, by default this policy's)."""
+        (``model``: the network to run, by default this policy's). ``packed``: the sequences run packed
+        (:mod:`scgrpo.packing`) where that saves enough tokens and the model's attention allows it (its states
+        before tokens outside a row's own are then zeros)."""
         causal_lm = unwrap_causal_lm(self.model if model is None else model)
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        if packed:
+            hidden = self._packed_hidden(backbone, input_ids, attention_mask, num_completion)
+            if hidden is not None:
+                return hidden
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
         with attention_backends(input_ids.device):
             hidden = backbone(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state  # [N, T, H]
         return hidden[:, -num_completion - 1 : -1]  # [N, C, H]: the state before each completion token
+
+    def _packed_hidden(self, backbone: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                       num_completion: int) -> Optional[Tensor]:
+        """:meth:`completion_hidden` over packed rows, or None where packing does not apply: attention other than
+        PyTorch's or eager (flash's kernels take no mask), layers other than attention, a sliding window shorter than
+        the rows, too little padding to save (:func:`~scgrpo.packing.plan_packing`)."""
+        if not packing.ENABLED:
+            return None
+        config = backbone.config
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in ("sdpa", "eager"):
+            return None
+        if any(kind not in ATTENTION_LAYERS for kind in getattr(config, "layer_types", None) or ()):
+            return None  # (a recurrent or linear-attention layer would carry state from one sequence to the next)
+        window = getattr(config, "sliding_window", None)
+        if window is not None and getattr(config, "use_sliding_window", True) and window < input_ids.shape[1]:
+            return None
+        plan = plan_packing(attention_mask)
+        if plan is None:
+            return None
+        dtype = backbone.get_input_embeddings().weight.dtype  # (the states' dtype: 4-bit layers hold bytes)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids, positions, mask = packed_inputs(plan, input_ids, pad, None if implementation == "sdpa" else dtype)
+        with attention_backends(input_ids.device):
+            hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions,
+                              use_cache=False).last_hidden_state  # [R, W, H]
+        t = input_ids.shape[1]
+        columns = torch.arange(t - num_completion - 1, t - 1, device=input_ids.device)
+        return unpack_columns(plan, hidden, columns)  # [N, C, H]
 
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int, entropy: bool = True,
                        model: Optional[nn.Module] = None) -> tuple[Tensor, Tensor]:
@@ -209,11 +250,13 @@ class Policy:
 
     def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor:
         """``[n, width, H]`` final hidden states of the span's rows that predict their first ``width`` completion
-        tokens, the span's columns only."""
+        tokens, the span's columns only; packed (:mod:`scgrpo.packing`) under an active memory budget (with a
+        gradient, where :data:`scgrpo.packing.TRAINING`)."""
         rows = span.rows
         ids = torch.cat([rollouts.prompt_ids[rows, span.left :], rollouts.completion_ids[rows, : span.width]], 1)
         mask = torch.cat([rollouts.prompt_mask[rows, span.left :], rollouts.context_mask[rows, : span.width]], 1)
-        return self.completion_hidden(ids, mask, span.width, model)
+        packed = active(self.budget) is not None and (packing.TRAINING or not torch.is_grad_enabled())
+        return self.completion_hidden(ids, mask, span.width, model, packed=packed)
 
     def set_gradient_checkpointing(self, on: bool) -> None:
         """Switches gradient checkpointing (non-reentrant) on or off in the network."""

@@ -52,6 +52,7 @@ SHARED_PASSES = True
 """Under a memory budget, a micro-batch's teacher and student rows share one forward (:meth:`SelfTeacher._shared_passes`);
 False: the student's passes, then the teacher's, each packed by its own lengths"""
 
+
 @dataclass
 class RoutePlan:
     """Per row (``N``): the group's case, the reference text (None: no teacher), which row of the group it
@@ -186,7 +187,7 @@ class TeacherModel(Protocol):
     def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor: ...
 
     def completion_hidden(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                          model: Optional[nn.Module] = None) -> Tensor: ...
+                          model: Optional[nn.Module] = None, packed: bool = False) -> Tensor: ...
 
     def eval_mode(self) -> ContextManager[None]: ...
 
@@ -388,7 +389,7 @@ class SelfTeacher:
                     ids, attention = self.assemble(policy, rollouts, index_rows, [prompt_ids[k] for k in members], w)
                 with measuring(budget, "forward", ids.numel(), fixed):
                     with record_function("scgrpo.teacher.teacher_forward"):
-                        teacher_hidden = self._teacher_hidden(policy, ids, attention, w)  # [n, w, H]
+                        teacher_hidden = self._teacher_hidden(policy, ids, attention, w, budget is not None)  # [n, w, H]
                     if spec.output == "hidden":
                         if signal.teacher_hidden is None:  # (the whole batch's: a failure here is not the pass's)
                             allocating = True
@@ -451,7 +452,7 @@ class SelfTeacher:
                 attention = torch.cat([_left_pad(teacher_mask, span + w, 0), _left_pad(student_mask, span + w, 0)])
             with budget.measure("forward", ids.numel(), fixed):
                 with record_function("scgrpo.teacher.shared_forward"):
-                    hidden = policy.completion_hidden(ids, attention, w)  # [2n, w, H]
+                    hidden = policy.completion_hidden(ids, attention, w, packed=True)  # [2n, w, H]
                 k = len(members)
                 keep = mask[index, :w]  # [n, w]
                 with record_function("scgrpo.teacher.divergence"):
@@ -496,13 +497,13 @@ class SelfTeacher:
             budget.note("student", [s.tokens(tp) for s in ran])
         return states
 
-    def _teacher_hidden(self, policy: TeacherModel, ids: Tensor, mask: Tensor, c: int) -> Tensor:
+    def _teacher_hidden(self, policy: TeacherModel, ids: Tensor, mask: Tensor, c: int, packed: bool = False) -> Tensor:
         if self.spec.weights == "base":
             if not hasattr(policy.model, "disable_adapter"):
                 raise ValueError("teacher='base' runs the base model with adapters disabled; it needs LoRA")
             with policy.model.disable_adapter():
-                return policy.completion_hidden(ids, mask, c)
-        return policy.completion_hidden(ids, mask, c)
+                return policy.completion_hidden(ids, mask, c, packed=packed)
+        return policy.completion_hidden(ids, mask, c, packed=packed)
 
 
 def _left_pad(x: Tensor, width: int, value: int) -> Tensor:

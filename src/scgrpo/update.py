@@ -34,10 +34,13 @@ from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 
 NONFINITE = "nonfinite"
 """Key of ``StepSums``' counter of micro-batches whose loss was NaN or infinite"""
-CHECKPOINTED_PASS = 1.5
+CHECKPOINTED_PASS = 2.0
 """A pass under gradient checkpointing costs about this many plain passes (it runs the forward twice: a third more
-arithmetic and, where launches bound the passes, half as many more): with a memory budget the update checkpoints
-when that takes fewer passes by this factor (one checkpointed pass rather than two plain ones)"""
+arithmetic and, where launches bound the passes, twice the forward's launches). On an H200, SmolLM2's SC-GRPO update
+of about 40k tokens under a 22 GiB cap: two plain (packed) passes 0.43 s (benchmarks/results/
+bench_smollm2_packed_h200.json), one checkpointed (padded) pass 0.52 s in an earlier call
+(bench_smollm2_attention_h200.json). With a memory budget the update checkpoints when that takes fewer passes by
+more than this factor (one checkpointed pass rather than three plain ones, not two)"""
 OWN_STATS = ("loss", "entropy", "grad_norm", "kl", "clip_fraction", NONFINITE)
 """Keys of the step's sums that step logging names itself; every other key is an objective statistic"""
 
@@ -222,7 +225,7 @@ class PolicyUpdate:
             plain = policy.spans("train", rollouts, rows, self.micro_batch_size, fixed) if budget.fits(
                 "train", longest, fixed) else None
             held = policy.spans("train_checkpointed", rollouts, rows, self.micro_batch_size, fixed)
-            checkpointed = plain is None or CHECKPOINTED_PASS * len(held) <= len(plain)
+            checkpointed = plain is None or CHECKPOINTED_PASS * len(held) < len(plain)
             if world_size() > 1:  # one choice on every rank (a sharded backward's recomputation gathers weights)
                 checkpointed = bool(all_reduce([float(checkpointed)], "max", self.device)[0])
             policy.set_gradient_checkpointing(checkpointed)

@@ -405,6 +405,17 @@ def test_auto_counts_the_allocators_unused_reserve_as_memory_left(monkeypatch):
     assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 7  # 0.25 * 300 MiB / 10 MiB
     reserved["value"] = 0
     assert SlotDecoder.slot_budget(slots, rows=64, cache_len=1024) == 2  # 0.25 * 100 MiB / 10 MiB
+    # a budget that holds fewer rows at the bucketed length (1,280 entries for 1,090) than at 1,152: the tighter one
+    slots = SimpleNamespace(max_slots=0, refill=True, device=torch.device("cuda", 0), memory_budget=1000 * mib + 100 * mib,
+                            decoder=SimpleNamespace(cache_bytes_per_row=lambda length: length * mib // 128,
+                                                    embed=torch.empty(8, 1)))
+    slots.slot_budget = lambda rows, length: SlotDecoder.slot_budget(slots, rows, length)
+    assert slots.slot_budget(8, 1280) == 7 and slots.slot_budget(8, 1152) == 8  # 0.8 x 100 MiB over 10 and 9 MiB
+    assert SlotDecoder.cache_length(slots, rows=8, positions=1090) == 1152
+    assert SlotDecoder.cache_length(slots, rows=7, positions=1090) == 1280  # every row fits either way: the bucket
+    assert SlotDecoder.cache_length(slots, rows=8, positions=1000) == 1024  # (the bucket is 64-wide below 1,024)
+    slots.memory_budget = None
+    assert SlotDecoder.cache_length(slots, rows=8, positions=1090) == 1280  # no budget: the bucket
 
 
 def test_padding_rows_of_a_prefill_store_nothing(tok, batch):

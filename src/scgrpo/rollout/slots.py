@@ -293,6 +293,18 @@ class SlotDecoder:
             new.cache[layer, :, :n] = state.cache[layer, :, keep]
         return new
 
+    def cache_length(self, rows: int, positions: int) -> int:
+        """Cache entries a slot holds for rows that need up to ``positions``: :func:`length_bucket`'s (few CUDA graphs;
+        a kept workspace seldom grows), or ``positions`` rounded up to 64 where the memory budget's slots hold more
+        of the ``rows`` at that length (at 1,024 new tokens the bucket adds up to a fifth: a step whose rows all run
+        to the end then needs a second round for the rows that did not fit)."""
+        bucket = length_bucket(positions, 1 << 30)  # (no upper limit)
+        tight = -(-positions // 64) * 64
+        if (tight < bucket and self.refill and not self.max_slots and self.memory_budget is not None
+                and self.device.type == "cuda" and self.slot_budget(rows, bucket) < self.slot_budget(rows, tight)):
+            return tight
+        return bucket
+
     def slot_budget(self, rows: int, cache_len: int) -> int:
         """Slots for ``rows`` rows: ``max_slots`` when set; else, with a memory budget (bytes for the whole
         process), as many as :data:`BUDGET_SHARE` of what it leaves holds (each slot's KV cache and its fp32
@@ -327,11 +339,10 @@ class SlotDecoder:
         if int(lengths.min()) < 1:
             raise ValueError("every prompt needs at least one token")
         right = self._right_padded(prompt_ids, lengths)  # [N, Tp]
-        cache_len = length_bucket(int(lengths.max()) + self.max_new, 1 << 30)  # (no upper limit)
-        rows = n
+        rows, positions = n, int(lengths.max()) + self.max_new
         if reserve is not None:
-            rows, cache_len = max(n, reserve[0]), max(cache_len, length_bucket(reserve[1], 1 << 30))
-        out, cache_len = self._workspace(rows, cache_len)
+            rows, positions = max(n, reserve[0]), max(positions, reserve[1])
+        out, cache_len = self._workspace(rows, self.cache_length(rows, positions))
         if self._top is None:  # decided once per workspace: a budget that moved with free memory would pile up caches
             self._top = rows if not self.refill else self.slot_budget(rows, cache_len)
         loop = self._decode(out, right, lengths, cache_len)
