@@ -85,6 +85,12 @@ def file_cases(name: str) -> dict[str, dict]:
     return {c["case"]: {**c, "card": payload["card"], "command": payload["command"]} for c in payload["cases"]}
 
 
+def update_passes(case: dict) -> str:
+    """"2 plain passes", "1 checkpointed pass": how the budget ran a case's update."""
+    n = int(case["memory_update_passes"])
+    return f"{n} {'checkpointed' if case['memory_gradient_checkpointing'] else 'plain'} pass{'' if n == 1 else 'es'}"
+
+
 def budget_entries() -> dict[str, dict]:
     """SC-GRPO's step against GRPO's at the smollm2 suite's defaults (the memory budget's default sizes), the
     same SC-GRPO step with the process held to 22 GiB against it uncapped, and GRPO's peak memory at the defaults
@@ -130,8 +136,7 @@ def budget_entries() -> dict[str, dict]:
         "the same SC-GRPO step with the process held to 22 GiB (set_per_process_memory_fraction, a 24 GB card) and "
         f"the budget at its default ({capped['memory_budget_gib']:.1f} GiB, read from the cap) against it uncapped "
         f"({capped['wall_s']:.2f} vs {sc['wall_s']:.2f} s): the budget split the update into "
-        f"{capped['memory_update_passes']:.0f} {'checkpointed' if capped['memory_gradient_checkpointing'] else 'plain'} "
-        f"pass(es) (update.CHECKPOINTED_PASS), peak allocated {capped['peak_allocated_gib']:.1f} GiB against "
+        f"{update_passes(capped)} (update.CHECKPOINTED_PASS), peak allocated {capped['peak_allocated_gib']:.1f} GiB against "
         f"{sc['peak_allocated_gib']:.1f}. Before the budget, `scgrpo fit` with these settings "
         "(configs/grpo_arith_gpu.yaml + replication/scgrpo.yaml) under the same cap died in its first step with a raw "
         "out-of-memory traceback (as reported; it passes now, docs/gpu_configs.md)",
@@ -166,8 +171,7 @@ def budget_entries() -> dict[str, dict]:
             f"{shape}: SC-GRPO {sc8['wall_s']:.1f} s = sampling {sc8['time_generation_s']:.1f} s (streamed 4-bit "
             f"mode, {sc8['rollout_slots']:.0f} decode slots for {sc8['prompts_per_gpu'] * sc8['group_size']} rows, "
             f"{sc8['rollout_decode_steps']:.0f} decode steps), teacher pass {sc8['time_teacher_s']:.1f} s, update "
-            f"{sc8['time_train_s']:.1f} s ({sc8['memory_update_passes']:.0f} "
-            f"{'checkpointed' if sc8['memory_gradient_checkpointing'] else 'plain'} passes), peak allocated "
+            f"{sc8['time_train_s']:.1f} s ({update_passes(sc8)}), peak allocated "
             f"{sc8['peak_allocated_gib']:.1f} GiB.{earlier}",
         )
         out["scgrpo_over_grpo_step_8b"] = entry(
