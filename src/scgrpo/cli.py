@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from scgrpo.callbacks import StepCheckpoint
 from scgrpo.callbacks.progress import count_steps
 from scgrpo.data import PromptDataModule
+from scgrpo.distributed import RankFailed
 from scgrpo.errors import InputError
 from scgrpo.module import RLVRModule
 from scgrpo.runs import DEFAULT_NAME, DEFAULT_ROOT, share_run_folder
@@ -138,8 +139,8 @@ def main(args=None) -> None:
             seed_everything_default=0,
             args=args,
         )
-    except InputError as err:  # a bad data file or model folder found during the run: one line, not a traceback
-        fail(err)
+    except (InputError, RankFailed) as err:  # a bad data file or model folder found during the run, or another
+        fail(err)  # rank's failure before the ranks' first collective: one line, not a traceback
     if getattr(cli.model, "diverged", False):  # the divergence guard stopped the run (its message is logged)
         raise SystemExit(1)
 

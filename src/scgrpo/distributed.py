@@ -140,6 +140,33 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+class RankFailed(RuntimeError):
+    """Another rank failed in a step every rank runs (its message is this one's)."""
+
+
+def on_every_rank(prepare: Callable[[], Any], what: str) -> Any:
+    """``prepare()`` on this rank; with several ranks, each then learns (one collective that every rank reaches,
+    failed or not) whether another failed: a rank whose ``prepare`` raised raises its own error, the others
+    :class:`RankFailed` with the failed ranks' messages, rather than waiting in the next collective for a rank that
+    will never come. ``what`` names the step in that message."""
+    error: Optional[BaseException] = None
+    try:
+        result = prepare()
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+        error, result = err, None
+    if world_size() > 1:
+        messages: list[Optional[str]] = [None] * world_size()
+        mine = None if error is None else f"{type(error).__name__}: {' '.join(str(error).split())}"
+        dist.all_gather_object(messages, mine)
+        failed = {rank: message for rank, message in enumerate(messages) if message is not None}
+        if failed and error is None:
+            raise RankFailed(f"{what} failed on rank(s) {', '.join(map(str, failed))}: "
+                             + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+    if error is not None:
+        raise error
+    return result
+
+
 def all_reduce(values: list[float], op: str = "sum", device: Optional[torch.device] = None) -> list[float]:
     """Element-wise sum or max of ``values`` over ranks (one collective); ``values`` unchanged on one rank."""
     if world_size() == 1:

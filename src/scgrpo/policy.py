@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, run_passes, span_rows, whole_rows
-from scgrpo.distributed import PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, shard_policy
+from scgrpo.distributed import (PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, on_every_rank,
+                                shard_policy)
 from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives.functional import chunked_token_logprobs
 from scgrpo import packing
@@ -352,7 +353,9 @@ def build_policy(model: str, dtype: str, lora: Optional[LoraSettings], quantizat
     base onto ``device`` in train mode, and shards it over ``mesh``'s data-parallel ranks when given."""
     compute_dtype = parse_dtype(dtype, device.type)
     warn_if_slow_cpu_dtype(compute_dtype, device.type)
-    network, tokenizer = load_policy(model, compute_dtype, lora, quantization, device)
+    # (on several ranks, a rank whose loading fails stops the others, which would wait for it in the first collective)
+    network, tokenizer = on_every_rank(lambda: load_policy(model, compute_dtype, lora, quantization, device),
+                                       "loading the model")
     runner = PolicyRunner(network)
     network.train()  # from_pretrained returns eval mode; generation switches to eval by itself
     if gradient_checkpointing:
