@@ -3,9 +3,6 @@ the gathered values behind them; two gloo processes on CPU against one process o
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,10 +36,10 @@ def _select(signal: TeacherSignal, rows: slice) -> TeacherSignal:
                          references=signal.references[rows], divergence=signal.divergence[rows])
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
+def _worker(rank: int, store: str, out: dict) -> None:
     torch.set_num_threads(1)  # a forked child starts no thread pool of its own (tiny tensors: none is needed)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # (a file store: no port to pick and bind later, which another process could take in between)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         signal, mask, rewards, entropy = _batch()
         rows = slice(4 * rank, 4 * rank + 4)
@@ -55,18 +52,12 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_ranks_agree_with_one_process_on_the_whole_batch():
+def test_two_ranks_agree_with_one_process_on_the_whole_batch(tmp_path):
     manager = mp.Manager()
     out = manager.dict()
     # forked rather than spawned: the ranks start with this process's imports instead of importing torch and
     # scgrpo afresh (seconds each)
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), out), nprocs=2, join=True, start_method="fork")
     signal, mask, rewards, entropy = _batch()
     whole = SCGRPO().credit(rewards, mask, 4, signal)
     assert torch.equal(out[0]["gathered"], torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0]))

@@ -100,7 +100,7 @@ def test_runner_times_out_a_hanging_verifier():
     runner = VerifierRunner(SleepingVerifier())
     start = time.perf_counter()
     results = runner(["a", "b"], [1, 1], ["q", "q"], ["x", "y"])
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 5.0  # (each call sleeps 5 s: had either run to its end, 5 s or more)
     assert [r.score for r in results] == [0.0, 0.0] and runner.timeouts == 2
 
 
