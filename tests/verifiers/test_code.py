@@ -83,6 +83,9 @@ def test_value_comparison_is_strict_about_types_but_not_tuples():
     assert values_equal((1, 2), [1, 2]) and values_equal(0.1 + 0.2, 0.3) and not values_equal("1", 1)
     assert not values_equal([1, 2], [1, 2, 3]) and not values_equal(None, 0) and values_equal({"a": (1,)}, {"a": [1]})
     assert output_equal("3  \n4\n\n", "3\n4") and not output_equal("3 4", "3\n4")
+    # what a program can forge: an int past any float where a float is expected, output that is not text
+    assert not values_equal(10**400, 1.5) and not values_equal(1.5, 10**400) and not values_equal([10**400], [2.0])
+    assert not output_equal({"dict": []}, "3") and not output_equal(None, "")
 
 
 def test_scores_the_share_of_tests_passed_and_lists_outcomes(verifier):

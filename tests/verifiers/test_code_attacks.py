@@ -246,6 +246,10 @@ def attacked(request, tmp_path_factory):
                        "def burn(s):\n    t = time.process_time()\n    while time.process_time() - t < s:\n        pass\n"
                        "    return s\n", STACK_BUSY),
         "solution_add": ("class Solution:\n    def add(self, a, b):\n        return a + b\n", SOLUTION_ADD),
+        # a correct program that sends SIGINT to its parent, the judge, in each call: the judge ignores it (with
+        # Python's handler it would raise KeyboardInterrupt in the middle of a test and lose the results)
+        "signals_the_judge": ("import os, signal\ndef f(x):\n    os.kill(os.getppid(), signal.SIGINT)\n    return x\n",
+                              [{"type": "call", "fn": "f", "args": [i], "expected": i} for i in range(2)]),
         "stack_class": ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
                         "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
                         "    @property\n    def size(self):\n        return len(self.items)\n"
@@ -313,7 +317,7 @@ def test_right_answers_alone_score_and_are_scored_test_by_test(attacked):
     for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "max_check", "solution_add",
                  "stack_class", "map_square", "pairs", "bag", "stack_busy",
                  "generators", "prefixes", "squares_cpu",
-                 "raises_type_error", "cpu_each_test"):
+                 "raises_type_error", "cpu_each_test", "signals_the_judge"):
         assert results[name].score == 1.0, (name, results[name].info)
     assert results["hang_then_pass"].info["tests"] == ["timeout", "pass"]
     assert results["namespace_after_timeout"].info["tests"] == ["pass", "timeout", "pass"]

@@ -304,7 +304,10 @@ def values_equal(got: Any, expected: Any) -> bool:
     got, expected = _normalise(got), _normalise(expected)
     if isinstance(got, float) or isinstance(expected, float):
         if isinstance(got, (int, float)) and isinstance(expected, (int, float)) and not isinstance(got, bool):
-            return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-9)
+            try:
+                return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-9)
+            except OverflowError:  # an int past any float (10**400): not within 1e-6 of a float
+                return False
         return False
     if isinstance(got, list) and isinstance(expected, list):
         return len(got) == len(expected) and all(values_equal(g, e) for g, e in zip(got, expected))
@@ -313,7 +316,10 @@ def values_equal(got: Any, expected: Any) -> bool:
 
 
 def output_equal(got: str, expected: str) -> bool:
-    """Standard output compared line by line, trailing spaces and trailing empty lines ignored."""
+    """Standard output compared line by line, trailing spaces and trailing empty lines ignored; anything but text
+    (a reply the program forged) is not equal."""
+    if not isinstance(got, str):
+        return False
     lines = lambda text: [line.rstrip() for line in text.strip("\n").splitlines()]  # noqa: E731
     return lines(got) == lines(expected)
 
