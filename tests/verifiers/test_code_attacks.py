@@ -189,6 +189,10 @@ def attacked(request, tmp_path_factory):
                     "    return s.recv(100).decode()\n", _call("net-secret")),
         "kill_parent": (f"import os, signal\nos.kill({me}, signal.SIGKILL)\nos.killpg({os.getpgid(me)}, signal.SIGKILL)\n"
                         "os.kill(os.getppid(), signal.SIGKILL)\n" + SOLVE, _call(1)),
+        # a user namespace of its own: there it could mount a tmpfs and fill memory no resource limit counts (the
+        # reward only where unshare succeeds)
+        "user_namespace": ("import ctypes\ndef solve():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+                           "    return 1 if libc.unshare(0x10000000) == 0 else 0\n", _call(1)),
         "output_100mb": ("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\nprint(3)\n",
                          [{"type": "stdio", "input": "", "output": "3"}]),
         "sys_exit": (SOLVE + "import sys\nsys.exit(0)\n", _call(1)),
@@ -299,7 +303,7 @@ ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "
            "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
            "builtin_handed_missing", "builtin_alias", "builtin_alias_check", "object_for_truth", "object_not_equal",
            "contains_always", "hashed_not_in",
-           "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk"]
+           "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk", "user_namespace"]
 
 
 @pytest.mark.parametrize("attack", ATTACKS)

@@ -248,6 +248,53 @@ def _limit_worker(limits, nproc):
     if nproc:  # per uid (or per user namespace): counts exactly the sandbox's processes
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
     os.setsid()
+    _forbid_user_namespaces()
+
+
+# (seccomp: the syscall numbers of unshare, clone and clone3 per audit architecture)
+_SYSCALLS = {0xC000003E: (272, 56, 435), 0xC00000B7: (97, 220, 435)}  # x86_64, aarch64
+_CLONE_NEWUSER = 0x10000000
+
+
+def _forbid_user_namespaces():
+    """A seccomp filter (kept across ``execve`` by the worker and every process it starts): ``unshare`` and
+    ``clone`` with ``CLONE_NEWUSER`` fail with EPERM, and ``clone3`` with ENOSYS (its flags sit in memory a filter
+    cannot read; the C library falls back to ``clone``). In a user namespace of its own a program could mount a
+    tmpfs and fill memory no resource limit counts. Where seccomp or the architecture is not available the
+    program runs without the filter (the other layers stand)."""
+    arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
+    if arch is None:
+        return
+    unshare, clone, clone3 = _SYSCALLS[arch]
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
+    program = [
+        (load, 0, 0, 4),  # the architecture
+        (jeq, 1, 0, arch),
+        (ret, 0, 0, allow),  # (another one: its numbers differ; nothing is filtered)
+        (load, 0, 0, 0),  # the syscall's number
+        (jeq, 0, 1, clone3),
+        (ret, 0, 0, enosys),
+        (jeq, 1, 0, unshare),
+        (jeq, 0, 3, clone),
+        (load, 0, 0, 16),  # the low half of its first argument: the flags
+        (jset, 0, 1, _CLONE_NEWUSER),
+        (ret, 0, 0, eperm),
+        (ret, 0, 0, allow),
+    ]
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(program))(*[Filter(*op) for op in program])
+    fprog = Program(len(program), filters)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which an unprivileged filter needs
+        return
+    libc.prctl(22, 2, ctypes.byref(fprog), 0, 0)  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 # ---------------------------------------------------------------- judge: running the tests
