@@ -193,6 +193,17 @@ def attacked(request, tmp_path_factory):
         # reward only where unshare succeeds)
         "user_namespace": ("import ctypes\ndef solve():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
                            "    return 1 if libc.unshare(0x10000000) == 0 else 0\n", _call(1)),
+        # memory outside the address-space limit: a 64 MiB SysV segment; 16 memory files of 3 MiB (each under the
+        # file-size limit: together up to open_files x file_mb)
+        "sysv_shm": ("import ctypes\ndef solve():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+                     "    libc.shmat.restype = ctypes.c_void_p\n"
+                     "    shm = libc.shmget(0, 64 << 20, 0o1600)\n    if shm < 0:\n        return 0\n"
+                     "    at = libc.shmat(shm, None, 0)\n    if at in (None, ctypes.c_void_p(-1).value):\n        return 0\n"
+                     "    ctypes.memset(at, 1, 64 << 20)\n    return 1\n", _call(1)),
+        "memfd": ("import os\nheld = []\ndef solve():\n    try:\n        for _ in range(16):\n"
+                  "            held.append(os.memfd_create('m'))\n            for _ in range(3):\n"
+                  "                os.write(held[-1], b'x' * (1 << 20))\n    except OSError:\n        return 0\n"
+                  "    return 1\n", _call(1)),
         "output_100mb": ("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\nprint(3)\n",
                          [{"type": "stdio", "input": "", "output": "3"}]),
         "sys_exit": (SOLVE + "import sys\nsys.exit(0)\n", _call(1)),
@@ -303,7 +314,8 @@ ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "
            "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
            "builtin_handed_missing", "builtin_alias", "builtin_alias_check", "object_for_truth", "object_not_equal",
            "contains_always", "hashed_not_in",
-           "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk", "user_namespace"]
+           "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk", "user_namespace",
+           "sysv_shm", "memfd"]
 
 
 @pytest.mark.parametrize("attack", ATTACKS)

@@ -248,24 +248,32 @@ def _limit_worker(limits, nproc):
     if nproc:  # per uid (or per user namespace): counts exactly the sandbox's processes
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
     os.setsid()
-    _forbid_user_namespaces()
+    _refuse_unbounded_memory()
 
 
-# (seccomp: the syscall numbers of unshare, clone and clone3 per audit architecture)
-_SYSCALLS = {0xC000003E: (272, 56, 435), 0xC00000B7: (97, 220, 435)}  # x86_64, aarch64
+# (seccomp: syscall numbers per audit architecture, x86_64 and aarch64)
+_SYSCALLS = {
+    0xC000003E: {"unshare": 272, "clone": 56, "clone3": 435, "shmget": 29, "shmat": 30, "memfd_create": 319},
+    0xC00000B7: {"unshare": 97, "clone": 220, "clone3": 435, "shmget": 194, "shmat": 196, "memfd_create": 279},
+}
 _CLONE_NEWUSER = 0x10000000
 
 
-def _forbid_user_namespaces():
-    """A seccomp filter (kept across ``execve`` by the worker and every process it starts): ``unshare`` and
-    ``clone`` with ``CLONE_NEWUSER`` fail with EPERM, and ``clone3`` with ENOSYS (its flags sit in memory a filter
-    cannot read; the C library falls back to ``clone``). In a user namespace of its own a program could mount a
-    tmpfs and fill memory no resource limit counts. Where seccomp or the architecture is not available the
-    program runs without the filter (the other layers stand)."""
+def _refuse_unbounded_memory():
+    """A seccomp filter (kept across ``execve`` by the worker and every process it starts) on the ways to hold
+    memory that no resource limit counts:
+
+    - a user namespace of its own (where a tmpfs could be mounted and filled): ``unshare`` and ``clone`` with
+      ``CLONE_NEWUSER`` fail with EPERM, and ``clone3`` with ENOSYS (its flags sit in memory a filter cannot
+      read; the C library falls back to ``clone``);
+    - SysV shared memory (``shmget``, ``shmat``) and memory file descriptors (``memfd_create``): EPERM.
+
+    Where seccomp or the architecture is not available the program runs without the filter (the other layers
+    stand)."""
     arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
     if arch is None:
         return
-    unshare, clone, clone3 = _SYSCALLS[arch]
+    nr = _SYSCALLS[arch]
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
     load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
     program = [
@@ -273,10 +281,12 @@ def _forbid_user_namespaces():
         (jeq, 1, 0, arch),
         (ret, 0, 0, allow),  # (another one: its numbers differ; nothing is filtered)
         (load, 0, 0, 0),  # the syscall's number
-        (jeq, 0, 1, clone3),
-        (ret, 0, 0, enosys),
-        (jeq, 1, 0, unshare),
-        (jeq, 0, 3, clone),
+    ]
+    for name, errno in (("clone3", enosys), ("shmget", eperm), ("shmat", eperm), ("memfd_create", eperm)):
+        program += [(jeq, 0, 1, nr[name]), (ret, 0, 0, errno)]
+    program += [
+        (jeq, 1, 0, nr["unshare"]),
+        (jeq, 0, 3, nr["clone"]),
         (load, 0, 0, 16),  # the low half of its first argument: the flags
         (jset, 0, 1, _CLONE_NEWUSER),
         (ret, 0, 0, eperm),
