@@ -14,6 +14,8 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -393,3 +395,38 @@ def test_the_harness_file_is_standard_library_only():
     assert "scgrpo" not in imported and imported <= {"ast", "builtins", "ctypes", "json", "os", "select", "signal",
                                                       "struct", "sys", "time", "resource", "subprocess", "io"}
     assert stat.S_ISREG(os.stat(HARNESS).st_mode)
+
+
+READ_ONLY_SUBMOUNT = r'''
+import ctypes, json, os, sys
+mode, base = sys.argv[1], sys.argv[2]
+libc = ctypes.CDLL(None, use_errno=True)
+# a mount namespace of this process's own: the writable mount below exists nowhere else
+assert libc.unshare(0x20000) == 0 and libc.mount(None, b"/", None, 16384 | (1 << 18), None) == 0
+folder, below = os.path.join(base, "ro"), os.path.join(base, "ro", "sub")
+os.makedirs(below)
+assert libc.mount(b"tmpfs", below.encode(), b"tmpfs", 0, b"size=1m,mode=1777") == 0
+from scgrpo.verifiers.code import PythonTests
+verifier = PythonTests(isolation=mode)
+verifier.sandbox.binds.append(folder)  # bound read-only into the sandbox, the writable mount under it too
+program = ("```python\ndef solve():\n    try:\n        open(%r, 'w').write('x')\n        return 1\n"
+           "    except OSError:\n        return 0\n```" % os.path.join(below, "pwned"))
+result = verifier.verify_batch([program], [[{"type": "call", "fn": "solve", "args": [], "expected": 1}]], ["q"])[0]
+print(json.dumps({"score": result.score, "written": os.path.exists(os.path.join(below, "pwned"))}))
+'''
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
+def test_a_writable_mount_under_a_read_only_folder_is_read_only_inside(mode, tmp_path):
+    """A folder bound read-only with a writable mount below it (a tmpfs, made in a mount namespace of the test's
+    own): the program cannot write there (namespaces mode remounted only the top of each bind)."""
+    if mode_unavailable(mode):
+        pytest.skip(mode_unavailable(mode))
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the writable mount is made in a mount namespace of the test's own")
+    os.chmod(tmp_path, 0o755)
+    done = subprocess.run([sys.executable, "-c", READ_ONLY_SUBMOUNT, mode, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome == {"score": 0.0, "written": False}

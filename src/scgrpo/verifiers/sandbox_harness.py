@@ -173,6 +173,21 @@ def _mount(libc, source, target, fstype, flags, data=None):
     _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+def _mounts_under(folder):
+    """The mount points below ``folder`` in this mount namespace (``/proc/self/mountinfo``'s fifth field, whose
+    spaces and other special characters are octal escapes)."""
+    prefix, found = folder.rstrip("/") + "/", []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4:
+                point = "".join(chr(int(part[:3], 8)) + part[3:] if i and part[:3].isdigit() else part
+                                for i, part in enumerate(fields[4].split("\\")))
+                if point.startswith(prefix):
+                    found.append(point)
+    return found
+
+
 def _build_root(libc, root, layout):
     """A new root in the private mount namespace: the system and Python folders bound read-only, a sized tmpfs
     on /tmp (the only writable place), a few device nodes, /proc; everything else (home folders, the run's
@@ -187,7 +202,10 @@ def _build_root(libc, root, layout):
         target = root + path
         os.makedirs(target, mode=0o755, exist_ok=True)
         _mount(libc, path, target, None, MS_BIND | MS_REC)
-        _mount(libc, None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        # read-only with every mount under it (a writable one there would stay writable: remounting the top
+        # changes that mount alone)
+        for mount in [target] + _mounts_under(target):
+            _mount(libc, None, mount, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.makedirs(root + "/dev", mode=0o755)
     for name in ("null", "zero", "full", "random", "urandom"):
         open(root + "/dev/" + name, "w").close()
