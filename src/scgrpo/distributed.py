@@ -152,7 +152,7 @@ def on_every_rank(prepare: Callable[[], Any], what: str) -> Any:
     error: Optional[BaseException] = None
     try:
         result = prepare()
-    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+    except BaseException as err:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
         error, result = err, None
     if world_size() > 1:
         messages: list[Optional[str]] = [None] * world_size()

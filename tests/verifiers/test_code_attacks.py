@@ -195,6 +195,14 @@ def attacked(request, tmp_path_factory):
         # reward only where unshare succeeds)
         "user_namespace": ("import ctypes\ndef solve():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
                            "    return 1 if libc.unshare(0x10000000) == 0 else 0\n", _call(1)),
+        # the same through a 32-bit call (int 0x80: i386's unshare is 310), which a filter of x86_64's numbers
+        # alone would let through (no reward elsewhere than on x86_64)
+        "user_namespace_32bit": ("import ctypes, mmap, os, struct\ndef solve():\n    if os.uname().machine != 'x86_64':\n"
+                                 "        return 0\n    code = (b'\\x53\\xb8' + struct.pack('<I', 310) + b'\\xbb'"
+                                 " + struct.pack('<I', 0x10000000) + b'\\xcd\\x80\\x5b\\xc3')\n"
+                                 "    m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+                                 "    m.write(code)\n    call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))\n"
+                                 "    return 1 if call() == 0 else 0\n", _call(1)),
         # memory outside the address-space limit: a 64 MiB SysV segment; 16 memory files of 3 MiB (each under the
         # file-size limit: together up to open_files x file_mb)
         "sysv_shm": ("import ctypes\ndef solve():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -267,6 +275,10 @@ def attacked(request, tmp_path_factory):
         # Python's handler it would raise KeyboardInterrupt in the middle of a test and lose the results)
         "signals_the_judge": ("import os, signal\ndef f(x):\n    os.kill(os.getppid(), signal.SIGINT)\n    return x\n",
                               [{"type": "call", "fn": "f", "args": [i], "expected": i} for i in range(2)]),
+        # ... while the program itself keeps Python's SIGINT handling (the judge's ignoring is not inherited)
+        "own_keyboard_interrupt": ("import os, signal, time\ndef f(x):\n    try:\n        os.kill(os.getpid(), signal.SIGINT)\n"
+                                   "        time.sleep(0.2)\n    except KeyboardInterrupt:\n        return x\n    return -1\n",
+                                   [{"type": "call", "fn": "f", "args": [3], "expected": 3}]),
         "stack_class": ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
                         "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
                         "    @property\n    def size(self):\n        return len(self.items)\n"
@@ -316,7 +328,7 @@ ATTACKS = ["infinite_loop", "fork_bomb", "memory_bomb", "disk_fill", "daemon", "
            "sys_exit", "os_exit", "print_passed", "patch_assert", "shadow_set", "shadow_abs", "builtin_named_missing", "builtin_named_missing_check", "builtin_named_wrong",
            "builtin_handed_missing", "builtin_alias", "builtin_alias_check", "object_for_truth", "object_not_equal",
            "contains_always", "hashed_not_in",
-           "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk", "user_namespace",
+           "swallowed_timeout", "alarm_the_judge", "hidden_tests_on_disk", "user_namespace", "user_namespace_32bit",
            "sysv_shm", "memfd"]
 
 
@@ -335,7 +347,7 @@ def test_right_answers_alone_score_and_are_scored_test_by_test(attacked):
     for name in ("solve", "mbpp_2", "humaneval_2", "max_mbpp", "max_humaneval", "max_check", "solution_add",
                  "stack_class", "map_square", "pairs", "bag", "stack_busy",
                  "generators", "prefixes", "squares_cpu",
-                 "raises_type_error", "cpu_each_test", "signals_the_judge"):
+                 "raises_type_error", "cpu_each_test", "signals_the_judge", "own_keyboard_interrupt"):
         assert results[name].score == 1.0, (name, results[name].info)
     assert results["hang_then_pass"].info["tests"] == ["timeout", "pass"]
     assert results["namespace_after_timeout"].info["tests"] == ["pass", "timeout", "pass"]

@@ -133,6 +133,7 @@ class Sandbox:
     """
 
     _probed: dict[tuple[str, bool], Optional[str]] = {}
+    _warned_seccomp = False  # (said once a process: the filter could not be installed)
     _lock = threading.Lock()
 
     def __init__(self, mode: str = "auto", limits: Optional[Limits] = None) -> None:
@@ -325,6 +326,10 @@ class Sandbox:
                 buffer = buffer[4 + size :]
             for message in messages:
                 confined = confined or message.get("confined", False)
+                if message.get("seccomp") is False and not Sandbox._warned_seccomp:
+                    Sandbox._warned_seccomp = True
+                    log.warning("the code sandbox could not install its seccomp filter here: new user namespaces, "
+                                "SysV shared memory and memory files are not refused (see docs/verifiers.md)")
                 if "results" in message:
                     if message.get("token") != token or len(message["results"]) != count:
                         return Outcome(None, "a verdict without the run's token")

@@ -173,18 +173,25 @@ def _mount(libc, source, target, fstype, flags, data=None):
     _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+_MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
+                "relatime": 1 << 21}
+
+
 def _mounts_under(folder):
-    """The mount points below ``folder`` in this mount namespace (``/proc/self/mountinfo``'s fifth field, whose
-    spaces and other special characters are octal escapes)."""
-    prefix, found = folder.rstrip("/") + "/", []
+    """``(mount point, its flags, read-only)`` of each mount below ``folder`` (its real path: mountinfo lists real
+    ones) in this mount namespace, from ``/proc/self/mountinfo`` (the fifth field, whose spaces and other special
+    characters are octal escapes, and the sixth, the mount's options)."""
+    prefix, found = os.path.realpath(folder).rstrip("/") + "/", []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 4:
+            if len(fields) > 5:
                 point = "".join(chr(int(part[:3], 8)) + part[3:] if i and part[:3].isdigit() else part
                                 for i, part in enumerate(fields[4].split("\\")))
+                options = fields[5].split(",")
                 if point.startswith(prefix):
-                    found.append(point)
+                    flags = sum(_MOUNT_FLAGS.get(option, 0) for option in set(options))
+                    found.append((point, flags, "ro" in options))
     return found
 
 
@@ -204,8 +211,13 @@ def _build_root(libc, root, layout):
         _mount(libc, path, target, None, MS_BIND | MS_REC)
         # read-only with every mount under it (a writable one there would stay writable: remounting the top
         # changes that mount alone)
-        for mount in [target] + _mounts_under(target):
-            _mount(libc, None, mount, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _mount(libc, None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        for mount, flags, read_only in _mounts_under(target):  # (each keeps its own flags, which may be locked)
+            try:
+                _mount(libc, None, mount, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | flags)
+            except OSError:
+                if not read_only:  # (a mount hidden under another one cannot be reached, nor written)
+                    raise
     os.makedirs(root + "/dev", mode=0o755)
     for name in ("null", "zero", "full", "random", "urandom"):
         open(root + "/dev/" + name, "w").close()
@@ -266,7 +278,7 @@ def _limit_worker(limits, nproc):
     if nproc:  # per uid (or per user namespace): counts exactly the sandbox's processes
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
     os.setsid()
-    _refuse_unbounded_memory()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (the judge ignores it; the program gets Python's own handling)
 
 
 # (seccomp: syscall numbers per audit architecture, x86_64 and aarch64)
@@ -286,19 +298,23 @@ def _refuse_unbounded_memory():
       read; the C library falls back to ``clone``);
     - SysV shared memory (``shmget``, ``shmat``) and memory file descriptors (``memfd_create``): EPERM.
 
-    Where seccomp or the architecture is not available the program runs without the filter (the other layers
-    stand)."""
+    Calls of another architecture than the machine's (32-bit ``int 0x80`` calls on x86_64, whose numbers differ)
+    and x32 numbers are refused whole (ENOSYS). Installed in the judge once confined (no new privileges), so that
+    the worker and every process it starts inherit it. Returns whether it is in place: where seccomp or the
+    architecture is not available the program runs without it (the other layers stand), and the host says so."""
     arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
     if arch is None:
-        return
+        return False
     nr = _SYSCALLS[arch]
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
     program = [
         (load, 0, 0, 4),  # the architecture
         (jeq, 1, 0, arch),
-        (ret, 0, 0, allow),  # (another one: its numbers differ; nothing is filtered)
+        (ret, 0, 0, enosys),  # (a 32-bit call: its numbers differ)
         (load, 0, 0, 0),  # the syscall's number
+        (jge, 0, 1, 0x40000000),  # (x32's numbers)
+        (ret, 0, 0, enosys),
     ]
     for name, errno in (("clone3", enosys), ("shmget", eperm), ("shmat", eperm), ("memfd_create", eperm)):
         program += [(jeq, 0, 1, nr[name]), (ret, 0, 0, errno)]
@@ -320,9 +336,9 @@ def _refuse_unbounded_memory():
     filters = (Filter * len(program))(*[Filter(*op) for op in program])
     fprog = Program(len(program), filters)
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which an unprivileged filter needs
-        return
-    libc.prctl(22, 2, ctypes.byref(fprog), 0, 0)  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # (which an unprivileged filter needs)
+        return False
+    return libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 # ---------------------------------------------------------------- judge: running the tests
@@ -658,7 +674,7 @@ def judge(job_fd, result_fd):
     token = job.pop("token")
     deadline = job["deadline"]  # the host's, on the shared monotonic clock
     _confine(job, result_fd)
-    send(result_fd, {"confined": True})
+    send(result_fd, {"confined": True, "seccomp": _refuse_unbounded_memory()})
 
     # stop early enough that the results reach the host before its own deadline
     worker, results = Worker(job, deadline - min(0.5, job["limits"]["timeout_s"] / 10)), []
