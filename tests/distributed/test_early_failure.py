@@ -4,14 +4,13 @@ process group's timeout)."""
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scgrpo.distributed import RankFailed, on_every_rank
+from scgrpo.distributed import on_every_rank
 from scgrpo.policy import build_policy
 from scgrpo.rollout.engine import GenerationSettings
 
@@ -60,5 +59,4 @@ def test_on_one_process_the_error_is_raised_as_it_is():
         pass
     else:
         raise AssertionError("the error was swallowed")
-    assert not (dist.is_available() and dist.is_initialized())
-    assert issubclass(RankFailed, RuntimeError) and os.getpid()  # (the class callers catch)
+    assert not (dist.is_available() and dist.is_initialized())  # (one process: no gather was needed)
