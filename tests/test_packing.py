@@ -30,7 +30,8 @@ def test_the_plan_puts_each_sequence_whole_into_one_row_without_overlap():
     flat = torch.arange(mask.numel()).view(mask.shape)
     assert sorted(plan.source.tolist()) == flat[mask.bool()].tolist()  # every real token, once
     row_of = plan.target // plan.width
-    owner = torch.repeat_interleave(torch.arange(6), plan.length)
+    owner = plan.owner
+    assert owner.tolist() == torch.repeat_interleave(torch.arange(6), plan.length).tolist()
     for s in range(6):
         targets = plan.target[owner == s]
         assert row_of[owner == s].unique().numel() == 1  # whole in one row

@@ -39,6 +39,7 @@ class Packing:
     origin: Tensor  # [N] flat packed position of column 0 of each sequence (its first token's position, less its first column)
     first: Tensor  # [N] the padded column of each sequence's first token
     length: Tensor  # [N] its tokens
+    owner: Tensor  # [K] the sequence of each real token
     source: Tensor  # [K] flat padded position of each real token
     target: Tensor  # [K] its flat packed position
     positions: Tensor  # [K] its position id
@@ -89,7 +90,7 @@ def plan_packing(attention_mask: Tensor, min_width: Optional[int] = None, gain: 
     starts = torch.cumsum(length, 0) - length
     offset = torch.arange(total, device=device) - starts[owner]  # [K] position within its sequence
     column = first[owner] + offset
-    return Packing(rows=len(room), width=width, origin=origin_t, first=first, length=length,
+    return Packing(rows=len(room), width=width, origin=origin_t, first=first, length=length, owner=owner,
                    source=owner * t + column, target=origin_t[owner] + column, positions=offset)
 
 
@@ -105,9 +106,7 @@ def packed_inputs(packing: Packing, input_ids: Tensor, pad_id: int, mask_dtype: 
     positions = torch.zeros(r * w, dtype=torch.long, device=device)
     positions[packing.target] = packing.positions
     segment = -1 - torch.arange(r * w, device=device) // w  # padding: one segment per row
-    owner = torch.repeat_interleave(torch.arange(packing.length.shape[0], device=device), packing.length,
-                                    output_size=packing.target.shape[0])
-    segment[packing.target] = owner
+    segment[packing.target] = packing.owner
     segment = segment.view(r, w)
     causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
     mask = (segment.unsqueeze(2) == segment.unsqueeze(1)) & causal  # [R, W, W]
