@@ -409,13 +409,16 @@ def test_auto_counts_the_allocators_unused_reserve_as_memory_left(monkeypatch):
     slots = SimpleNamespace(max_slots=0, refill=True, device=torch.device("cuda", 0), memory_budget=1000 * mib + 100 * mib,
                             decoder=SimpleNamespace(cache_bytes_per_row=lambda length: length * mib // 128,
                                                     embed=torch.empty(8, 1)))
-    slots.slot_budget = lambda rows, length: SlotDecoder.slot_budget(slots, rows, length)
-    assert slots.slot_budget(8, 1280) == 7 and slots.slot_budget(8, 1152) == 8  # 0.8 x 100 MiB over 10 and 9 MiB
-    assert SlotDecoder.cache_length(slots, rows=8, positions=1090) == 1152
-    assert SlotDecoder.cache_length(slots, rows=7, positions=1090) == 1280  # every row fits either way: the bucket
-    assert SlotDecoder.cache_length(slots, rows=8, positions=1000) == 1024  # (the bucket is 64-wide below 1,024)
+    slots.slot_budget = lambda rows, length, prompt_tokens=0: SlotDecoder.slot_budget(slots, rows, length, prompt_tokens)
+    assert slots.slot_budget(10, 1280) == 8 and slots.slot_budget(10, 1152) == 9  # 0.9 x 100 MiB over 10 and 9 MiB
+    assert SlotDecoder.cache_length(slots, rows=10, positions=1090) == 1152
+    assert SlotDecoder.cache_length(slots, rows=8, positions=1090) == 1280  # every row fits either way: the bucket
+    assert SlotDecoder.cache_length(slots, rows=10, positions=1000) == 1024  # (the bucket is 64-wide below 1,024)
+    # a prefill of the rows' prompts counts against the budget: 10 prompts of 200 tokens at 10 KiB a token
+    slots.decoder.prefill_bytes = lambda tokens: tokens * 10 * 2**10
+    assert slots.slot_budget(10, 1152, prompt_tokens=200) == 8  # 0.9 x (100 - 19.5) MiB over 9 MiB
     slots.memory_budget = None
-    assert SlotDecoder.cache_length(slots, rows=8, positions=1090) == 1280  # no budget: the bucket
+    assert SlotDecoder.cache_length(slots, rows=10, positions=1090) == 1280  # no budget: the bucket
 
 
 def test_padding_rows_of_a_prefill_store_nothing(tok, batch):

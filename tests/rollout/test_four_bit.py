@@ -24,10 +24,11 @@ import copy  # noqa: E402
 from tests.rollout.test_compact import tiny, with_lora  # noqa: E402
 
 
-def packed(weight: torch.Tensor, quant_type: str = "nf4", storage=torch.uint8, nested: bool = True):
+def packed(weight: torch.Tensor, quant_type: str = "nf4", storage=torch.uint8, nested: bool = True,
+           blocksize: int = 64):
     """A quantized ``Params4bit`` of ``weight`` (CPU), as QLoRA's loader makes it."""
     param = bnb.nn.Params4bit(weight.detach().clone(), requires_grad=False, compress_statistics=nested,
-                              quant_type=quant_type, quant_storage=storage)
+                              quant_type=quant_type, quant_storage=storage, blocksize=blocksize)
     return param.to("cpu")
 
 
@@ -239,7 +240,8 @@ def test_budget_picks_slots_and_rejects_bad_settings():
     from scgrpo.rollout.engine import GenerationSettings
 
     gib = 2**30
-    assert slots_within(budget=20 * gib, allocated=8 * gib, per_row=gib // 2, rows=64) == 19  # 0.8 * 12 / 0.5
+    assert slots_within(budget=20 * gib, allocated=8 * gib, per_row=gib // 2, rows=64) == 21  # 0.9 * 12 / 0.5
+    assert slots_within(budget=20 * gib, allocated=8 * gib, per_row=gib // 2, rows=64, workspace=2 * gib) == 18  # 0.9 * 10 / 0.5
     assert slots_within(budget=20 * gib, allocated=8 * gib, per_row=gib // 2, rows=10) == 10
     assert slots_within(budget=8 * gib, allocated=9 * gib, per_row=gib // 2, rows=64) == 1  # none fits: one
     with pytest.raises(ValueError, match="four_bit"):

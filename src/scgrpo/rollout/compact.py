@@ -272,6 +272,15 @@ class CompactDecoder:
     def cache_bytes_per_row(self, length: int) -> int:
         return 2 * self.num_layers * self.kv_heads * length * self.head_dim * self.embed.element_size()
 
+    def prefill_bytes(self, tokens: int) -> int:
+        """Bytes a prefill of ``tokens`` prompt tokens holds at once, at most: a layer's residual stream, its norm,
+        q/k/v, the eager attention's keys and values repeated per query head, attention's output, the MLP's gate, up
+        and activation, in the model's dtype."""
+        h = int(self.config.hidden_size)
+        inner = int(getattr(self.config, "intermediate_size", 0) or 4 * h)
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return tokens * self.embed.element_size() * (3 * h + qkv + 3 * self.heads * self.head_dim + 3 * inner)
+
     def logits(self, x: Tensor) -> Tensor:
         return self.head(rms_norm(x, self.norm, self.eps)).float()
 

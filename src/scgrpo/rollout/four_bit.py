@@ -32,7 +32,9 @@ STREAM_KERNEL = "dequantize"
 """How a streamed projection multiplies: "dequantize" (bitsandbytes' kernel into the scratch, then a matmul) or
 "fused" (:mod:`scgrpo.rollout.nf4_matmul`: the codes read inside the matmul, nf4 weights only; the others are
 dequantized). Benchmarks set it (``scripts/bench_step.py``'s ``qwen8b_sampling_streamed_fused``); measured on an H200
-(64 rows, Qwen3-8B shapes) it took 119.5 ms a decode step against 17.4 ms dequantizing, so it stays off"""
+(64 rows, Qwen3-8B shapes): 27.7 ms a decode step with 64-row tiles against 17.5 ms dequantizing (its first version
+took 119.5 ms; benchmarks/results/bench_qwen8b_sampling_fused_tiled_h200.json), and its projections alone at the
+settings it now takes 12.8 ms a step against 12.3 ms (benchmarks/results/tune_nf4_matmul_h200.json), so it stays off"""
 
 
 def resident_fits(copy: int, left: int, kept: bool = False) -> bool:
