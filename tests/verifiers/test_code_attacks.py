@@ -442,3 +442,47 @@ def test_a_writable_mount_under_a_read_only_folder_is_read_only_inside(mode, tmp
     assert done.returncode == 0, done.stderr[-2000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome == {"score": 0.0, "written": False}
+
+
+def _autogroups_schedule():
+    """Why the scheduler does not share CPU between sessions here (None when it does): autogroups on, and this
+    process in the root of the cpu controller (in a cpu cgroup of its own the cgroup's share is what counts)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            if f.read().strip() != "1":
+                return "the kernel's autogroups are off"
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.strip().split(":", 2)
+                if ("cpu" in controllers.split(",") or controllers == "") and path not in ("/", ""):
+                    return f"this process is in a cpu cgroup of its own ({path})"
+    except OSError as err:
+        return f"no autogroups here ({err})"
+    return None
+
+
+STARVE = ("import os, time\nfor _ in range(12):\n    if os.fork() == 0:\n        try:\n            os.setsid()\n"
+          "        except OSError:\n            pass\n        while True:\n            pass\n"
+          "def solve():\n    time.sleep(3.0)\n    return 0\n")
+NEIGHBOUR = ("import time\ndef f(x):\n    t = time.process_time()\n    while time.process_time() - t < 0.3:\n"
+             "        pass\n    return x\n")
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
+def test_a_program_that_forks_busy_sessions_leaves_its_neighbour_its_share(mode):
+    """A program forks 12 busy loops, each in a session of its own (the scheduler gives each session, an autogroup,
+    an equal share of the CPU: 12 sessions would take 12 shares). Beside it, a correct program needs 0.3 s of CPU
+    in each of its 3 tests, within 1 s each. The sandbox refuses new sessions inside a program, so the busy loops
+    share their program's one session: the neighbour keeps its share and scores 1 (it scored 0 or 1/3 before)."""
+    if mode_unavailable(mode):
+        pytest.skip(mode_unavailable(mode))
+    if _autogroups_schedule():
+        pytest.skip(_autogroups_schedule())
+    verifier = PythonTests(isolation=mode, workers=2, timeout_s=4.0, test_timeout_s=1.0, cpu_s=2, memory_mb=256,
+                           processes=16)
+    calls = [{"type": "call", "fn": "f", "args": [i], "expected": i} for i in range(3)]
+    attacker, neighbour = verifier.verify_batch(
+        [f"```python\n{STARVE}```", f"```python\n{NEIGHBOUR}```"],
+        [[{"type": "call", "fn": "solve", "args": [], "expected": 1}], calls], ["q", "q"])
+    assert attacker.score == 0.0, attacker.info
+    assert neighbour.score == 1.0, neighbour.info

@@ -278,15 +278,68 @@ def _limit_worker(limits, nproc):
     if nproc:  # per uid (or per user namespace): counts exactly the sandbox's processes
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
     os.setsid()
+    if _NO_SESSIONS is not None:  # (built before the fork: here only the call that installs it)
+        _install_filter(_NO_SESSIONS)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # (the judge ignores it; the program gets Python's own handling)
 
 
 # (seccomp: syscall numbers per audit architecture, x86_64 and aarch64)
 _SYSCALLS = {
-    0xC000003E: {"unshare": 272, "clone": 56, "clone3": 435, "shmget": 29, "shmat": 30, "memfd_create": 319},
-    0xC00000B7: {"unshare": 97, "clone": 220, "clone3": 435, "shmget": 194, "shmat": 196, "memfd_create": 279},
+    0xC000003E: {"unshare": 272, "clone": 56, "clone3": 435, "shmget": 29, "shmat": 30, "memfd_create": 319,
+                 "setsid": 112},
+    0xC00000B7: {"unshare": 97, "clone": 220, "clone3": 435, "shmget": 194, "shmat": 196, "memfd_create": 279,
+                 "setsid": 157},
 }
 _CLONE_NEWUSER = 0x10000000
+_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_ALLOW, _EPERM, _ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_ALLOW, _ERRNO | errno
+_LOAD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+
+
+def _seccomp_program(program):
+    """A ``sock_fprog`` of the BPF ``program`` (``(code, jt, jf, k)`` tuples), kept with its filter array."""
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(program))(*[Filter(*op) for op in program])
+    fprog = Program(len(program), filters)
+    fprog.keep = filters  # (the array must outlive the structure that points to it)
+    return fprog, ctypes.CDLL(None, use_errno=True)
+
+
+def _install_filter(built):
+    """Installs a filter built by :func:`_seccomp_program` (no new privileges must be set); True when it is."""
+    fprog, libc = built
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # (which an unprivileged filter needs)
+        return False
+    return libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
+def _no_new_sessions():
+    """A filter (built in the judge, installed by each worker after it starts its own session) that makes
+    ``setsid`` fail with EPERM for the worker and every process it starts. The scheduler shares the CPU between
+    sessions (autogroups), not between processes: a program whose processes each started a session of their own
+    would take a share per process from the programs scored beside it. Its processes stay in the worker's one
+    session. Calls of another architecture are left to the judge's filter (:func:`_refuse_unbounded_memory`).
+    None where seccomp's architecture is not known."""
+    arch = _ARCH.get(os.uname().machine)
+    if arch is None:
+        return None
+    return _seccomp_program([
+        (_LOAD, 0, 0, 4),  # the architecture
+        (_JEQ, 0, 3, arch),
+        (_LOAD, 0, 0, 0),  # the syscall's number
+        (_JEQ, 0, 1, _SYSCALLS[arch]["setsid"]),
+        (_RET, 0, 0, _EPERM),
+        (_RET, 0, 0, _ALLOW),
+    ])
+
+
+_NO_SESSIONS = None  # the judge's :func:`_no_new_sessions`, once confined
 
 
 def _refuse_unbounded_memory():
@@ -302,43 +355,29 @@ def _refuse_unbounded_memory():
     and x32 numbers are refused whole (ENOSYS). Installed in the judge once confined (no new privileges), so that
     the worker and every process it starts inherit it. Returns whether it is in place: where seccomp or the
     architecture is not available the program runs without it (the other layers stand), and the host says so."""
-    arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
+    arch = _ARCH.get(os.uname().machine)
     if arch is None:
         return False
     nr = _SYSCALLS[arch]
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
     program = [
-        (load, 0, 0, 4),  # the architecture
-        (jeq, 1, 0, arch),
-        (ret, 0, 0, enosys),  # (a 32-bit call: its numbers differ)
-        (load, 0, 0, 0),  # the syscall's number
-        (jge, 0, 1, 0x40000000),  # (x32's numbers)
-        (ret, 0, 0, enosys),
+        (_LOAD, 0, 0, 4),  # the architecture
+        (_JEQ, 1, 0, arch),
+        (_RET, 0, 0, _ENOSYS),  # (a 32-bit call: its numbers differ)
+        (_LOAD, 0, 0, 0),  # the syscall's number
+        (_JGE, 0, 1, 0x40000000),  # (x32's numbers)
+        (_RET, 0, 0, _ENOSYS),
     ]
-    for name, errno in (("clone3", enosys), ("shmget", eperm), ("shmat", eperm), ("memfd_create", eperm)):
-        program += [(jeq, 0, 1, nr[name]), (ret, 0, 0, errno)]
+    for name, errno in (("clone3", _ENOSYS), ("shmget", _EPERM), ("shmat", _EPERM), ("memfd_create", _EPERM)):
+        program += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, errno)]
     program += [
-        (jeq, 1, 0, nr["unshare"]),
-        (jeq, 0, 3, nr["clone"]),
-        (load, 0, 0, 16),  # the low half of its first argument: the flags
-        (jset, 0, 1, _CLONE_NEWUSER),
-        (ret, 0, 0, eperm),
-        (ret, 0, 0, allow),
+        (_JEQ, 1, 0, nr["unshare"]),
+        (_JEQ, 0, 3, nr["clone"]),
+        (_LOAD, 0, 0, 16),  # the low half of its first argument: the flags
+        (_JSET, 0, 1, _CLONE_NEWUSER),
+        (_RET, 0, 0, _EPERM),
+        (_RET, 0, 0, _ALLOW),
     ]
-
-    class Filter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
-
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
-
-    filters = (Filter * len(program))(*[Filter(*op) for op in program])
-    fprog = Program(len(program), filters)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # (which an unprivileged filter needs)
-        return False
-    return libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    return _install_filter(_seccomp_program(program))
 
 
 # ---------------------------------------------------------------- judge: running the tests
@@ -674,7 +713,11 @@ def judge(job_fd, result_fd):
     token = job.pop("token")
     deadline = job["deadline"]  # the host's, on the shared monotonic clock
     _confine(job, result_fd)
-    send(result_fd, {"confined": True, "seccomp": _refuse_unbounded_memory()})
+    filtered = _refuse_unbounded_memory()
+    if filtered:  # (its workers add the refusal of new sessions, after starting their own)
+        global _NO_SESSIONS
+        _NO_SESSIONS = _no_new_sessions()
+    send(result_fd, {"confined": True, "seccomp": filtered})
 
     # stop early enough that the results reach the host before its own deadline
     worker, results = Worker(job, deadline - min(0.5, job["limits"]["timeout_s"] / 10)), []
