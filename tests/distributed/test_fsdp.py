@@ -78,8 +78,11 @@ PORT_ATTEMPTS = 3
 
 
 def _run_ranks(nproc: int, argv: list[str]) -> None:
+    # forked, unless this process has used CUDA: its backward passes then started autograd's device threads, which
+    # a forked child cannot use (on a GPU machine, after the GPU tests); spawned ranks import everything anew
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
     ranks = mp.start_processes(_forked_rank, args=(nproc, _free_port(), argv), nprocs=nproc, join=False,
-                               start_method="fork")
+                               start_method=method)
     deadline = time.monotonic() + 180
     while not ranks.join(timeout=1):  # raises if a rank fails (the others are ended then)
         if time.monotonic() > deadline:

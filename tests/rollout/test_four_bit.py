@@ -46,7 +46,7 @@ def flat_dequantized(data: torch.Tensor, state, scales=None) -> torch.Tensor:
             scales = (bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
     codes = torch.stack([data >> 4, data & 0xF], 1).reshape(-1)[: rows * cols].long()
     table = bnb.functional.get_4bit_type(state.quant_type, device="cpu").float()
-    values = table[codes] * scales.repeat_interleave(state.blocksize)[: rows * cols]
+    values = table[codes] * scales.cpu().repeat_interleave(state.blocksize)[: rows * cols]  # (a GPU state's too)
     return values.to(state.dtype).reshape(rows, cols)
 
 
