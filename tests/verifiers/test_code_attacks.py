@@ -405,7 +405,7 @@ def test_the_harness_file_is_standard_library_only():
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "scgrpo" not in imported and imported <= {"ast", "builtins", "ctypes", "json", "os", "select", "signal",
-                                                      "struct", "sys", "time", "resource", "subprocess", "io"}
+                                                      "struct", "sys", "time", "resource", "subprocess", "io", "threading"}
     assert stat.S_ISREG(os.stat(HARNESS).st_mode)
 
 
@@ -486,3 +486,53 @@ def test_a_program_that_forks_busy_sessions_leaves_its_neighbour_its_share(mode)
         [[{"type": "call", "fn": "solve", "args": [], "expected": 1}], calls], ["q", "q"])
     assert attacker.score == 0.0, attacker.info
     assert neighbour.score == 1.0, neighbour.info
+
+
+FORK_MEMORY = ("import os, time\nchildren = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+               "        held = bytearray(120 << 20)\n        for i in range(0, len(held), 4096):\n            held[i] = 1\n"
+               "        time.sleep(30)\n        os._exit(0)\n    children.append(pid)\n"
+               "def solve():\n    time.sleep(1.5)\n"
+               "    return 1 if all(os.waitpid(p, os.WNOHANG) == (0, 0) for p in children) else 0\n")
+HELD_MARGIN_MB = 256
+"""What the program's processes may hold beyond ``memory_mb`` as measured here: what they allocate within one of the
+judge's polls (50 ms), and the pages that forks share, which each process's resident count here includes in full"""
+
+
+def _sandbox_anon_bytes():
+    total = 0
+    for pid, _ in sandbox_processes():
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            total += sum(int(status[k].split()[0]) for k in ("RssAnon", "RssShmem") if k in status) * 1024
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
+def test_forked_children_are_held_to_the_memory_limit_together(mode):
+    """A program forks 6 children that each hold 120 MiB (each under its own 256 MiB address-space limit: 720 MiB
+    together), and scores 1 if they all still live when the test runs. The judge sums its processes' memory and
+    kills them past ``memory_mb``: the program scores 0, and what its processes held, polled from here every 10 ms,
+    stays under ``memory_mb`` + :data:`HELD_MARGIN_MB`."""
+    if mode_unavailable(mode):
+        pytest.skip(mode_unavailable(mode))
+    verifier = PythonTests(isolation=mode, workers=1, timeout_s=4.0, test_timeout_s=3.0, cpu_s=2, memory_mb=256,
+                           processes=16)
+    peak, stop = [0], threading.Event()
+
+    def poll():
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], _sandbox_anon_bytes())
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        result = verifier.verify_batch([f"```python\n{FORK_MEMORY}```"], [_call(1)], ["q"])[0]
+    finally:
+        stop.set()
+        watcher.join()
+    assert result.score == 0.0, result.info
+    assert "memory limit" in str(result.info["tests"]), result.info
+    assert 0 < peak[0] <= (256 + HELD_MARGIN_MB) << 20, peak[0] >> 20

@@ -392,6 +392,92 @@ class WorkerGone(BaseException):
     """The program's process ended (crash, exit, CPU limit) or failed to load the program."""
 
 
+MEMORY_POLL_S = 0.02
+"""How often the judge sums the memory of the program's processes (:class:`MemoryWatch`): what they allocate
+within one poll is the margin past ``memory_mb`` (at 50 ms, 6 forks touching 120 MiB each on 2 cores held up to
+552 MiB against a 256 MiB limit)"""
+
+
+def _held_bytes(pid):
+    """Anonymous and shared-memory bytes process ``pid`` holds: its proportional share (``Pss_Anon`` +
+    ``Pss_Shmem`` of ``smaps_rollup``, so that pages a fork shares count once in all), or, where that is not
+    readable, its resident anonymous and shared pages (``RssAnon`` + ``RssShmem``, each fork's in full); None when
+    the process is gone or is not the judge's uid."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if int(fields.get("Uid", "-1").split()[0]) != os.getuid():
+        return None
+    keys = ("Pss_Anon", "Pss_Shmem")
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            rollup = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        if all(k in rollup for k in keys):
+            fields = rollup
+        else:
+            keys = ("RssAnon", "RssShmem")
+    except OSError:
+        keys = ("RssAnon", "RssShmem")
+    try:
+        return sum(int(fields[k].split()[0]) for k in keys if k in fields) * 1024
+    except ValueError:
+        return None
+
+
+class MemoryWatch:
+    """A thread of the judge that sums, every :data:`MEMORY_POLL_S`, the memory the program's processes hold
+    together (every process of the judge's uid but the judge and its parent: the worker and whatever it forked)
+    and, past ``limit`` bytes, kills them all, as :meth:`Worker.stop` does; the worker's question then fails with
+    the memory limit as its reason. ``RLIMIT_AS`` bounds each process; this bounds their sum (forked children each
+    under the limit), up to what they allocate within one poll. Only where the program's processes can be told
+    apart: a pid namespace or a uid of its own (``isolated``)."""
+
+    def __init__(self, limit, isolated):
+        import threading
+
+        self.limit, self.isolated = limit, isolated
+        self.exceeded = None  # bytes held when the limit was passed
+        self.peak = 0
+        self._skip = {os.getpid(), os.getppid()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        if isolated:
+            self._thread.start()
+
+    def held(self):
+        total, uid = 0, os.getuid()
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in self._skip:
+                continue
+            try:
+                if os.stat(f"/proc/{name}").st_uid != uid:  # (cheap: a host's /proc in the process mode)
+                    continue
+            except OSError:
+                continue
+            total += _held_bytes(int(name)) or 0
+        return total
+
+    def _run(self):
+        while not self._stop.wait(MEMORY_POLL_S):
+            try:
+                total = self.held()
+            except OSError:
+                continue
+            self.peak = max(self.peak, total)
+            if total > self.limit:
+                self.exceeded = total
+                try:
+                    os.kill(-1, signal.SIGKILL)  # (every process the judge may signal, itself aside)
+                except OSError:
+                    pass
+
+    def close(self):
+        self._stop.set()
+
+
 class Worker:
     """The program's process, spoken to over two pipes. ``deadline`` (monotonic seconds) is the program's: no
     question waits past it."""
@@ -410,6 +496,7 @@ class Worker:
         self.fault = None  # the JudgeTimeout or WorkerGone of the test running now, caught or not
         # kill(-1) reaches only the sandbox's processes: those of its pid namespace, or of its own uid
         self.isolated = job["layout"]["mode"] != "process" or job["layout"].get("uid") is not None
+        self.memory = MemoryWatch(job["limits"]["memory_mb"] << 20, self.isolated)
 
     def until(self, seconds):
         return min(time.monotonic() + seconds, self.deadline)
@@ -466,6 +553,10 @@ class Worker:
             raise self.timed_out() from None
         except (EOFError, OSError, ValueError, struct.error) as err:
             status = self.stop()
+            if self.memory.exceeded is not None:
+                held, self.memory.exceeded = self.memory.exceeded, None
+                raise self.gone(f"memory limit ({self.job['limits']['memory_mb']} MiB for all the program's "
+                                f"processes) exceeded: {held >> 20} MiB held") from None
             if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self.cpu_at_stop >= self.job["limits"]["cpu_s"]):
                 raise self.gone(f"CPU time limit ({self.job['limits']['cpu_s']} s) exceeded") from None
             raise self.gone(f"the program's process ended ({type(err).__name__}: {err})") from None
@@ -756,6 +847,7 @@ def judge(job_fd, result_fd):
         except Exception as err:  # the tests' set-up failed
             results.append({"passed": False, "error": f"{type(err).__name__}: {err}"[:300]})
     worker.stop()
+    worker.memory.close()
     send(result_fd, {"token": token, "results": results})
 
 
