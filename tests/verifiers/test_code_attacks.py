@@ -511,14 +511,18 @@ def _sandbox_anon_bytes():
     return total
 
 
+@pytest.mark.parametrize("stop_the_judge", [False, True])
 @pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
-def test_forked_children_are_held_to_the_memory_limit_together(mode):
+def test_forked_children_are_held_to_the_memory_limit_together(mode, stop_the_judge):
     """A program forks 6 children that each hold 120 MiB (each under its own 256 MiB address-space limit: 720 MiB
     together), and scores 1 if they all still live when the test runs. The judge sums its processes' memory and
     kills them past ``memory_mb``: the program scores 0, and what its processes held, polled from here every 10 ms,
-    stays under ``memory_mb`` + :data:`HELD_MARGIN_MB`."""
+    stays under ``memory_mb`` + :data:`HELD_MARGIN_MB`. The same when the program first sends SIGSTOP to the judge,
+    its parent (the judge is its pid namespace's init, which that signal does not reach: stopped, it would hold
+    808 MiB until the host's deadline)."""
     if mode_unavailable(mode):
         pytest.skip(mode_unavailable(mode))
+    program = ("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n" if stop_the_judge else "") + FORK_MEMORY
     verifier = PythonTests(isolation=mode, workers=1, timeout_s=4.0, test_timeout_s=3.0, cpu_s=2, memory_mb=256,
                            processes=16)
     peak, stop = [0], threading.Event()
@@ -530,7 +534,7 @@ def test_forked_children_are_held_to_the_memory_limit_together(mode):
     watcher = threading.Thread(target=poll)
     watcher.start()
     try:
-        result = verifier.verify_batch([f"```python\n{FORK_MEMORY}```"], [_call(1)], ["q"])[0]
+        result = verifier.verify_batch([f"```python\n{program}```"], [_call(1)], ["q"])[0]
     finally:
         stop.set()
         watcher.join()

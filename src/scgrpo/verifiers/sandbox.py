@@ -280,8 +280,10 @@ class Sandbox:
 
     def _bwrap(self, env: dict[str, str]) -> list[str]:
         lim = self.limits
+        # --as-pid-1: the judge is its pid namespace's init, which the program's SIGSTOP and SIGKILL do not reach (a
+        # stopped judge would stop its memory watch and timeouts until the host's deadline)
         command = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                   "--die-with-parent", "--new-session"]
+                   "--die-with-parent", "--new-session", "--as-pid-1"]
         if self.is_root:
             command += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
