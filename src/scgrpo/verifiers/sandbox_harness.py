@@ -286,11 +286,12 @@ def _limit_worker(limits, nproc):
 # (seccomp: syscall numbers per audit architecture, x86_64 and aarch64)
 _SYSCALLS = {
     0xC000003E: {"unshare": 272, "clone": 56, "clone3": 435, "shmget": 29, "shmat": 30, "memfd_create": 319,
-                 "setsid": 112},
+                 "setsid": 112, "setsockopt": 54},
     0xC00000B7: {"unshare": 97, "clone": 220, "clone3": 435, "shmget": 194, "shmat": 196, "memfd_create": 279,
-                 "setsid": 157},
+                 "setsid": 157, "setsockopt": 208},
 }
 _CLONE_NEWUSER = 0x10000000
+_SOL_SOCKET, _SO_SNDBUF, _SO_RCVBUF, _SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 1, 7, 8, 32, 33
 _ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _ALLOW, _EPERM, _ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_ALLOW, _ERRNO | errno
 _LOAD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
@@ -349,7 +350,11 @@ def _refuse_unbounded_memory():
     - a user namespace of its own (where a tmpfs could be mounted and filled): ``unshare`` and ``clone`` with
       ``CLONE_NEWUSER`` fail with EPERM, and ``clone3`` with ENOSYS (its flags sit in memory a filter cannot
       read; the C library falls back to ``clone``);
-    - SysV shared memory (``shmget``, ``shmat``) and memory file descriptors (``memfd_create``): EPERM.
+    - SysV shared memory (``shmget``, ``shmat``) and memory file descriptors (``memfd_create``): EPERM;
+    - larger socket buffers (``setsockopt`` of ``SO_SNDBUF``, ``SO_RCVBUF`` and their ``FORCE`` forms): EPERM. Data
+      queued in a socket pair is kernel memory no process's count includes (up to twice ``net.core.wmem_max`` a
+      socket: 437 MiB in one process of 28 pairs on a machine with 4 MiB); at the default size (``wmem_default``,
+      about 200 KiB) it is bounded by ``open_files``.
 
     Calls of another architecture than the machine's (32-bit ``int 0x80`` calls on x86_64, whose numbers differ)
     and x32 numbers are refused whole (ENOSYS). Installed in the judge once confined (no new privileges), so that
@@ -369,6 +374,18 @@ def _refuse_unbounded_memory():
     ]
     for name, errno in (("clone3", _ENOSYS), ("shmget", _EPERM), ("shmat", _EPERM), ("memfd_create", _EPERM)):
         program += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, errno)]
+    program += [  # setsockopt(SOL_SOCKET, SO_SNDBUF / SO_RCVBUF / their FORCE forms): EPERM
+        (_JEQ, 0, 9, nr["setsockopt"]),
+        (_LOAD, 0, 0, 24),  # the level (the second argument's low half)
+        (_JEQ, 0, 6, _SOL_SOCKET),
+        (_LOAD, 0, 0, 32),  # the option
+        (_JEQ, 3, 0, _SO_SNDBUF),
+        (_JEQ, 2, 0, _SO_RCVBUF),
+        (_JEQ, 1, 0, _SO_SNDBUFFORCE),
+        (_JEQ, 0, 1, _SO_RCVBUFFORCE),
+        (_RET, 0, 0, _EPERM),
+        (_RET, 0, 0, _ALLOW),
+    ]
     program += [
         (_JEQ, 1, 0, nr["unshare"]),
         (_JEQ, 0, 3, nr["clone"]),
@@ -398,22 +415,41 @@ within one poll is the margin past ``memory_mb`` (at 50 ms, 6 forks touching 120
 552 MiB against a 256 MiB limit)"""
 
 
+def _live_task(pid):
+    """The ``/proc`` folder of a live task of process ``pid`` and its status fields: the process's own, or, where
+    its first thread has exited (a zombie leader: no memory fields) while others run, one of theirs (threads share
+    the memory). None when there is none, or the process is not the judge's uid."""
+    folders = [f"/proc/{pid}"]
+    for folder in folders:
+        try:
+            with open(f"{folder}/status") as f:
+                fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) != os.getuid():
+            return None
+        if "RssAnon" in fields:
+            return folder, fields
+        if len(folders) == 1:
+            try:
+                folders += [f"/proc/{pid}/task/{tid}" for tid in os.listdir(f"/proc/{pid}/task") if tid != str(pid)]
+            except OSError:
+                return None
+    return None
+
+
 def _held_bytes(pid):
     """Anonymous and shared-memory bytes process ``pid`` holds: its proportional share (``Pss_Anon`` +
     ``Pss_Shmem`` of ``smaps_rollup``, so that pages a fork shares count once in all), or, where that is not
     readable, its resident anonymous and shared pages (``RssAnon`` + ``RssShmem``, each fork's in full); None when
-    the process is gone or is not the judge's uid."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            status = f.read()
-    except OSError:
+    the process is gone or is not the judge's uid. Read from a live thread's folder (:func:`_live_task`)."""
+    found = _live_task(pid)
+    if found is None:
         return None
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    if int(fields.get("Uid", "-1").split()[0]) != os.getuid():
-        return None
+    folder, fields = found
     keys = ("Pss_Anon", "Pss_Shmem")
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(f"{folder}/smaps_rollup") as f:
             rollup = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
         if all(k in rollup for k in keys):
             fields = rollup
