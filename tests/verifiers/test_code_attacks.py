@@ -217,9 +217,9 @@ def attacked(request, tmp_path_factory):
                   "    return 1\n", _call(1)),
         # kernel memory no process's count includes: data queued in socket pairs with enlarged buffers (28 pairs of
         # 8 MiB buffers queued 437 MiB in one process)
-        "socket_buffers": ("import socket\ndef solve():\n    a, b = socket.socketpair()\n    try:\n"
-                           "        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 20)\n    except OSError:\n"
-                           "        return 0\n    return 1\n", _call(1)),
+        "socket_buffers": ("import socket\ndef solve():\n    a, b = socket.socketpair()\n    for option in (7, 8, 32, 33):\n"
+                           "        try:\n            a.setsockopt(socket.SOL_SOCKET, option, 64 << 20)\n"
+                           "            return 1\n        except OSError:\n            pass\n    return 0\n", _call(1)),
         "output_100mb": ("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\nprint(3)\n",
                          [{"type": "stdio", "input": "", "output": "3"}]),
         "sys_exit": (SOLVE + "import sys\nsys.exit(0)\n", _call(1)),
@@ -271,6 +271,8 @@ def attacked(request, tmp_path_factory):
                         "        while time.process_time() - t < 0.35:\n            pass\n        return x * x\n", SQUARES),
         # socket pairs themselves still work (multiprocessing's duplex pipes are socket pairs), at the default size
         "socket_pair": ("import socket\ndef solve():\n    a, b = socket.socketpair()\n    a.sendall(b'x' * 1000)\n"
+                        "    t = socket.socket()\n    t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                        "    t.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
                         "    return len(b.recv(2000))\n", _call(1000)),
         "map_square": ("def square(x):\n    return x * x\n", ["assert list(map(square, [1, 2])) == [1, 4]"]),
         "pairs": (PAIRS_PROGRAM, PAIRS),
@@ -481,7 +483,7 @@ NEIGHBOUR = ("import time\ndef f(x):\n    t = time.process_time()\n    while tim
 def test_a_program_that_forks_busy_sessions_leaves_its_neighbour_its_share(mode):
     """A program forks 12 busy loops, each in a session of its own (the scheduler gives each session, an autogroup,
     an equal share of the CPU: 12 sessions would take 12 shares). Beside it, a correct program needs 0.3 s of CPU
-    in each of its 3 tests, within 1 s each. The sandbox refuses new sessions inside a program, so the busy loops
+    in each of its 3 tests, within 1 s each (at 1.5 s it passes without the defence too). The sandbox refuses new sessions inside a program, so the busy loops
     share their program's one session: the neighbour keeps its share and scores 1 (it scored 0 or 1/3 before)."""
     if mode_unavailable(mode):
         pytest.skip(mode_unavailable(mode))
@@ -498,13 +500,14 @@ def test_a_program_that_forks_busy_sessions_leaves_its_neighbour_its_share(mode)
 
 
 FORK_MEMORY = ("import os, time\nchildren = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
-               "        held = bytearray(120 << 20)\n        for i in range(0, len(held), 4096):\n            held[i] = 1\n"
+               "        held = [bytearray(8 << 20) for _ in range(15) if not time.sleep(0.005)]\n"
                "        time.sleep(30)\n        os._exit(0)\n    children.append(pid)\n"
                "def solve():\n    time.sleep(1.5)\n"
                "    return 1 if all(os.waitpid(p, os.WNOHANG) == (0, 0) for p in children) else 0\n")
 HELD_MARGIN_MB = 256
 """What the program's processes may hold beyond ``memory_mb`` as measured here: what they allocate within one of the
-judge's polls (50 ms), and the pages that forks share, which each process's resident count here includes in full"""
+judge's polls (20 ms) and its reading of their memory, and the pages that forks share, which each process's resident
+count here includes in full"""
 
 
 def _sandbox_anon_bytes():
@@ -530,11 +533,10 @@ def _sandbox_anon_bytes():
 # each fork's first thread exits once another holds the memory: the process shows a zombie leader without memory
 # fields while the memory stays held (the judge reads a live thread's)
 FORK_MEMORY_ZOMBIE_LEADER = FORK_MEMORY.replace(
-    "        held = bytearray(120 << 20)\n        for i in range(0, len(held), 4096):\n            held[i] = 1\n"
+    "        held = [bytearray(8 << 20) for _ in range(15) if not time.sleep(0.005)]\n"
     "        time.sleep(30)\n        os._exit(0)\n",
     "        import ctypes, threading\n        def hold():\n            time.sleep(0.3)\n"
-    "            held = bytearray(120 << 20)\n            for i in range(0, len(held), 4096):\n"
-    "                held[i] = 1\n            time.sleep(30)\n"
+    "            held = [bytearray(8 << 20) for _ in range(15) if not time.sleep(0.005)]\n            time.sleep(30)\n"
     "        threading.Thread(target=hold).start()\n        ctypes.CDLL(None).syscall(60 if os.uname().machine == "
     "'x86_64' else 93, 0)\n")
 
@@ -570,4 +572,5 @@ def test_forked_children_are_held_to_the_memory_limit_together(mode, variant):
         watcher.join()
     assert result.score == 0.0, result.info
     assert "memory limit" in str(result.info["tests"]), result.info
-    assert 0 < peak[0] <= (256 + HELD_MARGIN_MB) << 20, peak[0] >> 20
+    if os.geteuid() == 0:  # (the sandbox's processes are found here by the uids it gives them as root)
+        assert 0 < peak[0] <= (256 + HELD_MARGIN_MB) << 20, peak[0] >> 20

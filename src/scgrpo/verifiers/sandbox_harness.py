@@ -309,15 +309,17 @@ def _seccomp_program(program):
     filters = (Filter * len(program))(*[Filter(*op) for op in program])
     fprog = Program(len(program), filters)
     fprog.keep = filters  # (the array must outlive the structure that points to it)
-    return fprog, ctypes.CDLL(None, use_errno=True)
+    # everything the install calls, looked up and made here: a worker installs it between fork and exec, where the
+    # judge's other thread (the memory watch) may hold locks
+    return fprog, ctypes.byref(fprog), ctypes.CDLL(None, use_errno=True).prctl
 
 
 def _install_filter(built):
     """Installs a filter built by :func:`_seccomp_program` (no new privileges must be set); True when it is."""
-    fprog, libc = built
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # (which an unprivileged filter needs)
+    _, ref, prctl = built
+    if prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # (which an unprivileged filter needs)
         return False
-    return libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    return prctl(22, 2, ref, 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 def _no_new_sessions():
@@ -415,6 +417,13 @@ within one poll is the margin past ``memory_mb`` (at 50 ms, 6 forks touching 120
 552 MiB against a 256 MiB limit)"""
 
 
+def _status(folder):
+    """The fields of ``folder``'s ``status`` (bytes decoded leniently: a process names itself as it likes)."""
+    with open(f"{folder}/status", "rb") as f:
+        text = f.read().decode("utf-8", "replace")
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
 def _live_task(pid):
     """The ``/proc`` folder of a live task of process ``pid`` and its status fields: the process's own, or, where
     its first thread has exited (a zombie leader: no memory fields) while others run, one of theirs (threads share
@@ -422,8 +431,7 @@ def _live_task(pid):
     folders = [f"/proc/{pid}"]
     for folder in folders:
         try:
-            with open(f"{folder}/status") as f:
-                fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            fields = _status(folder)
         except OSError:
             continue
         if int(fields.get("Uid", "-1").split()[0]) != os.getuid():
@@ -438,27 +446,31 @@ def _live_task(pid):
     return None
 
 
-def _held_bytes(pid):
-    """Anonymous and shared-memory bytes process ``pid`` holds: its proportional share (``Pss_Anon`` +
-    ``Pss_Shmem`` of ``smaps_rollup``, so that pages a fork shares count once in all), or, where that is not
-    readable, its resident anonymous and shared pages (``RssAnon`` + ``RssShmem``, each fork's in full); None when
-    the process is gone or is not the judge's uid. Read from a live thread's folder (:func:`_live_task`)."""
+def _kib(fields, keys):
+    return sum(int(fields[k].split()[0]) for k in keys if k in fields) * 1024
+
+
+def _held_bytes(pid, proportional=False):
+    """Anonymous and shared-memory bytes process ``pid`` holds, read from a live thread's folder
+    (:func:`_live_task`): its resident pages (``RssAnon`` + ``RssShmem`` of ``status``: cheap, each fork's shared
+    pages in full), or with ``proportional`` its share of them (``Pss_Anon`` + ``Pss_Shmem`` of ``smaps_rollup``,
+    whose reading takes time in proportion to the process's mappings: pages a fork shares count once in all; the
+    resident count where that is not readable). None when the process is gone or is not the judge's uid."""
     found = _live_task(pid)
     if found is None:
         return None
     folder, fields = found
-    keys = ("Pss_Anon", "Pss_Shmem")
     try:
-        with open(f"{folder}/smaps_rollup") as f:
-            rollup = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-        if all(k in rollup for k in keys):
-            fields = rollup
-        else:
-            keys = ("RssAnon", "RssShmem")
+        if proportional:
+            with open(f"{folder}/smaps_rollup", "rb") as f:
+                text = f.read().decode("utf-8", "replace")
+            rollup = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+            if "Pss_Anon" in rollup and "Pss_Shmem" in rollup:
+                return _kib(rollup, ("Pss_Anon", "Pss_Shmem"))
     except OSError:
-        keys = ("RssAnon", "RssShmem")
+        pass
     try:
-        return sum(int(fields[k].split()[0]) for k in keys if k in fields) * 1024
+        return _kib(fields, ("RssAnon", "RssShmem"))
     except ValueError:
         return None
 
@@ -467,23 +479,24 @@ class MemoryWatch:
     """A thread of the judge that sums, every :data:`MEMORY_POLL_S`, the memory the program's processes hold
     together (every process of the judge's uid but the judge and its parent: the worker and whatever it forked)
     and, past ``limit`` bytes, kills them all, as :meth:`Worker.stop` does; the worker's question then fails with
-    the memory limit as its reason. ``RLIMIT_AS`` bounds each process; this bounds their sum (forked children each
-    under the limit), up to what they allocate within one poll. Only where the program's processes can be told
-    apart: a pid namespace or a uid of its own (``isolated``)."""
+    the memory limit as its reason. Each poll sums the cheap resident counts; only past the limit are the
+    proportional shares read (forks' shared pages once), and they decide. ``RLIMIT_AS`` bounds each process; this
+    bounds their sum (forked children each under the limit), up to what they allocate within one poll. Only where
+    the program's processes can be told apart: a pid namespace or a uid of its own (``isolated``)."""
 
     def __init__(self, limit, isolated):
         import threading
 
         self.limit, self.isolated = limit, isolated
-        self.exceeded = None  # bytes held when the limit was passed
-        self.peak = 0
+        self.exceeded = None  # bytes held when the limit was passed, by the worker of generation ``killed``
+        self.generation = 0  # the worker's (set by Worker.start): a poll begun under another does not kill
         self._skip = {os.getpid(), os.getppid()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         if isolated:
             self._thread.start()
 
-    def held(self):
+    def held(self, proportional=False):
         total, uid = 0, os.getuid()
         for name in os.listdir("/proc"):
             if not name.isdigit() or int(name) in self._skip:
@@ -493,22 +506,21 @@ class MemoryWatch:
                     continue
             except OSError:
                 continue
-            total += _held_bytes(int(name)) or 0
+            total += _held_bytes(int(name), proportional) or 0
         return total
 
     def _run(self):
         while not self._stop.wait(MEMORY_POLL_S):
             try:
-                total = self.held()
-            except OSError:
-                continue
-            self.peak = max(self.peak, total)
-            if total > self.limit:
-                self.exceeded = total
-                try:
+                generation = self.generation
+                if self.held() <= self.limit:
+                    continue
+                total = self.held(proportional=True)
+                if total > self.limit and generation == self.generation:
+                    self.exceeded = total
                     os.kill(-1, signal.SIGKILL)  # (every process the judge may signal, itself aside)
-                except OSError:
-                    pass
+            except Exception:  # noqa: BLE001 - a process that vanished or named itself oddly: the next poll
+                continue
 
     def close(self):
         self._stop.set()
@@ -553,6 +565,7 @@ class Worker:
         os.close(worker_writes)
         self.send_fd, self.recv_fd = judge_writes, judge_reads
         self.generation += 1
+        self.memory.exceeded, self.memory.generation = None, self.generation
         self.holds_objects = False
         try:
             reply = self.ask({"op": "load", "code": self.job["code"], "name": name,
