@@ -541,7 +541,7 @@ FORK_MEMORY_ZOMBIE_LEADER = FORK_MEMORY.replace(
     "'x86_64' else 93, 0)\n")
 
 
-@pytest.mark.parametrize("variant", ["forks", "stop_the_judge", "zombie_leaders"])
+@pytest.mark.parametrize("variant", ["forks", "stop_the_judge", "zombie_leaders", "odd_name"])
 @pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
 def test_forked_children_are_held_to_the_memory_limit_together(mode, variant):
     """A program forks 6 children that each hold 120 MiB (each under its own 256 MiB address-space limit: 720 MiB
@@ -550,11 +550,14 @@ def test_forked_children_are_held_to_the_memory_limit_together(mode, variant):
     stays under ``memory_mb`` + :data:`HELD_MARGIN_MB`. The same when the program first sends SIGSTOP to the judge,
     its parent (the judge is its pid namespace's init, which that signal does not reach: stopped, it would hold
     808 MiB until the host's deadline), and when each fork's first thread exits while another holds the memory
-    (a zombie leader shows no memory fields: about 987 MiB went uncounted)."""
+    (a zombie leader shows no memory fields: about 987 MiB went uncounted), and when its processes' name is not
+    UTF-8."""
     if mode_unavailable(mode):
         pytest.skip(mode_unavailable(mode))
     program = {"forks": FORK_MEMORY, "stop_the_judge": "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n"
-               + FORK_MEMORY, "zombie_leaders": FORK_MEMORY_ZOMBIE_LEADER}[variant]
+               + FORK_MEMORY, "zombie_leaders": FORK_MEMORY_ZOMBIE_LEADER,
+               # a name that is not UTF-8 in /proc/<pid>/status (it ended a watch that decoded it strictly)
+               "odd_name": "import ctypes\nctypes.CDLL(None).prctl(15, b'\\xff\\xfe', 0, 0, 0)\n" + FORK_MEMORY}[variant]
     verifier = PythonTests(isolation=mode, workers=1, timeout_s=4.0, test_timeout_s=3.0, cpu_s=2, memory_mb=256,
                            processes=16)
     peak, stop = [0], threading.Event()
