@@ -488,7 +488,7 @@ class MemoryWatch:
         import threading
 
         self.limit, self.isolated = limit, isolated
-        self.exceeded = None  # bytes held when the limit was passed, by the worker of generation ``killed``
+        self.exceeded = None  # bytes held when the limit was passed (cleared when a worker starts)
         self.generation = 0  # the worker's (set by Worker.start): a poll begun under another does not kill
         self._skip = {os.getpid(), os.getppid()}
         self._stop = threading.Event()
