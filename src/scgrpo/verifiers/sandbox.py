@@ -70,7 +70,8 @@ class Limits:
     cpu_s: int = 5
     """CPU seconds per process and test (the program's process is replaced once it has used some)."""
     memory_mb: int = 1024
-    """Address space per process."""
+    """Address space per process, and the anonymous and shared memory of all the program's processes together (the
+    judge's watch, where they can be told apart: a pid namespace or a uid of its own)."""
     processes: int = 32
     """Processes and threads (needs a uid of its own, i.e. a root host, or bubblewrap's user namespace)."""
     file_mb: int = 16
