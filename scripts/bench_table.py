@@ -13,6 +13,7 @@ import glob
 import json
 import statistics
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -48,7 +49,7 @@ def load_rows(card: str) -> list[dict]:
         if not isinstance(payload.get("cases"), list):
             continue  # rollout benchmarks: their own table
         for case in payload["cases"]:
-            if "wall_s" not in case:
+            if "wall_s" not in case or failed(case, path):
                 continue  # (rollout-only cases: sampling_cases)
             rows.append({**case, "card": payload["card"], "command": payload["command"],
                          "versions": payload["versions"], "file": os.path.relpath(path, ROOT)})
@@ -78,13 +79,25 @@ def load(card: str) -> dict[str, dict]:
     return cases
 
 
+def failed(case: dict, path: str) -> bool:
+    """Whether a case ended in an error (bench_step.py keeps the steps it finished, warm-up included, and the error):
+    its numbers are not a measurement of the case, so no table or target takes them; says so on stderr."""
+    if "error" not in case:
+        return False
+    print(f"bench_table: {os.path.basename(path)}: {case['case']} left out, it failed: {case['error'][:200]}",
+          file=sys.stderr)
+    return True
+
+
 def file_cases(name: str) -> dict[str, dict]:
-    """The cases of one results file by name (with its card and command); empty when there is no such file."""
+    """The cases of one results file by name (with its card and command), failed ones left out (:func:`failed`);
+    empty when there is no such file."""
     path = os.path.join(RESULTS, name)
     if not os.path.exists(path):
         return {}
     payload = json.load(open(path))
-    return {c["case"]: {**c, "card": payload["card"], "command": payload["command"]} for c in payload["cases"]}
+    return {c["case"]: {**c, "card": payload["card"], "command": payload["command"]} for c in payload["cases"]
+            if not failed(c, path)}
 
 
 def update_passes(case: dict) -> str:

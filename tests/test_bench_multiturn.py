@@ -106,3 +106,16 @@ def test_the_runner_harness_plays_the_bench_episodes_the_same_each_run(chat):
     assert harness.digest(harness.run_once(runner, policy, rows, group)) == harness.digest(out)
     early = harness.setup(chat, eos_share=0.5)  # some turns end at end-of-sequence: shorter episodes
     assert harness.run_once(*early).completion_mask.sum() < out.completion_mask.sum()
+
+
+def test_bench_table_leaves_out_a_case_that_failed(tmp_path, monkeypatch, capsys):
+    """A step case that ended in an error (bench_step.py keeps the steps it finished and the error) is no
+    measurement: neither the rows nor a file's cases take it, and the table says so."""
+    ok = {"case": "a", "wall_s": 1.0, "time_generation_s": 0.5}
+    broken = {"case": "b", "wall_s": 2.0, "error": "GPUOutOfMemory: out of GPU memory in the rollout phase"}
+    payload = {"card": "CPU", "command": "python scripts/bench_step.py", "versions": {}, "cases": [ok, broken]}
+    (tmp_path / "bench_demo_cpu.json").write_text(json.dumps(payload))
+    monkeypatch.setattr(table, "RESULTS", str(tmp_path))
+    assert [row["case"] for row in table.load_rows("cpu")] == ["a"]
+    assert list(table.file_cases("bench_demo_cpu.json")) == ["a"]
+    assert "b left out, it failed: GPUOutOfMemory" in capsys.readouterr().err
