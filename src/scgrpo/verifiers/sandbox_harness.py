@@ -417,9 +417,10 @@ within one poll is the margin past ``memory_mb`` (at 50 ms, 6 forks touching 120
 552 MiB against a 256 MiB limit)"""
 
 
-def _status(folder):
-    """The fields of ``folder``'s ``status`` (bytes decoded leniently: a process names itself as it likes)."""
-    with open(f"{folder}/status", "rb") as f:
+def _fields(path):
+    """The ``name: value`` lines of a ``/proc`` file such as ``status`` or ``smaps_rollup`` (bytes decoded
+    leniently: a process names itself as it likes)."""
+    with open(path, "rb") as f:
         text = f.read().decode("utf-8", "replace")
     return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
 
@@ -431,7 +432,7 @@ def _live_task(pid):
     folders = [f"/proc/{pid}"]
     for folder in folders:
         try:
-            fields = _status(folder)
+            fields = _fields(f"{folder}/status")
         except OSError:
             continue
         if int(fields.get("Uid", "-1").split()[0]) != os.getuid():
@@ -462,9 +463,7 @@ def _held_bytes(pid, proportional=False):
     folder, fields = found
     try:
         if proportional:
-            with open(f"{folder}/smaps_rollup", "rb") as f:
-                text = f.read().decode("utf-8", "replace")
-            rollup = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+            rollup = _fields(f"{folder}/smaps_rollup")
             if "Pss_Anon" in rollup and "Pss_Shmem" in rollup:
                 return _kib(rollup, ("Pss_Anon", "Pss_Shmem"))
     except OSError:
