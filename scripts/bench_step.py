@@ -294,7 +294,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              profile: Optional[str] = None, fused_lora: bool = True, fused_16bit: bool = True,
              cudnn_attention: bool = False, shared_teacher_passes: bool = True,
              stream_kernel: str = "dequantize", packed: bool = True, packed_update: bool = True,
-             pack_width: Optional[int] = None) -> dict[str, Any]:
+             pack_width: Optional[int] = None, shared_prefixes: bool = True) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo import packing as packing_module
@@ -353,7 +353,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     defaults = (policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL,
-                packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH)
+                packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH, packing_module.SHARED_PREFIXES)
+    packing_module.SHARED_PREFIXES = shared_prefixes
     policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES = cudnn_attention, shared_teacher_passes
     four_bit_module.STREAM_KERNEL, packing_module.ENABLED, packing_module.TRAINING = stream_kernel, packed, packed_update
     packing_module.PACK_WIDTH = pack_width or packing_module.PACK_WIDTH
@@ -365,7 +366,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         print(f"[{name}] failed after {len(recorder.steps)} step(s): {error}", flush=True)
     finally:
         (policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL,
-         packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH) = defaults
+         packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH, packing_module.SHARED_PREFIXES) = defaults
         if limited:
             process_peak = torch.cuda.max_memory_reserved() / 2**30
             torch.cuda.set_per_process_memory_fraction(1.0)
@@ -379,7 +380,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
         "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
         "stream_kernel": stream_kernel, "packed": packed, "packed_update": packed_update,
-        "pack_width": pack_width or defaults[5],
+        "pack_width": pack_width or defaults[5], "shared_prefixes": shared_prefixes,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start,
         # (a failed case: every step it finished, warm-up included, and the error)
@@ -575,6 +576,9 @@ def main() -> None:
         # the package defaults with the process held to 22 GiB (a 24 GB card): the memory budget's default reads the cap
         cases["smollm2_grpo_22gib"] = dict(objective="grpo", memory_fraction_gib=22.0, **common)
         cases["smollm2_scgrpo_22gib"] = dict(objective="scgrpo", memory_fraction_gib=22.0, **common)
+        # ... with gradient checkpointing on (the budget's choice is then one checkpointed pass, not two plain ones)
+        cases["smollm2_scgrpo_22gib_checkpointing"] = dict(objective="scgrpo", memory_fraction_gib=22.0,
+                                                           gradient_checkpointing=True, **common)
         # the same step before the adapter terms of the bf16 layers were fused (peft's fp32 branch)
         cases["smollm2_scgrpo_peft_lora"] = dict(objective="scgrpo", fused_16bit=False, **common)
         # the step's passes free to use cuDNN's attention (before policy.CUDNN_ATTENTION), and the self-teacher's
@@ -587,6 +591,8 @@ def main() -> None:
             cases[f"smollm2_{objective}_padded"] = dict(objective=objective, packed=False, **common)
             cases[f"smollm2_{objective}_padded_update"] = dict(objective=objective, packed_update=False, **common)
             cases[f"smollm2_{objective}_pack256"] = dict(objective=objective, pack_width=256, **common)
+        for objective in ("grpo", "scgrpo"):  # packed, but a group's rows each with their own copy of the prompt
+            cases[f"smollm2_{objective}_unshared_prompts"] = dict(objective=objective, shared_prefixes=False, **common)
         cases["smollm2_grpo_no_graphs"] = dict(objective="grpo", cuda_graphs=False, **common)
         # the decode loop over the Hugging Face forward (the engine before the compact forward), same call
         cases["smollm2_grpo_hf_forward"] = dict(objective="grpo", decode_forward="hf", **common)
@@ -645,6 +651,8 @@ def main() -> None:
         auto = dict(common, gradient_checkpointing=None, memory_fraction_gib=20.0, max_new=1024, min_new=1024)
         cases["qwen8b_scgrpo_1k_20gib_auto"] = dict(auto)
         cases["qwen8b_grpo_1k_20gib_auto"] = dict(auto, objective="grpo")
+        # ... the self-teacher's student and teacher rows in passes of their own (selfteacher.SHARED_PASSES off)
+        cases["qwen8b_scgrpo_1k_20gib_auto_separate_teacher_passes"] = dict(auto, shared_teacher_passes=False)
         for objective in ("grpo", "scgrpo"):  # ... the streamed 4-bit base through the fused nf4 matmul
             cases[f"qwen8b_{objective}_1k_20gib_auto_fused_nf4"] = dict(auto, objective=objective, stream_kernel="fused")
         cases["qwen8b_scgrpo_4k_20gib"] = dict(max_new=4096, min_new=4096, steps=1, warmup=0, **consumer)
@@ -664,7 +672,8 @@ def main() -> None:
         if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0:
             os.makedirs(os.path.dirname(out), exist_ok=True)
             payload = {"suite": args.suite, "card": card_name(), "gpus": torch.cuda.device_count(),
-                       "versions": versions(),
+                       "versions": versions(), "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
+                                                                                 os.environ.get("PYTORCH_ALLOC_CONF")),
                        "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
                        "date": time.strftime("%Y-%m-%d"), "cases": results}
             with open(out, "w") as f:

@@ -57,15 +57,22 @@ def load_rows(card: str) -> list[dict]:
 
 
 BUDGET_FILE, TRL_FILE, WIDTH_FILE, ATTENTION_FILE, BEFORE_FILE = (
-    "bench_smollm2_packed_h200.json", "bench_smollm2_budget_trl_h200.json", "bench_smollm2_pack_width_h200.json",
+    "bench_smollm2_final_h200.json", "bench_smollm2_budget_trl_h200.json", "bench_smollm2_pack_width_h200.json",
     "bench_smollm2_attention_h200.json", "bench_smollm2_before_budget_h100.json")
-EARLIER_FILES = (ATTENTION_FILE, "bench_smollm2_budget_h200.json", "bench_smollm2_budget_5steps_h200.json",
+PACKED_FILE = "bench_smollm2_packed_h200.json"  # (packed passes, each row whole; the padded cases beside them)
+PROMPTS_FILE = "bench_smollm2_shared_prompts_h200.json"  # (a group's rows with and without their prompt shared)
+CHECKPOINT_FILE = "bench_smollm2_checkpointed_22gib_h200.json"  # (two plain passes against one checkpointed, 22 GiB)
+SEGMENTS_FILE = "bench_smollm2_fixed_segments_h200.json"  # (the allocator's fixed segments)
+EARLIER_FILES = (PACKED_FILE, ATTENTION_FILE, "bench_smollm2_budget_h200.json", "bench_smollm2_budget_5steps_h200.json",
                  "bench_smollm2_budget_profiled_h200.json")
-BUDGET_FILES = (BUDGET_FILE, TRL_FILE, WIDTH_FILE, *EARLIER_FILES, BEFORE_FILE)
+BUDGET_FILES = (BUDGET_FILE, TRL_FILE, WIDTH_FILE, *EARLIER_FILES, BEFORE_FILE, PROMPTS_FILE, CHECKPOINT_FILE,
+                SEGMENTS_FILE)
 """The memory budget's measurements: read by :func:`budget_entries` only (their case names are the suite's own,
 and the earlier figures keep theirs)"""
-QWEN8B_FILE = "bench_qwen8b_1k_20gib_slots_h200.json"
-QWEN8B_EARLIER_FILE = "bench_qwen8b_1k_20gib_auto_h200.json"  # (decode slots at 0.8 of what the budget left)
+QWEN8B_FILE = "bench_qwen8b_1k_20gib_expandable_h200.json"
+QWEN8B_EARLIER_FILE = "bench_qwen8b_1k_20gib_slots_h200.json"  # (fixed segments, the teacher's rows in one shared pass)
+QWEN8B_TEACHER_FILE = "bench_qwen8b_1k_20gib_shared_prompts_h200.json"  # (shared teacher pass against its own passes)
+QWEN8B_SEGMENTS_FILE = "bench_qwen8b_1k_20gib_fixed_segments_h200.json"  # (GRPO's second rollout on fixed segments)
 QWEN8B_BEFORE_FILE = "bench_qwen8b_1k_20gib_auto_before_h200.json"
 
 
@@ -110,49 +117,62 @@ def budget_entries() -> dict[str, dict]:
     """SC-GRPO's step against GRPO's at the smollm2 suite's defaults (the memory budget's default sizes), the
     same SC-GRPO step with the process held to 22 GiB against it uncapped, and GRPO's peak memory at the defaults
     under that cap against TRL's (one call); the 8B-shaped QLoRA step under 20 GiB and SC-GRPO's cost there."""
-    c, pair, width = file_cases(BUDGET_FILE), file_cases(TRL_FILE), file_cases(WIDTH_FILE)
+    c, pair = file_cases(BUDGET_FILE), file_cases(TRL_FILE)
     if not c:
         return {}
     out = {}
     sc, grpo, capped = c["smollm2_scgrpo"], c["smollm2_grpo"], c["smollm2_scgrpo_22gib"]
-    padded_sc, padded_grpo = c["smollm2_scgrpo_padded"], c["smollm2_grpo_padded"]
+    packed, prompts, held, fixed = (file_cases(name) for name in (PACKED_FILE, PROMPTS_FILE, CHECKPOINT_FILE,
+                                                                  SEGMENTS_FILE))
     calls = [file_cases(name) for name in EARLIER_FILES]
     others = ", ".join(f"{k['smollm2_scgrpo']['wall_s'] / k['smollm2_grpo']['wall_s']:.2f}" for k in calls if k)
     before = file_cases(BEFORE_FILE)
     was = (f"; before the budget, on an H100 ({BEFORE_FILE}, 3 steps, one profiled): "
            f"{before['smollm2_scgrpo']['wall_s'] / before['smollm2_grpo']['wall_s']:.2f}, and the issue's own "
            "measurement (not in these results) 3.0 on an H200") if before else ""
-    wide = ""
-    if width:
-        w512 = width["smollm2_scgrpo"]["wall_s"] / width["smollm2_grpo"]["wall_s"]
-        w256 = width["smollm2_scgrpo_pack256"]["wall_s"] / width["smollm2_grpo_pack256"]["wall_s"]
-        wide = (f" In an earlier call ({WIDTH_FILE}) rows of 512 columns gave {w512:.2f} "
-                f"({width['smollm2_scgrpo']['wall_s']:.2f} vs {width['smollm2_grpo']['wall_s']:.2f} s) and rows of "
-                f"256 {w256:.2f}: 256 is the default since.")
+    shared = ""
+    if prompts:
+        u_sc, u_grpo = prompts["smollm2_scgrpo_unshared_prompts"], prompts["smollm2_grpo_unshared_prompts"]
+        p_sc, p_grpo = prompts["smollm2_scgrpo"], prompts["smollm2_grpo"]
+        shared = (f" In another call ({PROMPTS_FILE}) with the prompt shared {p_sc['wall_s']:.2f} vs "
+                  f"{p_grpo['wall_s']:.2f} s, and with each row's prompt its own (packing.SHARED_PREFIXES off) "
+                  f"{u_sc['wall_s']:.2f} vs {u_grpo['wall_s']:.2f} s (teacher pass {p_sc['time_teacher_s']:.2f} against "
+                  f"{u_sc['time_teacher_s']:.2f} s, SC-GRPO's update {p_sc['time_train_s']:.2f} against "
+                  f"{u_sc['time_train_s']:.2f} s).")
+    if fixed:
+        shared += (f" On the allocator's fixed segments ({SEGMENTS_FILE}): {fixed['smollm2_scgrpo']['wall_s']:.2f} vs "
+                   f"{fixed['smollm2_grpo']['wall_s']:.2f} s.")
+    if packed:
+        shared += (f" Before the prompts were shared ({PACKED_FILE}): {packed['smollm2_scgrpo']['wall_s']:.2f} vs "
+                   f"{packed['smollm2_grpo']['wall_s']:.2f} s, and with every pass padded to its longest row "
+                   f"{packed['smollm2_scgrpo_padded']['wall_s']:.2f} vs {packed['smollm2_grpo_padded']['wall_s']:.2f} s.")
     out["scgrpo_over_grpo_step"] = entry(
         "scgrpo_over_grpo_step", sc["wall_s"] / grpo["wall_s"], sc["card"], sc["command"],
         "SmolLM2-135M (real weights, two-digit addition, about 4% correct at the start: most groups solve-none), "
         "32 prompts x G=8, 128 new tokens, LoRA r=16, bf16, package defaults (the memory budget's default: the card's "
         f"free memory): median wall time per step over {sc['measured_steps']} steps, {sc['wall_s']:.2f} vs "
-        f"{grpo['wall_s']:.2f} s: teacher "
-        f"pass {sc['time_teacher_s']:.2f} s (teacher and student rows in one forward, packed end to end in rows of "
-        f"{sc.get('pack_width', 256)} columns: scgrpo.packing), update {sc['time_train_s']:.2f} vs "
-        f"{grpo['time_train_s']:.2f} s ({sc['tokens_train']:.0f} vs {grpo['tokens_train']:.0f} trained tokens: "
-        "SC-GRPO trains the solve-none rows through their diversity advantage), generation "
-        f"{sc['time_generation_s']:.2f} vs {grpo['time_generation_s']:.2f} s. In the same call with every pass padded "
-        f"to its longest row, as before (scgrpo.packing.ENABLED off): {padded_sc['wall_s']:.2f} vs "
-        f"{padded_grpo['wall_s']:.2f} s ({padded_sc['wall_s'] / padded_grpo['wall_s']:.2f}; teacher pass "
-        f"{padded_sc['time_teacher_s']:.2f} s, half of its padded tokens padding).{wide} The same pair in earlier "
-        f"calls on H200s (padded passes; the budget's earlier versions): {others}; the step times vary by up to 20% "
-        f"from call to call{was}",
+        f"{grpo['wall_s']:.2f} s: teacher pass {sc['time_teacher_s']:.2f} s (teacher and student rows in one forward, "
+        "packed end to end in rows of 256 columns, the rows that share a prompt or a teacher prompt as trees with it "
+        f"once: scgrpo.packing), update {sc['time_train_s']:.2f} vs {grpo['time_train_s']:.2f} s "
+        f"({sc['tokens_train']:.0f} vs {grpo['tokens_train']:.0f} trained tokens: SC-GRPO trains the solve-none rows "
+        f"through their diversity advantage), generation {sc['time_generation_s']:.2f} vs "
+        f"{grpo['time_generation_s']:.2f} s.{shared} The same pair in earlier calls on H200s (the budget's earlier "
+        f"versions): {others}; the step times vary by up to 20% from call to call{was}",
     )
+    ckpt = ""
+    if held:
+        two, one = held["smollm2_scgrpo_22gib"], held["smollm2_scgrpo_22gib_checkpointing"]
+        ckpt = (f" In an earlier call ({CHECKPOINT_FILE}), when the budget chose {update_passes(two)} here: "
+                f"{two['wall_s']:.2f} s (update {two['time_train_s']:.2f} s), against {one['wall_s']:.2f} s (update "
+                f"{one['time_train_s']:.2f} s) with {update_passes(one)}, and {held['smollm2_scgrpo']['wall_s']:.2f} s "
+                "uncapped: update.CHECKPOINTED_PASS is 1.5 since (it was 2).")
     out["scgrpo_22gib_over_uncapped"] = entry(
         "scgrpo_22gib_over_uncapped", capped["wall_s"] / sc["wall_s"], sc["card"], sc["command"],
         "the same SC-GRPO step with the process held to 22 GiB (set_per_process_memory_fraction, a 24 GB card) and "
         f"the budget at its default ({capped['memory_budget_gib']:.1f} GiB, read from the cap) against it uncapped "
-        f"({capped['wall_s']:.2f} vs {sc['wall_s']:.2f} s): the budget split the update into "
+        f"({capped['wall_s']:.2f} vs {sc['wall_s']:.2f} s): the budget ran the update in "
         f"{update_passes(capped)} (update.CHECKPOINTED_PASS), peak allocated {capped['peak_allocated_gib']:.1f} GiB against "
-        f"{sc['peak_allocated_gib']:.1f}. Before the budget, `scgrpo fit` with these settings "
+        f"{sc['peak_allocated_gib']:.1f}.{ckpt} Before the budget, `scgrpo fit` with these settings "
         "(configs/grpo_arith_gpu.yaml + replication/scgrpo.yaml) under the same cap died in its first step with a raw "
         "out-of-memory traceback (as reported; it passes now, docs/gpu_configs.md)",
     )
@@ -164,20 +184,30 @@ def budget_entries() -> dict[str, dict]:
             f"GRPO at the package defaults with the process held to 22 GiB: peak allocated {now['peak_allocated_gib']:.2f} "
             f"GiB against TRL 1.16's {trl['peak_allocated_gib']:.2f} GiB (its defaults: gradient checkpointing), TRL "
             f"measured in an earlier call on an H200 ({TRL_FILE}). The budget spends memory where it buys speed: one "
-            f"plain pass of the {now['tokens_train'] / 1000:.1f}k trained tokens (about 0.5 MiB of activations a "
-            "token, packed) against a checkpointed one, and the rollout's KV cache and graphs (1.8 GiB at its peak) "
-            "stay between steps. A peak of half TRL's would need the update checkpointed at the defaults and the "
-            f"rollout's own peak below it. TRL's step took {trl['wall_s']:.1f} s, ours {now['wall_s']:.2f} s",
+            f"plain pass of the {now['tokens_train'] / 1000:.1f}k trained tokens against a checkpointed one, and the "
+            "rollout's KV cache and graphs stay between steps. A peak of half TRL's would need the update checkpointed "
+            f"at the defaults and the rollout's own peak below it. TRL's step took {trl['wall_s']:.1f} s, ours "
+            f"{now['wall_s']:.2f} s",
         )
     q, q_earlier, q_before = file_cases(QWEN8B_FILE), file_cases(QWEN8B_EARLIER_FILE), file_cases(QWEN8B_BEFORE_FILE)
+    q_teacher, q_fixed = file_cases(QWEN8B_TEACHER_FILE), file_cases(QWEN8B_SEGMENTS_FILE)
     if q:
         sc8, grpo8 = q["qwen8b_scgrpo_1k_20gib_auto"], q["qwen8b_grpo_1k_20gib_auto"]
         earlier = ""
+        if q_teacher:
+            one, own = q_teacher["qwen8b_scgrpo_1k_20gib_auto"], q_teacher["qwen8b_scgrpo_1k_20gib_auto_separate_teacher_passes"]
+            earlier += (f" In an earlier call ({QWEN8B_TEACHER_FILE}), on fixed segments: the teacher's and student's rows "
+                        f"in one shared pass {one['wall_s']:.1f} s (teacher pass {one['time_teacher_s']:.1f} s), in "
+                        f"passes of their own {own['wall_s']:.1f} s (teacher pass {own['time_teacher_s']:.1f} s), which "
+                        "rows this long take since (selfteacher.SHARED_PASS_TOKENS); GRPO's second rollout there "
+                        "and in the next call")
+            earlier += f" ({QWEN8B_SEGMENTS_FILE})" if q_fixed else ""
+            earlier += (" ran out of memory with 9 GiB reserved and unusable, which expandable segments (the package's "
+                        "allocator default since) remove.")
         if q_earlier:
             e = q_earlier["qwen8b_scgrpo_1k_20gib_auto"]
-            earlier += (f" In an earlier call ({QWEN8B_EARLIER_FILE}), with the decode slots sized at 0.8 of what the "
-                        f"budget left and no prefill counted: {e['rollout_slots']:.0f} slots, step {e['wall_s']:.1f} s "
-                        f"(sampling {e['time_generation_s']:.1f} s in {e['rollout_decode_steps']:.0f} decode steps).")
+            earlier += (f" Before the prompts were shared and the teacher's long rows had passes of their own "
+                        f"({QWEN8B_EARLIER_FILE}): step {e['wall_s']:.2f} s (teacher pass {e['time_teacher_s']:.1f} s).")
         if q_before:
             b = q_before["qwen8b_scgrpo_1k_20gib_auto_before"]
             earlier += (f" Before that ({QWEN8B_BEFORE_FILE}), before the default budget reached a rollout "
@@ -198,7 +228,10 @@ def budget_entries() -> dict[str, dict]:
             "scgrpo_over_grpo_step_8b", sc8["wall_s"] / grpo8["wall_s"], sc8["card"], sc8["command"],
             f"{shape}: SC-GRPO {sc8['wall_s']:.1f} s against GRPO {grpo8['wall_s']:.1f} s (teacher pass "
             f"{sc8['time_teacher_s']:.1f} s; sampling {sc8['time_generation_s']:.1f} vs {grpo8['time_generation_s']:.1f} s, "
-            f"update {sc8['time_train_s']:.1f} vs {grpo8['time_train_s']:.1f} s)",
+            f"update {sc8['time_train_s']:.1f} vs {grpo8['time_train_s']:.1f} s). The teacher pass runs the student's and "
+            "the teacher's rows without a gradient before any backward: c, a quantile of every D of the step, must be "
+            "known before the first token's gradient, and under 20 GiB the update's activations of the whole step do "
+            "not fit, so the student's forward cannot be the update's",
         )
     return out
 

@@ -205,10 +205,11 @@ def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(for
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
 
 
-def test_checkpointing_is_switched_on_when_one_row_does_not_fit_or_it_saves_passes(tiny_model_dir, budgeted):
+def test_checkpointing_is_switched_on_when_one_row_does_not_fit_or_it_saves_passes(tiny_model_dir, budgeted, monkeypatch):
     """Room for 10 of the longest rows' tokens; 8 rows. Plain passes cost ``train`` bytes a token, checkpointed ones 1:
     100 (one row does not fit) -> checkpointing; 3 (3 plain passes or 1 checkpointed) -> checkpointing; 2 (2 plain
-    passes) -> none; 1.1 (plain: all 8 rows in 1 pass) -> none; never when the module says false."""
+    passes, 1.5 x 1 < 2: update.CHECKPOINTED_PASS) -> checkpointing; 1.1 (plain: all 8 rows in 1 pass) -> none; never
+    when the module says false."""
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir)
     module.configure_model()
@@ -224,9 +225,15 @@ def test_checkpointing_is_switched_on_when_one_row_does_not_fit_or_it_saves_pass
     budget.costs["train"] = 3.0  # plain: 3 rows a pass, 3 passes; checkpointed: 1 pass, and 2 x 1 < 3
     plan = module.policy_update().plan(rollouts)
     assert module.actor.checkpointing and len(plan.spans) == 1 and plan.kind == "train_checkpointed"
-    budget.costs["train"] = 2.0  # plain: 5 rows a pass, 2 passes, which cost no more than one checkpointed pass
+    budget.costs["train"] = 2.0  # plain: 5 rows a pass, 2 passes, which cost more than one checkpointed pass
+    plan = module.policy_update().plan(rollouts)
+    assert module.actor.checkpointing and len(plan.spans) == 1 and plan.kind == "train_checkpointed"
+    from scgrpo import update as update_module
+
+    monkeypatch.setattr(update_module, "CHECKPOINTED_PASS", 2.0)  # a checkpointed pass as dear as two plain ones
     plan = module.policy_update().plan(rollouts)
     assert not module.actor.checkpointing and len(plan.spans) == 2 and plan.kind == "train"
+    monkeypatch.undo()
     budget.costs["train"] = 1.1
     plan = module.policy_update().plan(rollouts)
     assert not module.actor.checkpointing and not any(layer.gradient_checkpointing for layer in layers)

@@ -94,7 +94,10 @@ def test_one_step_equals_the_hand_written_weighted_surrogate(tiny_model_dir):
         torch.testing.assert_close(ours, hand, atol=1e-6, rtol=1e-4)
 
 
-def test_batch_scope_c_does_not_change_with_micro_batch_size(tiny_model_dir):
+def test_batch_scope_c_does_not_change_with_micro_batch_size(tiny_model_dir, monkeypatch):
+    from scgrpo import packing
+
+    monkeypatch.setattr(packing, "ENABLED", False)  # (packed rows differ with the micro-batches, and so does rounding)
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=SCGRPO())
     module.configure_model()

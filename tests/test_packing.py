@@ -131,3 +131,89 @@ def test_unpacking_reads_each_sequences_own_columns():
         origin = int(plan.origin[s])
         assert out[s, first : first + k].tolist() == [float(origin + col) for col in range(first, first + k)]
         assert (out[s, :first] == 0).all() and (out[s, first + k :] == 0).all()
+
+
+def _shared_batch():
+    """Six sequences: rows 0-2 share their 5-token prompt, rows 3-4 their 3-token one, row 5 shares nothing."""
+    ids, mask = _batch([5, 5, 5, 3, 3, 2], [7, 2, 4, 1, 5, 3])
+    for i, j in ((1, 0), (2, 0), (4, 3)):
+        ids[i, :9], mask[i, :9] = ids[j, :9], mask[j, :9]
+    return ids, mask
+
+
+def test_rows_that_share_their_prompt_are_packed_as_a_tree_with_the_prompt_once():
+    ids, mask = _shared_batch()
+    plan = plan_packing(mask, min_width=32, gain=2.0, input_ids=ids, shared_columns=9)
+    assert plan.shared_tokens == 2 * 5 + 3  # two copies of the first prompt saved, one of the second
+    assert plan.target.unique().numel() == int(mask.sum()) - plan.shared_tokens
+    assert plan.split.tolist() == [9, 9, 9, 9, 9, 7]  # own runs start after the prompt (row 5: at its first token)
+    packed, positions, attend = packed_inputs(plan, ids, pad_id=2)
+    flat_ids = packed.view(-1)
+    assert flat_ids[plan.target].tolist() == ids.view(-1)[plan.source].tolist()  # every token where it is read
+    assert positions.view(-1)[plan.target].tolist() == plan.positions.tolist()
+    # each token sees exactly the tokens before it in its own sequence, wherever they lie
+    flat = attend.view(plan.rows * plan.width, plan.width)
+    where = {}  # packed position -> the (sequence, offset) pairs placed there
+    for s, t, o in zip(plan.owner.tolist(), plan.target.tolist(), plan.positions.tolist()):
+        where.setdefault(t, set()).add((s, o))
+    for t, holders in where.items():
+        row = t // plan.width
+        seen = {row * plan.width + k for k in range(plan.width) if flat[t, k]}
+        for s, o in holders:
+            assert seen == {u for u, h in where.items() if any(s2 == s and o2 <= o for s2, o2 in h)}
+    assert attend.any(-1).all()
+
+
+def test_a_tree_wider_than_a_row_is_cut_and_each_part_has_its_own_copy():
+    ids, mask = _shared_batch()
+    plan = plan_packing(mask, min_width=16, gain=2.0, input_ids=ids, shared_columns=9)
+    assert plan.width == 16
+    # rows 0, 2 and 1 would need 5 + 7 + 4 + 2 = 18 columns: rows 0 and 2 keep the tree, row 1 goes alone
+    assert plan.split[1] == plan.first[1] and plan.split[0] == plan.split[2] == 9
+    assert plan.shared_tokens == 5 + 3
+    assert (plan.target // 16).max() < plan.rows
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_forward_with_shared_prompts_gives_the_padded_forwards_states_and_gradients(attention, tiny_model_dir,
+                                                                                            monkeypatch):
+    from scgrpo import packing
+
+    monkeypatch.setattr(packing, "PACK_WIDTH", 16)
+    torch.manual_seed(0)
+    module = tiny_module(tiny_model_dir)
+    module.configure_model()
+    policy = module.actor
+    backbone = policy.model.get_base_model().model
+    backbone.config._attn_implementation = attention
+    for name, p in policy.model.named_parameters():  # LoRA's B starts at zero: give the adapters a gradient path
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    ids, mask = _shared_batch()
+    c = 7
+    shapes = []
+    forward = backbone.forward
+
+    def spy(*args, **kwargs):
+        shapes.append(kwargs["input_ids"].shape)
+        return forward(*args, **kwargs)
+
+    backbone.forward = spy
+    want = mask[:, 9:].bool()  # the states before each completion token
+    grads = []
+    for packed in (False, True):
+        policy.model.zero_grad()
+        hidden = policy.completion_hidden(ids, mask, c, packed=packed)
+        (hidden[want].float().pow(2).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+        if packed:
+            packed_hidden = hidden.detach()
+        else:
+            padded_hidden = hidden.detach()
+    plan = plan_packing(mask, input_ids=ids, shared_columns=9)
+    assert plan.shared_tokens == 5 + 3 and shapes[1] == (plan.rows, 16)  # a tree of rows 0 and 2, one of rows 3 and 4
+    torch.testing.assert_close(packed_hidden[want], padded_hidden[want], rtol=1e-4, atol=1e-5)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-3, atol=1e-5)
+

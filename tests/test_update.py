@@ -170,7 +170,8 @@ def _policy(head, hidden_table, temperature=1.0, chunk=1024):
 
     policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), max_completion_tokens=3, device=torch.device("cpu"),
                              completion_hidden=completion_hidden, lm_head=lambda: head, temperature=temperature,
-                             logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls, budget=None)
+                             logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls, budget=None,
+                             packs=False)
     policy.head_logprobs = lambda hidden, targets, entropy=True, mask=None: Policy.head_logprobs(
         policy, hidden, targets, entropy, mask)
     policy.chunk_size = lambda models=1: chunk

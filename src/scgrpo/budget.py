@@ -22,8 +22,8 @@ pass no longer fits (at least doubled), and its rows and those of the passes aft
 (:func:`run_passes`; ``memory/split_passes`` counts them). Only a pass of one row, a backward, or a pass on several
 ranks (whose passes must pair up) still fails, with the one-line message of :mod:`scgrpo.oom`.
 
-On CPU there is no budget: passes run ``micro_batch_size`` rows at a time in batch order, uncut, as they always
-did (the same numbers bit for bit).
+On CPU there is no budget: passes run ``micro_batch_size`` rows at a time in batch order, uncut (packed:
+:attr:`scgrpo.policy.Policy.packs`).
 """
 
 from __future__ import annotations

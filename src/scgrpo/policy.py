@@ -197,7 +197,10 @@ class Policy:
         window = getattr(config, "sliding_window", None)
         if window is not None and getattr(config, "use_sliding_window", True) and window < input_ids.shape[1]:
             return None
-        plan = plan_packing(attention_mask)
+        # a group's rows share their prompt, and the self-teacher's rows with one reference their teacher prompt: the
+        # columns before the completion's are computed once for all the rows that hold the same tokens there
+        shared = input_ids.shape[1] - num_completion if packing.SHARED_PREFIXES else 0
+        plan = plan_packing(attention_mask, input_ids=input_ids, shared_columns=shared)
         if plan is None:
             return None
         dtype = backbone.get_input_embeddings().weight.dtype  # (the states' dtype: 4-bit layers hold bytes)
@@ -251,13 +254,20 @@ class Policy:
 
     def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor:
         """``[n, width, H]`` final hidden states of the span's rows that predict their first ``width`` completion
-        tokens, the span's columns only; packed (:mod:`scgrpo.packing`) under an active memory budget (with a
-        gradient, where :data:`scgrpo.packing.TRAINING`)."""
+        tokens, the span's columns only; packed (:mod:`scgrpo.packing`) where :attr:`packs` (with a gradient, where
+        :data:`scgrpo.packing.TRAINING`)."""
         rows = span.rows
         ids = torch.cat([rollouts.prompt_ids[rows, span.left :], rollouts.completion_ids[rows, : span.width]], 1)
         mask = torch.cat([rollouts.prompt_mask[rows, span.left :], rollouts.context_mask[rows, : span.width]], 1)
-        packed = active(self.budget) is not None and (packing.TRAINING or not torch.is_grad_enabled())
+        packed = self.packs and (packing.TRAINING or not torch.is_grad_enabled())
         return self.completion_hidden(ids, mask, span.width, model, packed=packed)
+
+    @property
+    def packs(self) -> bool:
+        """Whether the passes over rollouts run packed (:mod:`scgrpo.packing`): under an active memory budget, and on
+        a CPU, where a pass's time is its tokens' arithmetic and packing drops the padding and the prompts that a
+        group's rows repeat (:data:`scgrpo.packing.ENABLED` off: never)."""
+        return packing.ENABLED and (active(self.budget) is not None or self.device.type == "cpu")
 
     def set_gradient_checkpointing(self, on: bool) -> None:
         """Switches gradient checkpointing (non-reentrant) on or off in the network."""

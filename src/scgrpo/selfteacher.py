@@ -49,8 +49,15 @@ from scgrpo.rollout.types import (  # noqa: F401 - the signal's types, importabl
 log = logging.getLogger(__name__)
 
 SHARED_PASSES = True
-"""Under a memory budget, a micro-batch's teacher and student rows share one forward (:meth:`SelfTeacher._shared_passes`);
-False: the student's passes, then the teacher's, each packed by its own lengths"""
+"""Under a memory budget, a micro-batch's teacher and student rows share one forward (:meth:`SelfTeacher._shared_passes`)
+where the teacher's sequences are at most :data:`SHARED_PASS_TOKENS` long; longer ones run in passes of their own,
+each packed by its own lengths. False: always passes of their own"""
+SHARED_PASS_TOKENS = 1024
+"""The longest teacher sequence (prompt and completion columns) for which the shared forward is taken: short rows'
+passes are bound by their launches, which it halves (SmolLM2's step, sequences of about 300 tokens); in long rows the
+student's sequences are packed in rows as wide as the teacher's, which costs more than it saves (8B-shaped QLoRA step of
+1,024 tokens, sequences of about 1,450, on an H200: teacher pass 6.5 s in passes of their own against 7.3 s shared,
+benchmarks/results/bench_qwen8b_1k_20gib_shared_prompts_h200.json)"""
 
 
 @dataclass
@@ -185,6 +192,9 @@ class TeacherModel(Protocol):
               fixed: float = 0.0) -> list[Span]: ...
 
     def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor: ...
+
+    @property
+    def packs(self) -> bool: ...
 
     def completion_hidden(self, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
                           model: Optional[nn.Module] = None, packed: bool = False) -> Tensor: ...
@@ -359,7 +369,8 @@ class SelfTeacher:
         with policy.eval_mode(), full_parameters(policy.runner):  # (every rank gathers, rows or not)
             if not rows:
                 return cut, 0
-            if SHARED_PASSES and budget is not None and spec.output == "divergence" and spec.weights == "policy":
+            short = max(len(ids) for ids in prompt_ids) + rollouts.completion_ids.shape[1] <= SHARED_PASS_TOKENS
+            if SHARED_PASSES and short and budget is not None and spec.output == "divergence" and spec.weights == "policy":
                 return cut, self._shared_passes(policy, rollouts, rows, prompt_ids, signal, budget, chunk, fixed, micro)
             student = None
             if spec.output == "divergence":
@@ -389,7 +400,7 @@ class SelfTeacher:
                     ids, attention = self.assemble(policy, rollouts, index_rows, [prompt_ids[k] for k in members], w)
                 with measuring(budget, "forward", ids.numel(), fixed):
                     with record_function("scgrpo.teacher.teacher_forward"):
-                        teacher_hidden = self._teacher_hidden(policy, ids, attention, w, budget is not None)  # [n, w, H]
+                        teacher_hidden = self._teacher_hidden(policy, ids, attention, w, policy.packs)  # [n, w, H]
                     if spec.output == "hidden":
                         if signal.teacher_hidden is None:  # (the whole batch's: a failure here is not the pass's)
                             allocating = True

@@ -34,13 +34,12 @@ from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 
 NONFINITE = "nonfinite"
 """Key of ``StepSums``' counter of micro-batches whose loss was NaN or infinite"""
-CHECKPOINTED_PASS = 2.0
-"""A pass under gradient checkpointing costs about this many plain passes (it runs the forward twice: a third more
-arithmetic and, where launches bound the passes, twice the forward's launches). On an H200, SmolLM2's SC-GRPO update
-of about 40k tokens under a 22 GiB cap: two plain (packed) passes 0.43 s (benchmarks/results/
-bench_smollm2_packed_h200.json), one checkpointed (padded) pass 0.52 s in an earlier call
-(bench_smollm2_attention_h200.json). With a memory budget the update checkpoints when that takes fewer passes by
-more than this factor (one checkpointed pass rather than three plain ones, not two)"""
+CHECKPOINTED_PASS = 1.5
+"""A pass under gradient checkpointing costs about this many plain passes (it runs the forward twice). With a memory
+budget the update checkpoints when that takes fewer passes by more than this factor (one checkpointed pass rather than
+two plain ones, not two rather than three). On an H200, SmolLM2's SC-GRPO update of about 40k tokens under a 22 GiB cap
+(benchmarks/results/bench_smollm2_checkpointed_22gib_h200.json): two plain passes 0.53 s, one checkpointed pass 0.39 s,
+one plain pass uncapped 0.28 s"""
 OWN_STATS = ("loss", "entropy", "grad_norm", "kl", "clip_fraction", NONFINITE)
 """Keys of the step's sums that step logging names itself; every other key is an objective statistic"""
 
