@@ -39,6 +39,19 @@ def gpu_name(extra: list[str]):
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+"""Environment variables that hold PyTorch's CPU kernels to an instruction set (a CPU without AVX512 or AMX, here)"""
+
+
+def cpu_native_bf16():
+    """Whether this CPU has native bf16 (AVX512-BF16 or AMX), as scripts/quickstart.sh decides its dtype."""
+    try:
+        from scgrpo.models import cpu_has_native_bf16
+    except ImportError:
+        return None
+    return bool(cpu_has_native_bf16())
+
+
 def _float(row: dict, key: str):
     value = row.get(key, "")
     return float(value) if value not in ("", None) else None
@@ -92,11 +105,15 @@ def main() -> None:
     (run_dir,) = glob.glob(os.path.join(workdir, "runs", "*", "version_0"))
     result = {
         "name": args.name,
-        "command": " ".join(["python", "scripts/bench_quickstart.py", f"--name {args.name}",
+        "command": " ".join([f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ]
+                            + ["python", "scripts/bench_quickstart.py", f"--name {args.name}",
                              f"--config {os.path.relpath(os.path.abspath(args.config), ROOT)}"]
                             + (["--fresh-cache"] if args.fresh_cache else []) + (["--", *args.extra] if args.extra else [])),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "gpu": gpu_name(args.extra)},
+                    "python": platform.python_version(), "gpu": gpu_name(args.extra),
+                    "native_bf16": cpu_native_bf16(),
+                    # instruction sets held back for the run (ATen's kernels, oneDNN, MKL), as set in the environment
+                    "isa_caps": {k: os.environ[k] for k in ISA_CAPS if k in os.environ}},
         "wall_s": round(wall, 1),
         "peak_rss_gib": round(peak_kib / 2**20, 2),
         "fresh_cache": args.fresh_cache,

@@ -206,7 +206,7 @@ def budget_entries() -> dict[str, dict]:
                         "allocator default since) remove.")
         if q_earlier:
             e = q_earlier["qwen8b_scgrpo_1k_20gib_auto"]
-            earlier += (f" Before the prompts were shared and the teacher's long rows had passes of their own "
+            earlier += (f" Before the teacher's long rows had passes of their own "
                         f"({QWEN8B_EARLIER_FILE}): step {e['wall_s']:.2f} s (teacher pass {e['time_teacher_s']:.1f} s).")
         if q_before:
             b = q_before["qwen8b_scgrpo_1k_20gib_auto_before"]

@@ -217,3 +217,30 @@ def test_a_packed_forward_with_shared_prompts_gives_the_padded_forwards_states_a
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-3, atol=1e-5)
 
+
+def test_the_policys_packed_pass_shares_a_groups_prompt_and_packs_on_a_cpu(tiny_model_dir, monkeypatch):
+    """The policy hands the packing its prompt columns (the rows of one prompt share them), and packs on a CPU without
+    a memory budget; with packing.SHARED_PREFIXES off every row keeps its own copy."""
+    from scgrpo import packing, policy as policy_module
+
+    monkeypatch.setattr(packing, "PACK_WIDTH", 16)
+    module = tiny_module(tiny_model_dir)
+    module.configure_model()
+    policy = module.actor
+    assert policy.budget is None or not policy.budget.active
+    assert policy.packs  # a CPU: packed without a budget
+    plans = []
+
+    def spy(*args, **kwargs):
+        plans.append(packing.plan_packing(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(policy_module, "plan_packing", spy)
+    ids, mask = _shared_batch()
+    with torch.no_grad():
+        policy.completion_hidden(ids, mask, 7, packed=True)
+        monkeypatch.setattr(packing, "SHARED_PREFIXES", False)
+        policy.completion_hidden(ids, mask, 7, packed=True)
+    assert plans[0].shared_tokens == 5 + 3 and plans[1].shared_tokens == 0
+    monkeypatch.setattr(packing, "ENABLED", False)
+    assert not policy.packs

@@ -354,3 +354,28 @@ def test_a_base_teacher_runs_the_policy_with_its_adapters_disabled():
                              completion_hidden=lambda *args, **kwargs: torch.tensor([float(state["disabled"])]))
     assert SelfTeacher(TeacherSpec(weights="base"))._teacher_hidden(policy, None, None, 1).tolist() == [1.0]
     assert SelfTeacher(TeacherSpec())._teacher_hidden(policy, None, None, 1).tolist() == [0.0]  # adapters on
+
+
+@pytest.mark.parametrize("window, min_tokens", [("pair", 1), ("group", 1), ("pair", 3), ("group", 3)])
+def test_solve_none_windows_pair_or_group_and_a_minimum(window, min_tokens):
+    """G = 4 all wrong, completions of 1, 2, 3 and 4 tokens (+ EOS: 2 to 5 model tokens). "pair": L_i = min(|o_i|,
+    |o_r|); "group": the group's shortest, 2, for every row; below ``min_tokens`` a row's window is 0 (no score)."""
+    tokens = [[10 + i] * (i + 1) for i in range(4)]
+    rollouts = _rollouts([0.0] * 4, tokens)
+    spec = TeacherSpec(routes=SC_ROUTES, diversity_window=window, diversity_min_tokens=min_tokens)
+    plan = route_rollouts(rollouts, spec, 1.0, step=3)
+    (r,) = [i for i in range(4) if plan.is_reference[i]]
+    for i in range(4):
+        if i == r:
+            assert plan.diversity_length[i] == 0
+            continue
+        length = min(len(tokens[i]), len(tokens[r])) + 1 if window == "pair" else 2
+        assert plan.diversity_length[i] == (length if length >= min_tokens else 0)
+
+
+def test_diversity_options_are_checked():
+    with pytest.raises(ValueError, match="diversity_window"):
+        TeacherSpec(diversity_window="row")
+    with pytest.raises(ValueError, match="diversity_min_tokens"):
+        SCGRPO(diversity_min_tokens=0)
+    assert SCGRPO(diversity_window="group", diversity_min_tokens=4).teacher.diversity_min_tokens == 4

@@ -1,5 +1,6 @@
 """Packed forward passes: the sequences of a padded batch laid end to end in rows of a few hundred columns, each
-attending to itself alone, so that a pass computes its real tokens and little padding.
+attending to itself alone (and to the tokens it shares with others, below), so that a pass computes its real tokens
+and little padding.
 
 A step's batches are padded to their longest row: the self-teacher's shared pass pads every completion to the
 longest one and every student prompt to the longest teacher prompt, which on SmolLM2's arithmetic step is about
@@ -21,8 +22,8 @@ import torch
 from torch import Tensor
 
 ENABLED = True
-"""Whether the passes that may run packed do (the self-teacher's shared passes, and every pass over a budget's micro-batches);
-False: every pass runs padded."""
+"""Whether the passes that may run packed do (the self-teacher's shared passes, every pass over a budget's micro-batches,
+and every pass on a CPU: :attr:`scgrpo.policy.Policy.packs`); False: every pass runs padded."""
 TRAINING = True
 """Whether the update's passes (those with a gradient) pack too; False: only the passes without one."""
 PACK_WIDTH = 256
@@ -30,7 +31,9 @@ PACK_WIDTH = 256
 ``width`` columns for each token, so wider rows pack tighter and attend to more masked columns (measured on an H200,
 SmolLM2's step: SC-GRPO 0.68 s at 256, 0.85 s at 512; GRPO 0.48 s and 0.51 s)."""
 SHARED_PREFIXES = True
-"""Whether rows that begin with the same tokens are packed as trees (the shared tokens once); False: each row whole."""
+"""Whether rows that begin with the same tokens are packed as trees (the shared tokens once); False: each row whole.
+A tree must fit one packed row, so only rows whose prompt and at least two completions fit :data:`PACK_WIDTH` (or the
+batch's longest sequence) share."""
 PACK_GAIN = 0.8
 """A batch is packed when its packed tokens are at most this share of its padded tokens (else the padded pass,
 which attends to no masked column, is as fast)."""
@@ -70,13 +73,15 @@ class Packing:
 
 def _shared_groups(input_ids: Tensor, mask: Tensor, columns: int, firsts: list[int]) -> list[list[int]]:
     """Sequences that hold the same tokens in the first ``columns`` columns (same ids in the same columns, at least
-    one token there), two or more to a group."""
-    head = torch.where(mask[:, :columns], input_ids[:, :columns], -1).tolist()  # (one transfer)
-    keys: dict[tuple, list[int]] = {}
-    for i, f in enumerate(firsts):
-        if f < columns:
-            keys.setdefault(tuple(head[i]), []).append(i)
-    return [members for members in keys.values() if len(members) > 1]
+    one token there), two or more to a group. The rows are compared on their device; only each row's group comes back."""
+    head = torch.where(mask[:, :columns], input_ids[:, :columns], -1)
+    _, inverse, counts = torch.unique(head, dim=0, return_inverse=True, return_counts=True)
+    inverse, counts = inverse.tolist(), counts.tolist()  # (N and at most N values)
+    groups: dict[int, list[int]] = {}
+    for i, key in enumerate(inverse):
+        if firsts[i] < columns and counts[key] > 1:
+            groups.setdefault(key, []).append(i)
+    return [members for members in groups.values() if len(members) > 1]
 
 
 def _place(width: int, groups: list[list[int]], lengths: list[int], firsts: list[int], columns: int):

@@ -105,7 +105,8 @@ def route_rollouts(
     uniformly from the *correct* rollouts of its group whose tokens differ from its own (an identical copy
     is the rollout itself); a correct rollout with none takes a buffer entry with other tokens when
     ``buffer_references``, else it has no teacher (weight 1). Solve-none groups: one rollout o_r drawn
-    uniformly is every other row's reference, L_i = min(|o_i|, |o_r|). Draws are seeded by (seed, step,
+    uniformly is every other row's reference, L_i = min(|o_i|, |o_r|) (``diversity_window="group"``: the group's
+    shortest length; 0, no score, where L_i < ``diversity_min_tokens``). Draws are seeded by (seed, step,
     prompt id, place in the group), so they do not depend on how a batch is split over ranks.
     """
     if rollouts.rewards is None:
@@ -129,10 +130,12 @@ def route_rollouts(
         if route == SOLVE_NONE:
             r = members[random.Random(f"{spec.seed}-{step}-{pid}-solve-none").randrange(g)]
             plan.is_reference[r] = True
+            shortest = min(lengths[k] for k in members)
             for i in members:
                 if i != r:
                     plan.references[i], plan.reference_rows[i] = rollouts.completions[r], r
-                    plan.diversity_length[i] = min(lengths[i], lengths[r])
+                    window = shortest if spec.diversity_window == "group" else min(lengths[i], lengths[r])
+                    plan.diversity_length[i] = window if window >= spec.diversity_min_tokens else 0
             continue
         tokens = {i: _tokens(rollouts, i) for i in members}
         for i in members:
@@ -350,7 +353,8 @@ class SelfTeacher:
         under a memory budget, the micro-batches it packs (rows of like lengths, each cut to its own span, at most
         ``micro`` rows). The student's states before the model's tokens are kept (``[N, C, H]``, zeros elsewhere)
         until the teacher passes have compared them, and only those tokens go through the head; under a budget a
-        micro-batch's teacher and student rows share one forward instead (:meth:`_shared_passes`)."""
+        micro-batch's teacher and student rows share one forward instead (:meth:`_shared_passes`) when the step's
+        longest teacher sequence is at most :data:`SHARED_PASS_TOKENS`."""
         n, c = rollouts.completion_ids.shape
         device = rollouts.completion_ids.device
         spec = self.spec

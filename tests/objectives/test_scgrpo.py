@@ -262,3 +262,16 @@ def test_peak_memory_of_the_chunked_divergence_does_not_grow_with_length():
     full_tensor_kib = 4096 * 32000 * 4 // 1024
     assert long < full_tensor_kib, (short, long)
     assert long - short < full_tensor_kib // 2, (short, long)
+
+
+def test_a_solve_none_row_without_a_window_is_not_scored():
+    """As the hand-worked case above, with row 3's window 0 (under ``diversity_min_tokens``): rows 0 and 1 are
+    standardised between themselves, row 3 gets 0 rather than the lowest score's advantage."""
+    d = torch.tensor([[1.0, 1.0, 3.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [3.0, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0]])
+    signal = _signal([SOLVE_NONE] * 4, [True, True, False, True], d, diversity_length=[2, 2, 0, 0],
+                     is_reference=[False, False, True, False])
+    s = torch.tensor([0.5, 0.0])
+    a_div = (s - s.mean()) / (s.std() + 1e-4)
+    credit = SCGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, signal)
+    torch.testing.assert_close(credit.advantages, torch.tensor([a_div[0], a_div[1], 0.0, 0.0]) * 0.1)

@@ -61,6 +61,13 @@ class SCGRPO(GRPO):
         buffer_references: a correct rollout with no distinct correct sibling (and, with route_single, a
             single-correct group's correct rollout) takes a reference from the verified buffer (ours).
         seed: seeds the choice of references.
+        diversity_window: the tokens a solve-none rollout's score s_i averages over: "pair", the first
+            min(|o_i|, |o_r|) (the paper's); "group", the first min_k |o_k| of its whole group, the same positions for
+            every rollout (ours). f is highest at a completion's first tokens, so under "pair" a rollout that stops
+            at once is scored on them alone, ranks above its group and is pushed up: on a task the model cannot yet
+            solve, completions can collapse to one token.
+        diversity_min_tokens: a solve-none rollout whose window is shorter than this has no score and advantage 0
+            (ours; 1, every rollout with a token, is the paper's).
         (and GRPO's arguments; the paper's aggregation "seq-mean-token-mean" is the default here)
     """
 
@@ -79,6 +86,8 @@ class SCGRPO(GRPO):
         teacher_template: str = DEFAULT_TEACHER_TEMPLATE,
         buffer_references: bool = False,
         seed: int = 0,
+        diversity_window: Literal["pair", "group"] = "pair",
+        diversity_min_tokens: int = 1,
         scale: Fn.AdvantageScale = "group",
         eps_low: float = 0.2,
         eps_high: float = 0.2,
@@ -112,7 +121,8 @@ class SCGRPO(GRPO):
         routes = ("partial",) + ("solve_none",) * route_solve_none + ("single",) * route_single + ("all",) * route_all
         self.teacher = TeacherSpec(routes=routes, template=check_teacher_template(teacher_template), weights=teacher,
                                    output="divergence", divergence=divergence, buffer_references=buffer_references,
-                                   seed=seed)
+                                   seed=seed, diversity_window=diversity_window,
+                                   diversity_min_tokens=diversity_min_tokens)
 
     # --------------------------------------------------------------------------------------------- credit
     def thresholds(self, divergence: Tensor, active: Tensor, micro_batch_size: Optional[int]) -> tuple[Tensor, Tensor]:
@@ -131,9 +141,11 @@ class SCGRPO(GRPO):
 
     def diversity_advantages(self, f: Tensor, signal: TeacherSignal, group_size: int) -> Tensor:
         """``[N]`` alpha * A_div for the non-reference rows of solve-none groups (Eq. 5), 0 elsewhere."""
-        scored = (signal.has_teacher & (signal.route == SOLVE_NONE)).float().view(-1, group_size)  # [P, G]
+        # (a row with no token in its window, ``diversity_min_tokens``, has no score)
+        scored = (signal.has_teacher & (signal.route == SOLVE_NONE) & signal.diversity_mask.bool().any(1))
+        scored = scored.float().view(-1, group_size)  # [P, G]
         scores = Fn.masked_mean(f, signal.diversity_mask, dim=1).view(-1, group_size)  # [P, G] s_i
-        count = scored.sum(1, keepdim=True)  # [P, 1] G - 1 in a routed solve-none group
+        count = scored.sum(1, keepdim=True)  # [P, 1] G - 1 in a routed solve-none group (fewer: rows without a window)
         mean = (scores * scored).sum(1, keepdim=True) / count.clamp(min=1)
         var = (((scores - mean) ** 2) * scored).sum(1, keepdim=True) / (count - 1).clamp(min=1)  # unbiased
         a_div = (scores - mean) / (var.sqrt() + Fn.ADVANTAGE_EPS) * scored * (count >= 2).float()
@@ -168,7 +180,7 @@ class SCGRPO(GRPO):
             weights = f[active]
         if weights.numel():
             stats.f_mean, stats.f_above_half = float(weights.mean()), float((weights > 0.5).float().mean())
-        scored = signal.has_teacher & (signal.route == SOLVE_NONE)
+        scored = signal.has_teacher & (signal.route == SOLVE_NONE) & signal.diversity_mask.bool().any(1)
         if int(scored.sum()) > 1:
             stats.div_adv_std = float(diversity[scored].std())
         return stats

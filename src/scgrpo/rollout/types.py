@@ -136,6 +136,11 @@ class TeacherSpec:
     """The reference is the row's ground-truth answer (OPSD-oracle), for every row"""
     seed: int = 0
     """Seeds the reference choice, with the step, the prompt id and the place in the group"""
+    diversity_window: Literal["pair", "group"] = "pair"
+    """Tokens a solve-none rollout's diversity score averages over: "pair", the first min(|o_i|, |o_r|) (the
+    paper's); "group", the first min_k |o_k| over the whole group, the same positions for every rollout (ours)"""
+    diversity_min_tokens: int = 1
+    """A solve-none rollout whose window is shorter than this gets no diversity score (advantage 0) (ours)"""
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.routes if r not in ROUTES]
@@ -145,6 +150,10 @@ class TeacherSpec:
             raise ValueError("the teacher template must contain {reference}")
         if self.weights not in ("policy", "base"):
             raise ValueError(f"teacher={self.weights!r}: expected 'policy' or 'base'")
+        if self.diversity_window not in ("pair", "group"):
+            raise ValueError(f"diversity_window={self.diversity_window!r}: expected 'pair' or 'group'")
+        if self.diversity_min_tokens < 1:
+            raise ValueError(f"diversity_min_tokens must be >= 1, got {self.diversity_min_tokens}")
         if self.output not in ("divergence", "hidden"):
             raise ValueError(f"teacher output {self.output!r}: expected 'divergence' or 'hidden'")
 
