@@ -72,17 +72,22 @@ def test_the_mask_is_causal_within_each_sequence_and_no_row_of_it_is_empty():
     assert ((additive == 0) == attend).all() and additive.min() == torch.finfo(torch.float32).min
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_a_packed_forward_gives_the_padded_forwards_states(attention, tiny_model_dir, monkeypatch):
+def _packing_policy(tiny_model_dir, attention: str, monkeypatch):
+    """The tiny module's policy and its backbone on ``attention``, packed rows of 16 columns."""
     from scgrpo import packing
 
     monkeypatch.setattr(packing, "PACK_WIDTH", 16)
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir)
     module.configure_model()
-    policy = module.actor
-    backbone = policy.model.get_base_model().model
+    backbone = module.actor.model.get_base_model().model
     backbone.config._attn_implementation = attention
+    return module.actor, backbone
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_forward_gives_the_padded_forwards_states(attention, tiny_model_dir, monkeypatch):
+    policy, backbone = _packing_policy(tiny_model_dir, attention, monkeypatch)
     prompts, completions = [2, 9, 2, 3, 1, 3], [7, 2, 1, 1, 3, 2]  # 36 tokens padded to 96
     ids, mask = _batch(prompts, completions)
     c = 7
@@ -177,15 +182,7 @@ def test_a_tree_wider_than_a_row_is_cut_and_each_part_has_its_own_copy():
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_packed_forward_with_shared_prompts_gives_the_padded_forwards_states_and_gradients(attention, tiny_model_dir,
                                                                                             monkeypatch):
-    from scgrpo import packing
-
-    monkeypatch.setattr(packing, "PACK_WIDTH", 16)
-    torch.manual_seed(0)
-    module = tiny_module(tiny_model_dir)
-    module.configure_model()
-    policy = module.actor
-    backbone = policy.model.get_base_model().model
-    backbone.config._attn_implementation = attention
+    policy, backbone = _packing_policy(tiny_model_dir, attention, monkeypatch)
     for name, p in policy.model.named_parameters():  # LoRA's B starts at zero: give the adapters a gradient path
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
