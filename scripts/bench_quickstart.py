@@ -103,17 +103,16 @@ def main() -> None:
     wall = time.perf_counter() - start
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     (run_dir,) = glob.glob(os.path.join(workdir, "runs", "*", "version_0"))
+    caps = {k: os.environ[k] for k in ISA_CAPS if k in os.environ}  # instruction sets held back for the run
     result = {
         "name": args.name,
-        "command": " ".join([f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ]
+        "command": " ".join([f"{k}={v}" for k, v in caps.items()]
                             + ["python", "scripts/bench_quickstart.py", f"--name {args.name}",
                              f"--config {os.path.relpath(os.path.abspath(args.config), ROOT)}"]
                             + (["--fresh-cache"] if args.fresh_cache else []) + (["--", *args.extra] if args.extra else [])),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "gpu": gpu_name(args.extra),
-                    "native_bf16": cpu_native_bf16(),
-                    # instruction sets held back for the run (ATen's kernels, oneDNN, MKL), as set in the environment
-                    "isa_caps": {k: os.environ[k] for k in ISA_CAPS if k in os.environ}},
+                    "native_bf16": cpu_native_bf16(), "isa_caps": caps},
         "wall_s": round(wall, 1),
         "peak_rss_gib": round(peak_kib / 2**20, 2),
         "fresh_cache": args.fresh_cache,

@@ -197,12 +197,23 @@ def document() -> str:
     if quick:
         q = quick[0]
         dtype = "fp32" if "--model.dtype=float32" in q["command"] else "bf16"
-        parts += ["## Quickstart: SC-GRPO, 30 steps, lr 5e-4", "",
-                  f"On a 2-core CPU ({q['machine']['processor'] or 'x86_64'}, {q['machine']['cpus']} cores), {dtype} "
-                  "weights: `scripts/quickstart.sh` passes `--model.dtype=float32` on a CPU without native bf16 "
-                  "(this one: AMD EPYC without AVX512-BF16 or AMX, where bf16 is emulated and a training step took "
-                  f"over 10 minutes). `{q['command']}` (fresh model cache: the one-time GGUF conversion is inside "
-                  "the wall time)", "", run_table(q), ""]
+        machine = q["machine"]
+        caps = machine.get("isa_caps") or {}
+        if caps:
+            where = ("a CPU with native bf16 whose PyTorch kernels were held to "
+                     f"{', '.join(sorted({v.upper() for v in caps.values()}))} for the run ({', '.join(caps)}), standing for one without")
+        elif machine.get("native_bf16") is False:
+            where = "a CPU without native bf16"
+        else:
+            where = "a CPU with native bf16" if machine.get("native_bf16") else "this CPU"
+        parts += ["## Quickstart: SC-GRPO (partial-solve routing), 30 steps, lr 5e-4", "",
+                  f"On a {machine['cpus']}-core CPU ({machine['processor'] or 'x86_64'}), {dtype} weights, {where}: "
+                  "`scripts/quickstart.sh` passes `--model.dtype=float32` on a CPU without native bf16 (AVX512-BF16 "
+                  f"or AMX), where bf16 is emulated. `{q['command']}` (fresh model cache: the one-time GGUF conversion "
+                  "is inside the wall time)", "", run_table(q), ""]
+        native = load("quickstart_cpu_bf16.json")
+        if native:
+            parts += [f"The same with native bf16 on the same CPU: `{native[0]['command']}`", "", run_table(native[0]), ""]
     trl = load("grpo_cpu_trl_settings.json")
     if trl:  # measured with grpo_arith.yaml's earlier token-mean aggregation (it now has the paper's seq-mean)
         parts += ["## GRPO at TRL's settings, against TRL's GRPOTrainer", "",
@@ -227,7 +238,8 @@ def document() -> str:
                   *[f"| {name} | {r['seconds_per_step']['mean']:.2f} | {r['generation_s']['mean']:.2f} | "
                     f"{r.get('credit', {}).get('time/teacher_s', {}).get('mean', 0.0):.2f} | {r['train_s']['mean']:.2f} |"
                     for name, r in (("SC-GRPO", sc), ("GRPO", grpo))],
-                  "", f"SC-GRPO / GRPO: {ratio:.2f}x per step. Most of the difference is that SC-GRPO trains the "
+                  "", f"SC-GRPO / GRPO: {ratio:.2f}x per step, with the quickstart config of then (the solve-none route "
+                  "on; it is off in `configs/quickstart.yaml` since). Most of the difference is that SC-GRPO trains the "
                   "rows of solve-none groups (their diversity advantage), which GRPO leaves out of the forward pass "
                   "(zero advantage), plus the teacher pass (a teacher and a student forward, no gradient).", ""]
     table = signal_table()

@@ -1,5 +1,7 @@
 """A same-seed SC-GRPO run on CPU, by this tree and by an earlier one: each step's advantages, token weights,
-divergences, rows in the loss and loss must be equal, bit for bit.
+divergences, rows in the loss and loss must be equal, bit for bit. Both trees run their passes padded (packing off:
+a packed pass's rounding depends on how its rows pack); packed against padded states are compared, within rounding,
+by tests/test_packing.py.
 
     git archive <commit> src tests | tar -x -C /tmp/before
     python scripts/same_seed_check.py --before /tmp/before

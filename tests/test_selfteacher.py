@@ -379,3 +379,14 @@ def test_diversity_options_are_checked():
     with pytest.raises(ValueError, match="diversity_min_tokens"):
         SCGRPO(diversity_min_tokens=0)
     assert SCGRPO(diversity_window="group", diversity_min_tokens=4).teacher.diversity_min_tokens == 4
+
+
+def test_the_group_window_counts_the_reference_when_it_is_the_shortest():
+    """The group's shortest rollout may be the reference itself: its length is every row's window under "group"."""
+    probe = route_rollouts(_rollouts([0.0] * 4, [[10, 11]] * 4), TeacherSpec(routes=SC_ROUTES), 1.0, step=3)
+    (r,) = [i for i in range(4) if probe.is_reference[i]]
+    tokens = [[10 + i] * (1 if i == r else 3 + i) for i in range(4)]  # the reference: 1 token (+ EOS = 2)
+    spec = TeacherSpec(routes=SC_ROUTES, diversity_window="group")
+    plan = route_rollouts(_rollouts([0.0] * 4, tokens), spec, 1.0, step=3)
+    assert plan.is_reference[r]
+    assert [plan.diversity_length[i] for i in range(4) if i != r] == [2, 2, 2]

@@ -275,3 +275,4 @@ def test_a_solve_none_row_without_a_window_is_not_scored():
     a_div = (s - s.mean()) / (s.std() + 1e-4)
     credit = SCGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, signal)
     torch.testing.assert_close(credit.advantages, torch.tensor([a_div[0], a_div[1], 0.0, 0.0]) * 0.1)
+    assert credit.stats.div_adv_std == pytest.approx(float(credit.advantages[:2].std()), rel=1e-5)  # the scored rows
