@@ -48,6 +48,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results", "replication")
 METHODS = {
     "grpo": "replication/grpo.yaml",
     "dapo": "replication/dapo.yaml",
+    "reinforce-pp": "replication/reinforce_pp.yaml",
     "scgrpo": "replication/scgrpo.yaml",
     "scgrpo-buffer": "ablations/buffer_references.yaml",
     "selfdistill-fkl": "ablations/additive_forward_kl.yaml",
@@ -60,9 +61,11 @@ METHODS = {
     "scgrpo-c-p90": "ablations/c_p90.yaml",
     "scgrpo-c-fixed": "ablations/c_fixed.yaml",
     "scgrpo-alpha-0.2": "ablations/alpha_0.2.yaml",
+    "scgrpo-group-window": "ablations/diversity_group_window.yaml",
 }
 MAIN = ["grpo", "dapo", "scgrpo", "scgrpo-buffer", "selfdistill-fkl", "opsd-oracle"]
-ABLATIONS = [m for m in METHODS if m not in MAIN]
+EXTRA = ["reinforce-pp", "scgrpo-group-window"]  # outside the first round's tables: the plan "extra"
+ABLATIONS = [m for m in METHODS if m not in MAIN and m not in EXTRA]
 LR_GRID = (1e-4, 2e-4, 5e-4)
 """The learning rates of the GRPO check (--plan lr): GRPO alone, at every seed; every method runs at the task
 config's rate, fixed for GRPO."""
@@ -126,11 +129,11 @@ def plan_runs(plans: list[str], tasks: list[str], seeds: list[int], methods: Opt
         for plan in plans:
             if plan == "lr":
                 runs += [Run(task, "grpo", s, rate) for rate in LR_GRID for s in seeds]
-            elif plan in ("main", "ablations"):
-                chosen = MAIN if plan == "main" else ABLATIONS
+            elif plan in ("main", "ablations", "extra"):
+                chosen = {"main": MAIN, "ablations": ABLATIONS, "extra": EXTRA}[plan]
                 runs += [Run(task, m, s, lr) for s in seeds for m in chosen]
             else:
-                raise SystemExit(f"unknown plan {plan!r}: expected lr, main or ablations")
+                raise SystemExit(f"unknown plan {plan!r}: expected lr, main, ablations or extra")
     if methods:
         unknown = sorted(set(methods) - set(METHODS))
         if unknown:
@@ -451,7 +454,7 @@ def bundle(path: str, results: list[str], logs: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations")
+    parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations, extra")
     parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown, tool_calc (configs/replication/<task>.yaml)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=None, help="only these methods of the plan (comma-separated)")

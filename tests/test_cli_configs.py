@@ -78,6 +78,21 @@ def test_ablation_layered_over_the_paper_config_runs_two_steps(ablation, tiny_mo
         assert saved["init_args"][key] == value, key
 
 
+def test_reinforce_pp_layer_runs_with_its_scoring_pass(tiny_model_dir, tmp_path, monkeypatch):
+    """The REINFORCE++ method layer over a task config: its KL needs the scoring pass every step, and its
+    per-token advantages are logged."""
+    monkeypatch.chdir(tmp_path)
+    layer = os.path.join(os.path.dirname(BASE), "replication", "reinforce_pp.yaml")
+    main(["fit", f"--config={BASE}", f"--config={layer}", *_tiny_args(tiny_model_dir)])
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    with open(os.path.join(run, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(rows) == 2
+    for row in rows:
+        assert float(row["time/scoring_s"]) > 0
+        assert float(row["train/advantage_abs"]) >= 0
+
+
 def test_scgrpo_run_logs_every_credit_key_every_step(tiny_model_dir, tmp_path, monkeypatch):
     import csv
 

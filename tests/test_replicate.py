@@ -51,6 +51,9 @@ def test_plans_name_each_run_once_and_the_sweep_shares_the_main_tables_grpo_runs
     assert len(both) == len(sweep) + len(main) - len(shared)
     ablations = replicate.plan_runs(["ablations"], ["arith"], [0])
     assert {r.method for r in ablations} == set(replicate.ABLATIONS)
+    extra = replicate.plan_runs(["extra"], ["countdown"], [0, 1], ["scgrpo-group-window"])
+    assert [(r.task, r.method, r.seed) for r in extra] == [("countdown", "scgrpo-group-window", s) for s in (0, 1)]
+    assert not set(replicate.EXTRA) & (set(replicate.MAIN) | set(replicate.ABLATIONS))  # first-round tables unchanged
     for method, layer in replicate.METHODS.items():  # every layer exists and holds only an objective
         import yaml
 

@@ -289,7 +289,7 @@ class RLVRModule(LightningModule):
         return self.episode_runner.run(self.actor, rows, num_samples, greedy, temperature, seed)
 
     def score_rollouts(self, rollouts: RolloutBatch) -> None:
-        self.actor.score(rollouts, old=self.objective.num_iterations > 1, reference=self.objective.beta > 0,
+        self.actor.score(rollouts, old=self.objective.needs_old_logprobs, reference=self.objective.needs_ref_logprobs,
                          micro_batch_size=self.micro_batch_size)
 
     def policy_is_finite(self) -> bool:
@@ -345,7 +345,7 @@ class RLVRModule(LightningModule):
 
     def _teacher_signal(self, rollouts: RolloutBatch, start: float) -> Optional[TeacherSignal]:
         """The scoring pass (old or reference log-probs, when the objective needs them) and the self-teacher."""
-        if self.objective.num_iterations > 1 or self.objective.beta > 0:
+        if self.objective.needs_old_logprobs or self.objective.needs_ref_logprobs:
             with out_of_memory_as_error("scoring", self):
                 self.score_rollouts(rollouts)
                 self.actor.sync()

@@ -13,6 +13,7 @@ import torch
 
 from scgrpo.budget import phase_peak_bytes
 from scgrpo.distributed import all_reduce, mean_over_ranks
+from scgrpo.objectives.functional import masked_mean
 from scgrpo.rollout.types import RolloutBatch
 from scgrpo.update import StepPlan, StepSums
 
@@ -42,7 +43,8 @@ def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passe
         "train/completion_length": mask.sum(1).mean(),
         "train/truncated": rollouts.truncated.float().mean(),
         "train/rows_in_loss": float(len(rows)) / max(len(rewards), 1),
-        "train/advantage_abs": plan.credit.advantages.abs().mean(),
+        "train/advantage_abs": (plan.credit.advantages.abs().mean() if plan.credit.token_advantages is None
+                                else masked_mean(plan.credit.token_advantages.abs(), mask)),
         "train/nonfinite_skips": float(nonfinite_skips),
         "time/train_s": train_time,
         # mean token entropy of the sampled responses, from the sampler (NaN where the engine gives none)

@@ -181,7 +181,10 @@ class PolicyUpdate:
         max_len = self.policy.max_completion_tokens
         # lengths as the budget counts them: an episode's environment tokens share its token budget
         rewards = objective.shape_rewards(rollouts.rewards, rollouts.context_mask.sum(1).to(mask.dtype), max_len)  # [N]
-        credit = objective.credit(rewards, mask, rollouts.group_size, signal, self.micro_batch_size)  # groups never span ranks
+        scored = (dict(old_logprobs=rollouts.old_logprobs, ref_logprobs=rollouts.ref_logprobs)
+                  if getattr(objective, "scored_credit", False) else {})
+        credit = objective.credit(rewards, mask, rollouts.group_size, signal, self.micro_batch_size,
+                                  **scored)  # groups never span ranks
         selection = None
         if objective.needs_batch_entropy:
             selection = objective.token_mask(self.policy.batch_entropy(rollouts, self.micro_batch_size), mask)
@@ -336,6 +339,7 @@ class PolicyUpdate:
         inputs = LossInputs(
             completion_mask=mask,
             advantages=credit.advantages[rows],
+            token_advantages=pick(credit.token_advantages),
             old_logprobs=old_logprobs,
             ref_logprobs=pick(rollouts.ref_logprobs),
             token_weights=token_weights,

@@ -6,8 +6,9 @@ from scgrpo.objectives.drgrpo import DrGRPO
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.objectives.high_entropy import HighEntropyGRPO
 from scgrpo.objectives.opsd import OPSD
+from scgrpo.objectives.reinforce_pp import REINFORCEPlusPlus
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.objectives.selfdistill import SelfDistillation
 
-__all__ = ["DAPO", "GRPO", "OPSD", "SCGRPO", "Credit", "CreditStats", "DrGRPO", "HighEntropyGRPO", "LossInputs",
-           "LossOutput", "LossStats", "Objective", "SelfDistillation"]
+__all__ = ["DAPO", "GRPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "Credit", "CreditStats", "DrGRPO",
+           "HighEntropyGRPO", "LossInputs", "LossOutput", "LossStats", "Objective", "SelfDistillation"]

@@ -43,6 +43,7 @@ class Credit:
 
     advantages: Tensor  # [N] float
     token_weights: Optional[Tensor] = None  # [N, C] fp32 per-token weight on the surrogate; None = all ones
+    token_advantages: Optional[Tensor] = None  # [N, C] fp32 per-token advantages (REINFORCE++); None = advantages
     stats: Optional[CreditStats] = None  # logged every step by objectives that weight tokens
 
 
@@ -53,6 +54,7 @@ class LossInputs:
     completion_mask: Tensor  # [n, C] float, the response tokens
     advantages: Tensor  # [n] float
     old_logprobs: Tensor  # [n, C] fp32, log pi_old(y_t)
+    token_advantages: Optional[Tensor] = None  # [n, C] fp32, per-token advantages replacing ``advantages``
     ref_logprobs: Optional[Tensor] = None  # [n, C] fp32, log pi_ref(y_t), when the objective uses a KL term
     token_weights: Optional[Tensor] = None  # [n, C] fp32 per-token credit (SC-GRPO's f(D)); None means all ones
     token_selection: Optional[Tensor] = None  # [n, C] 0/1: tokens whose policy-gradient term counts (80/20)
@@ -111,6 +113,17 @@ class Objective(ABC):
     teacher: Optional["TeacherSpec"] = None  # the module runs the self-teacher with this spec once per step
     dynamic_sampling: bool = False  # the rollout stage resamples groups with equal rewards (DAPO)
     needs_batch_entropy: bool = False  # the module scores the whole batch's token entropies first
+    scored_credit: bool = False  # credit() takes the scoring pass's log-probs (keywords old_logprobs, ref_logprobs)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The scoring pass computes the sampled tokens' log-probs under the sampling weights before the update."""
+        return self.num_iterations > 1
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        """The scoring pass computes their log-probs under the reference (the base model, adapters off)."""
+        return self.beta > 0
 
     @abstractmethod
     def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
@@ -123,7 +136,9 @@ class Objective(ABC):
     def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal: Optional["TeacherSignal"],
                micro_batch_size: Optional[int] = None) -> Credit:
         """Per-row advantages and per-token weights for the step; ``mask`` is ``[N, C]``, ``micro_batch_size``
-        the rows per forward pass (None: all). By default the group advantages and no weights."""
+        the rows per forward pass (None: all). By default the group advantages and no weights. An objective with
+        ``scored_credit`` also receives ``old_logprobs`` and ``ref_logprobs`` (``[N, C]`` fp32 or None) as
+        keyword arguments."""
         return Credit(advantages=self.advantages(rewards, group_size))
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_len: Optional[int]) -> Tensor:

@@ -78,6 +78,57 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLEstimator = "k1") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs: k1 = log pi - log pi_ref,
+    k2 = (log pi - log pi_ref)^2 / 2, k3 as :func:`k3_kl` (Schulman, "Approximating KL divergence")."""
+    if kind == "k1":
+        return logprobs - ref_logprobs
+    if kind == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    if kind == "k3":
+        return k3_kl(logprobs, ref_logprobs)
+    raise ValueError(f"unknown KL estimator {kind!r}; expected 'k1', 'k2' or 'k3'")
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """``[N, C]`` returns G_t = r_t + gamma * G_t' of each model token t, t' the row's next model token.
+
+    Positions where ``mask`` is 0 (padding, an episode's environment tokens) get no reward and no discount: the
+    return passes through them, and they hold the return of the next model token. With gamma = 1 this is the
+    reverse cumulative sum of the masked rewards.
+    """
+    mask = mask.to(token_rewards.dtype)
+    rewards = token_rewards * mask
+    if gamma == 1.0:
+        return rewards.flip(1).cumsum(1).flip(1)
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])  # [N]
+    discount = mask * gamma + (1.0 - mask)  # gamma at model tokens, 1 elsewhere
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = rewards[:, t] + discount[:, t] * running
+        returns[:, t] = running
+    return returns
+
+
+def whiten(values: Tensor, mask: Tensor, sums: Optional[Callable[[list[float]], list[float]]] = None,
+           eps: float = 1e-8) -> Tensor:
+    """``(values - mean) / sqrt(var + eps)`` over the entries where ``mask`` is 1, the variance unbiased; 0
+    elsewhere. ``sums`` adds [sum, sum of squares, count] over data-parallel ranks (default: this tensor's
+    alone), so that every rank whitens with the whole batch's statistics."""
+    mask = mask.to(torch.float64)
+    v = values.to(torch.float64) * mask
+    totals = [float(v.sum()), float((v * v).sum()), float(mask.sum())]
+    total, squares, count = sums(totals) if sums is not None else totals
+    if count < 1:
+        return torch.zeros_like(values)
+    mean = total / count
+    var = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
+    return ((values.to(torch.float64) - mean) / math.sqrt(var + eps) * mask).to(values.dtype)
+
+
 def aggregate(
     per_token: Tensor,
     mask: Tensor,

@@ -58,8 +58,9 @@ class GRPO(Objective):
         return Fn.group_advantages(rewards, group_size, self.scale)
 
     def per_token_advantages(self, inputs: LossInputs) -> Tensor:
-        """``[n, C]`` (or broadcastable) advantage of each token; SC-GRPO multiplies in its token weights."""
-        advantages = inputs.advantages.unsqueeze(1)  # [n, 1]
+        """``[n, C]`` (or broadcastable ``[n, 1]``) advantage of each token: the row's, or the objective's own
+        per-token advantages (REINFORCE++); SC-GRPO multiplies in its token weights."""
+        advantages = inputs.token_advantages if inputs.token_advantages is not None else inputs.advantages.unsqueeze(1)
         return advantages if inputs.token_weights is None else advantages * inputs.token_weights
 
     def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:

@@ -1,0 +1,117 @@
+"""REINFORCE++ (Hu et al., arXiv 2501.03262): critic-free, a KL-shaped per-token reward, discounted returns and
+one advantage normalisation over the whole batch."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from scgrpo.distributed import all_reduce
+from scgrpo.objectives import functional as Fn
+from scgrpo.objectives.base import Credit
+from scgrpo.objectives.grpo import GRPO
+
+Baseline = Literal["none", "group"]
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_size: int, kl: Optional[Tensor] = None,
+                            kl_coef: float = 0.0, gamma: float = 1.0, baseline: Baseline = "none",
+                            sums=None) -> Tensor:
+    """``[N, C]`` REINFORCE++ advantages of each model token (0 elsewhere).
+
+    The reward of token t is r_t = -kl_coef * kl_t, plus the sequence reward R on the row's last model token
+    (R minus its group's mean with ``baseline="group"``, REINFORCE++-baseline). The return is
+    G_t = r_t + gamma * G_{t+1} over model tokens (:func:`~scgrpo.objectives.functional.discounted_returns`), and
+    the advantage is G whitened over every model token of the batch (``sums`` reduces over ranks).
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    mask = mask.to(torch.float32)
+    sequence = rewards.float()
+    if baseline == "group" and rewards.numel():
+        grouped = sequence.view(-1, group_size)
+        sequence = (grouped - grouped.mean(1, keepdim=True)).view(-1)
+    token_rewards = torch.zeros_like(mask)
+    if kl is not None and kl_coef:
+        token_rewards = token_rewards - kl_coef * kl.float()
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last = (mask * (columns + 1)).argmax(1)  # [N] the row's last model token (0 for a row without one)
+    has_tokens = mask.sum(1) > 0
+    token_rewards[torch.arange(mask.shape[0], device=mask.device), last] += sequence * has_tokens
+    returns = Fn.discounted_returns(token_rewards, mask, gamma)
+    return Fn.whiten(returns, mask, sums)
+
+
+class REINFORCEPlusPlus(GRPO):
+    """REINFORCE++: each token's advantage is its discounted return of a KL-shaped reward, normalised over the
+    whole batch (all ranks) instead of per group; the loss is PPO's clipped surrogate, token-mean, no KL term
+    (the KL is in the reward).
+
+    The KL of a token is estimated from the sampling policy's and the reference's log-probs of the sampled token
+    (``kl_estimator``, k1 by default as in the paper's reference implementation); with ``kl_coef > 0`` the module
+    runs a scoring pass for both before the update. The paper's defaults: gamma 1, clip 0.2.
+    ``baseline="group"`` subtracts each group's mean reward first (the paper's REINFORCE++-baseline, meant for
+    several samples per prompt).
+
+    Args:
+        kl_coef: weight of the per-token KL penalty in the reward (0: no reference model, no scoring pass).
+        gamma: discount of the return over model tokens.
+        baseline: ``"none"`` (REINFORCE++) or ``"group"`` (REINFORCE++-baseline).
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        eps_low, eps_high, num_iterations: as in GRPO.
+    """
+
+    scored_credit = True
+
+    def __init__(
+        self,
+        kl_coef: float = 0.01,
+        gamma: float = 1.0,
+        baseline: Baseline = "none",
+        kl_estimator: Fn.KLEstimator = "k1",
+        eps_low: float = 0.2,
+        eps_high: float = 0.2,
+        num_iterations: int = 1,
+    ) -> None:
+        super().__init__("none", eps_low, eps_high, 0.0, "token-mean", num_iterations)
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        if baseline not in ("none", "group"):
+            raise ValueError(f"baseline={baseline!r}: expected 'none' or 'group'")
+        if kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl_estimator={kl_estimator!r}: expected 'k1', 'k2' or 'k3'")
+        self.kl_coef, self.gamma, self.baseline, self.kl_estimator = kl_coef, gamma, baseline, kl_estimator
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return self.num_iterations > 1 or self.kl_coef > 0
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        return self.kl_coef > 0
+
+    def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal=None,
+               micro_batch_size: Optional[int] = None, old_logprobs: Optional[Tensor] = None,
+               ref_logprobs: Optional[Tensor] = None) -> Credit:
+        kl = None
+        if self.kl_coef > 0:
+            if old_logprobs is None or ref_logprobs is None:
+                raise RuntimeError("REINFORCE++ with kl_coef > 0 needs the scoring pass's sampling and reference "
+                                   "log-probs; the module did not provide them")
+            kl = Fn.kl_estimate(old_logprobs, ref_logprobs, self.kl_estimator) * mask
+        def over_ranks(values: list[float]) -> list[float]:
+            return all_reduce(values, device=mask.device)
+
+        token_advantages = reinforce_pp_advantages(rewards, mask, group_size, kl, self.kl_coef, self.gamma,
+                                                   self.baseline, sums=over_ranks)
+        # per row: the mean token advantage (what a row-level reader of the credit sees; the loss uses the tokens')
+        advantages = Fn.masked_mean(token_advantages, mask, dim=1)
+        return Credit(advantages=advantages, token_advantages=token_advantages)
+
+    def rows_in_loss(self, credit: Credit, signal=None) -> Tensor:
+        """Rows with a non-zero advantage on any token (a row can have mean 0 and still move the loss)."""
+        return (credit.token_advantages != 0).any(1)
