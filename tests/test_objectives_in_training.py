@@ -245,6 +245,33 @@ def test_each_objective_trains_the_adapters(objective, tiny_model_dir, tmp_path)
     if isinstance(objective, SCGRPO):
         page = open(os.path.join(trainer.log_dir, "credit_heatmap.html")).read()
         assert "<span title=\"f=" in page
+        _check_token_log(trainer.log_dir, module)
+
+
+def _check_token_log(log_dir, module):
+    """credit_tokens.jsonl holds every rollout of each logged step; the last step's weights are the credit's."""
+    import importlib.util
+    import json
+
+    with open(os.path.join(log_dir, "credit_tokens.jsonl"), encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    steps = sorted({line["step"] for line in lines})
+    assert len(steps) == 3 and len(lines) == 3 * 16  # 4 prompts x G = 4, every step
+    last = [line for line in lines if line["step"] == steps[-1]]
+    weights = module.last_credit["credit"].token_weights
+    for line in last:
+        n = len(line["tokens"])
+        assert line["f"] == [round(w, 4) for w in weights[line["row"]][:n].tolist()]
+        assert len(line["model"]) == n and all(m in (0, 1) for m in line["model"])
+        if not line["has_teacher"]:
+            assert all(f == 1.0 for f, m in zip(line["f"], line["model"]) if m)
+    spec = importlib.util.spec_from_file_location("weight_shares", os.path.join(os.path.dirname(__file__), "..",
+                                                                                "scripts", "weight_shares.py"))
+    shares = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shares)
+    result = shares.weight_shares(lines, "arith")
+    taught = sum(len(line["tokens"]) for line in lines if line["has_teacher"])
+    assert result["overall"]["all"]["tokens"] == taught  # every model token of every row with a teacher
 
 
 def test_reinforce_pp_step_equals_the_hand_written_kl_shaped_return(tiny_model_dir):

@@ -5,6 +5,7 @@ module, from the objective's credit and the self-teacher's signal.)"""
 from __future__ import annotations
 
 import html
+import json
 import os
 
 from lightning.pytorch import Callback
@@ -34,7 +35,8 @@ def token_span(text: str, weight, model_token: bool) -> str:
 
 
 class CreditLogging(Callback):
-    """Every ``every_n_steps`` steps appends up to ``num_rollouts`` rollouts to ``<log_dir>/credit_heatmap.html``,
+    """Every ``every_n_steps`` steps appends up to ``num_rollouts`` rollouts to ``<log_dir>/credit_heatmap.html``
+    (and every rollout of the batch, machine-readable, to ``credit_tokens.jsonl``),
     two of each route present (see :meth:`pick_rows`): the group's route, reward and advantage, the rollout
     with each token's background set by its weight f (hover for the value; rows without a teacher are plain
     GRPO, weight 1), and beside it the reference in the teacher's system prompt. An episode's environment tokens
@@ -59,6 +61,36 @@ class CreditLogging(Callback):
         record = getattr(pl_module, "last_credit", None)
         if record and self.every_n_steps and batch_idx % self.every_n_steps == 0:
             self._heatmap(trainer, pl_module, batch, record)
+            self._token_log(trainer, pl_module, batch, record)
+
+    @rank_zero_only
+    def _token_log(self, trainer, pl_module, batch, record) -> None:
+        """Every rollout of the batch as one JSON line of ``<log_dir>/credit_tokens.jsonl`` (for
+        ``scripts/weight_shares.py``): step, row, group, route, whether it had a teacher and was its group's
+        reference, reward, advantage, and per token its text, whether the model wrote it (1) or the environment
+        (0), and its weight f (4 decimals; 1 on rows without a teacher). Objectives without token weights log
+        nothing here."""
+        rollouts, signal, credit = batch.rollouts, record["signal"], record["credit"]
+        if credit.token_weights is None:
+            return
+        weights, advantages = credit.token_weights.float().cpu(), credit.advantages.float().cpu()
+        context, model = rollouts.context_mask.cpu(), rollouts.completion_mask.cpu().bool()
+        ids = rollouts.completion_ids.cpu()
+        decode = pl_module.tokenizer.decode
+        lines = []
+        for row in range(ids.shape[0]):
+            length = int(context[row].sum())
+            lines.append(json.dumps({
+                "step": trainer.global_step, "row": row, "group": row // rollouts.group_size,
+                "route": ROUTES[int(signal.route[row])], "has_teacher": bool(signal.has_teacher[row]),
+                "is_reference": bool(signal.is_reference[row]), "reward": float(rollouts.rewards[row]),
+                "advantage": round(float(advantages[row]), 6),
+                "tokens": [decode([t]) for t in ids[row][:length].tolist()],
+                "model": [int(m) for m in model[row][:length].tolist()],
+                "f": [round(w, 4) for w in weights[row][:length].tolist()],
+            }, ensure_ascii=False))
+        with open(os.path.join(run_dir(trainer), "credit_tokens.jsonl"), "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
 
     @rank_zero_only
     def _heatmap(self, trainer, pl_module, batch, record) -> None:

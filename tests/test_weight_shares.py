@@ -1,0 +1,73 @@
+"""scripts/weight_shares.py: the decision-token rules and the f shares, by hand."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+spec = importlib.util.spec_from_file_location("weight_shares", os.path.join(ROOT, "scripts", "weight_shares.py"))
+ws = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ws)
+
+
+def test_arithmetic_decisions_are_digits_and_operators():
+    tokens = ["The", " answer", " is", " 1", "2", ".", " 3", " +", " 4", " =", " 7", "!", " well", "-", "known"]
+    assert ws.decision_tokens(tokens, "arith") == [False, False, False, True, True, False, True, True, True, True,
+                                                   True, False, False, True, False]
+
+
+def test_tool_decisions_are_the_calls_and_their_arguments():
+    tokens = ["Let", " me", " use", " calc", "(", "3", " *", " (", "4", ")", ")", " then", " answer", " 12"]
+    assert ws.decision_tokens(tokens, "tool", ["calc"]) == [False] * 3 + [True] * 8 + [False] * 3
+    tagged = ["ok", " <tool_call>", '{"name"', ': "calc"}', "</tool_call>", " done"]
+    assert ws.decision_tokens(tagged, "tool") == [False, True, True, True, True, False]
+    assert ws.decision_tokens(["a", " calc", "(1"], "tool", ["calc"]) == [False, True, True]  # unclosed: to the end
+    with pytest.raises(ValueError, match="unknown task"):
+        ws.decision_tokens(["a"], "chess")
+
+
+def _row(step, route, tokens, model, f, has_teacher=True):
+    return {"step": step, "route": route, "has_teacher": has_teacher, "tokens": tokens, "model": model, "f": f}
+
+
+ROWS = [
+    # decision tokens " 1", "2" (f .8, .6); other "x", "." (f .1, .3): mass share 1.4 / 1.8, token share 2 / 4
+    _row(0, "partial", ["x", " 1", "2", "."], [1, 1, 1, 1], [0.1, 0.8, 0.6, 0.3]),
+    # an environment token (model 0) never counts, whatever its text
+    _row(0, "solve_none", ["a", " 5", "b"], [1, 0, 1], [0.2, 0.9, 0.4]),
+    _row(0, "partial", ["9"], [1], [1.0], has_teacher=False),  # no teacher: f undefined, left out
+    _row(5, "partial", [" 3", "y"], [1, 1], [0.5, 0.5]),
+]
+
+
+def test_shares_by_hand():
+    result = ws.weight_shares(ROWS, "arith")
+    partial0 = result["by_step"]["0"]["partial"]
+    assert partial0["tokens"] == 4 and partial0["decision_tokens"] == 2
+    assert partial0["decision_f_share"] == pytest.approx(1.4 / 1.8)
+    assert partial0["decision_token_share"] == pytest.approx(0.5)
+    assert partial0["concentration"] == pytest.approx((1.4 / 1.8) / 0.5)
+    assert partial0["mean_f_decision"] == pytest.approx(0.7) and partial0["mean_f_other"] == pytest.approx(0.2)
+    none0 = result["by_step"]["0"]["solve_none"]
+    assert none0["tokens"] == 2 and none0["decision_tokens"] == 0 and none0["mean_f_decision"] is None
+    overall = result["overall"]["partial"]  # steps 0 and 5: decisions .8 .6 .5, others .1 .3 .5
+    assert overall["decision_f_share"] == pytest.approx(1.9 / 2.8)
+    assert result["overall"]["all"]["tokens"] == 8
+
+
+def test_the_command_writes_json_and_markdown_and_says_what_is_missing(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "credit_tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    ws.main([str(run), "--task", "arith", "--out", str(tmp_path / "w")])
+    saved = json.loads((tmp_path / "w.json").read_text())
+    assert saved["overall"]["partial"]["decision_f_share"] == pytest.approx(1.9 / 2.8)
+    assert "| all steps | partial | 6 |" in (tmp_path / "w.md").read_text()
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not found"):
+        ws.main([str(tmp_path / "nowhere"), "--task", "arith"])
+    (run / "credit_tokens.jsonl").write_text(json.dumps(_row(0, "partial", ["1"], [1], [1.0], False)) + "\n")
+    with pytest.raises(SystemExit, match="no row with a teacher"):
+        ws.main([str(run), "--task", "arith", "--out", str(tmp_path / "v")])
