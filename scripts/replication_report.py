@@ -110,8 +110,8 @@ def median_of(run: dict, key: str) -> Optional[float]:
 
 def by_method(runs: list[dict], task: str, lr: float) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
-    for run in sorted(runs, key=lambda r: (r["method"], r["seed"])):
-        if run["task"] == task and run["lr"] == lr:
+    for run in sorted(runs, key=lambda r: (r["method"], r["seed"])):  # (--plan extra's methods are not this page's)
+        if run["task"] == task and run["lr"] == lr and run["method"] in MAIN + ABLATIONS:
             out.setdefault(run["method"], []).append(run)
     return out
 

@@ -24,7 +24,7 @@ def test_step_metrics_by_hand():
     plan = _plan()
     plan.credit = Credit(advantages=torch.tensor([0.5, -0.5]), stats=CreditStats(c=0.25, f_mean=0.5))
     sums = _sums(loss=3.0, entropy=1.0, clip_fraction=0.2, nonfinite=0.0, grad_norm=4.0, distill_kl=0.6)
-    m = step_metrics(rollouts, plan, sums, {"rollout/mismatch_kl": 0.01}, passes=2, success_threshold=1.0, beta=0.0,
+    m = step_metrics(rollouts, plan, sums, {"rollout/mismatch_kl": 0.01}, passes=2, success_threshold=1.0, log_kl=False,
                      train_time=1.0, nonfinite_skips=3, lr=1e-3)
     assert m["train/loss"] == 1.5 and m["train/entropy"] == 0.5 and m["train/clip_fraction"] == pytest.approx(0.1)
     assert m["train/grad_norm"] == 2.0 and m["train/distill_kl"] == pytest.approx(0.3) and "train/kl" not in m
@@ -43,7 +43,7 @@ def test_undefined_values_are_nan_and_a_custom_objectives_dict_stats_are_logged(
     plan = _plan()
     plan.rows = torch.zeros(0, dtype=torch.long)  # no row in the loss
     plan.credit = Credit(advantages=torch.zeros(2), stats={"credit/mine": 7.0})
-    m = step_metrics(rollouts, plan, _sums(loss=0.0, nonfinite=0.0), {}, passes=1, success_threshold=1.0, beta=0.1,
+    m = step_metrics(rollouts, plan, _sums(loss=0.0, nonfinite=0.0), {}, passes=1, success_threshold=1.0, log_kl=True,
                      train_time=0.0, nonfinite_skips=0, lr=0.1)
     assert all(math.isnan(m[k]) for k in ("train/clip_fraction", "train/entropy", "train/grad_norm", "train/kl"))
     assert m["credit/mine"] == 7.0 and math.isnan(m["policy/entropy"])

@@ -398,7 +398,7 @@ class RLVRModule(LightningModule):
             return
         self.last_credit = {"signal": plan.signal, "credit": plan.credit} if plan.signal is not None else None
         metrics = step_metrics(rollouts, plan, sums, update.mismatch.metrics(self.device), passes=self.objective.num_iterations,
-                               beta=self.objective.beta, device=self.device, **common)
+                               log_kl=self.objective.needs_ref_logprobs, device=self.device, **common)
         self.last_step_metrics = metrics
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=max(len(plan.rewards), 1))
         self.log("reward", metrics["train/reward"], prog_bar=True, on_step=True, on_epoch=False, logger=False)

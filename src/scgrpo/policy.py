@@ -286,12 +286,13 @@ class Policy:
 
     def score(self, rollouts: RolloutBatch, old: bool, reference: bool, micro_batch_size: Optional[int] = None) -> None:
         """Fills the log-probs an objective needs besides the trained ones: ``old_logprobs`` under the sampling
-        weights (``old``: several optimiser steps per batch) and ``ref_logprobs`` under the reference, the
-        adapters off (``reference``: a KL term), in passes of at most ``micro_batch_size`` rows (None: all, or what
+        weights (``old``: several optimiser steps per batch, or a KL-shaped reward) and ``ref_logprobs`` under the
+        reference, the adapters off (``reference``: a KL term or reward), in passes of at most ``micro_batch_size`` rows (None: all, or what
         the memory budget holds). No dropout, no gradient."""
 
         if reference and not hasattr(self.model, "disable_adapter"):
-            raise ValueError("beta > 0 uses the base model (adapters off) as reference; it needs LoRA (lora != null)")
+            raise ValueError("a KL to the reference (GRPO's beta > 0, REINFORCE++'s kl_coef > 0) uses the base model "
+                             "(adapters off) as reference; it needs LoRA (lora != null), or set that coefficient to 0")
 
         @torch.no_grad()
         def run() -> None:

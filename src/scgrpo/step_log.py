@@ -58,12 +58,13 @@ def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passe
 
 
 def step_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, mismatch: dict[str, float], *,
-                 passes: int, success_threshold: float, beta: float, train_time: float, nonfinite_skips: int,
+                 passes: int, success_threshold: float, log_kl: bool, train_time: float, nonfinite_skips: int,
                  lr: float, device: Optional[torch.device] = None) -> dict[str, float]:
     """The step's metrics over the global batch: means over ranks, the largest rank's memory peaks, and
-    ``mismatch`` (already global). Every rank must call it (it reduces over ranks)."""
+    ``mismatch`` (already global); ``train/kl`` every step when ``log_kl`` (the objective has a KL to the reference:
+    NaN on a step whose loss reported none). Every rank must call it (it reduces over ranks)."""
     metrics = _local_metrics(rollouts, plan, sums, passes, success_threshold, train_time, nonfinite_skips)
-    if beta > 0:
+    if log_kl or "kl" in sums:  # GRPO's KL term, REINFORCE++'s reward's
         metrics["train/kl"] = sums["kl"] / passes if "kl" in sums else NAN
     metrics.update({f"train/{name}": value / passes for name, value in sums.objective_stats().items()})
     for stats in (plan.signal.stats if plan.signal is not None else None, plan.credit.stats):

@@ -1,5 +1,7 @@
 """REINFORCE++: its KL-shaped per-token reward, discounted return and batch whitening, by hand and against a
-plain-Python reference written from the paper's equations (Hu et al., arXiv 2501.03262, section 3)."""
+plain-Python reference written from the paper's equations (Hu et al., arXiv 2501.03262, section 3) with this
+package's conventions where the paper leaves them open: the variance with Bessel's correction and 1e-8 inside
+the square root (as verl's masked_whiten), and an episode's environment tokens passing the return through."""
 
 import math
 
@@ -97,6 +99,15 @@ def test_equal_rewards_and_no_kl_give_no_gradient_rows():
     credit = REINFORCEPlusPlus(kl_coef=0.0).credit(torch.ones(4), torch.ones(4, 3), 2)
     assert torch.count_nonzero(credit.token_advantages) == 0
     assert not REINFORCEPlusPlus().rows_in_loss(credit).any()
+
+
+def test_nan_outside_the_mask_stays_out():
+    old = torch.tensor([[-1.0, float("nan")], [-0.5, -1.0]])
+    ref = torch.tensor([[-1.5, float("-inf")], [-0.5, -2.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    credit = REINFORCEPlusPlus(kl_coef=0.1).credit(torch.tensor([1.0, 0.0]), mask, 2, old_logprobs=old,
+                                                   ref_logprobs=ref)
+    assert torch.isfinite(credit.token_advantages).all() and credit.token_advantages[0, 1] == 0
 
 
 def test_kl_needs_the_scoring_pass():

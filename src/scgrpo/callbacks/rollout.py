@@ -111,7 +111,8 @@ def mixed_groups(rollouts: RolloutBatch) -> torch.Tensor:
 class RolloutCallback(Callback):
     """Samples G completions per prompt in ``on_train_batch_start`` (outside the training forward, eval mode,
     no grad, KV cache on) and attaches them to the batch as a :class:`RolloutBatch`. When the objective
-    needs them it also scores the samples under the sampling policy (mu > 1) and the reference (beta > 0)."""
+    needs them it also scores the samples under the sampling policy and the reference (``needs_old_logprobs``,
+    ``needs_ref_logprobs``: mu > 1, a KL term or a KL-shaped reward)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
         stats: dict = {}

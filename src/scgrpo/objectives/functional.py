@@ -100,8 +100,8 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) 
     return passes through them, and they hold the return of the next model token. With gamma = 1 this is the
     reverse cumulative sum of the masked rewards.
     """
+    rewards = torch.where(mask.bool(), token_rewards, torch.zeros_like(token_rewards))  # (a NaN outside stays out)
     mask = mask.to(token_rewards.dtype)
-    rewards = token_rewards * mask
     if gamma == 1.0:
         return rewards.flip(1).cumsum(1).flip(1)
     returns = torch.zeros_like(rewards)
@@ -118,15 +118,16 @@ def whiten(values: Tensor, mask: Tensor, sums: Optional[Callable[[list[float]], 
     """``(values - mean) / sqrt(var + eps)`` over the entries where ``mask`` is 1, the variance unbiased; 0
     elsewhere. ``sums`` adds [sum, sum of squares, count] over data-parallel ranks (default: this tensor's
     alone), so that every rank whitens with the whole batch's statistics."""
+    keep = mask.bool()
     mask = mask.to(torch.float64)
-    v = values.to(torch.float64) * mask
+    v = torch.where(keep, values.to(torch.float64), torch.zeros((), dtype=torch.float64, device=values.device))
     totals = [float(v.sum()), float((v * v).sum()), float(mask.sum())]
     total, squares, count = sums(totals) if sums is not None else totals
     if count < 1:
         return torch.zeros_like(values)
     mean = total / count
     var = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
-    return ((values.to(torch.float64) - mean) / math.sqrt(var + eps) * mask).to(values.dtype)
+    return torch.where(keep, (v - mean) / math.sqrt(var + eps), torch.zeros_like(v)).to(values.dtype)
 
 
 def aggregate(

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from scgrpo.distributed import all_reduce
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import Credit
+from scgrpo.objectives.base import Credit, LossInputs, LossOutput
 from scgrpo.objectives.grpo import GRPO
 
 Baseline = Literal["none", "group"]
@@ -102,7 +102,8 @@ class REINFORCEPlusPlus(GRPO):
             if old_logprobs is None or ref_logprobs is None:
                 raise RuntimeError("REINFORCE++ with kl_coef > 0 needs the scoring pass's sampling and reference "
                                    "log-probs; the module did not provide them")
-            kl = Fn.kl_estimate(old_logprobs, ref_logprobs, self.kl_estimator) * mask
+            kl = Fn.kl_estimate(old_logprobs, ref_logprobs, self.kl_estimator)
+            kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))  # (whatever the padding holds)
         def over_ranks(values: list[float]) -> list[float]:
             return all_reduce(values, device=mask.device)
 
@@ -111,6 +112,14 @@ class REINFORCEPlusPlus(GRPO):
         # per row: the mean token advantage (what a row-level reader of the credit sees; the loss uses the tokens')
         advantages = Fn.masked_mean(token_advantages, mask, dim=1)
         return Credit(advantages=advantages, token_advantages=token_advantages)
+
+    def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
+        out = super().loss(logprobs, inputs)
+        if self.kl_coef > 0 and inputs.ref_logprobs is not None:  # the reward's KL, logged as train/kl
+            kl = Fn.kl_estimate(inputs.old_logprobs, inputs.ref_logprobs, self.kl_estimator)
+            out.stats.kl = Fn.masked_mean(torch.where(inputs.completion_mask.bool(), kl, torch.zeros_like(kl)),
+                                          inputs.completion_mask)
+        return out
 
     def rows_in_loss(self, credit: Credit, signal=None) -> Tensor:
         """Rows with a non-zero advantage on any token (a row can have mean 0 and still move the loss)."""

@@ -65,8 +65,8 @@ class SCGRPO(GRPO):
             min(|o_i|, |o_r|) (the paper's); "group", the first min_k |o_k| of its whole group, the same positions for
             every rollout (ours). f is highest at a completion's first tokens, so under "pair" a rollout that stops
             at once is scored on them alone. On countdown, which the model cannot solve, "group" did not prevent the
-            collapse to one-token answers (3 of 3 seeds, docs/solve_none.md); GRPO's KL penalty ``beta`` 0.04 did
-            (``configs/ablations/kl_anchor.yaml``).
+            collapse to one-token answers (3 of 3 seeds, docs/solve_none.md); GRPO's KL penalty ``beta`` 0.04 kept
+            about half the length (``configs/ablations/kl_anchor.yaml``).
         diversity_min_tokens: a solve-none rollout whose window is shorter than this has no score and advantage 0
             (ours; 1, every rollout with a token, is the paper's).
         (and GRPO's arguments; the paper's aggregation "seq-mean-token-mean" is the default here)
