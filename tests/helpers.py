@@ -11,6 +11,18 @@ from scgrpo import GenerationSettings, LoraSettings, PromptDataModule, RLVRModul
 from tests.verifiers.helpers import ParityVerifier
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_module(model_dir: str, **kwargs) -> RLVRModule:
     defaults = dict(
         model=model_dir,

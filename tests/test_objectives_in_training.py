@@ -12,7 +12,7 @@ from scgrpo.objectives.dapo import overlong_penalty
 from scgrpo.rollout.engine import GenerationSettings, generate
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
 from scgrpo.update import StepSums
-from tests.helpers import tiny_data, tiny_module, tiny_trainer
+from tests.helpers import load_script, tiny_data, tiny_module, tiny_trainer
 
 
 def _rollouts(module, rewards, group_size=4):
@@ -250,7 +250,6 @@ def test_each_objective_trains_the_adapters(objective, tiny_model_dir, tmp_path)
 
 def _check_token_log(log_dir, module):
     """credit_tokens.jsonl holds every rollout of each logged step; the last step's weights are the credit's."""
-    import importlib.util
     import json
 
     with open(os.path.join(log_dir, "credit_tokens.jsonl"), encoding="utf-8") as f:
@@ -265,11 +264,7 @@ def _check_token_log(log_dir, module):
         assert len(line["model"]) == n and all(m in (0, 1) for m in line["model"])
         if not line["has_teacher"]:
             assert all(f == 1.0 for f, m in zip(line["f"], line["model"]) if m)
-    spec = importlib.util.spec_from_file_location("weight_shares", os.path.join(os.path.dirname(__file__), "..",
-                                                                                "scripts", "weight_shares.py"))
-    shares = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shares)
-    result = shares.weight_shares(lines, "arith")
+    result = load_script("weight_shares").weight_shares(lines, "arith")
     taught = sum(len(line["tokens"]) for line in lines if line["has_teacher"])
     assert result["overall"]["all"]["tokens"] == taught  # every model token of every row with a teacher
 

@@ -1,19 +1,15 @@
 """scripts/plot_credit.py: the series it reads from metrics.csv and the figures it writes."""
 
 import csv
-import importlib.util
 import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+from tests.helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("plot_credit", os.path.join(ROOT, "scripts", "plot_credit.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("plot_credit")
 
 
 def _metrics(path):

@@ -1,17 +1,15 @@
 """docs/solve_none.md and its summary are what scripts/solve_none_report.py makes of the committed result files."""
 
-import importlib.util
 import json
 import os
+
+from tests.helpers import load_script
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("solve_none_report", os.path.join(ROOT, "scripts", "solve_none_report.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("solve_none_report")
 
 
 def test_the_committed_page_and_summary_are_regenerated_byte_for_byte(tmp_path):

@@ -1,15 +1,12 @@
 """scripts/weight_shares.py: the decision-token rules and the f shares, by hand."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-spec = importlib.util.spec_from_file_location("weight_shares", os.path.join(ROOT, "scripts", "weight_shares.py"))
-ws = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ws)
+from tests.helpers import load_script
+
+ws = load_script("weight_shares")
 
 
 def test_arithmetic_decisions_are_digits_and_operators():

@@ -3,6 +3,7 @@
 from scgrpo.data.code import CodeTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
 from scgrpo.data.gym import BlackjackTask, GymTask
+from scgrpo.data.reasoning import ReasoningGymTask, ReasoningGymVerifier
 from scgrpo.data.sources import (
     TASKS,
     ArithmeticTask,
@@ -29,6 +30,8 @@ __all__ = [
     "PromptDataModule",
     "PromptSource",
     "PromptStream",
+    "ReasoningGymTask",
+    "ReasoningGymVerifier",
     "ToolCalcTask",
     "resolve_source",
 ]

@@ -1,0 +1,120 @@
+"""Tasks of reasoning_gym, a maintained library of procedural reasoning tasks that carry their own scorers.
+
+Offline: every problem is generated from a seed. ``pip install "scgrpo[reasoning]"`` installs the library.
+
+    data:
+      source:
+        class_path: scgrpo.data.ReasoningGymTask
+        init_args: {task: chain_sum, config: {min_terms: 4, max_terms: 6}, ood_config: {min_terms: 7, max_terms: 9}}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from scgrpo.data.sources import PromptSource, Row
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
+
+DEFAULT_INSTRUCTION = "Think it through, then give only the final answer inside <answer></answer>."
+
+
+def _library():
+    try:
+        import reasoning_gym
+    except ImportError as exc:  # pragma: no cover - exercised where the extra is missing
+        raise ModuleNotFoundError('reasoning_gym tasks need the library: pip install "scgrpo[reasoning]" '
+                                  "(or pip install reasoning-gym)") from exc
+    return reasoning_gym
+
+
+def create(task: str, config: dict[str, Any]):
+    """reasoning_gym's dataset ``task`` with the settings ``config`` (its own validation, as one clear error)."""
+    library = _library()
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        raise ValueError(f"reasoning_gym has no task {task!r}; some of its tasks: {', '.join(sorted(DATASETS)[:12])}, ...")
+    try:
+        return library.create_dataset(task, **config)
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ValueError(f"reasoning_gym task {task!r} rejected the settings {config}: {exc}") from exc
+
+
+class ReasoningGymVerifier(Verifier):
+    """Scores with the task's own scorer: reasoning_gym's ``score_answer`` on the text of the completion's last
+    ``<answer>...</answer>`` block (no block: 0). Rewards are in [0, 1]; some tasks give partial credit."""
+
+    def __init__(self) -> None:
+        self._datasets: dict[str, Any] = {}
+
+    def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
+        if not isinstance(answer, dict) or not {"task", "config", "entry"} <= set(answer):
+            raise VerifierSetupError("ReasoningGymVerifier scores rows of ReasoningGymTask (answers holding the task, "
+                                     "its settings and the generated entry)")
+        from reasoning_gym.utils import extract_answer
+
+        key = json.dumps([answer["task"], answer["config"]], sort_keys=True, default=str)
+        if key not in self._datasets:
+            self._datasets[key] = create(answer["task"], {**answer["config"], "size": 1})
+        extracted = extract_answer(completion)
+        score = float(self._datasets[key].score_answer(extracted, answer["entry"])) if extracted is not None else 0.0
+        return VerificationResult(score, info={"extracted": extracted})
+
+
+class ReasoningGymTask(PromptSource):
+    """A reasoning_gym task as prompt rows, scored by :class:`ReasoningGymVerifier`.
+
+    Splits: ``train`` (``num_train`` problems from ``seed``), ``id`` (``num_eval`` problems from another seed, the
+    same settings), and, with ``ood_config``, ``ood`` (``num_eval`` problems with those settings over ``config``:
+    for instance more terms or digits). Each question is the task's own, followed by ``instruction``.
+
+    Args:
+        task: a reasoning_gym task name (``reasoning_gym.factory.DATASETS``), e.g. ``chain_sum``.
+        config: the task's settings (its config dataclass's fields, without ``seed`` and ``size``).
+        ood_config: settings that replace ``config``'s for the ood split; None: no ood split.
+        num_train, num_eval: problems in train, and in each evaluation split.
+        seed: seeds train; id and ood use ``seed + 1`` and ``seed + 2``.
+        instruction: appended to each question (the verifier reads the last ``<answer>`` block).
+    """
+
+    def __init__(self, task: str, config: Optional[dict[str, Any]] = None, ood_config: Optional[dict[str, Any]] = None,
+                 num_train: int = 10000, num_eval: int = 64, seed: int = 1234,
+                 instruction: str = DEFAULT_INSTRUCTION) -> None:
+        for name in ("seed", "size"):
+            if name in (config or {}) or name in (ood_config or {}):
+                raise ValueError(f"set {name!r} on ReasoningGymTask (seed, num_train, num_eval), not in the task's config")
+        if num_train < 1 or num_eval < 1:
+            raise ValueError(f"num_train and num_eval must be >= 1, got {num_train} and {num_eval}")
+        self.task, self.config, self.ood_config = task, dict(config or {}), ood_config
+        self.num_train, self.num_eval, self.seed, self.instruction = num_train, num_eval, seed, instruction
+        create(task, {**self.config, "size": 1})  # an unknown task or bad settings fail here, before training
+        if ood_config is not None:
+            create(task, {**self.config, **ood_config, "size": 1})
+        self._cache: dict[str, list[Row]] = {}
+
+    def splits(self) -> list[str]:
+        return ["train", "id"] + (["ood"] if self.ood_config is not None else [])
+
+    def default_verifier(self) -> Verifier:
+        return ReasoningGymVerifier()
+
+    def describe(self, split: str) -> str:
+        return f"reasoning_gym task {self.task!r} split {split!r}"
+
+    def settings(self, split: str) -> dict[str, Any]:
+        return {**self.config, **(self.ood_config or {})} if split == "ood" else dict(self.config)
+
+    def rows(self, split: str) -> list[Row]:
+        if split not in self.splits():
+            raise ValueError(f"reasoning_gym task {self.task!r} has no split {split!r}; expected one of {self.splits()}")
+        if split not in self._cache:
+            settings = self.settings(split)
+            offset = {"train": 0, "id": 1, "ood": 2}[split]
+            size = self.num_train if split == "train" else self.num_eval
+            dataset = create(self.task, {**settings, "seed": self.seed + offset, "size": size})
+            self._cache[split] = [
+                {"id": f"{split}-{i}", "question": f"{entry['question']}\n\n{self.instruction}".strip(),
+                 "answer": {"task": self.task, "config": settings, "entry": entry}}
+                for i, entry in enumerate(dataset)]
+        return self._cache[split]
