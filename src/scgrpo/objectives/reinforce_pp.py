@@ -102,8 +102,8 @@ class REINFORCEPlusPlus(GRPO):
             if old_logprobs is None or ref_logprobs is None:
                 raise RuntimeError("REINFORCE++ with kl_coef > 0 needs the scoring pass's sampling and reference "
                                    "log-probs; the module did not provide them")
-            kl = Fn.kl_estimate(old_logprobs, ref_logprobs, self.kl_estimator)
-            kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))  # (whatever the padding holds)
+            kl = self.token_kl(old_logprobs, ref_logprobs, mask)
+
         def over_ranks(values: list[float]) -> list[float]:
             return all_reduce(values, device=mask.device)
 
@@ -116,10 +116,14 @@ class REINFORCEPlusPlus(GRPO):
     def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
         out = super().loss(logprobs, inputs)
         if self.kl_coef > 0 and inputs.ref_logprobs is not None:  # the reward's KL, logged as train/kl
-            kl = Fn.kl_estimate(inputs.old_logprobs, inputs.ref_logprobs, self.kl_estimator)
-            out.stats.kl = Fn.masked_mean(torch.where(inputs.completion_mask.bool(), kl, torch.zeros_like(kl)),
-                                          inputs.completion_mask)
+            mask = inputs.completion_mask
+            out.stats.kl = Fn.masked_mean(self.token_kl(inputs.old_logprobs, inputs.ref_logprobs, mask), mask)
         return out
+
+    def token_kl(self, old_logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+        """``[N, C]`` the estimated KL of each model token, 0 elsewhere (whatever the padding holds)."""
+        kl = Fn.kl_estimate(old_logprobs, ref_logprobs, self.kl_estimator)
+        return torch.where(mask.bool(), kl, torch.zeros_like(kl))
 
     def rows_in_loss(self, credit: Credit, signal=None) -> Tensor:
         """Rows with a non-zero advantage on any token (a row can have mean 0 and still move the loss)."""
