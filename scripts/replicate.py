@@ -6,7 +6,8 @@
 
 Each run is ``scgrpo fit`` over a task config (``configs/replication/<task>.yaml``) and a method's objective
 layer (``METHODS`` below), with ``--seed_everything`` and ``--data.seed`` set to the seed. Runs go to the GPUs
-in turn, ``--per-gpu`` at a time on each (a 135M model leaves a GPU mostly idle), or one after another on the CPU.
+in turn, ``--per-gpu`` at a time on each (a 135M model leaves a GPU mostly idle; each then gets 90% of the card
+split evenly as its ``memory_budget_gib``), or one after another on the CPU.
 
 Resumable across separate commands: a run whose result file exists is skipped; every run checkpoints every 25
 steps in ``--work-dir/<run>`` and a run found there unfinished resumes from its ``last.ckpt``. With
@@ -87,6 +88,33 @@ STEP_KEYS = {
     "turns": "episode/turns_mean", "model_tokens": "episode/model_tokens_mean", "env_tokens": "episode/env_tokens_mean",
     "episode_truncated": "episode/truncated", "env_errors": "episode/env_errors", "env_time_s": "episode/env_time_s",
 }
+
+
+def decision_rule(task: str) -> Optional[tuple[str, tuple[str, ...]]]:
+    """The task's decision-token rule for ``scripts/weight_shares.py`` and its names (tools or words), or None:
+    digits and operators on the arithmetic tasks and the (numeric) reasoning_gym tasks, the calls on the tool task, the moves on
+    Blackjack."""
+    if task == "tool_calc":
+        return "tool", ("calc",)
+    if task == "blackjack":
+        from scgrpo.data.gym import BlackjackTask
+
+        return "words", tuple(BlackjackTask.ACTIONS)
+    if task in ("arith", "countdown") or source_class(task).endswith("ReasoningGymTask"):
+        return "arith", ()
+    return None
+
+
+def source_class(task: str) -> str:
+    """The class path of the task config's prompt source ("" without a config or a class)."""
+    import yaml
+
+    path = os.path.join(CONFIGS, "replication", f"{task}.yaml")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        source = (yaml.safe_load(f).get("data") or {}).get("source")
+    return source.get("class_path", "") if isinstance(source, dict) else str(source or "")
 
 
 def lr_tag(lr: float) -> str:
@@ -260,6 +288,19 @@ def incomplete(metrics: dict, max_steps: int, interval: int) -> Optional[str]:
     return None
 
 
+def weight_shares_of(task: str, tokens: str) -> Optional[dict]:
+    """Item 4's split of the f mass (``scripts/weight_shares.py``) over the run's logged rollouts, under the task's
+    rule; None for a run that logged no token weights (no teacher) or a task without a rule."""
+    rule = decision_rule(task)
+    if rule is None or not os.path.exists(tokens):
+        return None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import weight_shares
+
+    shares = weight_shares.weight_shares(weight_shares.read_rows([tokens]), *rule)
+    return {"rule": rule[0], "names": list(rule[1]), **shares} if shares["overall"] else None
+
+
 def write_result(run: Run, work: str, results_dir: str, env: dict, per_gpu: int) -> str:
     """The run's result file (written whole, then renamed into place). Raises ValueError for a run whose metrics
     show it unfinished (see :func:`incomplete`), so that it is never taken for a finished one."""
@@ -284,6 +325,9 @@ def write_result(run: Run, work: str, results_dir: str, env: dict, per_gpu: int)
     }
     steps = result["steps"]
     result["rollouts"] = int(sum(r for r in steps["rollouts"] if r is not None))
+    shares = weight_shares_of(run.task, os.path.join(folder, "credit_tokens.jsonl"))
+    if shares:
+        result["weight_shares"] = shares
     os.makedirs(results_dir, exist_ok=True)
     path = os.path.join(results_dir, f"{run.name}.json")
     tmp = path + ".tmp"
@@ -444,6 +488,19 @@ def without_option(argv: list[str], option: str) -> list[str]:
     return kept
 
 
+def shared_gpu_budget(extra: list[str], gpus: int, per_gpu: int, card_gib: Optional[float] = None) -> list[str]:
+    """``extra`` with a memory budget for each of the ``per_gpu`` runs that share a card: 90% of the card split
+    evenly (each run would otherwise size its batches for the whole card and run out of memory beside the others),
+    unless the arguments set one."""
+    if not gpus or per_gpu < 2 or any(a.startswith("--model.memory_budget_gib") for a in extra):
+        return list(extra)
+    if card_gib is None:
+        import torch
+
+        card_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return [*extra, f"--model.memory_budget_gib={0.9 * card_gib / per_gpu:.1f}"]
+
+
 def bundle(path: str, results: list[str], logs: list[str]) -> None:
     """The result files (by name) and the logs of failed runs (``logs/<run>.txt``) in one .tar.gz."""
     with tarfile.open(path, "w:gz") as tar:
@@ -502,6 +559,7 @@ def main() -> None:
     gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
     per_gpu = args.per_gpu if gpus else args.jobs
     slots = make_slots(gpus, args.per_gpu, args.jobs)
+    extra = shared_gpu_budget(args.extra, gpus, args.per_gpu)
     threads = max((os.cpu_count() or 1) // len(slots), 1)
     env = environment()
     command = " ".join(["python scripts/replicate.py", *without_option(sys.argv[1:], "--bundle")])
@@ -538,7 +596,7 @@ def main() -> None:
                     if left() <= estimate * remaining_fraction(os.path.join(args.work_dir, run.name)):
                         break  # it would not end in time
                     pending.pop(0)
-                    launch(slot, run, args, args.extra, threads, command)
+                    launch(slot, run, args, extra, threads, command)
             running = [s for s in slots if s.process is not None]
             if not running:
                 break

@@ -4,7 +4,9 @@
     python scripts/replication_report.py                 # writes the page, the figures and the summary
     python scripts/replication_report.py --no-figures    # the page and the summary only
 
-The page is a function of the result files alone: running this again gives the same bytes.
+The page is a function of the result files alone: running this again gives the same bytes. The second round
+(``ROUND2_TASKS`` x ``ROUND2_METHODS``) gets its own section, figures and ``by_task`` summary once any of its
+result files exist.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "replication")
 DOC = os.path.join(ROOT, "docs", "replication.md")
 FIGURES = os.path.join(ROOT, "docs", "replication")
+CONFIGS = os.path.join(ROOT, "configs", "replication")
+CALIBRATION = os.path.join(ROOT, "benchmarks", "results", "reasoning", "calibration.json")
 
 LABELS = {
     "grpo": "GRPO (clip 0.2, per-sequence mean, no KL)",
@@ -40,6 +44,8 @@ LABELS = {
     "scgrpo-c-p90": "A2: c = max(P90, c_min)",
     "scgrpo-c-fixed": "A2: c fixed at 0.05",
     "scgrpo-alpha-0.2": "A3: alpha = 0.2",
+    "reinforce-pp": "REINFORCE++ (k1 KL 0.01 in the reward, batch-whitened advantages)",
+    "scgrpo-kl-anchor": "SC-GRPO + KL anchor (beta 0.04, k3 to the base model; ours)",
 }
 REPRODUCE = ("python scripts/replicate.py --plan lr,main,ablations --per-gpu 6 && python scripts/replicate.py "
              "--plan main --tasks countdown --methods grpo,dapo,scgrpo && python scripts/replication_report.py")
@@ -49,6 +55,7 @@ SUMMARY_KEYS = {("id", "avg@8"): "id_avg8", ("id", "pass@8"): "id_pass8", ("ood"
 # the paper's Table 1 (Qwen3-8B, Avg@8 in %), as DESIGN §2 item 7 restates it
 PAPER_TABLE1 = {"AIME24": {"grpo": 41.67, "dapo": 43.75, "scgrpo": 51.67},
                 "AIME25": {"grpo": 34.16, "dapo": 37.91, "scgrpo": 42.08}}
+FIRST_ROUND_TASKS = ("arith", "countdown")
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -96,11 +103,13 @@ def signed(x: float) -> str:
     return f"{x:+.3f}"
 
 
-def ms(values: list[float]) -> str:
+def ms(values: list[Optional[float]], digits: int = 3) -> str:
+    """Mean ± sample std of the known values ("-" without any)."""
+    values = [v for v in values if v is not None]
     if not values:
         return "-"
     m, s = mean_std(values)
-    return f"{m:.3f} ± {s:.3f}"
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 def median_of(run: dict, key: str) -> Optional[float]:
@@ -117,10 +126,15 @@ def by_method(runs: list[dict], task: str, lr: float) -> dict[str, list[dict]]:
 
 
 def paired(a: list[dict], b: list[dict], split: str, metric: str) -> list[tuple[int, float]]:
-    """(seed, a - b) for the seeds both have."""
+    """(seed, a - b) of a final evaluation's metric for the seeds both have."""
+    return paired_by(a, b, lambda r: value(r, split, metric))
+
+
+def paired_by(a: list[dict], b: list[dict], measure) -> list[tuple[int, float]]:
+    """(seed, measure(a) - measure(b)) for the seeds both have where both are known."""
     seeds_b = {r["seed"]: r for r in b}
-    return [(r["seed"], value(r, split, metric) - value(seeds_b[r["seed"]], split, metric))
-            for r in a if r["seed"] in seeds_b]
+    pairs = [(r["seed"], measure(r), measure(seeds_b[r["seed"]])) for r in a if r["seed"] in seeds_b]
+    return [(seed, x - y) for seed, x, y in pairs if x is not None and y is not None]
 
 
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -242,16 +256,37 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def summary_block(runs: list[dict]) -> dict:
-    return {SUMMARY_KEYS[(split, metric)]: {"mean": round(mean_std([value(r, split, metric) for r in runs])[0], 4),
-                                            "std": round(mean_std([value(r, split, metric) for r in runs])[1], 4),
-                                            "seeds": [round(value(r, split, metric), 4) for r in runs]}
-            for split, metric in METRICS}
+    """Mean, std and per-seed values of each metric (a metric of a split the task lacks is left out)."""
+    block = {}
+    for split, metric in METRICS:
+        values = [value(r, split, metric) for r in runs]
+        if None in values:
+            continue
+        m, s = mean_std(values)
+        block[SUMMARY_KEYS[(split, metric)]] = {"mean": round(m, 4), "std": round(s, 4),
+                                                "seeds": [round(v, 4) for v in values]}
+    return block
+
+
+def paired_rows(a: list[dict], b: list[dict], name: str) -> list[list[str]]:
+    """Table rows of the paired differences a - b on each metric: per seed, mean, 95% interval, verdict."""
+    rows = []
+    for s, m in METRICS:
+        diffs = paired(a, b, s, m)
+        d = [x for _, x in diffs]
+        if not d:
+            continue
+        ci = "[{:+.3f}, {:+.3f}]".format(*interval(d)) if len(d) > 1 else "-"
+        rows.append([name, f"{s.upper()} {m}", ", ".join(f"{signed(x)} (seed {seed})" for seed, x in diffs),
+                     signed(statistics.fmean(d)), ci, verdict(d)])
+    return rows
 
 
 def report(results_dir: str) -> tuple[str, dict, dict[str, list[dict]]]:
-    runs = load(results_dir)
-    if not runs:
+    everything = load(results_dir)
+    if not everything:
         raise SystemExit(f"no result files in {results_dir}; run scripts/replicate.py first")
+    runs = [r for r in everything if r["task"] in FIRST_ROUND_TASKS]
     calls_path = os.path.join(results_dir, "calls.json")
     calls = json.load(open(calls_path)) if os.path.exists(calls_path) else None
     lr = config_lr("arith")
@@ -349,15 +384,8 @@ def report(results_dir: str) -> tuple[str, dict, dict[str, list[dict]]]:
     w("")
     rows = []
     for other in ("grpo", "dapo"):
-        if not groups.get(other):
-            continue
-        for s, m in METRICS:
-            diffs = paired(groups["scgrpo"], groups[other], s, m)
-            d = [x for _, x in diffs]
-            ci = "[{:+.3f}, {:+.3f}]".format(*interval(d)) if len(d) > 1 else "-"
-            rows.append([f"SC-GRPO − {other.upper()}", f"{s.upper()} {m}",
-                         ", ".join(f"{signed(x)} (seed {seed})" for seed, x in diffs), signed(statistics.fmean(d)), ci,
-                         verdict(d)])
+        if groups.get(other):
+            rows += paired_rows(groups["scgrpo"], groups[other], f"SC-GRPO − {other.upper()}")
     out += table(["difference", "metric", "per seed", "mean", "95% interval", "verdict"], rows)
     w("")
     w("95% interval: Student's t-interval of the mean paired difference over seeds. Verdict: \"higher\" or "
@@ -514,7 +542,12 @@ def report(results_dir: str) -> tuple[str, dict, dict[str, list[dict]]]:
         for line in missing:
             w(line)
         w("")
-    return "\n".join(out) + "\n", summary(groups, countdown, sample, calls, lr), groups
+    second = round2_groups(everything)
+    data = summary(groups, countdown, sample, calls, lr)
+    if any(second.values()):
+        out += round2(second)
+        data["by_task"] = by_task({"arith": groups, "countdown": countdown, **second})
+    return "\n".join(out) + "\n", data, groups
 
 
 def not_done(groups: dict, countdown: dict, short: list[dict]) -> list[str]:
@@ -701,6 +734,467 @@ def summary(groups: dict, countdown: dict, sample: dict, calls: Optional[dict], 
     }
 
 
+# ------------------------------------------------------------------------------------------- second round
+ROUND2_TASKS = ["chain_sum", "lcm", "tool_calc", "blackjack"]
+"""The second round's tasks, each with its config ``configs/replication/<task>.yaml`` (the first two are
+reasoning_gym tasks)."""
+ROUND2_METHODS = ["grpo", "dapo", "reinforce-pp", "scgrpo", "scgrpo-kl-anchor"]
+ROUND2_SEEDS = [0, 1, 2]
+ROUND2_COMMAND = ("python scripts/replicate.py --plan main,extra --tasks " + ",".join(ROUND2_TASKS) + " --methods "
+                  + ",".join(ROUND2_METHODS) + " && python scripts/replication_report.py")
+TEACHER_METHODS = ["scgrpo", "scgrpo-kl-anchor"]
+"""The second round's methods with routes, a self-teacher and token weights f."""
+NAMES = {"grpo": "GRPO", "dapo": "DAPO", "reinforce-pp": "REINFORCE++", "scgrpo": "SC-GRPO",
+         "scgrpo-kl-anchor": "SC-GRPO + anchor"}
+ROUND2_PAIRS = [("scgrpo", "grpo"), ("scgrpo", "dapo"), ("scgrpo", "reinforce-pp"), ("scgrpo-kl-anchor", "scgrpo")]
+ROUTES = ["partial", "solve_none", "single", "all"]
+"""The routes of the per-step ``route_<name>`` shares ("all": all-correct groups). In ``weight_shares`` the key
+"pooled" pools every route."""
+SHARE_KEYS = [("decision_token_share", "decision token share"), ("decision_f_share", "decision f share"),
+              ("concentration", "concentration"), ("mean_f_decision", "mean f, decision tokens"),
+              ("mean_f_other", "mean f, the rest")]
+LAST = 20
+"""A run's final completion length and entropy: the median over its last LAST steps."""
+
+
+def task_config(task: str) -> Optional[dict]:
+    """The task's ``configs/replication/<task>.yaml``, or None without one."""
+    import yaml
+
+    path = os.path.join(CONFIGS, f"{task}.yaml")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def round2_groups(runs: list[dict]) -> dict[str, dict[str, list[dict]]]:
+    """task -> method -> runs by seed, for every second-round task (empty where none ran), at the task config's
+    learning rate (at any rate for a task without a config)."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for task in ROUND2_TASKS:
+        config = task_config(task)
+        lr = float(config["model"]["optimizer"]["init_args"]["lr"]) if config else None
+        chosen = [r for r in runs if r["task"] == task and r["method"] in ROUND2_METHODS
+                  and (lr is None or r["lr"] == lr)]
+        out[task] = {m: sorted((r for r in chosen if r["method"] == m), key=lambda r: r["seed"])
+                     for m in ROUND2_METHODS if any(r["method"] == m for r in chosen)}
+    return out
+
+
+def known_mean(values) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
+
+
+def first_step(run: dict, key: str) -> Optional[float]:
+    """A per-step key at the first step that has it."""
+    return next((v for v in run["steps"].get(key, []) if v is not None), None)
+
+
+def last_median(run: dict, key: str) -> Optional[float]:
+    """The median of a per-step key over the run's last LAST steps that logged it."""
+    values = [v for v in run["steps"].get(key, []) if v is not None][-LAST:]
+    return statistics.median(values) if values else None
+
+
+def trained_steps(run: dict) -> int:
+    """The steps that trained on a batch (logged a reward): DAPO skips a step whose groups all stay uniform after
+    its extra sampling rounds."""
+    return sum(v is not None for v in run["steps"]["reward"])
+
+
+def shares_of(run: dict, route: str = "pooled") -> Optional[dict]:
+    """A run's weight-shares summary of one route over all its logged steps (None where absent)."""
+    return (run.get("weight_shares") or {}).get("overall", {}).get(route)
+
+
+def concentration_by_seed(runs: list[dict]) -> list[tuple[int, float]]:
+    """(seed, concentration over every route pooled, over the run) for the runs that have it."""
+    pairs = [(r["seed"], (shares_of(r) or {}).get("concentration")) for r in runs]
+    return [(seed, c) for seed, c in pairs if c is not None]
+
+
+def concentration_series(runs: list[dict]) -> tuple[list[int], list[float]]:
+    """The logged steps every run has a concentration for (pooled route), and its mean over runs there."""
+    columns = [{int(step): block["pooled"]["concentration"] for step, block in r["weight_shares"]["by_step"].items()
+                if block.get("pooled", {}).get("concentration") is not None}
+               for r in runs if r.get("weight_shares")]
+    if not columns:
+        return [], []
+    steps = sorted(set.intersection(*(set(c) for c in columns)))
+    return steps, [statistics.fmean(c[t] for c in columns) for t in steps]
+
+
+def concentration_methods(groups: dict[str, list[dict]]) -> list[str]:
+    """The methods of a task whose weight concentration can be drawn per logged step."""
+    return [m for m in TEACHER_METHODS if groups.get(m) and concentration_series(groups[m])[0]]
+
+
+def missing_seeds(second: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """Per task, the methods with fewer than the planned seeds, and which seeds they lack."""
+    lines = []
+    for task, groups in second.items():
+        if not groups:
+            lines.append(f"{task}: not run")
+            continue
+        lacking = []
+        for method in ROUND2_METHODS:
+            have = {r["seed"] for r in groups.get(method, [])}
+            absent = [s for s in ROUND2_SEEDS if s not in have]
+            if absent:
+                seeds = ", ".join(map(str, absent))
+                lacking.append(f"{method} (seed{'s' if len(absent) > 1 else ''} {seeds} missing)")
+        if lacking:
+            lines.append(f"{task}: " + ", ".join(lacking))
+    return lines
+
+
+def _arg(value) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def round2_budget(task: str, config: Optional[dict]) -> str:
+    """What a task's config sets: the prompt source, the budget per run and the evaluation."""
+    if config is None:
+        return f"**{task}**: no `configs/replication/{task}.yaml` in this checkout."
+    model, data, trainer = config["model"], config["data"], config["trainer"]
+    gen, episodes, k = model["generation"], model.get("episodes"), model.get("eval_samples", 8)
+    source = data["source"] if isinstance(data["source"], dict) else {"class_path": str(data["source"])}
+    args = source.get("init_args") or {}
+    ood = args.get("num_ood", args.get("num_eval") if "ood_config" in args else None)
+    return (f"**{task}** (`configs/replication/{task}.yaml`): prompts from `{source['class_path']}`"
+            + (" (" + ", ".join(f"`{key}={_arg(v)}`" for key, v in args.items()) + ")" if args else "")
+            + f"; {trainer['max_steps']} steps of {data['batch_size']} prompts x G = {gen['num_generations']}, at "
+            f"most {gen['max_new_tokens']} new tokens a completion"
+            + (f" (episodes of up to {episodes['max_turns']} model turns, {episodes['max_episode_tokens']} tokens in "
+               "all)" if episodes else "")
+            + f", temperature {gen['temperature']:g}, lr {float(model['optimizer']['init_args']['lr']):g}. "
+            f"Evaluation: Avg@{k}, Pass@{k} and greedy accuracy on {args.get('num_eval', '?')} ID"
+            + (f" and {ood} OOD" if ood is not None else "")
+            + f" problems, every {trainer['val_check_interval']} steps and before the first.")
+
+
+def round2_setup(task: str, groups: dict[str, list[dict]]) -> list[str]:
+    """One bullet per task: its config's budget, then the cards and the commands of its result files."""
+    runs = [r for rs in groups.values() for r in rs]
+    places: dict[tuple[str, int], int] = {}
+    for r in runs:
+        places[(r["card"], r["runs_per_gpu"])] = places.get((r["card"], r["runs_per_gpu"]), 0) + 1
+    commands = list(dict.fromkeys(c for r in runs for c in (r.get("commands") or [r.get("command")]) if c))
+    head = (f"- {round2_budget(task, task_config(task))} Ran on "
+            + "; ".join(f"{card}, {per} at a time per GPU ({n} runs)" for (card, per), n in sorted(places.items()))
+            + "." + (" Commands:" if commands else ""))
+    return [head, *(f"  - `{c}`" for c in commands)]
+
+
+def round2_results(groups: dict[str, list[dict]]) -> list[str]:
+    """The table of final evaluations by method, and the base model's row."""
+    rows = []
+    for method, rs in groups.items():
+        rows.append([method, str(len(rs)), *[ms([value(r, s, m) for r in rs]) for s, m in METRICS],
+                     ms([value(r, "id", "greedy") for r in rs]),
+                     ms([last_median(r, "completion_length") for r in rs], 1),
+                     "/".join(str(trained_steps(r)) for r in rs) + f" of {len(rs[0]['steps']['step'])}",
+                     f"{statistics.fmean(r['rollouts'] for r in rs):,.0f}", ms([r["wall_s"] for r in rs], 0)])
+    before = [r["evaluations"][0] for rs in groups.values() for r in rs if r["evaluations"][0]["step"] == 0]
+    if before:
+        rows.append([f"before training ({len(before)} runs)", "-",
+                     *[fmt(known_mean(e.get(s, {}).get(m) for e in before)) for s, m in METRICS],
+                     fmt(known_mean(e["id"].get("greedy") for e in before)), "-", "-", "-", "-"])
+    return table(["method", "seeds", "ID Avg@8", "ID Pass@8", "OOD Avg@8", "OOD Pass@8", "ID greedy",
+                  "completion length", "steps trained", "rollouts drawn", "wall s"], rows)
+
+
+def round2_paired(groups: dict[str, list[dict]]) -> list[str]:
+    rows = []
+    for a, b in ROUND2_PAIRS:
+        if groups.get(a) and groups.get(b):
+            rows += paired_rows(groups[a], groups[b], f"{NAMES[a]} − {NAMES[b]}")
+    return table(["difference", "metric", "per seed", "mean", "95% interval", "verdict"], rows) if rows else []
+
+
+def round2_signal(groups: dict[str, list[dict]]) -> list[str]:
+    """Route shares, KL percentiles and mean f of the methods with a self-teacher; entropy of every method."""
+    rows = []
+    for method, rs in groups.items():
+        teacher = method in TEACHER_METHODS
+        routes = [fmt(known_mean(v for r in rs for v in r["steps"].get(f"route_{k}", [])), 2) if teacher else "-"
+                  for k in ROUTES]
+        credit = [fmt(known_mean(median_of(r, key) for r in rs)) if teacher else "-"
+                  for key in ("kl_p50", "kl_p95", "f_mean")]
+        rows.append([method, *routes, *credit, fmt(known_mean(first_step(r, "entropy") for r in rs)),
+                     fmt(known_mean(last_median(r, "entropy") for r in rs))])
+    return table(["method", "partial", "solve-none", "single", "all-correct", "KL P50", "KL P95", "f mean",
+                  "entropy, first step", f"entropy, last {LAST} steps"], rows)
+
+
+def round2_weights(groups: dict[str, list[dict]]) -> list[str]:
+    """Where the weight goes: the weight-shares summaries of the SC-GRPO methods, mean ± std over seeds."""
+    runs = [r for m in TEACHER_METHODS for r in groups.get(m, []) if r.get("weight_shares")]
+    if not runs:
+        return []
+    rules = sorted({(r["weight_shares"]["rule"], tuple(r["weight_shares"].get("names", []))) for r in runs})
+    found = {route for r in runs for route in r["weight_shares"]["overall"]}
+    routes = ["pooled", *[k for k in ROUTES if k in found], *sorted(found - set(ROUTES) - {"pooled"})]
+    rows = []
+    for method in TEACHER_METHODS:
+        for route in routes:
+            blocks = [shares_of(r, route) for r in groups.get(method, [])]
+            blocks = [b for b in blocks if b]
+            if blocks:
+                rows.append([method, "all-correct" if route == "all" else route, str(len(blocks)),
+                             *[ms([b.get(key) for b in blocks]) for key, _ in SHARE_KEYS]])
+    said = "; ".join(f"`{rule}`" + (f" on {', '.join(names)}" if names else "") for rule, names in rules)
+    lines = [(f"Decision tokens: the rule {said} of `scripts/weight_shares.py`, over the rollouts each run logged "
+              "(rows with a teacher only)."), ""]
+    return lines + table(["method", "route", "seeds", *[label for _, label in SHARE_KEYS]], rows)
+
+
+def _said(d: list[float]) -> str:
+    """A paired difference as the conclusions state it: mean, 95% interval and verdict."""
+    if not d:
+        return "no paired seeds"
+    if len(d) < 2:
+        return f"{signed(_mean(d))} (one seed: no verdict)"
+    lo, hi = interval(d)
+    return f"{signed(_mean(d))}, 95% interval [{lo:+.3f}, {hi:+.3f}], {verdict(d)}"
+
+
+def beat(groups: dict[str, list[dict]], other: str) -> str:
+    """Whether SC-GRPO beat another method beyond seed noise on ID and OOD Avg@8."""
+    if not groups.get("scgrpo") or not groups.get(other):
+        absent = NAMES[other] if groups.get("scgrpo") else "SC-GRPO"
+        return f"SC-GRPO against {NAMES[other]}: not compared (no runs of {absent})."
+    d = {s: [x for _, x in paired(groups["scgrpo"], groups[other], s, "avg@8")] for s in ("id", "ood")}
+    won, lost = ([s.upper() for s in ("id", "ood") if len(d[s]) > 1 and verdict(d[s]) == side]
+                 for side in ("higher", "lower"))
+    head = (f"SC-GRPO beat {NAMES[other]} beyond seed noise on " + " and ".join(won) + " Avg@8" if won
+            else f"SC-GRPO did not beat {NAMES[other]} beyond seed noise")
+    if lost:
+        head += f", and scored below it beyond seed noise on " + " and ".join(lost) + " Avg@8"
+    return head + f" (ID Avg@8 {_said(d['id'])}; OOD Avg@8 {_said(d['ood'])})."
+
+
+def beaten_on(groups: dict[str, list[dict]], other: str) -> Optional[bool]:
+    """Whether SC-GRPO beat ``other`` beyond seed noise on ID or OOD Avg@8 (None: not both ran on 2+ seeds)."""
+    if not groups.get("scgrpo") or not groups.get(other):
+        return None
+    d = [[x for _, x in paired(groups["scgrpo"], groups[other], s, "avg@8")] for s in ("id", "ood")]
+    if any(len(x) < 2 for x in d):
+        return None
+    return any(verdict(x) == "higher" for x in d)
+
+
+def concentrates(groups: dict[str, list[dict]], method: str) -> str:
+    """Whether a method's weight sits on decision tokens: the pooled concentration above 1 in every seed, below 1
+    in every seed, or mixed."""
+    by_seed = concentration_by_seed(groups[method])
+    if not by_seed:
+        return f"{NAMES[method]}: no weight shares recorded."
+    values = [c for _, c in by_seed]
+    where = ("concentrates on decision tokens (concentration above 1 in every seed" if all(c > 1 for c in values) else
+             "leans away from decision tokens (concentration below 1 in every seed" if all(c < 1 for c in values) else
+             "is mixed (concentration above 1 in some seeds, not in others")
+    lacking = [r["seed"] for r in groups[method] if r["seed"] not in dict(by_seed)]
+    return (f"{NAMES[method]}'s weight {where}: " + ", ".join(f"{c:.2f} (seed {s})" for s, c in by_seed) + ")"
+            + (f"; no shares for seed {', '.join(map(str, lacking))}" if lacking else "") + ".")
+
+
+def anchored(groups: dict[str, list[dict]]) -> str:
+    """Whether the KL anchor changed anything against SC-GRPO: the four metrics and the completion length."""
+    a, b = groups.get("scgrpo-kl-anchor"), groups.get("scgrpo")
+    if not a or not b:
+        return "The KL anchor: not compared (no runs of " + ("SC-GRPO + anchor" if not a else "SC-GRPO") + ")."
+    apart = []
+    for s, m in METRICS:
+        d = [x for _, x in paired(a, b, s, m)]
+        if len(d) > 1 and verdict(d) in ("higher", "lower"):
+            apart.append(f"{s.upper()} {m} {_said(d)}")
+    lengths = [x for _, x in paired_by(a, b, lambda r: last_median(r, "completion_length"))]
+    length = (f"completion length {fmt(known_mean(last_median(r, 'completion_length') for r in a), 1)} against "
+              f"{fmt(known_mean(last_median(r, 'completion_length') for r in b), 1)} tokens (paired "
+              + (f"{_mean(lengths):+.1f}, {verdict(lengths)}" if lengths else "no paired seeds") + ")")
+    return ("The KL anchor changed " + ("; ".join(apart) if apart else "none of the four metrics")
+            + f" beyond seed noise; {length}.")
+
+
+def round2_conclusions(second: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """The closing paragraph: every claim in it is computed from the result files (numbers and verdicts)."""
+    lines = []
+    ran = {task: groups for task, groups in second.items() if groups}
+    for other in ("grpo", "dapo"):
+        verdicts = {task: beaten_on(groups, other) for task, groups in ran.items()}
+        compared = [t for t, v in verdicts.items() if v is not None]
+        if compared:
+            wins = [t for t in compared if verdicts[t]]
+            lines.append(f"- **SC-GRPO against {NAMES[other]}, over the tasks**: beyond seed noise on ID or OOD Avg@8 "
+                         f"on {len(wins)} of {len(compared)} tasks" + (f" ({', '.join(wins)})" if wins else "") + ".")
+    for task, groups in ran.items():
+        parts = [beat(groups, "grpo"), beat(groups, "dapo"),
+                 *[concentrates(groups, m) for m in TEACHER_METHODS if groups.get(m)], anchored(groups)]
+        lines.append(f"- **{task}**: " + " ".join(parts))
+    missing = missing_seeds(second)
+    lines.append("- **Missing runs** (fewer than " + f"{len(ROUND2_SEEDS)} seeds): "
+                 + ("; ".join(missing) if missing else "none") + ".")
+    return lines
+
+
+def round2_calibration(path: str = CALIBRATION) -> list[str]:
+    """The base model on the reasoning_gym candidates (``scripts/calibrate_reasoning.py``'s file), the settings
+    the second round trains on marked; nothing without the file."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    chosen = set()
+    for task in ROUND2_TASKS:
+        init = ((task_config(task) or {}).get("data", {}).get("source") or {}).get("init_args") or {}
+        if isinstance(init, dict) and "task" in init:
+            chosen.add((init["task"], json.dumps(init.get("config") or {}, sort_keys=True)))
+    k, rows = data["results"][0]["samples"] if data["results"] else 8, []
+    for r in data["results"]:
+        used = (r["task"], json.dumps(r["config"], sort_keys=True)) in chosen
+        rows.append([r["task"], f"`{json.dumps(r['config'])}`", f"{r['pass_at_k']:.2f}", f"{r['avg_at_k']:.3f}",
+                     f"{r['mean_length']:.0f}", "-" if r["mean_correct_length"] is None else f"{r['mean_correct_length']:.0f}",
+                     f"{r['truncated']:.2f}", "yes" if used else "no"])
+    return [f"The reasoning_gym settings: the base model's Pass@{k} and lengths (tokens) on {data['results'][0]['rows']} "
+            f"ID problems each, {k} samples, at most {data['max_new_tokens']} new tokens, answers read by "
+            f"`{data['extraction']}`, on {data['device']}; a setting suits when Pass@{k} is 10-60% and correct "
+            f"completions take 40 tokens or more. Command: `{data['command']}`.", "",
+            *table(["task", "settings", f"Pass@{k}", f"Avg@{k}", "mean length", "mean correct length", "truncated",
+                    "trained on"], rows)]
+
+
+def round2(second: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """The second round's section of the page."""
+    out = ["## Second round: tasks where credit matters", ""]
+    w = out.append
+    w(f"Tasks {', '.join(ROUND2_TASKS)}; methods {', '.join(ROUND2_METHODS)}; seeds "
+      f"{', '.join(map(str, ROUND2_SEEDS))}, each at its task config's learning rate. To reproduce: "
+      f"`{ROUND2_COMMAND}`.")
+    w("")
+    for method in ROUND2_METHODS:
+        w(f"- `{method}`: {LABELS[method]}")
+    w("")
+    w("### Setup")
+    w("")
+    for task, groups in second.items():
+        if groups:
+            out += round2_setup(task, groups)
+    w("")
+    calibration = round2_calibration()
+    if calibration:
+        out += calibration + [""]
+    for task, groups in second.items():
+        if not groups:
+            continue
+        w(f"### {task}")
+        w("")
+        out += round2_results(groups)
+        w("")
+        w(f"Mean ± standard deviation over seeds of the last evaluation. Completion length: the median over the last "
+          f"{LAST} steps that trained of the rollouts' mean length, then over seeds. Steps trained, per seed: the "
+          "steps that had a batch to learn from (DAPO skips a step whose groups all stay uniform after its extra "
+          "sampling rounds). The last row is the first evaluation (before any step), averaged over every run of "
+          "the task.")
+        w("")
+        paired_table = round2_paired(groups)
+        if paired_table:
+            w("#### Paired differences (same seed)")
+            w("")
+            out += paired_table
+            w("")
+        w("#### Routes, KL and entropy")
+        w("")
+        out += round2_signal(groups)
+        w("")
+        w("Route shares: the mean over steps and seeds of each route's share of the groups. KL P50 / P95 (the "
+          "active tokens' KL to the self-teacher) and f mean: the median over steps, then the mean over seeds. "
+          f"Entropy: the rollouts' mean token entropy at the first step, and its median over the last {LAST} steps; "
+          "mean over seeds.")
+        w("")
+        weights = round2_weights(groups)
+        if weights:
+            w("#### Where the weight goes")
+            w("")
+            out += weights
+            w("")
+            w("Concentration: the decision tokens' share of the f mass over their share of the tokens (above 1: the "
+              "weight sits on decision tokens more than uniform weights would). Mean ± std over seeds.")
+            w("")
+        w(f"![{task}: entropy and completion length per step](replication/round2_{task}.png)")
+        if concentration_methods(groups):
+            w(f"![{task}: weight concentration per logged step](replication/round2_{task}_concentration.png)")
+        w("")
+    w("### What the second round shows")
+    w("")
+    out += round2_conclusions(second)
+    w("")
+    return out
+
+
+def by_task(tasks: dict[str, dict[str, list[dict]]]) -> dict:
+    """{method: {task: summary block}} over every task with results."""
+    out: dict[str, dict] = {}
+    for task, groups in tasks.items():
+        for method, runs in groups.items():
+            out.setdefault(method, {})[task] = summary_block(runs)
+    return out
+
+
+def round2_figures(second: dict[str, dict[str, list[dict]]], out: str) -> list[str]:
+    """Per task: entropy and completion length per step (mean over seeds, a line per method), and the weight
+    concentration per logged step of the SC-GRPO methods."""
+    if not any(second.values()):
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out, exist_ok=True)
+    written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        path = os.path.join(out, name)
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        written.append(path)
+
+    for task, groups in second.items():
+        if not groups:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for ax, key, ylabel in ((axes[0], "entropy", "mean token entropy of the rollouts (nats)"),
+                                (axes[1], "completion_length", "mean completion length (tokens)")):
+            for method, runs in groups.items():
+                steps, mean, _, _ = _series(runs, key)
+                ax.plot(steps, mean, label=method)
+            ax.set_xlabel("optimiser step")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{task}: mean over seeds", fontsize=10)
+        save(fig, f"round2_{task}.png")
+        methods = concentration_methods(groups)
+        if methods:
+            fig, ax = plt.subplots(figsize=(7, 4.2))
+            for method in methods:
+                steps, mean = concentration_series(groups[method])
+                ax.plot(steps, mean, marker="o", ms=3, label=method)
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xlabel("optimiser step")
+            ax.set_ylabel("decision f share / decision token share")
+            ax.set_title(f"{task}: weight concentration on decision tokens (all routes, mean over seeds)",
+                         fontsize=10)
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+            save(fig, f"round2_{task}_concentration.png")
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results-dir", default=RESULTS)
@@ -715,7 +1209,8 @@ def main() -> None:
     with open(os.path.join(args.results_dir, "summary.json"), "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
-    written = [] if args.no_figures else figures(groups, args.figures_dir)
+    written = [] if args.no_figures else (figures(groups, args.figures_dir)
+                                          + round2_figures(round2_groups(load(args.results_dir)), args.figures_dir))
     print(f"wrote {args.doc}, {os.path.join(args.results_dir, 'summary.json')} and {len(written)} figure(s)")
 
 

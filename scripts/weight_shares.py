@@ -4,6 +4,7 @@ steps: each rollout's tokens, which of them the model wrote, and their weight f)
 
     python scripts/weight_shares.py runs/scgrpo/version_0 --task arith --out weights
     python scripts/weight_shares.py runs/a/version_0 runs/b/version_0 --task tool --tools calc --out weights
+    python scripts/weight_shares.py runs/blackjack/version_0 --task words --words hit,stick,stand --out weights
 
 Decision tokens (the same rules in README.md, "Where the weight goes"):
 
@@ -12,6 +13,8 @@ Decision tokens (the same rules in README.md, "Where the weight goes"):
 - ``tool``: a token the model wrote that overlaps a tool call: ``<tool_call>...</tool_call>`` or ``name(...)``
   for each ``--tools`` name, its arguments included. The text around the calls (and the final answer) is the
   rest. An episode's environment tokens (observations, tool results) are never counted.
+- ``words``: a token the model wrote that overlaps one of ``--words`` as a whole word, in any case: the moves of
+  a game (Blackjack's ``hit``, ``stick`` and the forms its task reads). The rest of each reply is the rest.
 
 Only rows that had a teacher count (elsewhere f is not defined: the row is plain GRPO, weight 1). Per logged step
 and route, and over all steps: the decision tokens' share of the tokens and of the f mass, their ratio
@@ -31,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 
 ARITHMETIC = re.compile(r"[0-9+\-*/×÷=]")
 TOOL_TAG = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
-TASKS = ("arith", "countdown", "tool")
+TASKS = ("arith", "countdown", "tool", "words")
 
 
 def tool_call_spans(text: str, names: Sequence[str]) -> list[tuple[int, int]]:
@@ -50,14 +53,23 @@ def tool_call_spans(text: str, names: Sequence[str]) -> list[tuple[int, int]]:
     return spans
 
 
-def decision_tokens(tokens: Sequence[str], task: str, tools: Sequence[str] = ()) -> list[bool]:
-    """Which of a completion's tokens are decision tokens under ``task``'s rule (see the module docstring)."""
+def word_spans(text: str, words: Sequence[str]) -> list[tuple[int, int]]:
+    """Character spans of each of ``words`` standing as a whole word in ``text``, in any case."""
+    if not words:
+        return []
+    pattern = re.compile(r"\b(?:" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
+    return [(m.start(), m.end()) for m in pattern.finditer(text)]
+
+
+def decision_tokens(tokens: Sequence[str], task: str, names: Sequence[str] = ()) -> list[bool]:
+    """Which of a completion's tokens are decision tokens under ``task``'s rule (see the module docstring);
+    ``names`` are the tool names of ``tool`` and the words of ``words``."""
     if task in ("arith", "countdown"):
         return [bool(ARITHMETIC.search(t)) for t in tokens]
-    if task != "tool":
+    if task not in ("tool", "words"):
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     text = "".join(tokens)
-    spans = tool_call_spans(text, tools)
+    spans = tool_call_spans(text, names) if task == "tool" else word_spans(text, names)
     out, start = [], 0
     for t in tokens:
         end = start + len(t)
@@ -99,23 +111,25 @@ def read_rows(paths: Iterable[str]) -> list[dict]:
             raise SystemExit(f"weight_shares: {file} not found (the run logs it every log_completions_every_n_steps "
                              "steps when its objective has token weights, as SC-GRPO does)")
         with open(file) as f:
-            rows += [json.loads(line) for line in f if line.strip()]
+            # a run resumed from a checkpoint may log a step again: the last record of each (step, row) counts
+            unique = {(r["step"], r["row"]): r for r in (json.loads(line) for line in f if line.strip())}
+        rows += list(unique.values())
     return rows
 
 
-def weight_shares(rows: Iterable[dict], task: str, tools: Sequence[str] = ()) -> dict:
+def weight_shares(rows: Iterable[dict], task: str, names: Sequence[str] = ()) -> dict:
     """``{"by_step": {step: {route: summary}}, "overall": {route: summary}}`` (see :meth:`Tally.summary`); the
-    route "all" pools every route."""
+    route "pooled" pools every route."""
     by_step: dict = defaultdict(lambda: defaultdict(Tally))
     overall: dict = defaultdict(Tally)
     for row in rows:
         if not row.get("has_teacher") or row.get("f") is None:
             continue
-        decisions = decision_tokens(row["tokens"], task, tools)
+        decisions = decision_tokens(row["tokens"], task, names)
         for token_is_decision, own, f in zip(decisions, row["model"], row["f"]):
             if not own or f is None:
                 continue
-            for route in (row["route"], "all"):
+            for route in (row["route"], "pooled"):
                 by_step[row["step"]][route].add(token_is_decision, f)
                 overall[route].add(token_is_decision, f)
     return {"by_step": {str(s): {r: t.summary() for r, t in sorted(v.items())} for s, v in sorted(by_step.items())},
@@ -170,14 +184,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("runs", nargs="+", help="run folders (or credit_tokens.jsonl files)")
     parser.add_argument("--task", required=True, choices=TASKS)
     parser.add_argument("--tools", default="calc", help="comma-separated tool names written name(...) (task tool)")
+    parser.add_argument("--words", default="", help="comma-separated words that are decisions (task words)")
     parser.add_argument("--out", default="weight_shares", help="output prefix: <out>.json, <out>.md, <out>.png")
     args = parser.parse_args(argv)
     tools = [t for t in args.tools.split(",") if t]
-    result = weight_shares(read_rows(args.runs), args.task, tools)
+    words = [w for w in args.words.split(",") if w]
+    if args.task == "words" and not words:
+        raise SystemExit("weight_shares: --task words needs --words (the decisions, e.g. hit,stick)")
+    result = weight_shares(read_rows(args.runs), args.task, tools if args.task == "tool" else words)
     if not result["overall"]:
         raise SystemExit("weight_shares: no row with a teacher in the logged rollouts (a GRPO run has no f)")
     command = "python scripts/weight_shares.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result.update(task=args.task, tools=tools, runs=args.runs, command=command)
+    result.update(task=args.task, tools=tools, words=words, runs=args.runs, command=command)
     with open(f"{args.out}.json", "w") as f:
         json.dump(result, f, indent=1)
     with open(f"{args.out}.md", "w") as f:

@@ -16,8 +16,8 @@ class _Answers:
     """A stand-in model: row i's k samples are the right answer ``right[i]`` times (in tags, 50 tokens long),
     then wrong ones (10 tokens, the last cut at the cap)."""
 
-    def __init__(self, right, rows):
-        self.right, self.rows, self.seen = right, rows, 0
+    def __init__(self, right, rows, prose=False):
+        self.right, self.rows, self.seen, self.prose = right, rows, 0, prose
 
     def format_prompts(self, questions):
         return questions
@@ -27,7 +27,8 @@ class _Answers:
         for _ in prompts:
             answer, n = self.rows[self.seen]["answer"]["entry"]["answer"], self.right[self.seen]
             self.seen += 1
-            completions += [f"<answer>{answer}</answer>"] * n + ["no idea"] * (k - n)
+            said = f"so it is {answer}" if self.prose else f"<answer>{answer}</answer>"
+            completions += [said] * n + ["no idea"] * (k - n)
             lengths += [50] * n + [10] * (k - n)
             cut += [False] * (k - 1) + [n < k]
         return SimpleNamespace(completions=completions, completion_mask=torch.ones(len(lengths), 50) *
@@ -46,3 +47,13 @@ def test_pass_avg_and_correct_length_by_hand():
     assert calibration.suits(row)
     assert not calibration.suits({**row, "pass_at_k": 0.7}) and not calibration.suits({**row, "mean_correct_length": 30})
     assert not calibration.suits({**row, "mean_correct_length": None})
+
+
+def test_answers_in_prose_count_only_with_the_lenient_extraction():
+    source = calibration.ReasoningGymTask("chain_sum", {}, num_train=1, num_eval=2)
+    strict = calibration.calibrate(_Answers([3, 1], source.rows("id"), prose=True), "chain_sum", {}, rows=2, samples=4)
+    assert strict["correct"] == 0 and strict["extraction"] == "tag"
+    lenient = calibration.calibrate(_Answers([3, 1], source.rows("id"), prose=True), "chain_sum", {}, rows=2,
+                                    samples=4, extraction="tag_or_number")
+    assert lenient["correct"] == 4 and lenient["pass_at_k"] == 1.0
+    assert lenient["example_correct"]["completion"].startswith("so it is ")

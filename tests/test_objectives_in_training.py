@@ -266,7 +266,7 @@ def _check_token_log(log_dir, module):
             assert all(f == 1.0 for f, m in zip(line["f"], line["model"]) if m)
     result = load_script("weight_shares").weight_shares(lines, "arith")
     taught = sum(len(line["tokens"]) for line in lines if line["has_teacher"])
-    assert result["overall"]["all"]["tokens"] == taught  # every model token of every row with a teacher
+    assert result["overall"]["pooled"]["tokens"] == taught  # every model token of every row with a teacher
 
 
 def test_reinforce_pp_step_equals_the_hand_written_kl_shaped_return(tiny_model_dir):

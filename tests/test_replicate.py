@@ -200,3 +200,55 @@ def test_a_pid_file_holds_a_run_only_while_its_process_trains_it_and_a_broken_re
     state.segments.append({"wall_s": 2.0, "exit": 0})
     state.save()
     assert replicate.State.load(str(work / "state.json")).segments == [{"wall_s": 2.0, "exit": 0}]
+
+
+def test_weight_shares_land_in_the_result_under_each_tasks_rule(tmp_path):
+    assert replicate.decision_rule("tool_calc") == ("tool", ("calc",))
+    rule, moves = replicate.decision_rule("blackjack")
+    assert rule == "words" and {"hit", "stick", "stand"} <= set(moves)
+    assert replicate.decision_rule("arith") == ("arith", ()) and replicate.decision_rule("unknown") is None
+    tokens = tmp_path / "credit_tokens.jsonl"
+    row = {"step": 0, "row": 0, "route": "partial", "has_teacher": True, "tokens": ["I", " hit", " now"],
+           "model": [1, 1, 1], "f": [0.2, 0.9, 0.1]}
+    tokens.write_text(json.dumps(row) + "\n" + json.dumps({**row, "row": 1, "has_teacher": False}) + "\n")
+    shares = replicate.weight_shares_of("blackjack", str(tokens))
+    assert shares["rule"] == "words" and "hit" in shares["names"]
+    assert shares["overall"]["partial"]["decision_f_share"] == pytest.approx(0.9 / 1.2)
+    assert replicate.weight_shares_of("arith", str(tokens))["overall"]["pooled"]["decision_tokens"] == 0
+    assert replicate.weight_shares_of("blackjack", str(tmp_path / "none.jsonl")) is None  # logged no weights
+
+
+@pytest.mark.parametrize("task", ["lcm", "blackjack"])
+def test_the_second_round_task_configs_train_and_log_their_weight_shares(task, tiny_model_dir, tmp_path, monkeypatch):
+    """A reasoning_gym task and the packaged environment, each under SC-GRPO for two steps: both evaluation splits
+    scored, and the logged token weights split by the task's rule into the result's weight shares."""
+    pytest.importorskip("reasoning_gym" if task == "lcm" else "gymnasium")
+    from scgrpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = replicate.Run(task, "scgrpo", 0, replicate.config_lr(task))
+    small = ["--data.source.init_args.num_train=20", "--model.generation.max_new_tokens=4"]
+    if task == "blackjack":
+        small += ["--model.episodes.max_episode_tokens=24"]
+    main(["fit", *run.fit_args(), f"--model.model={tiny_model_dir}", *TINY, "--trainer.max_steps=2",
+          "--model.log_completions_every_n_steps=1", *small])
+    folder = next((tmp_path / "runs" / "scgrpo").glob("version_*"))
+    metrics = replicate.read_metrics(str(folder))
+    assert [e["step"] for e in metrics["evaluations"]] == [0, 2]
+    assert {"id", "ood"} <= set(metrics["evaluations"][0])
+    shares = replicate.weight_shares_of(task, str(folder / "credit_tokens.jsonl"))
+    rows = [json.loads(line) for line in open(folder / "credit_tokens.jsonl")]
+    teacher_tokens = sum(sum(r["model"]) for r in rows if r["has_teacher"])
+    if teacher_tokens:  # the tiny model rarely earns a teacher; where none, nothing is reported
+        assert shares["rule"] == replicate.decision_rule(task)[0]
+        assert shares["overall"]["pooled"]["tokens"] == teacher_tokens
+    else:
+        assert shares is None
+
+
+def test_runs_that_share_a_card_split_its_memory():
+    assert replicate.shared_gpu_budget(["--x=1"], gpus=4, per_gpu=8, card_gib=140.0) == [
+        "--x=1", "--model.memory_budget_gib=15.8"]  # 0.9 x 140 / 8
+    assert replicate.shared_gpu_budget(["--model.memory_budget_gib=14"], 4, 8, 140.0) == ["--model.memory_budget_gib=14"]
+    assert replicate.shared_gpu_budget([], gpus=1, per_gpu=1, card_gib=140.0) == []  # a run alone sizes itself
+    assert replicate.shared_gpu_budget([], gpus=0, per_gpu=8) == []  # on the CPU: no card

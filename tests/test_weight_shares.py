@@ -25,16 +25,28 @@ def test_tool_decisions_are_the_calls_and_their_arguments():
         ws.decision_tokens(["a"], "chess")
 
 
-def _row(step, route, tokens, model, f, has_teacher=True):
-    return {"step": step, "route": route, "has_teacher": has_teacher, "tokens": tokens, "model": model, "f": f}
+def test_word_decisions_are_the_moves_as_whole_words():
+    tokens = ["I", " will", " Hit", ".", " Hitting", " is", " bold", ";", " st", "ick", " now", " white"]
+    # "Hit" in any case; "Hitting" is not in the list; a word split over two tokens marks both; "white" holds "hit"
+    # but not as a word
+    assert ws.decision_tokens(tokens, "words", ["hit", "stick"]) == [False, False, True, False, False, False, False,
+                                                                    False, True, True, False, False]
+    assert ws.decision_tokens(tokens, "words", []) == [False] * len(tokens)
+    with pytest.raises(SystemExit, match="needs --words"):
+        ws.main(["somewhere", "--task", "words"])
+
+
+def _row(step, route, tokens, model, f, has_teacher=True, row=0):
+    return {"step": step, "row": row, "route": route, "has_teacher": has_teacher, "tokens": tokens, "model": model,
+            "f": f}
 
 
 ROWS = [
     # decision tokens " 1", "2" (f .8, .6); other "x", "." (f .1, .3): mass share 1.4 / 1.8, token share 2 / 4
     _row(0, "partial", ["x", " 1", "2", "."], [1, 1, 1, 1], [0.1, 0.8, 0.6, 0.3]),
     # an environment token (model 0) never counts, whatever its text
-    _row(0, "solve_none", ["a", " 5", "b"], [1, 0, 1], [0.2, 0.9, 0.4]),
-    _row(0, "partial", ["9"], [1], [1.0], has_teacher=False),  # no teacher: f undefined, left out
+    _row(0, "solve_none", ["a", " 5", "b"], [1, 0, 1], [0.2, 0.9, 0.4], row=1),
+    _row(0, "partial", ["9"], [1], [1.0], has_teacher=False, row=2),  # no teacher: f undefined, left out
     _row(5, "partial", [" 3", "y"], [1, 1], [0.5, 0.5]),
 ]
 
@@ -51,7 +63,7 @@ def test_shares_by_hand():
     assert none0["tokens"] == 2 and none0["decision_tokens"] == 0 and none0["mean_f_decision"] is None
     overall = result["overall"]["partial"]  # steps 0 and 5: decisions .8 .6 .5, others .1 .3 .5
     assert overall["decision_f_share"] == pytest.approx(1.9 / 2.8)
-    assert result["overall"]["all"]["tokens"] == 8
+    assert result["overall"]["pooled"]["tokens"] == 8
 
 
 def test_the_command_writes_json_and_markdown_and_says_what_is_missing(tmp_path, capsys):
@@ -63,6 +75,13 @@ def test_the_command_writes_json_and_markdown_and_says_what_is_missing(tmp_path,
     assert saved["overall"]["partial"]["decision_f_share"] == pytest.approx(1.9 / 2.8)
     assert "| all steps | partial | 6 |" in (tmp_path / "w.md").read_text()
     assert "wrote" in capsys.readouterr().out
+    # a resumed run that logged step 0 again: its last record of each row counts, once
+    again = _row(0, "partial", ["x", " 1", "2", "."], [1, 1, 1, 1], [0.1, 0.2, 0.2, 0.3])
+    with open(run / "credit_tokens.jsonl", "a") as f:
+        f.write(json.dumps(again) + "\n")
+    ws.main([str(run), "--task", "arith", "--out", str(tmp_path / "r")])
+    step0 = json.loads((tmp_path / "r.json").read_text())["by_step"]["0"]["partial"]
+    assert step0["tokens"] == 4 and step0["decision_f_share"] == pytest.approx(0.4 / 0.8)
     with pytest.raises(SystemExit, match="not found"):
         ws.main([str(tmp_path / "nowhere"), "--task", "arith"])
     (run / "credit_tokens.jsonl").write_text(json.dumps(_row(0, "partial", ["1"], [1], [1.0], False)) + "\n")

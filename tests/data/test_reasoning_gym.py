@@ -36,7 +36,23 @@ def test_the_tasks_own_scorer_on_the_last_answer_block():
         verifier.verify("<answer>1</answer>", 1)
 
 
+def test_tag_or_number_reads_the_last_number_only_without_a_block():
+    row = ReasoningGymTask("chain_sum", num_train=1, num_eval=4, seed=0).rows("id")[0]
+    right = int(row["answer"]["entry"]["answer"])
+    lenient = ReasoningGymVerifier("tag_or_number")
+    prose = lenient.verify(f"First {right + 3} - 3 gives {right}.", row["answer"])
+    assert prose.score == 1.0 and prose.info["extracted"] == str(right)
+    assert lenient.verify(f"It is {right}, or maybe {right + 1}", row["answer"]).score == 0.0  # the last number counts
+    # a block wins over any number outside it
+    assert lenient.verify(f"<answer>{right + 1}</answer> though {right}", row["answer"]).score == 0.0
+    assert lenient.verify("no number at all", row["answer"]).info["extracted"] is None
+    task = ReasoningGymTask("chain_sum", num_train=1, num_eval=2, extraction="tag_or_number")
+    assert task.default_verifier().verify(f"so {right}", row["answer"]).score == 1.0
+    assert ReasoningGymTask("chain_sum", num_train=1, num_eval=2).default_verifier().extraction == "tag"
+
+
 @pytest.mark.parametrize("args, message", [
+    (dict(task="chain_sum", extraction="first_number"), "extraction must be one of"),
     (dict(task="no_such_task"), "has no task 'no_such_task'"),
     (dict(task="chain_sum", config={"nonsense": 1}), "rejected the settings"),
     (dict(task="chain_sum", config={"seed": 1}), "set 'seed' on ReasoningGymTask"),

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from scgrpo.data.sources import PromptSource, Row
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
+from scgrpo.verifiers.numeric import extract_number
 
 DEFAULT_INSTRUCTION = "Think it through, then give only the final answer inside <answer></answer>."
 
@@ -41,23 +42,43 @@ def create(task: str, config: dict[str, Any]):
         raise ValueError(f"reasoning_gym task {task!r} rejected the settings {config}: {exc}") from exc
 
 
+EXTRACTIONS = ("tag", "tag_or_number")
+
+
+def extract(completion: str, extraction: str = "tag") -> Optional[str]:
+    """The answer text the scorer reads: the last ``<answer>...</answer>`` block; with ``tag_or_number``, a
+    completion without a block gives its last number instead (small models that answer in prose)."""
+    from reasoning_gym.utils import extract_answer
+
+    found = extract_answer(completion)
+    if found is None and extraction == "tag_or_number":
+        found = extract_number(completion)
+    return found
+
+
 class ReasoningGymVerifier(Verifier):
     """Scores with the task's own scorer: reasoning_gym's ``score_answer`` on the text of the completion's last
-    ``<answer>...</answer>`` block (no block: 0). Rewards are in [0, 1]; some tasks give partial credit."""
+    ``<answer>...</answer>`` block (no block: 0). Rewards are in [0, 1]; some tasks give partial credit.
 
-    def __init__(self) -> None:
+    Args:
+        extraction: ``tag`` (reasoning_gym's convention: only the block counts) or ``tag_or_number`` (ours: a
+            completion without a block is scored on its last number; for tasks whose answers are numbers).
+    """
+
+    def __init__(self, extraction: str = "tag") -> None:
+        if extraction not in EXTRACTIONS:
+            raise ValueError(f"extraction must be one of {EXTRACTIONS}, got {extraction!r}")
+        self.extraction = extraction
         self._datasets: dict[str, Any] = {}
 
     def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
         if not isinstance(answer, dict) or not {"task", "config", "entry"} <= set(answer):
             raise VerifierSetupError("ReasoningGymVerifier scores rows of ReasoningGymTask (answers holding the task, "
                                      "its settings and the generated entry)")
-        from reasoning_gym.utils import extract_answer
-
         key = json.dumps([answer["task"], answer["config"]], sort_keys=True, default=str)
         if key not in self._datasets:
             self._datasets[key] = create(answer["task"], {**answer["config"], "size": 1})
-        extracted = extract_answer(completion)
+        extracted = extract(completion, self.extraction)
         score = float(self._datasets[key].score_answer(extracted, answer["entry"])) if extracted is not None else 0.0
         return VerificationResult(score, info={"extracted": extracted})
 
@@ -76,11 +97,12 @@ class ReasoningGymTask(PromptSource):
         num_train, num_eval: problems in train, and in each evaluation split.
         seed: seeds train; id and ood use ``seed + 1`` and ``seed + 2``.
         instruction: appended to each question (the verifier reads the last ``<answer>`` block).
+        extraction: how the default verifier finds the answer (:class:`ReasoningGymVerifier`).
     """
 
     def __init__(self, task: str, config: Optional[dict[str, Any]] = None, ood_config: Optional[dict[str, Any]] = None,
                  num_train: int = 10000, num_eval: int = 64, seed: int = 1234,
-                 instruction: str = DEFAULT_INSTRUCTION) -> None:
+                 instruction: str = DEFAULT_INSTRUCTION, extraction: str = "tag") -> None:
         for name in ("seed", "size"):
             if name in (config or {}) or name in (ood_config or {}):
                 raise ValueError(f"set {name!r} on ReasoningGymTask (seed, num_train, num_eval), not in the task's config")
@@ -88,6 +110,7 @@ class ReasoningGymTask(PromptSource):
             raise ValueError(f"num_train and num_eval must be >= 1, got {num_train} and {num_eval}")
         self.task, self.config, self.ood_config = task, dict(config or {}), ood_config
         self.num_train, self.num_eval, self.seed, self.instruction = num_train, num_eval, seed, instruction
+        self.extraction = ReasoningGymVerifier(extraction).extraction  # checked here
         create(task, {**self.config, "size": 1})  # an unknown task or bad settings fail here, before training
         if ood_config is not None:
             create(task, {**self.config, **ood_config, "size": 1})
@@ -97,7 +120,7 @@ class ReasoningGymTask(PromptSource):
         return ["train", "id"] + (["ood"] if self.ood_config is not None else [])
 
     def default_verifier(self) -> Verifier:
-        return ReasoningGymVerifier()
+        return ReasoningGymVerifier(self.extraction)
 
     def describe(self, split: str) -> str:
         return f"reasoning_gym task {self.task!r} split {split!r}"
