@@ -50,7 +50,7 @@ def calibrate(module: RLVRModule, task: str, config: dict, rows: int, samples: i
     return {
         "task": task, "config": config, "extraction": extraction, "rows": len(per_row), "samples": samples,
         "pass_at_k": sum(max(r) >= 1.0 for r in per_row) / len(per_row),
-        "avg_at_k": sum(scores) / len(scores),
+        "avg_at_k": sum(x >= 1.0 for x in scores) / len(scores),  # as evaluation counts: right when the score is 1
         "mean_length": sum(lengths) / len(lengths),
         "mean_correct_length": sum(correct) / len(correct) if correct else None,
         "correct": len(correct), "truncated": sum(truncated) / len(truncated),

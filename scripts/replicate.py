@@ -7,7 +7,7 @@
 Each run is ``scgrpo fit`` over a task config (``configs/replication/<task>.yaml``) and a method's objective
 layer (``METHODS`` below), with ``--seed_everything`` and ``--data.seed`` set to the seed. Runs go to the GPUs
 in turn, ``--per-gpu`` at a time on each (a 135M model leaves a GPU mostly idle; each then gets 90% of the card
-split evenly as its ``memory_budget_gib``), or one after another on the CPU.
+split evenly as its ``memory_budget_gib``; the result records every argument given beyond the configs), or one after another on the CPU.
 
 Resumable across separate commands: a run whose result file exists is skipped; every run checkpoints every 25
 steps in ``--work-dir/<run>`` and a run found there unfinished resumes from its ``last.ckpt``. With
@@ -488,17 +488,17 @@ def without_option(argv: list[str], option: str) -> list[str]:
     return kept
 
 
-def shared_gpu_budget(extra: list[str], gpus: int, per_gpu: int, card_gib: Optional[float] = None) -> list[str]:
-    """``extra`` with a memory budget for each of the ``per_gpu`` runs that share a card: 90% of the card split
-    evenly (each run would otherwise size its batches for the whole card and run out of memory beside the others),
-    unless the arguments set one."""
-    if not gpus or per_gpu < 2 or any(a.startswith("--model.memory_budget_gib") for a in extra):
+def shared_gpu_budget(extra: list[str], gpus: int, per_gpu: int, free_gib: Optional[float] = None) -> list[str]:
+    """``extra`` with a memory budget for each of the ``per_gpu`` runs that share a card: 90% of the memory free now on
+    the fullest card split evenly, at least 1 GiB (each run would otherwise size its batches
+    for the whole card and run out of memory beside the others), unless the arguments set a budget or a config."""
+    if not gpus or per_gpu < 2 or any("memory_budget_gib" in a or a.startswith("--config") for a in extra):
         return list(extra)
-    if card_gib is None:
+    if free_gib is None:
         import torch
 
-        card_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    return [*extra, f"--model.memory_budget_gib={0.9 * card_gib / per_gpu:.1f}"]
+        free_gib = min(torch.cuda.mem_get_info(g)[0] for g in range(gpus)) / 2**30
+    return [*extra, f"--model.memory_budget_gib={max(0.9 * free_gib / per_gpu, 1.0):.1f}"]
 
 
 def bundle(path: str, results: list[str], logs: list[str]) -> None:
@@ -514,7 +514,8 @@ def bundle(path: str, results: list[str], logs: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations, extra")
-    parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown, tool_calc (configs/replication/<task>.yaml)")
+    parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown, tool_calc, chain_sum, lcm, "
+                        "blackjack (configs/replication/<task>.yaml)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=None, help="only these methods of the plan (comma-separated)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 0 = CPU)")
@@ -561,7 +562,7 @@ def main() -> None:
     slots = make_slots(gpus, args.per_gpu, args.jobs)
     extra = shared_gpu_budget(args.extra, gpus, args.per_gpu)
     threads = max((os.cpu_count() or 1) // len(slots), 1)
-    env = environment()
+    env = {**environment(), "fit_extra": extra}  # every run's arguments beyond its configs, in its result
     command = " ".join(["python scripts/replicate.py", *without_option(sys.argv[1:], "--bundle")])
     walls = [json.load(open(os.path.join(args.results_dir, f"{n}.json"))).get("wall_s", 0) for n in sorted(done)]
     estimate = args.run_s or (statistics.median(walls) if walls else 0.0)  # seconds of a whole run

@@ -22,6 +22,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from replicate import ABLATIONS, MAIN, config_lr  # noqa: E402  (the method lists and rates the runs were made with)
+from weight_shares import RULE_CHANGES, RULE_VERSION, Tally  # noqa: E402  (the decision-token rules)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "replication")
@@ -751,8 +752,12 @@ ROUTES = ["partial", "solve_none", "single", "all"]
 """The routes of the per-step ``route_<name>`` shares ("all": all-correct groups). In ``weight_shares`` the key
 "pooled" pools every route."""
 SHARE_KEYS = [("decision_token_share", "decision token share"), ("decision_f_share", "decision f share"),
-              ("concentration", "concentration"), ("mean_f_decision", "mean f, decision tokens"),
-              ("mean_f_other", "mean f, the rest")]
+              ("mean_f_decision", "mean f, decision tokens"), ("mean_f_other", "mean f, the rest")]
+MIN_TOKENS = 100
+"""A logged step counts toward a run's concentration after the first logged step when it has at least MIN_TOKENS
+teacher tokens in the route measured (the verdicts read the pooled route)."""
+SATURATED = 0.99
+"""A task leaves no headroom when every method's mean final ID Pass@8 is at least SATURATED."""
 LAST = 20
 """A run's final completion length and entropy: the median over its last LAST steps."""
 
@@ -804,31 +809,92 @@ def trained_steps(run: dict) -> int:
     return sum(v is not None for v in run["steps"]["reward"])
 
 
-def shares_of(run: dict, route: str = "pooled") -> Optional[dict]:
-    """A run's weight-shares summary of one route over all its logged steps (None where absent)."""
-    return (run.get("weight_shares") or {}).get("overall", {}).get(route)
+def shares_by_step(run: dict) -> dict[str, dict]:
+    """A run's weight-shares summaries by logged step ({step: {route: summary}}; empty where absent)."""
+    return (run.get("weight_shares") or {}).get("by_step", {})
 
 
-def concentration_by_seed(runs: list[dict]) -> list[tuple[int, float]]:
-    """(seed, concentration over every route pooled, over the run) for the runs that have it."""
-    pairs = [(r["seed"], (shares_of(r) or {}).get("concentration")) for r in runs]
-    return [(seed, c) for seed, c in pairs if c is not None]
+def base_step(run: dict) -> Optional[str]:
+    """The logged step whose rollouts the base policy drew, before any update, or None: the first logged step when
+    it is step 0 or 1 (CreditLogging records the optimiser step count after the batch's update, so the first batch
+    logs as step 1)."""
+    steps = sorted(shares_by_step(run), key=int)
+    return steps[0] if steps and int(steps[0]) <= 1 else None
 
 
-def concentration_series(runs: list[dict]) -> tuple[list[int], list[float]]:
-    """The logged steps every run has a concentration for (pooled route), and its mean over runs there."""
-    columns = [{int(step): block["pooled"]["concentration"] for step, block in r["weight_shares"]["by_step"].items()
-                if block.get("pooled", {}).get("concentration") is not None}
-               for r in runs if r.get("weight_shares")]
-    if not columns:
-        return [], []
-    steps = sorted(set.intersection(*(set(c) for c in columns)))
-    return steps, [statistics.fmean(c[t] for c in columns) for t in steps]
+def base_concentration(run: dict, route: str = "pooled") -> Optional[float]:
+    """A route's concentration at the run's base-policy step, read as every step is: when the route has MIN_TOKENS
+    teacher tokens or more there (None otherwise, or without the step)."""
+    step = base_step(run)
+    block = shares_by_step(run)[step].get(route) if step is not None else None
+    return block["concentration"] if block and block["tokens"] >= MIN_TOKENS else None
+
+
+def counted_steps(run: dict, route: str = "pooled") -> list[tuple[int, dict]]:
+    """(step, summary) of a route at each logged step after the base-policy step that has MIN_TOKENS teacher tokens
+    or more and a concentration, in step order."""
+    base = base_step(run)
+    blocks = [(int(step), block.get(route)) for step, block in shares_by_step(run).items() if step != base]
+    return sorted((step, b) for step, b in blocks
+                  if b and b["tokens"] >= MIN_TOKENS and b.get("concentration") is not None)
+
+
+def pooled(blocks: list[dict]) -> dict:
+    """One summary of several steps' summaries, their tokens counted together."""
+    tally = Tally()
+    for b in blocks:
+        rest = b["tokens"] - b["decision_tokens"]
+        tally.n[0] += b["decision_tokens"]
+        tally.n[1] += rest
+        tally.f[0] += (b["mean_f_decision"] or 0.0) * b["decision_tokens"]
+        tally.f[1] += (b["mean_f_other"] or 0.0) * rest
+    return tally.summary()
+
+
+def trained(run: dict, route: str = "pooled") -> Optional[dict]:
+    """A run's weight after the first logged step: ``concentration``, the mean over :func:`counted_steps` (each
+    step weighted equally), with the number of ``steps`` and ``tokens`` behind it and the steps' tokens ``pooled``
+    (:func:`pooled`); None without a counted step."""
+    steps = [b for _, b in counted_steps(run, route)]
+    if not steps:
+        return None
+    return {"concentration": statistics.fmean(b["concentration"] for b in steps), "steps": len(steps),
+            "tokens": sum(b["tokens"] for b in steps), "pooled": pooled(steps)}
+
+
+def step_label(runs: list[dict]) -> str:
+    """How the page names the base-policy step of these runs: "step N" when they share it."""
+    steps = {base_step(r) for r in runs if base_step(r) is not None}
+    return f"step {steps.pop()}" if len(steps) == 1 else "the first logged step"
+
+
+def earlier_rules(runs: list[dict]) -> list[tuple[str, list[int], int]]:
+    """(rule, the earlier versions found, the version now) for each rule that some of the runs' shares were
+    computed under in an earlier version than ``scripts/weight_shares.py`` applies now (a result file without a
+    version has version 1)."""
+    out = []
+    for rule in sorted({r["weight_shares"]["rule"] for r in runs if r.get("weight_shares")}):
+        now = RULE_VERSION.get(rule, 1)
+        then = sorted({v for r in runs if r.get("weight_shares") and r["weight_shares"]["rule"] == rule
+                       for v in [r["weight_shares"].get("rule_version") or 1] if v < now})
+        if then:
+            out.append((rule, then, now))
+    return out
+
+
+def earlier_rule_note(runs: list[dict]) -> Optional[str]:
+    """The sentence under the weight table when :func:`earlier_rules` finds any; else None."""
+    said = [f"these shares were computed under version {', '.join(map(str, then))} of the `{rule}` rule, and "
+            f"`scripts/weight_shares.py` now applies version {now}"
+            + (f" ({RULE_CHANGES[(rule, now)]})" if (rule, now) in RULE_CHANGES else "")
+            for rule, then, now in earlier_rules(runs)]
+    return ("Note: " + "; ".join(said) + ".") if said else None
 
 
 def concentration_methods(groups: dict[str, list[dict]]) -> list[str]:
     """The methods of a task whose weight concentration can be drawn per logged step."""
-    return [m for m in TEACHER_METHODS if groups.get(m) and concentration_series(groups[m])[0]]
+    return [m for m in TEACHER_METHODS
+            if any(base_concentration(r) is not None or counted_steps(r) for r in groups.get(m, []))]
 
 
 def missing_seeds(second: dict[str, dict[str, list[dict]]]) -> list[str]:
@@ -878,12 +944,14 @@ def round2_budget(task: str, config: Optional[dict]) -> str:
 def round2_setup(task: str, groups: dict[str, list[dict]]) -> list[str]:
     """One bullet per task: its config's budget, then the cards and the commands of its result files."""
     runs = [r for rs in groups.values() for r in rs]
-    places: dict[tuple[str, int], int] = {}
+    places: dict[tuple[str, int, int], int] = {}
     for r in runs:
-        places[(r["card"], r["runs_per_gpu"])] = places.get((r["card"], r["runs_per_gpu"]), 0) + 1
+        key = (r["card"], r.get("gpus") or 0, r["runs_per_gpu"])
+        places[key] = places.get(key, 0) + 1
     commands = list(dict.fromkeys(c for r in runs for c in (r.get("commands") or [r.get("command")]) if c))
     head = (f"- {round2_budget(task, task_config(task))} Ran on "
-            + "; ".join(f"{card}, {per} at a time per GPU ({n} runs)" for (card, per), n in sorted(places.items()))
+            + "; ".join((f"{gpus} GPU{'s' if gpus > 1 else ''} ({card})" if gpus else card)
+                        + f", {per} at a time per GPU ({n} runs)" for (card, gpus, per), n in sorted(places.items()))
             + "." + (" Commands:" if commands else ""))
     return [head, *(f"  - `{c}`" for c in commands)]
 
@@ -930,25 +998,55 @@ def round2_signal(groups: dict[str, list[dict]]) -> list[str]:
 
 
 def round2_weights(groups: dict[str, list[dict]]) -> list[str]:
-    """Where the weight goes: the weight-shares summaries of the SC-GRPO methods, mean ± std over seeds."""
+    """Where the weight goes: per SC-GRPO method and route, the concentration at the base-policy step and after
+    it (:func:`trained`), and the shares of the steps after it; mean ± std over seeds."""
     runs = [r for m in TEACHER_METHODS for r in groups.get(m, []) if r.get("weight_shares")]
     if not runs:
         return []
     rules = sorted({(r["weight_shares"]["rule"], tuple(r["weight_shares"].get("names", []))) for r in runs})
-    found = {route for r in runs for route in r["weight_shares"]["overall"]}
+    found = {route for r in runs for block in shares_by_step(r).values() for route in block}
     routes = ["pooled", *[k for k in ROUTES if k in found], *sorted(found - set(ROUTES) - {"pooled"})]
+    label = step_label(runs)
     rows = []
     for method in TEACHER_METHODS:
+        rs = [r for r in groups.get(method, []) if r.get("weight_shares")]
         for route in routes:
-            blocks = [shares_of(r, route) for r in groups.get(method, [])]
-            blocks = [b for b in blocks if b]
-            if blocks:
-                rows.append([method, "all-correct" if route == "all" else route, str(len(blocks)),
-                             *[ms([b.get(key) for b in blocks]) for key, _ in SHARE_KEYS]])
+            base = [base_concentration(r, route) for r in rs]
+            after = [trained(r, route) for r in rs]
+            if all(b is None for b in base) and not any(after):
+                continue
+            known = [t for t in after if t]
+            rows.append([method, "all-correct" if route == "all" else route, str(len(rs)), _of(base, len(rs)),
+                         _of([t["concentration"] for t in known], len(rs)),
+                         "/".join(str(t["steps"] if t else 0) for t in after),
+                         "/".join(f"{t['tokens']:,}" if t else "0" for t in after),
+                         *[ms([t["pooled"].get(key) for t in known]) for key, _ in SHARE_KEYS]])
     said = "; ".join(f"`{rule}`" + (f" on {', '.join(names)}" if names else "") for rule, names in rules)
     lines = [(f"Decision tokens: the rule {said} of `scripts/weight_shares.py`, over the rollouts each run logged "
               "(rows with a teacher only)."), ""]
-    return lines + table(["method", "route", "seeds", *[label for _, label in SHARE_KEYS]], rows)
+    note = earlier_rule_note(runs)
+    if note:
+        lines += [note, ""]
+    return lines + table(["method", "route", "seeds", f"concentration, {label} (base policy)",
+                          f"concentration after {label}", "steps counted, per seed", "tokens counted, per seed",
+                          *[name for _, name in SHARE_KEYS]], rows)
+
+
+def _of(values: list[Optional[float]], seeds: int) -> str:
+    """:func:`ms` of the known values, saying how many seeds have one when not all do."""
+    known = [v for v in values if v is not None]
+    return ms(known) + (f" ({len(known)} of {seeds} seeds)" if known and len(known) < seeds else "")
+
+
+def weights_caption(groups: dict[str, list[dict]]) -> str:
+    """The caption under the weight table."""
+    label = step_label([r for m in TEACHER_METHODS for r in groups.get(m, []) if r.get("weight_shares")])
+    return ("Concentration: the decision tokens' share of the f mass over their share of the tokens (above 1: the "
+            f"weight sits on decision tokens more than uniform weights would), read at a logged step only when the "
+            f"route has at least {MIN_TOKENS} teacher tokens there. The rollouts logged at {label} were drawn by the "
+            "base policy, before any update, so that step is shown apart. After it, per run: the mean over the later "
+            "logged steps read, each step weighted equally (steps and tokens counted, per seed; 0: none). The share "
+            "and mean-f columns pool the tokens of the same steps. Then mean ± std over the seeds that have a value.")
 
 
 def _said(d: list[float]) -> str:
@@ -976,29 +1074,109 @@ def beat(groups: dict[str, list[dict]], other: str) -> str:
     return head + f" (ID Avg@8 {_said(d['id'])}; OOD Avg@8 {_said(d['ood'])})."
 
 
-def beaten_on(groups: dict[str, list[dict]], other: str) -> Optional[bool]:
-    """Whether SC-GRPO beat ``other`` beyond seed noise on ID or OOD Avg@8 (None: not both ran on 2+ seeds)."""
+def beaten_on(groups: dict[str, list[dict]], other: str, side: str = "higher") -> Optional[bool]:
+    """Whether SC-GRPO scored ``side`` ("higher": above, "lower": below) ``other`` beyond seed noise on ID or OOD
+    Avg@8 (None: not both ran on 2+ seeds)."""
     if not groups.get("scgrpo") or not groups.get(other):
         return None
     d = [[x for _, x in paired(groups["scgrpo"], groups[other], s, "avg@8")] for s in ("id", "ood")]
     if any(len(x) < 2 for x in d):
         return None
-    return any(verdict(x) == "higher" for x in d)
+    return any(verdict(x) == side for x in d)
+
+
+def _seeds_said(values: list[tuple[int, dict]]) -> str:
+    return ", ".join(f"{t['concentration']:.2f} (seed {s}: {t['steps']} step{'s' if t['steps'] > 1 else ''}, "
+                     f"{t['tokens']:,} tokens)" for s, t in values)
+
+
+def lean(values: list[float]) -> str:
+    """The verdict over seeds on a method's concentration: the mean with its 95% t-interval; "concentrates on
+    decision tokens" only when the interval lies above 1, "leans away from decision tokens" only when below."""
+    if len(values) < 2:
+        return f"one seed ({values[0]:.2f}): no interval, no verdict"
+    lo, hi = interval(values)
+    said = ("concentrates on decision tokens" if lo > 1 else "leans away from decision tokens" if hi < 1 else
+            "no clear lean")
+    return f"mean {_mean(values):.2f}, 95% interval [{lo:.2f}, {hi:.2f}]: {said}"
+
+
+def no_rows(run: dict) -> str:
+    """What a run without a counted step after the first (:func:`counted_steps`) logged there."""
+    base = base_step(run)
+    later = [b.get("pooled") or {} for step, b in shares_by_step(run).items() if step != base]
+    tokens, steps = sum(b.get("tokens", 0) for b in later), sum(1 for b in later if b.get("tokens"))
+    if not tokens:
+        return "no teacher rows after the first step"
+    return (f"no teacher rows after the first step at a logged step with {MIN_TOKENS} teacher tokens or more "
+            f"({steps} step{'s' if steps > 1 else ''} with fewer, {tokens:,} tokens in all)")
 
 
 def concentrates(groups: dict[str, list[dict]], method: str) -> str:
-    """Whether a method's weight sits on decision tokens: the pooled concentration above 1 in every seed, below 1
-    in every seed, or mixed."""
-    by_seed = concentration_by_seed(groups[method])
-    if not by_seed:
+    """Where a method's weight sits, after the first logged step (:func:`trained`, pooled route): above 1 in every
+    seed, below 1 in every seed, or mixed, and :func:`lean` over seeds; then the base-policy step apart."""
+    runs = [r for r in groups[method] if r.get("weight_shares")]
+    if not runs:
         return f"{NAMES[method]}: no weight shares recorded."
-    values = [c for _, c in by_seed]
-    where = ("concentrates on decision tokens (concentration above 1 in every seed" if all(c > 1 for c in values) else
-             "leans away from decision tokens (concentration below 1 in every seed" if all(c < 1 for c in values) else
-             "is mixed (concentration above 1 in some seeds, not in others")
-    lacking = [r["seed"] for r in groups[method] if r["seed"] not in dict(by_seed)]
-    return (f"{NAMES[method]}'s weight {where}: " + ", ".join(f"{c:.2f} (seed {s})" for s, c in by_seed) + ")"
-            + (f"; no shares for seed {', '.join(map(str, lacking))}" if lacking else "") + ".")
+    label = step_label(runs)
+    by_seed = [(r["seed"], trained(r)) for r in runs]
+    have = [(seed, t) for seed, t in by_seed if t]
+    lacking = [seed for seed, t in by_seed if not t]
+    base = [(r["seed"], base_concentration(r)) for r in runs]
+    base = [(seed, c) for seed, c in base if c is not None]
+    tail = ((f" At {label} (the base policy's rollouts): " + ", ".join(f"{c:.2f} (seed {seed})" for seed, c in base)
+             + ".") if base else "")
+    rule = "".join(f" (under version {', '.join(map(str, then))} of the `{name}` rule, not {now})"
+                   for name, then, now in earlier_rules(runs))
+    if not have:
+        return (f"{NAMES[method]}: no teacher rows after the first step, in any seed ("
+                + "; ".join(f"seed {r['seed']}: {no_rows(r)}" for r in runs) + f").{tail}")
+    values = [t["concentration"] for _, t in have]
+    every = "in every seed" if len(values) > 1 else "in the one seed with a value"
+    where = (f"above 1 {every}" if all(c > 1 for c in values) else f"below 1 {every}" if all(c < 1 for c in values)
+             else "mixed (above 1 in some seeds, not in others)")
+    return (f"{NAMES[method]}'s concentration after {label}{rule} is {where}: {_seeds_said(have)}"
+            + "".join(f"; seed {r['seed']}: {no_rows(r)}" for r in runs if r["seed"] in lacking)
+            + f"; {lean(values)}.{tail}")
+
+
+def same_scores(groups: dict[str, list[dict]]) -> list[list[str]]:
+    """Sets of two or more methods whose final ID and OOD Avg@8 are the same in every seed they both ran (two
+    seeds or more)."""
+    def scores(run: dict) -> tuple:
+        return tuple(None if value(run, s, "avg@8") is None else round(value(run, s, "avg@8"), 9) for s in ("id", "ood"))
+
+    def alike(a: str, b: str) -> bool:
+        mine = {r["seed"]: scores(r) for r in groups[a]}
+        theirs = {r["seed"]: scores(r) for r in groups[b]}
+        both = sorted(set(mine) & set(theirs))
+        return len(both) > 1 and all(mine[seed] == theirs[seed] for seed in both)
+
+    sets: list[list[str]] = []
+    for method in groups:
+        home = next((found for found in sets if alike(found[0], method)), None)
+        if home:
+            home.append(method)
+        else:
+            sets.append([method])
+    return [found for found in sets if len(found) > 1]
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def headroom(groups: dict[str, list[dict]]) -> list[str]:
+    """Why a task may leave no room to tell the methods apart: "saturated" when every method's mean final ID Pass@8
+    is SATURATED or more; "methods converged to the same scores" when :func:`same_scores` finds any (named)."""
+    flags = []
+    passes = [known_mean(value(r, "id", "pass@8") for r in rs) for rs in groups.values()]
+    if passes and all(p is not None and p >= SATURATED for p in passes):
+        flags.append(f"saturated, every method's mean final ID Pass@8 is {SATURATED:g} or more")
+    for found in same_scores(groups):
+        flags.append(f"methods converged to the same scores, {_listed([NAMES.get(m, m) for m in found])} have the "
+                     "same final ID and OOD Avg@8 in every seed")
+    return flags
 
 
 def anchored(groups: dict[str, list[dict]]) -> str:
@@ -1024,20 +1202,61 @@ def round2_conclusions(second: dict[str, dict[str, list[dict]]]) -> list[str]:
     lines = []
     ran = {task: groups for task, groups in second.items() if groups}
     for other in ("grpo", "dapo"):
-        verdicts = {task: beaten_on(groups, other) for task, groups in ran.items()}
-        compared = [t for t, v in verdicts.items() if v is not None]
+        compared = [t for t, groups in ran.items() if beaten_on(groups, other) is not None]
         if compared:
-            wins = [t for t in compared if verdicts[t]]
-            lines.append(f"- **SC-GRPO against {NAMES[other]}, over the tasks**: beyond seed noise on ID or OOD Avg@8 "
-                         f"on {len(wins)} of {len(compared)} tasks" + (f" ({', '.join(wins)})" if wins else "") + ".")
+            said = []
+            for side, where in (("higher", "above"), ("lower", "below")):
+                tasks = [t for t in compared if beaten_on(ran[t], other, side)]
+                said.append(f"{where} it on {len(tasks)} of {len(compared)} tasks"
+                            + (f" ({', '.join(tasks)})" if tasks else ""))
+            lines.append(f"- **SC-GRPO against {NAMES[other]}, over the tasks**, beyond seed noise on ID or OOD "
+                         f"Avg@8: {'; '.join(said)}.")
     for task, groups in ran.items():
+        flags = headroom(groups)
         parts = [beat(groups, "grpo"), beat(groups, "dapo"),
-                 *[concentrates(groups, m) for m in TEACHER_METHODS if groups.get(m)], anchored(groups)]
-        lines.append(f"- **{task}**: " + " ".join(parts))
+                 *[concentrates(groups, m) for m in TEACHER_METHODS if groups.get(m)], anchored(groups),
+                 *lengths_said(task, groups)]
+        lines.append(f"- **{task}**: " + (f"No headroom: {'; '.join(flags)}. " if flags else "") + " ".join(parts))
     missing = missing_seeds(second)
     lines.append("- **Missing runs** (fewer than " + f"{len(ROUND2_SEEDS)} seeds): "
                  + ("; ".join(missing) if missing else "none") + ".")
     return lines
+
+
+def calibrated_length(task: str, path: str = CALIBRATION) -> Optional[float]:
+    """The base model's mean correct-completion length on the task's settings (the calibration file), or None."""
+    init = ((task_config(task) or {}).get("data", {}).get("source") or {}).get("init_args") or {}
+    if not isinstance(init, dict) or "task" not in init or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = json.load(f)["results"]
+    key = (init["task"], json.dumps(init.get("config") or {}, sort_keys=True))
+    return next((r["mean_correct_length"] for r in rows
+                 if (r["task"], json.dumps(r["config"], sort_keys=True)) == key), None)
+
+
+def lengths_said(task: str, groups: dict[str, list[dict]], path: str = CALIBRATION) -> list[str]:
+    """For a calibrated task: the base model's correct completions' length against the trained methods' final
+    completion lengths (whether the task still needed long answers once trained)."""
+    base = calibrated_length(task, path)
+    finals = {m: known_mean(last_median(r, "completion_length") for r in rs) for m, rs in groups.items()}
+    finals = {m: v for m, v in finals.items() if v is not None}
+    if base is None or not finals:
+        return []
+    short = [m for m, v in finals.items() if v < 40]
+    return [f"The base model's correct completions took {base:.0f} tokens; trained, the methods' final completions "
+            f"took {min(finals.values()):.1f} to {max(finals.values()):.1f} tokens"
+            + (f", under 40 for {', '.join(NAMES[m] for m in short)}" if short else "") + "."]
+
+
+EXTRACTION_SAID = {
+    "tag_or_number": ("our choice, not reasoning_gym's (which reads only an `<answer>` block): a completion without "
+                      "an `<answer>` block is scored 1 if its last number equals the answer, else 0; a block is "
+                      "scored by the task's own scorer (which can give partial credit)"),
+    "tag": ("reasoning_gym's convention: the last `<answer>` block is scored by the task's own scorer (which can give "
+            "partial credit), and a completion without one scores 0"),
+}
+"""How each ``extraction`` of ``scgrpo.data.ReasoningGymTask`` scores a completion, as the page says it."""
 
 
 def round2_calibration(path: str = CALIBRATION) -> list[str]:
@@ -1058,10 +1277,14 @@ def round2_calibration(path: str = CALIBRATION) -> list[str]:
         rows.append([r["task"], f"`{json.dumps(r['config'])}`", f"{r['pass_at_k']:.2f}", f"{r['avg_at_k']:.3f}",
                      f"{r['mean_length']:.0f}", "-" if r["mean_correct_length"] is None else f"{r['mean_correct_length']:.0f}",
                      f"{r['truncated']:.2f}", "yes" if used else "no"])
-    return [f"The reasoning_gym settings: the base model's Pass@{k} and lengths (tokens) on {data['results'][0]['rows']} "
-            f"ID problems each, {k} samples, at most {data['max_new_tokens']} new tokens, answers read by "
-            f"`{data['extraction']}`, on {data['device']}; a setting suits when Pass@{k} is 10-60% and correct "
-            f"completions take 40 tokens or more. Command: `{data['command']}`.", "",
+    extraction = EXTRACTION_SAID.get(data["extraction"], "")
+    return [f"The reasoning_gym settings: the base model's Pass@{k} and lengths (tokens) on the ID split's first "
+            f"{data['results'][0]['rows']} problems of each setting (the same problems its evaluation uses first: "
+            f"the split is drawn from the same seed), {k} samples, at most {data['max_new_tokens']} new tokens, on "
+            f"{data['device']}; a setting suits when Pass@{k} is 10-60% and correct completions take 40 tokens or "
+            f"more. Answers read with `extraction: {data['extraction']}`" + (f", {extraction}" if extraction else "")
+            + ". The file keeps each setting's first right completion (`example_correct`): at this size a right last "
+            f"number often ends a confused working, so base Pass@{k} is partly chance. Command: `{data['command']}`.", "",
             *table(["task", "settings", f"Pass@{k}", f"Avg@{k}", "mean length", "mean correct length", "truncated",
                     "trained on"], rows)]
 
@@ -1120,8 +1343,7 @@ def round2(second: dict[str, dict[str, list[dict]]]) -> list[str]:
             w("")
             out += weights
             w("")
-            w("Concentration: the decision tokens' share of the f mass over their share of the tokens (above 1: the "
-              "weight sits on decision tokens more than uniform weights would). Mean ± std over seeds.")
+            w(weights_caption(groups))
             w("")
         w(f"![{task}: entropy and completion length per step](replication/round2_{task}.png)")
         if concentration_methods(groups):
@@ -1141,6 +1363,34 @@ def by_task(tasks: dict[str, dict[str, list[dict]]]) -> dict:
         for method, runs in groups.items():
             out.setdefault(method, {})[task] = summary_block(runs)
     return out
+
+
+def draw_concentration(ax, runs: list[dict], method: str, colour: str) -> None:
+    """A method's pooled concentration: the base-policy step as an open square per seed, then a line per seed over
+    the later steps counted (:func:`counted_steps`), and their mean over seeds (:func:`trained`) dashed across
+    them."""
+    labelled: set[str] = set()
+
+    def label(text: str) -> Optional[str]:
+        new = text not in labelled
+        labelled.add(text)
+        return text if new else None
+
+    for run in runs:
+        base = base_concentration(run)
+        if base is not None:
+            ax.plot([int(base_step(run))], [base], ls="none", marker="s", ms=7, mfc="none", color=colour,
+                    label=label(f"{method}, base policy (step {base_step(run)})"))
+        later = [(step, b["concentration"]) for step, b in counted_steps(run)]
+        if later:
+            ax.plot(*zip(*later), color=colour, lw=0.9, alpha=0.6, marker="o", ms=3,
+                    label=label(f"{method}, after it, per seed"))
+    after = [t["concentration"] for t in (trained(r) for r in runs) if t]
+    counted = [step for r in runs for step, _ in counted_steps(r)]
+    if after:
+        mean = statistics.fmean(after)
+        ax.plot([min(counted), max(counted)], [mean, mean], color=colour, ls="--", marker="_", ms=14,
+                label=f"{method}, after it: mean over seeds {mean:.2f}")
 
 
 def round2_figures(second: dict[str, dict[str, list[dict]]], out: str) -> list[str]:
@@ -1181,14 +1431,13 @@ def round2_figures(second: dict[str, dict[str, list[dict]]], out: str) -> list[s
         methods = concentration_methods(groups)
         if methods:
             fig, ax = plt.subplots(figsize=(7, 4.2))
-            for method in methods:
-                steps, mean = concentration_series(groups[method])
-                ax.plot(steps, mean, marker="o", ms=3, label=method)
+            for k, method in enumerate(methods):
+                draw_concentration(ax, groups[method], method, f"C{k}")
             ax.axhline(1.0, color="grey", lw=0.8)
-            ax.set_xlabel("optimiser step")
+            ax.set_xlabel("logged step")
             ax.set_ylabel("decision f share / decision token share")
-            ax.set_title(f"{task}: weight concentration on decision tokens (all routes, mean over seeds)",
-                         fontsize=10)
+            ax.set_title(f"{task}: weight concentration on decision tokens, all routes\n(logged steps with "
+                         f"{MIN_TOKENS}+ teacher tokens; squares: the base policy's rollouts)", fontsize=9)
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
             save(fig, f"round2_{task}_concentration.png")

@@ -13,13 +13,19 @@ Decision tokens (the same rules in README.md, "Where the weight goes"):
 - ``tool``: a token the model wrote that overlaps a tool call: ``<tool_call>...</tool_call>`` or ``name(...)``
   for each ``--tools`` name, its arguments included. The text around the calls (and the final answer) is the
   rest. An episode's environment tokens (observations, tool results) are never counted.
-- ``words``: a token the model wrote that overlaps one of ``--words`` as a whole word, in any case: the moves of
-  a game (Blackjack's ``hit``, ``stick`` and the forms its task reads). The rest of each reply is the rest.
+- ``words``: a token the model wrote that overlaps the first of ``--words`` in its model turn (a run of tokens
+  the model wrote, between the environment's), as the environment reads a move (``choose`` in
+  ``scgrpo.envs.gym``): the first action word of the turn, in any case, with no letter, digit or underscore
+  joined to it on either side, longer words tried first; the rest of the turn is ignored. So one turn "I hit or
+  stick" marks "hit" only; a word split over tokens marks each of them. Blackjack's words are ``hit``, ``stick``
+  and the forms its task reads. Everything else the model wrote is the rest.
 
 Only rows that had a teacher count (elsewhere f is not defined: the row is plain GRPO, weight 1). Per logged step
 and route, and over all steps: the decision tokens' share of the tokens and of the f mass, their ratio
 (``concentration``: above 1 the weight sits on decision tokens more than uniform weights would), and the mean f
-of each class. Writes ``<out>.json`` and ``<out>.md``, and ``<out>.png`` where matplotlib is installed.
+of each class. A step logged twice (a run resumed from a checkpoint) counts its last block of rows only. Writes
+``<out>.json`` (with the rule's version, ``RULE_VERSION``) and ``<out>.md``, and ``<out>.png`` where matplotlib is
+installed.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ from typing import Iterable, Optional, Sequence
 ARITHMETIC = re.compile(r"[0-9+\-*/×÷=]")
 TOOL_TAG = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 TASKS = ("arith", "countdown", "tool", "words")
+RULE_VERSION = {"arith": 1, "countdown": 1, "tool": 1, "words": 2}
+"""Each rule's version, recorded with its shares; it goes up when the rule changes (see ``RULE_CHANGES``)."""
+RULE_CHANGES = {("words", 2): "only the first move of each model turn counts; version 1 counted every move"}
+"""What each version after the first changed."""
 
 
 def tool_call_spans(text: str, names: Sequence[str]) -> list[tuple[int, int]]:
@@ -53,23 +63,60 @@ def tool_call_spans(text: str, names: Sequence[str]) -> list[tuple[int, int]]:
     return spans
 
 
+def move_pattern(words: Sequence[str]) -> re.Pattern:
+    """The environment's pattern for a move (``scgrpo.envs.gym``'s ``choose``): any of ``words``, in any case, with
+    no word character on either side, longer words tried first."""
+    alternatives = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+    return re.compile(rf"(?<!\w)({alternatives})(?!\w)", re.IGNORECASE)
+
+
 def word_spans(text: str, words: Sequence[str]) -> list[tuple[int, int]]:
-    """Character spans of each of ``words`` standing as a whole word in ``text``, in any case."""
+    """Character spans of every move (:func:`move_pattern`) in ``text``."""
     if not words:
         return []
-    pattern = re.compile(r"\b(?:" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
-    return [(m.start(), m.end()) for m in pattern.finditer(text)]
+    return [(m.start(), m.end()) for m in move_pattern(words).finditer(text)]
 
 
-def decision_tokens(tokens: Sequence[str], task: str, names: Sequence[str] = ()) -> list[bool]:
+def model_turns(model: Sequence[int]) -> list[tuple[int, int]]:
+    """Token ranges ``[start, end)`` of each run of consecutive tokens the model wrote (flag 1)."""
+    turns, start = [], None
+    for k, own in enumerate([*model, 0]):
+        if own and start is None:
+            start = k
+        elif not own and start is not None:
+            turns.append((start, k))
+            start = None
+    return turns
+
+
+def first_move_spans(tokens: Sequence[str], words: Sequence[str], model: Sequence[int]) -> list[tuple[int, int]]:
+    """Character spans, in the joined ``tokens``, of the first move of each model turn: the move the environment
+    takes from that turn."""
+    offsets = [0]
+    for t in tokens:
+        offsets.append(offsets[-1] + len(t))
+    spans = []
+    for a, b in model_turns(model):
+        found = word_spans("".join(tokens[a:b]), words)
+        if found:
+            spans.append((offsets[a] + found[0][0], offsets[a] + found[0][1]))
+    return spans
+
+
+def decision_tokens(tokens: Sequence[str], task: str, names: Sequence[str] = (),
+                    model: Optional[Sequence[int]] = None) -> list[bool]:
     """Which of a completion's tokens are decision tokens under ``task``'s rule (see the module docstring);
-    ``names`` are the tool names of ``tool`` and the words of ``words``."""
+    ``names`` are the tool names of ``tool`` and the words of ``words``; ``model`` flags the tokens the model wrote
+    (1) against the environment's (0), which ``words`` reads as turns (None: every token the model's, one turn)."""
     if task in ("arith", "countdown"):
         return [bool(ARITHMETIC.search(t)) for t in tokens]
     if task not in ("tool", "words"):
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     text = "".join(tokens)
-    spans = tool_call_spans(text, names) if task == "tool" else word_spans(text, names)
+    if task == "tool":
+        spans = tool_call_spans(text, names)
+    else:
+        spans = first_move_spans(tokens, names, [1] * len(tokens) if model is None else model)
     out, start = [], 0
     for t in tokens:
         end = start + len(t)
@@ -103,7 +150,22 @@ class Tally:
         }
 
 
+def last_blocks(records: Iterable[dict]) -> list[dict]:
+    """One file's records, keeping each step's last block: a record whose row its step has already logged starts
+    the step's block again and drops the step's earlier records (a run resumed from a checkpoint logs a step again,
+    perhaps with fewer rows; two batches logged at one step keep the second)."""
+    blocks: dict = {}
+    for r in records:
+        block = blocks.setdefault(r["step"], {})
+        if r["row"] in block:
+            block = blocks[r["step"]] = {}
+        block[r["row"]] = r
+    return [r for block in blocks.values() for r in block.values()]
+
+
 def read_rows(paths: Iterable[str]) -> list[dict]:
+    """The logged rollouts of each run folder (or ``credit_tokens.jsonl`` file), each step's last block only (see
+    :func:`last_blocks`)."""
     rows = []
     for path in paths:
         file = os.path.join(path, "credit_tokens.jsonl") if os.path.isdir(path) else path
@@ -111,28 +173,27 @@ def read_rows(paths: Iterable[str]) -> list[dict]:
             raise SystemExit(f"weight_shares: {file} not found (the run logs it every log_completions_every_n_steps "
                              "steps when its objective has token weights, as SC-GRPO does)")
         with open(file) as f:
-            # a run resumed from a checkpoint may log a step again: the last record of each (step, row) counts
-            unique = {(r["step"], r["row"]): r for r in (json.loads(line) for line in f if line.strip())}
-        rows += list(unique.values())
+            rows += last_blocks(json.loads(line) for line in f if line.strip())
     return rows
 
 
 def weight_shares(rows: Iterable[dict], task: str, names: Sequence[str] = ()) -> dict:
-    """``{"by_step": {step: {route: summary}}, "overall": {route: summary}}`` (see :meth:`Tally.summary`); the
-    route "pooled" pools every route."""
+    """``{"rule_version": int, "by_step": {step: {route: summary}}, "overall": {route: summary}}`` (see
+    :meth:`Tally.summary` and ``RULE_VERSION``); the route "pooled" pools every route."""
     by_step: dict = defaultdict(lambda: defaultdict(Tally))
     overall: dict = defaultdict(Tally)
     for row in rows:
         if not row.get("has_teacher") or row.get("f") is None:
             continue
-        decisions = decision_tokens(row["tokens"], task, names)
+        decisions = decision_tokens(row["tokens"], task, names, row["model"])
         for token_is_decision, own, f in zip(decisions, row["model"], row["f"]):
             if not own or f is None:
                 continue
             for route in (row["route"], "pooled"):
                 by_step[row["step"]][route].add(token_is_decision, f)
                 overall[route].add(token_is_decision, f)
-    return {"by_step": {str(s): {r: t.summary() for r, t in sorted(v.items())} for s, v in sorted(by_step.items())},
+    return {"rule_version": RULE_VERSION.get(task),
+            "by_step": {str(s): {r: t.summary() for r, t in sorted(v.items())} for s, v in sorted(by_step.items())},
             "overall": {r: t.summary() for r, t in sorted(overall.items())}}
 
 

@@ -57,3 +57,15 @@ def test_answers_in_prose_count_only_with_the_lenient_extraction():
                                     samples=4, extraction="tag_or_number")
     assert lenient["correct"] == 4 and lenient["pass_at_k"] == 1.0
     assert lenient["example_correct"]["completion"].startswith("so it is ")
+
+
+def test_partial_credit_is_not_a_right_answer():
+    class _Partly(_Answers):  # a block that holds the answer and more: the task's scorer gives partial credit
+        def sample(self, prompts, k):
+            out = super().sample(prompts, k)
+            out.completions = [c.replace("</answer>", "0</answer>") for c in out.completions]
+            return out
+
+    source = calibration.ReasoningGymTask("chain_sum", {}, num_train=1, num_eval=2)
+    row = calibration.calibrate(_Partly([4, 4], source.rows("id")), "chain_sum", {}, rows=2, samples=4)
+    assert row["pass_at_k"] == 0.0 and row["avg_at_k"] == 0.0 and row["correct"] == 0

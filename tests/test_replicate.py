@@ -76,6 +76,7 @@ def test_finished_runs_record_evaluations_steps_and_rollouts_and_are_skipped(tin
     assert grpo["method"] == "grpo" and grpo["seed"] == 0 and grpo["segments"] == 1
     assert grpo["commands"] == [grpo["commands"][0]] and "--methods=grpo,dapo" in grpo["commands"][0]
     assert grpo["fit"].startswith("scgrpo fit --config=configs/replication/arith.yaml --config=configs/replication/grpo.yaml")
+    assert grpo["fit_extra"] == [*TINY, "--trainer.max_steps=4"]  # the arguments beyond the configs, as given
     assert [e["step"] for e in grpo["evaluations"]] == [0, 2, 4]  # before training, then every 2 steps
     assert set(grpo["evaluations"][-1]) == {"step", "id", "ood"} and "avg@8" in grpo["evaluations"][-1]["ood"]
     assert grpo["steps"]["step"] == [1, 2, 3, 4]
@@ -247,8 +248,11 @@ def test_the_second_round_task_configs_train_and_log_their_weight_shares(task, t
 
 
 def test_runs_that_share_a_card_split_its_memory():
-    assert replicate.shared_gpu_budget(["--x=1"], gpus=4, per_gpu=8, card_gib=140.0) == [
+    assert replicate.shared_gpu_budget(["--x=1"], gpus=4, per_gpu=8, free_gib=140.0) == [
         "--x=1", "--model.memory_budget_gib=15.8"]  # 0.9 x 140 / 8
-    assert replicate.shared_gpu_budget(["--model.memory_budget_gib=14"], 4, 8, 140.0) == ["--model.memory_budget_gib=14"]
-    assert replicate.shared_gpu_budget([], gpus=1, per_gpu=1, card_gib=140.0) == []  # a run alone sizes itself
+    assert replicate.shared_gpu_budget([], 4, 8, free_gib=4.0) == ["--model.memory_budget_gib=1.0"]  # the floor
+    for given in (["--model.memory_budget_gib=14"], ["--model.generation.memory_budget_gib", "9"],
+                  ["--config=budget.yaml"]):  # a budget the user set (or may have set in a config) stays theirs
+        assert replicate.shared_gpu_budget(given, 4, 8, free_gib=140.0) == given
+    assert replicate.shared_gpu_budget([], gpus=1, per_gpu=1, free_gib=140.0) == []  # a run alone sizes itself
     assert replicate.shared_gpu_budget([], gpus=0, per_gpu=8) == []  # on the CPU: no card

@@ -136,19 +136,38 @@ data:
 """
 
 
-def _shares(concentration, token_share=0.2):
-    """A weight-shares summary with a given concentration: the f share is concentration x the token share."""
-    return {"tokens": 100, "decision_tokens": int(100 * token_share), "decision_token_share": token_share,
-            "decision_f_share": concentration * token_share, "concentration": concentration,
-            "mean_f_decision": concentration * 0.5, "mean_f_other": 0.5}
+def _shares(concentration, tokens=100):
+    """A weight-shares summary with a given concentration: a fifth of the tokens are decisions, the rest have mean f
+    0.5, and the decisions' mean f a = 2c / (5 - c) makes their f share a / (a + 2) = c / 5."""
+    decision = tokens // 5
+    a = 2 * concentration / (5 - concentration)
+    return {"tokens": tokens, "decision_tokens": decision, "decision_token_share": decision / tokens,
+            "decision_f_share": a / (a + 2), "concentration": concentration, "mean_f_decision": a, "mean_f_other": 0.5}
 
 
-def _run2(task, method, seed, finals, lr=2e-4, length=20.0, entropy=(1.0, 0.5), concentration=None, wall=100.0):
+def _weights(concentration, base=0.9, version=2, later=True):
+    """Made-up weight shares: step 1 (the base policy's rollouts) at ``base``; with ``later``, steps 15 and 30 at
+    concentration -/+ 0.1 (so their mean is ``concentration``); always a step 20 of 50 tokens at 4.0, too few to
+    count. The partial route has twice the pooled concentration, solve-none 1.0."""
+    def step(c, tokens=100):
+        return {"pooled": _shares(c, tokens), "partial": _shares(2 * c, tokens), "solve_none": _shares(1.0, tokens)}
+
+    by_step = {"1": step(base), "20": {**step(4.0, 50), "partial": _shares(1.0, 50)}}
+    if later:
+        by_step.update({"15": step(concentration - 0.1), "30": step(concentration + 0.1)})
+    shares = {"rule": "words", "names": ["hit", "stick"], "overall": {"pooled": _shares(1.0, 400)}, "by_step": by_step}
+    return {**shares, **({"rule_version": version} if version else {})}
+
+
+def _run2(task, method, seed, finals, lr=2e-4, length=20.0, entropy=(1.0, 0.5), concentration=None, wall=100.0,
+          weights=None):
     """A made-up second-round result file: 30 steps; the completion length is 100 over the first 10 steps and
-    ``length`` over the last 20; the entropy is entropy[0] at the first step and entropy[1] after."""
+    ``length`` over the last 20; the entropy is entropy[0] at the first step and entropy[1] after; weight shares
+    from :func:`_weights` (given ``concentration``, or whole as ``weights``)."""
     ia, ip, oa, op = finals
     run = _run(method, seed, (ia, ip, oa, op), steps=30, task=task, lr=lr)
     run["name"] = f"{task}_{method}_lr{lr:.0e}_seed{seed}".replace("e-0", "e-")
+    run["gpus"] = 4
     run["evaluations"][0]["id"]["avg@8"] = 0.01 * (seed + 1)
     run["steps"]["completion_length"] = [100.0] * 10 + [length] * 20
     run["steps"]["entropy"] = [entropy[0]] + [entropy[1]] * 29
@@ -159,12 +178,8 @@ def _run2(task, method, seed, finals, lr=2e-4, length=20.0, entropy=(1.0, 0.5), 
         for key in ("f_mean", "kl_p25", "kl_p50", "kl_p75", "kl_p95", "route_partial", "route_solve_none",
                     "route_single", "route_all"):
             run["steps"][key] = [None] * 30
-    if concentration is not None:
-        run["weight_shares"] = {
-            "rule": "words", "names": ["hit", "stick"],
-            "overall": {"pooled": _shares(concentration), "partial": _shares(2 * concentration),
-                        "solve_none": _shares(1.0)},
-            "by_step": {"15": {"pooled": _shares(concentration - 0.1)}, "30": {"pooled": _shares(concentration + 0.1)}}}
+    if weights is not None or concentration is not None:
+        run["weight_shares"] = weights or _weights(concentration)
     return run
 
 
@@ -177,6 +192,8 @@ def _second_round(tmp_path, monkeypatch):
       Pass@8 = Avg@8 + 0.2 everywhere; the anchor's finals are SC-GRPO's.
     blackjack (config lr 1e-4): GRPO and SC-GRPO, seeds 0-2; ID Avg@8 GRPO 0.30 0.40 0.50, SC-GRPO 0.35 0.35 0.60;
       one GRPO run at another rate, left out.
+    SC-GRPO's concentration after step 1 (:func:`_weights`): lcm 1.5 1.2 1.8 (the anchor 0.8 1.1), blackjack 0.5 0.8
+      and none in seed 2; at step 1: lcm 0.9, blackjack 1.3.
     """
     configs = tmp_path / "configs"
     configs.mkdir()
@@ -198,8 +215,11 @@ def _second_round(tmp_path, monkeypatch):
         if seed < 2:
             runs.append(_run2("lcm", "scgrpo-kl-anchor", seed, f(*s), length=40.0, concentration=[0.8, 1.1][seed]))
     for seed, (g, s) in enumerate([(0.30, 0.35), (0.40, 0.35), (0.50, 0.60)]):
+        # blackjack's shares: version 1 of the words rule (no version recorded); seed 2 logged nothing that counts
+        # after step 1
+        weights = _weights([0.5, 0.8, 0.9][seed], base=1.3, version=None, later=seed < 2)
         runs += [_run2("blackjack", "grpo", seed, f(g, g), lr=1e-4),
-                 _run2("blackjack", "scgrpo", seed, f(s, s), lr=1e-4, concentration=[0.5, 0.8, 0.9][seed])]
+                 _run2("blackjack", "scgrpo", seed, f(s, s), lr=1e-4, weights=weights)]
     runs.append(_run2("blackjack", "grpo", 0, f(0.9, 0.9), lr=2e-4))  # another rate: not the second round's
     for run in runs:
         (tmp_path / f"{run['name']}.json").write_text(json.dumps(run))
@@ -232,11 +252,24 @@ def test_second_round_tables_match_hand_computation(tmp_path, monkeypatch):
     # routes and KL of the teacher methods (0.1 at every step), f mean 0.3; entropy 1.0 at the first step, 0.5 after
     assert "| scgrpo | 0.10 | 0.10 | 0.10 | 0.10 | 0.100 | 0.100 | 0.300 | 1.000 | 0.500 |" in lcm
     assert "| grpo | - | - | - | - | - | - | - | 1.000 | 0.500 |" in lcm
-    # weight shares: concentration 1.5 1.2 1.8 -> 1.500 ± 0.300; f share 0.2 x that -> 0.300 ± 0.060
+    # weight shares: step 1 apart (0.9 in every seed); after it the mean of steps 15 and 30, c -/+ 0.1 with c = 1.5
+    # 1.2 1.8 -> 1.500 ± 0.300 (step 20, 50 tokens, left out: 2 steps and 200 tokens per seed); the pooled f share of
+    # the two steps: (a1 + a2) / (a1 + a2 + 4) with a = 2c / (5 - c), a fifth of the tokens decisions
     assert "Decision tokens: the rule `words` on hit, stick of `scripts/weight_shares.py`" in lcm
-    assert "| scgrpo | pooled | 3 | 0.200 ± 0.000 | 0.300 ± 0.060 | 1.500 ± 0.300 | 0.750 ± 0.150 |" in lcm
-    assert "| scgrpo | partial | 3 | 0.200 ± 0.000 | 0.600 ± 0.120 | 3.000 ± 0.600 |" in lcm
-    assert "| scgrpo-kl-anchor | pooled | 2 | 0.200 ± 0.000 | 0.190 ± 0.042 | 0.950 ± 0.212 |" in lcm
+    assert "| scgrpo | pooled | 3 | 0.900 ± 0.000 | 1.500 ± 0.300 | 2/2/2 | 200/200/200 | 0.200 ± 0.000 |" in lcm
+    a = [[2 * c / (5 - c) for c in (m - 0.1, m + 0.1)] for m in (1.5, 1.2, 1.8)]
+    f_shares = [sum(x) / (sum(x) + 4) for x in a]
+    assert f"| 0.200 ± 0.000 | {rep.ms(f_shares)} | {rep.ms([sum(x) / 2 for x in a])} | 0.500 ± 0.000 |" in lcm
+    assert "| scgrpo | partial | 3 | 1.800 ± 0.000 | 3.000 ± 0.600 | 2/2/2 |" in lcm
+    assert "| scgrpo-kl-anchor | pooled | 2 | 0.900 ± 0.000 | 0.950 ± 0.212 | 2/2 |" in lcm
+    assert "Note:" not in lcm  # version 2 of the words rule, the current one
+    assert "step 20" not in lcm and "read at a logged step only when the route has at least 100" in lcm
+    blackjack = section[section.index("### blackjack"):]
+    assert "| scgrpo | pooled | 3 | 1.300 ± 0.000 | 0.650 ± 0.212 (2 of 3 seeds) | 2/2/0 | 200/200/0 |" in blackjack
+    assert ("Note: these shares were computed under version 1 of the `words` rule, and `scripts/weight_shares.py` "
+            "now applies version 2 (only the first move of each model turn counts") in blackjack
+    # the setup says the GPUs of the result files
+    assert "Ran on 4 GPUs (TEST), 1 at a time per GPU (14 runs)." in section
     assert "![lcm: weight concentration per logged step](replication/round2_lcm_concentration.png)" in lcm
     # the setup, from the configs and the files
     assert ("- **lcm** (`configs/replication/lcm.yaml`): prompts from `scgrpo.data.ReasoningGymTask` "
@@ -264,20 +297,34 @@ def test_second_round_conclusions_and_missing_runs(tmp_path, monkeypatch):
             "+0.125], higher; OOD Avg@8 +0.100, 95% interval [+0.075, +0.125], higher).") in lcm
     # SC-GRPO - DAPO, ID Avg@8: -0.05 +0.11 -0.11: mean -0.017, within noise
     assert "SC-GRPO did not beat DAPO beyond seed noise (ID Avg@8 -0.017, 95% interval" in lcm
-    assert ("SC-GRPO's weight concentrates on decision tokens (concentration above 1 in every seed: 1.50 (seed 0), "
-            "1.20 (seed 1), 1.80 (seed 2)).") in lcm
-    assert ("SC-GRPO + anchor's weight is mixed (concentration above 1 in some seeds, not in others: 0.80 (seed 0), "
-            "1.10 (seed 1)).") in lcm
+    # 1.5 1.2 1.8: above 1 in every seed, but mean 1.5, sd 0.3, half-width 4.303 x 0.3 / sqrt(3) = 0.745
+    assert ("SC-GRPO's concentration after step 1 is above 1 in every seed: 1.50 (seed 0: 2 steps, 200 tokens), "
+            "1.20 (seed 1: 2 steps, 200 tokens), 1.80 (seed 2: 2 steps, 200 tokens); mean 1.50, 95% interval "
+            "[0.75, 2.25]: no clear lean. At step 1 (the base policy's rollouts): 0.90 (seed 0), 0.90 (seed 1), "
+            "0.90 (seed 2).") in lcm
+    assert ("SC-GRPO + anchor's concentration after step 1 is mixed (above 1 in some seeds, not in others): 0.80 "
+            "(seed 0: 2 steps, 200 tokens), 1.10 (seed 1: 2 steps, 200 tokens); mean 0.95, 95% interval [-0.96, "
+            "2.86]: no clear lean.") in lcm
     assert ("The KL anchor changed none of the four metrics beyond seed noise; completion length 40.0 against 20.0 "
             "tokens (paired +20.0, higher).") in lcm
     # blackjack: ID Avg@8 +0.05 -0.05 +0.10: mean +0.033, sd 0.076, half-width 0.189: within noise
     assert "SC-GRPO did not beat GRPO beyond seed noise (ID Avg@8 +0.033, 95% interval [-0.156, +0.223], " in blackjack
     assert "SC-GRPO against DAPO: not compared (no runs of DAPO)." in blackjack
-    assert "SC-GRPO's weight leans away from decision tokens (concentration below 1 in every seed" in blackjack
+    assert ("SC-GRPO's concentration after step 1 (under version 1 of the `words` rule, not 2) is below 1 in every "
+            "seed: 0.50 (seed 0: 2 steps, 200 tokens), 0.80 (seed 1: 2 steps, 200 tokens); seed 2: no teacher rows "
+            "after the first step at a logged step with 100 teacher tokens or more (1 step with fewer, 50 tokens in "
+            "all); mean 0.65, 95% interval [-1.26, 2.56]: no clear lean. At step 1 (the base policy's rollouts): "
+            "1.30 (seed 0), 1.30 (seed 1), 1.30 (seed 2).") in blackjack
+    # the anchor's made-up finals are SC-GRPO's: on lcm the two converged to the same scores
+    assert lcm.startswith("- **lcm**: No headroom: methods converged to the same scores, SC-GRPO and SC-GRPO + anchor "
+                          "have the same final ID and OOD Avg@8 in every seed. SC-GRPO beat GRPO")
+    assert blackjack.startswith("- **blackjack**: SC-GRPO did not beat GRPO")
     assert "The KL anchor: not compared (no runs of SC-GRPO + anchor)." in blackjack
     # over the tasks: lcm beat GRPO on ID and OOD, blackjack did not; only lcm ran DAPO
-    assert "- **SC-GRPO against GRPO, over the tasks**: beyond seed noise on ID or OOD Avg@8 on 1 of 2 tasks (lcm)." in closing
-    assert "- **SC-GRPO against DAPO, over the tasks**: beyond seed noise on ID or OOD Avg@8 on 0 of 1 tasks." in closing
+    assert ("- **SC-GRPO against GRPO, over the tasks**, beyond seed noise on ID or OOD Avg@8: above it on 1 of 2 "
+            "tasks (lcm); below it on 0 of 2 tasks.") in closing
+    assert ("- **SC-GRPO against DAPO, over the tasks**, beyond seed noise on ID or OOD Avg@8: above it on 0 of 1 "
+            "tasks; below it on 0 of 1 tasks.") in closing
     missing = next(line for line in closing.splitlines() if line.startswith("- **Missing runs**"))
     assert missing == ("- **Missing runs** (fewer than 3 seeds): chain_sum: not run; lcm: scgrpo-kl-anchor (seed 2 "
                        "missing); tool_calc: not run; blackjack: dapo (seeds 0, 1, 2 missing), reinforce-pp (seeds 0, "
@@ -344,7 +391,121 @@ def test_the_calibration_table_marks_the_settings_trained_on(tmp_path):
                                 "max_new_tokens": 192, "extraction": "tag_or_number",
                                 "results": [row, {**row, "config": {"max_value": 99}, "mean_correct_length": 50.4}]}))
     lines = rep.round2_calibration(str(path))
-    assert lines[0].startswith("The reasoning_gym settings: the base model's Pass@8 and lengths (tokens) on 64 ID")
+    assert lines[0].startswith("The reasoning_gym settings: the base model's Pass@8 and lengths (tokens) on the ID "
+                               "split's first 64 problems of each setting")
     assert f"| lcm | `{json.dumps(config['config'])}` | 0.42 | 0.098 | 165 | - | 0.65 | yes |" in lines
     assert '| lcm | `{"max_value": 99}` | 0.42 | 0.098 | 165 | 50 | 0.65 | no |' in lines
     assert rep.round2_calibration(str(tmp_path / "none.json")) == []
+
+
+def test_the_calibration_caption_says_how_answers_are_read():
+    path = os.path.join(ROOT, "benchmarks", "results", "reasoning", "calibration.json")
+    caption = rep.round2_calibration(path)[0]
+    assert "on the ID split's first 64 problems of each setting (the same problems its evaluation uses first" in caption
+    assert ("Answers read with `extraction: tag_or_number`, our choice, not reasoning_gym's (which reads only an "
+            "`<answer>` block): a completion without an `<answer>` block is scored 1 if its last number equals the "
+            "answer, else 0; a block is scored by the task's own scorer (which can give partial credit).") in caption
+
+
+def test_the_concentration_after_the_first_step_by_hand():
+    run = {"seed": 0, "weight_shares": _weights(1.5)}
+    assert rep.base_step(run) == "1" and rep.base_concentration(run) == 0.9
+    assert [step for step, _ in rep.counted_steps(run)] == [15, 30]  # step 20 has 50 tokens: too few
+    after = rep.trained(run)
+    assert after["concentration"] == pytest.approx(1.5) and (after["steps"], after["tokens"]) == (2, 200)
+    # pooled by hand: 40 decision tokens of 200, f mass 20 a1 + 20 a2 on them and 160 x 0.5 on the rest
+    a1, a2 = 2 * 1.4 / 3.6, 2 * 1.6 / 3.4
+    assert after["pooled"]["decision_token_share"] == pytest.approx(0.2)
+    assert after["pooled"]["decision_f_share"] == pytest.approx(20 * (a1 + a2) / (20 * (a1 + a2) + 80))
+    assert after["pooled"]["mean_f_decision"] == pytest.approx((a1 + a2) / 2)
+    # a first logged step after step 1 is not the base policy's: every step counts
+    late = {"seed": 0, "weight_shares": {"rule": "words", "by_step": {"11": {"pooled": _shares(0.5)},
+                                                                      "21": {"pooled": _shares(0.7)}}}}
+    assert rep.base_step(late) is None and rep.trained(late)["concentration"] == pytest.approx(0.6)
+    only_base = {"seed": 3, "weight_shares": _weights(1.0, later=False)}
+    assert rep.trained(only_base) is None
+    none_later = {"seed": 4, "weight_shares": {"rule": "words", "by_step": {"1": {"pooled": _shares(1.2)}}}}
+    assert rep.no_rows(none_later) == "no teacher rows after the first step"
+    said = rep.concentrates({"scgrpo": [none_later]}, "scgrpo")
+    assert said == ("SC-GRPO: no teacher rows after the first step, in any seed (seed 4: no teacher rows after the "
+                    "first step). At step 1 (the base policy's rollouts): 1.20 (seed 4).")
+
+
+def test_the_lean_over_seeds_needs_the_interval_on_one_side_of_1():
+    # 1.2 1.3 1.25: mean 1.25, sd 0.05, half-width 4.303 x 0.05 / sqrt(3) = 0.124
+    assert rep.lean([1.2, 1.3, 1.25]) == "mean 1.25, 95% interval [1.13, 1.37]: concentrates on decision tokens"
+    assert rep.lean([0.7, 0.8, 0.75]) == "mean 0.75, 95% interval [0.63, 0.87]: leans away from decision tokens"
+    assert rep.lean([0.9, 1.5, 1.2]).endswith(": no clear lean")
+    assert rep.lean([1.4]) == "one seed (1.40): no interval, no verdict"
+    runs = [{"seed": s, "weight_shares": _weights(c)} for s, c in enumerate((1.2, 1.3, 1.25))]
+    said = rep.concentrates({"scgrpo": runs}, "scgrpo")
+    assert said.startswith("SC-GRPO's concentration after step 1 is above 1 in every seed: 1.20 (seed 0: 2 steps, "
+                           "200 tokens),")
+    assert "; mean 1.25, 95% interval [1.13, 1.37]: concentrates on decision tokens. At step 1" in said
+
+
+def _four(task, scores, pass8=None):
+    """Runs of GRPO, DAPO and SC-GRPO on seeds 0-2: ``scores[method]`` = per seed (ID Avg@8, OOD Avg@8); ID Pass@8
+    ``pass8`` (else Avg@8 + 0.2)."""
+    return {m: [_run2(task, m, seed, (ia, ia + 0.2 if pass8 is None else pass8, oa, oa + 0.2))
+                for seed, (ia, oa) in enumerate(per_seed)] for m, per_seed in scores.items()}
+
+
+def test_no_headroom_flags():
+    same = [(0.344, 0.406)] * 3
+    converged = _four("blackjack", {"grpo": same, "dapo": same, "scgrpo": same,
+                                    "reinforce-pp": [(0.344, 0.406), (0.3, 0.4), (0.344, 0.406)]})
+    assert rep.same_scores(converged) == [["grpo", "dapo", "scgrpo"]]
+    assert rep.headroom(converged) == ["methods converged to the same scores, GRPO, DAPO and SC-GRPO have the same "
+                                       "final ID and OOD Avg@8 in every seed"]
+    full = _four("tool_calc", {"grpo": [(0.99, 0.98)] * 3, "scgrpo": [(0.98, 0.99), (0.97, 0.99), (1.0, 1.0)]},
+                 pass8=1.0)
+    assert rep.headroom(full) == ["saturated, every method's mean final ID Pass@8 is 0.99 or more"]
+    full["scgrpo"][0]["evaluations"][-1]["id"]["pass@8"] = 0.96  # mean (0.96 + 1 + 1) / 3 = 0.987 < 0.99
+    assert rep.headroom(full) == []
+    # the same scores in one shared seed only are not convergence
+    one = {"grpo": [_run2("lcm", "grpo", 0, (0.5, 0.7, 0.2, 0.4))], "scgrpo": [_run2("lcm", "scgrpo", 0, (0.5, 0.7, 0.2, 0.4))]}
+    assert rep.same_scores(one) == []
+
+
+def test_the_closing_counts_tasks_below_as_well_as_above():
+    up = [(0.5 + 0.01 * s, 0.3) for s in range(3)]
+    down = [(0.2 + 0.01 * s, 0.3) for s in range(3)]
+    flat = [(0.3, 0.3)] * 3
+    second = {
+        "chain_sum": _four("chain_sum", {"grpo": flat, "dapo": up, "scgrpo": [(0.41, 0.3), (0.42, 0.3), (0.43, 0.3)]}),
+        "lcm": _four("lcm", {"grpo": up, "dapo": [(0.6 + 0.01 * s, 0.3) for s in range(3)], "scgrpo": down}),
+        "tool_calc": _four("tool_calc", {"grpo": flat, "scgrpo": flat}, pass8=1.0),
+        "blackjack": {},
+    }
+    lines = rep.round2_conclusions(second)
+    # chain_sum: SC-GRPO above GRPO (ID +0.11 +0.12 +0.13), below DAPO (-0.09 in every seed); lcm: below both;
+    # tool_calc: the same scores as GRPO, and saturated; no DAPO there
+    assert lines[0] == ("- **SC-GRPO against GRPO, over the tasks**, beyond seed noise on ID or OOD Avg@8: above it "
+                        "on 1 of 3 tasks (chain_sum); below it on 1 of 3 tasks (lcm).")
+    assert lines[1] == ("- **SC-GRPO against DAPO, over the tasks**, beyond seed noise on ID or OOD Avg@8: above it "
+                        "on 0 of 2 tasks; below it on 2 of 2 tasks (chain_sum, lcm).")
+    tool = next(line for line in lines if line.startswith("- **tool_calc**"))
+    assert tool.startswith("- **tool_calc**: No headroom: saturated, every method's mean final ID Pass@8 is 0.99 or "
+                           "more; methods converged to the same scores, GRPO and SC-GRPO have the same final ID and "
+                           "OOD Avg@8 in every seed. SC-GRPO did not beat GRPO beyond seed noise")
+    assert next(line for line in lines if line.startswith("- **lcm**")).startswith("- **lcm**: SC-GRPO did not beat")
+
+
+def test_the_closing_sets_trained_lengths_against_the_calibrated_one(tmp_path):
+    import yaml
+
+    config = yaml.safe_load(open(os.path.join(ROOT, "configs", "replication", "lcm.yaml")))["data"]["source"]["init_args"]
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"results": [{"task": "lcm", "config": config["config"], "mean_correct_length": 88.4}]}))
+    runs = {"grpo": [_run("grpo", s, (0.4, 0.5, 0.1, 0.2), task="lcm") for s in range(2)],
+            "scgrpo": [_run("scgrpo", s, (0.4, 0.5, 0.1, 0.2), task="lcm") for s in range(2)]}
+    for r in runs["grpo"]:
+        r["steps"]["completion_length"] = [60.0] * 4
+    for r, last in zip(runs["scgrpo"], (10.0, 20.0)):
+        r["steps"]["completion_length"] = [50.0, 50.0, last, last]
+    # SC-GRPO's last steps: medians 50/10 -> 30 and 50/20 -> 35; mean 32.5
+    assert rep.lengths_said("lcm", runs, str(path)) == [
+        "The base model's correct completions took 88 tokens; trained, the methods' final completions took 32.5 to "
+        "60.0 tokens, under 40 for SC-GRPO."]
+    assert rep.lengths_said("blackjack", runs, str(path)) == []  # not a calibrated task

@@ -25,15 +25,39 @@ def test_tool_decisions_are_the_calls_and_their_arguments():
         ws.decision_tokens(["a"], "chess")
 
 
-def test_word_decisions_are_the_moves_as_whole_words():
+def test_word_decisions_are_the_first_move_of_each_model_turn():
     tokens = ["I", " will", " Hit", ".", " Hitting", " is", " bold", ";", " st", "ick", " now", " white"]
-    # "Hit" in any case; "Hitting" is not in the list; a word split over two tokens marks both; "white" holds "hit"
-    # but not as a word
-    assert ws.decision_tokens(tokens, "words", ["hit", "stick"]) == [False, False, True, False, False, False, False,
-                                                                    False, True, True, False, False]
+    # one turn (no flags): "Hit" in any case is its first move; "Hitting" is not in the list; the later "stick" is
+    # not what the environment takes; "white" holds "hit" but not as a word
+    assert ws.decision_tokens(tokens, "words", ["hit", "stick"]) == [False, False, True] + [False] * 9
     assert ws.decision_tokens(tokens, "words", []) == [False] * len(tokens)
+    # "I hit or stick" in one turn marks "hit" only; the environment's reply is never marked, and a second turn's
+    # first move ("stick", split over two tokens) is marked too; "stand" after it in that turn is not
+    turns = ["I", " hit", " or", " stick", " You", " drew", " stick", " st", "ick", " then", " stand"]
+    model = [1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]
+    assert ws.decision_tokens(turns, "words", ["hit", "stick", "stand"], model) == [
+        False, True, False, False, False, False, False, True, True, False, False]
+    # as the environment reads: no word character on either side (an underscore or digit joins), longer words first
+    assert ws.decision_tokens(["hit_me", " 2hit", " stands", " hit"], "words", ["hit", "stand", "stands"]) == [
+        False, False, True, False]
+    assert ws.model_turns([0, 1, 1, 0, 1, 0, 0, 1]) == [(1, 3), (4, 5), (7, 8)]
     with pytest.raises(SystemExit, match="needs --words"):
         ws.main(["somewhere", "--task", "words"])
+
+
+def test_the_words_rule_picks_what_the_environment_picks():
+    pytest.importorskip("gymnasium")
+    from scgrpo.data.gym import BlackjackTask
+
+    env = BlackjackTask(num_train=1, num_eval=1, num_ood=1).default_environment()
+    words = list(BlackjackTask.ACTIONS)
+    for text in ("I will Hit, then stick", "sticking with it; hit later", "STAND.", "stands? hits!", "hitme stay",
+                 "no move here"):
+        tokens = [text[k:k + 3] for k in range(0, len(text), 3)]  # pieces that cut words
+        marked = [k for k, d in enumerate(ws.decision_tokens(tokens, "words", words)) if d]
+        read = env._pattern.search(text)  # what choose() reads
+        assert marked == ([k for k in range(len(tokens)) if 3 * k < read.end() and read.start() < 3 * k + 3]
+                          if read else [])
 
 
 def _row(step, route, tokens, model, f, has_teacher=True, row=0):
@@ -64,6 +88,22 @@ def test_shares_by_hand():
     overall = result["overall"]["partial"]  # steps 0 and 5: decisions .8 .6 .5, others .1 .3 .5
     assert overall["decision_f_share"] == pytest.approx(1.9 / 2.8)
     assert result["overall"]["pooled"]["tokens"] == 8
+    assert result["rule_version"] == ws.RULE_VERSION["arith"] and ws.weight_shares([], "words")["rule_version"] == 2
+
+
+def test_a_step_logged_again_keeps_its_last_block_only():
+    first = [_row(0, "partial", ["1"], [1], [1.0], row=k) for k in range(3)]
+    later = [_row(10, "partial", ["1"], [1], [1.0], row=k) for k in range(3)]
+    again = [_row(0, "solve_none", ["2"], [1], [0.5], row=k) for k in range(2)]  # fewer rows than the first block
+    kept = ws.last_blocks(first + later + again)
+    assert [(r["step"], r["row"], r["route"]) for r in kept] == [(0, 0, "solve_none"), (0, 1, "solve_none"),
+                                                                 (10, 0, "partial"), (10, 1, "partial"),
+                                                                 (10, 2, "partial")]
+    # two batches logged at one step (rows counted from 0 in each): the second is kept, not merged with the first
+    second = [_row(10, "single", ["3"], [1], [0.2], row=k) for k in range(2)]
+    assert [(r["step"], r["route"]) for r in ws.last_blocks(later + second)] == [(10, "single")] * 2
+    # a block logged in pieces, rows in any order, is one block
+    assert len(ws.last_blocks([first[2], first[0], first[1]])) == 3
 
 
 def test_the_command_writes_json_and_markdown_and_says_what_is_missing(tmp_path, capsys):
@@ -75,13 +115,16 @@ def test_the_command_writes_json_and_markdown_and_says_what_is_missing(tmp_path,
     assert saved["overall"]["partial"]["decision_f_share"] == pytest.approx(1.9 / 2.8)
     assert "| all steps | partial | 6 |" in (tmp_path / "w.md").read_text()
     assert "wrote" in capsys.readouterr().out
-    # a resumed run that logged step 0 again: its last record of each row counts, once
+    # a resumed run that logged step 0 again, with fewer rows: step 0's new block replaces its old one whole (row 1,
+    # the solve-none row, is not kept from the old block); step 5 stays
     again = _row(0, "partial", ["x", " 1", "2", "."], [1, 1, 1, 1], [0.1, 0.2, 0.2, 0.3])
     with open(run / "credit_tokens.jsonl", "a") as f:
         f.write(json.dumps(again) + "\n")
     ws.main([str(run), "--task", "arith", "--out", str(tmp_path / "r")])
-    step0 = json.loads((tmp_path / "r.json").read_text())["by_step"]["0"]["partial"]
-    assert step0["tokens"] == 4 and step0["decision_f_share"] == pytest.approx(0.4 / 0.8)
+    resumed = json.loads((tmp_path / "r.json").read_text())["by_step"]
+    assert set(resumed["0"]) == {"partial", "pooled"} and resumed["0"]["pooled"]["tokens"] == 4
+    assert resumed["0"]["partial"]["decision_f_share"] == pytest.approx(0.4 / 0.8)
+    assert resumed["5"]["partial"]["tokens"] == 2
     with pytest.raises(SystemExit, match="not found"):
         ws.main([str(tmp_path / "nowhere"), "--task", "arith"])
     (run / "credit_tokens.jsonl").write_text(json.dumps(_row(0, "partial", ["1"], [1], [1.0], False)) + "\n")

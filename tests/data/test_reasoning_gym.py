@@ -46,6 +46,11 @@ def test_tag_or_number_reads_the_last_number_only_without_a_block():
     # a block wins over any number outside it
     assert lenient.verify(f"<answer>{right + 1}</answer> though {right}", row["answer"]).score == 0.0
     assert lenient.verify("no number at all", row["answer"]).info["extracted"] is None
+    # a number that merely holds the answer's digits scores 0 (the task's scorer would give partial credit)
+    assert lenient.verify(f"so {right}1", row["answer"]).score == 0.0
+    assert lenient.verify(f"<answer>{right}1</answer>", row["answer"]).score == pytest.approx(len(str(right)) / len(f"{right}1"))
+    assert lenient.verify(f"it is {right}.0", row["answer"]).score == 1.0  # the same number
+    assert lenient.verify(f"so {right}", row["answer"]).info["from_block"] is False
     task = ReasoningGymTask("chain_sum", num_train=1, num_eval=2, extraction="tag_or_number")
     assert task.default_verifier().verify(f"so {right}", row["answer"]).score == 1.0
     assert ReasoningGymTask("chain_sum", num_train=1, num_eval=2).default_verifier().extraction == "tag"
@@ -53,6 +58,7 @@ def test_tag_or_number_reads_the_last_number_only_without_a_block():
 
 @pytest.mark.parametrize("args, message", [
     (dict(task="chain_sum", extraction="first_number"), "extraction must be one of"),
+    (dict(task="family_relationships", extraction="tag_or_number"), "reads numbers, but reasoning_gym task"),
     (dict(task="no_such_task"), "has no task 'no_such_task'"),
     (dict(task="chain_sum", config={"nonsense": 1}), "rejected the settings"),
     (dict(task="chain_sum", config={"seed": 1}), "set 'seed' on ReasoningGymTask"),

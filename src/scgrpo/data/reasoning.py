@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from scgrpo.data.sources import PromptSource, Row
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
-from scgrpo.verifiers.numeric import extract_number
+from scgrpo.verifiers.numeric import extract_number, parse_number
 
 DEFAULT_INSTRUCTION = "Think it through, then give only the final answer inside <answer></answer>."
 
@@ -45,15 +45,16 @@ def create(task: str, config: dict[str, Any]):
 EXTRACTIONS = ("tag", "tag_or_number")
 
 
-def extract(completion: str, extraction: str = "tag") -> Optional[str]:
-    """The answer text the scorer reads: the last ``<answer>...</answer>`` block; with ``tag_or_number``, a
-    completion without a block gives its last number instead (small models that answer in prose)."""
+def extract(completion: str, extraction: str = "tag") -> tuple[Optional[str], bool]:
+    """The answer text the scorer reads and whether it came from a block: the last ``<answer>...</answer>`` block;
+    with ``tag_or_number``, a completion without a block gives its last number instead (small models that answer
+    in prose)."""
     from reasoning_gym.utils import extract_answer
 
     found = extract_answer(completion)
     if found is None and extraction == "tag_or_number":
-        found = extract_number(completion)
-    return found
+        return extract_number(completion), False
+    return found, found is not None
 
 
 class ReasoningGymVerifier(Verifier):
@@ -62,7 +63,10 @@ class ReasoningGymVerifier(Verifier):
 
     Args:
         extraction: ``tag`` (reasoning_gym's convention: only the block counts) or ``tag_or_number`` (ours: a
-            completion without a block is scored on its last number; for tasks whose answers are numbers).
+            completion without a block is scored on its last number, 1 when it equals the reference answer as a
+            number, else 0; for tasks whose answers are numbers). A block is always scored by the task's scorer,
+            which may give partial credit (reasoning_gym's default gives len(reference) / len(answer) to an
+            answer that contains the reference).
     """
 
     def __init__(self, extraction: str = "tag") -> None:
@@ -78,9 +82,18 @@ class ReasoningGymVerifier(Verifier):
         key = json.dumps([answer["task"], answer["config"]], sort_keys=True, default=str)
         if key not in self._datasets:
             self._datasets[key] = create(answer["task"], {**answer["config"], "size": 1})
-        extracted = extract(completion, self.extraction)
-        score = float(self._datasets[key].score_answer(extracted, answer["entry"])) if extracted is not None else 0.0
-        return VerificationResult(score, info={"extracted": extracted})
+        extracted, tagged = extract(completion, self.extraction)
+        if extracted is None:
+            score = 0.0
+        elif tagged:
+            score = float(self._datasets[key].score_answer(extracted, answer["entry"]))
+        else:  # the last number of prose: right or wrong, no partial credit for digits that contain the answer
+            reference = parse_number(str(answer["entry"]["answer"]))
+            if reference is None:
+                raise VerifierSetupError(f"extraction 'tag_or_number' needs numeric answers; task {answer['task']!r} "
+                                         f"has the answer {answer['entry']['answer']!r}: use extraction 'tag'")
+            score = float(parse_number(extracted) == reference)
+        return VerificationResult(score, info={"extracted": extracted, "from_block": tagged})
 
 
 class ReasoningGymTask(PromptSource):
@@ -111,6 +124,12 @@ class ReasoningGymTask(PromptSource):
         self.task, self.config, self.ood_config = task, dict(config or {}), ood_config
         self.num_train, self.num_eval, self.seed, self.instruction = num_train, num_eval, seed, instruction
         self.extraction = ReasoningGymVerifier(extraction).extraction  # checked here
+        if extraction == "tag_or_number":
+            sample = create(task, {**self.config, "seed": seed, "size": 8})
+            words = [entry["answer"] for entry in sample if parse_number(str(entry["answer"])) is None]
+            if words:
+                raise ValueError(f"extraction 'tag_or_number' reads numbers, but reasoning_gym task {task!r} answers "
+                                 f"{words[0]!r}: use extraction 'tag'")
         create(task, {**self.config, "size": 1})  # an unknown task or bad settings fail here, before training
         if ood_config is not None:
             create(task, {**self.config, **ood_config, "size": 1})
