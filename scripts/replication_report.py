@@ -1289,6 +1289,13 @@ def round2_calibration(path: str = CALIBRATION) -> list[str]:
                     "trained on"], rows)]
 
 
+def subsection(title: str, body: list[str], caption: Optional[str] = None) -> list[str]:
+    """A ``####`` heading over ``body`` and its caption, each followed by a blank line; nothing for an empty body."""
+    if not body:
+        return []
+    return [f"#### {title}", "", *body, "", *([caption, ""] if caption else [])]
+
+
 def round2(second: dict[str, dict[str, list[dict]]]) -> list[str]:
     """The second round's section of the page."""
     out = ["## Second round: tasks where credit matters", ""]
@@ -1322,29 +1329,14 @@ def round2(second: dict[str, dict[str, list[dict]]]) -> list[str]:
           "sampling rounds). The last row is the first evaluation (before any step), averaged over every run of "
           "the task.")
         w("")
-        paired_table = round2_paired(groups)
-        if paired_table:
-            w("#### Paired differences (same seed)")
-            w("")
-            out += paired_table
-            w("")
-        w("#### Routes, KL and entropy")
-        w("")
-        out += round2_signal(groups)
-        w("")
-        w("Route shares: the mean over steps and seeds of each route's share of the groups. KL P50 / P95 (the "
-          "active tokens' KL to the self-teacher) and f mean: the median over steps, then the mean over seeds. "
-          f"Entropy: the rollouts' mean token entropy at the first step, and its median over the last {LAST} steps; "
-          "mean over seeds.")
-        w("")
+        out += subsection("Paired differences (same seed)", round2_paired(groups))
+        out += subsection("Routes, KL and entropy", round2_signal(groups),
+                          "Route shares: the mean over steps and seeds of each route's share of the groups. KL P50 / "
+                          "P95 (the active tokens' KL to the self-teacher) and f mean: the median over steps, then the "
+                          "mean over seeds. Entropy: the rollouts' mean token entropy at the first step, and its median "
+                          f"over the last {LAST} steps; mean over seeds.")
         weights = round2_weights(groups)
-        if weights:
-            w("#### Where the weight goes")
-            w("")
-            out += weights
-            w("")
-            w(weights_caption(groups))
-            w("")
+        out += subsection("Where the weight goes", weights, weights_caption(groups) if weights else None)
         w(f"![{task}: entropy and completion length per step](replication/round2_{task}.png)")
         if concentration_methods(groups):
             w(f"![{task}: weight concentration per logged step](replication/round2_{task}_concentration.png)")
