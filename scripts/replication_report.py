@@ -1245,8 +1245,28 @@ def lengths_said(task: str, groups: dict[str, list[dict]], path: str = CALIBRATI
         return []
     short = [m for m, v in finals.items() if v < 40]
     return [f"The base model's correct completions took {base:.0f} tokens; trained, the methods' final completions "
-            f"took {min(finals.values()):.1f} to {max(finals.values()):.1f} tokens"
-            + (f", under 40 for {', '.join(NAMES[m] for m in short)}" if short else "") + "."]
+            f"(all rollouts) took {min(finals.values()):.1f} to {max(finals.values()):.1f} tokens"
+            + (f", under the 40-token floor the settings were chosen for with {', '.join(NAMES[m] for m in short)}"
+               if short else "") + "." + shortcut_said(task)]
+
+
+def shortcut_said(task: str) -> str:
+    """For a reasoning_gym task whose problems list their numbers: how many ID problems the largest given number
+    answers (a shortcut a policy can learn without working), else ""."""
+    init = ((task_config(task) or {}).get("data", {}).get("source") or {}).get("init_args") or {}
+    if not isinstance(init, dict) or "task" not in init:
+        return ""
+    try:
+        import reasoning_gym
+    except ImportError:
+        return ""
+    rows = reasoning_gym.create_dataset(init["task"], seed=init.get("seed", 1234) + 1, size=init.get("num_eval", 64),
+                                        **(init.get("config") or {}))
+    if not all(isinstance(e["metadata"].get("numbers"), list) for e in rows):
+        return ""
+    hits = sum(str(max(e["metadata"]["numbers"])) == str(e["answer"]) for e in rows)
+    return (f" Answering the largest number given is right on {hits} of the {len(rows)} ID problems "
+            f"({hits / len(rows):.3f}), a shortcut that needs no working.")
 
 
 EXTRACTION_SAID = {
@@ -1284,7 +1304,9 @@ def round2_calibration(path: str = CALIBRATION) -> list[str]:
             f"{data['device']}; a setting suits when Pass@{k} is 10-60% and correct completions take 40 tokens or "
             f"more. Answers read with `extraction: {data['extraction']}`" + (f", {extraction}" if extraction else "")
             + ". The file keeps each setting's first right completion (`example_correct`): at this size a right last "
-            f"number often ends a confused working, so base Pass@{k} is partly chance. Command: `{data['command']}`.", "",
+            "number often ends a confused working, and a completion cut at the token cap counts when its last number "
+            "happens to be right (truncated: the share of all completions cut), so base Pass@"
+            f"{k} is partly chance and the correct completions' length partly the cap. Command: `{data['command']}`.", "",
             *table(["task", "settings", f"Pass@{k}", f"Avg@{k}", "mean length", "mean correct length", "truncated",
                     "trained on"], rows)]
 

@@ -506,6 +506,21 @@ def test_the_closing_sets_trained_lengths_against_the_calibrated_one(tmp_path):
         r["steps"]["completion_length"] = [50.0, 50.0, last, last]
     # SC-GRPO's last steps: medians 50/10 -> 30 and 50/20 -> 35; mean 32.5
     assert rep.lengths_said("lcm", runs, str(path)) == [
-        "The base model's correct completions took 88 tokens; trained, the methods' final completions took 32.5 to "
-        "60.0 tokens, under 40 for SC-GRPO."]
+        "The base model's correct completions took 88 tokens; trained, the methods' final completions (all rollouts) "
+        "took 32.5 to 60.0 tokens, under the 40-token floor the settings were chosen for with SC-GRPO."
+        + rep.shortcut_said("lcm")]
     assert rep.lengths_said("blackjack", runs, str(path)) == []  # not a calibrated task
+
+
+def test_the_largest_number_shortcut_on_lcm_by_hand():
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    import yaml
+
+    init = yaml.safe_load(open(os.path.join(ROOT, "configs", "replication", "lcm.yaml")))["data"]["source"]["init_args"]
+    rows = reasoning_gym.create_dataset("lcm", seed=1235, size=init["num_eval"], **init["config"])  # the id split
+    hits = [e for e in rows if int(e["answer"]) == max(e["metadata"]["numbers"])]  # lcm(a, b) = max: one divides the other
+    assert all(max(e["metadata"]["numbers"]) % min(e["metadata"]["numbers"]) == 0 for e in hits)
+    assert rep.shortcut_said("lcm") == (f" Answering the largest number given is right on {len(hits)} of the "
+                                        f"{len(rows)} ID problems ({len(hits) / len(rows):.3f}), a shortcut that needs "
+                                        "no working.")
+    assert rep.shortcut_said("blackjack") == ""  # not a reasoning_gym task

@@ -125,7 +125,8 @@ class ReasoningGymTask(PromptSource):
         self.num_train, self.num_eval, self.seed, self.instruction = num_train, num_eval, seed, instruction
         self.extraction = ReasoningGymVerifier(extraction).extraction  # checked here
         if extraction == "tag_or_number":
-            sample = create(task, {**self.config, "seed": seed, "size": 8})
+            sample = [entry for split in ("train", "ood") if split == "train" or ood_config is not None
+                      for entry in create(task, {**self.settings(split), "seed": seed, "size": 8})]
             words = [entry["answer"] for entry in sample if parse_number(str(entry["answer"])) is None]
             if words:
                 raise ValueError(f"extraction 'tag_or_number' reads numbers, but reasoning_gym task {task!r} answers "
