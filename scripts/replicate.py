@@ -6,8 +6,9 @@
 
 Each run is ``scgrpo fit`` over a task config (``configs/replication/<task>.yaml``) and a method's objective
 layer (``METHODS`` below), with ``--seed_everything`` and ``--data.seed`` set to the seed. Runs go to the GPUs
-in turn, ``--per-gpu`` at a time on each (a 135M model leaves a GPU mostly idle; each then gets 90% of the card
-split evenly as its ``memory_budget_gib``; the result records every argument given beyond the configs), or one after another on the CPU.
+in turn, ``--per-gpu`` at a time on each (a 135M model leaves a GPU mostly idle; each then gets 90% of the card's
+free memory split evenly as its ``memory_budget_gib``), or one after another on the CPU. Each result records the
+arguments given beyond the configs.
 
 Resumable across separate commands: a run whose result file exists is skipped; every run checkpoints every 25
 steps in ``--work-dir/<run>`` and a run found there unfinished resumes from its ``last.ckpt``. With
@@ -92,8 +93,8 @@ STEP_KEYS = {
 
 def decision_rule(task: str) -> Optional[tuple[str, tuple[str, ...]]]:
     """The task's decision-token rule for ``scripts/weight_shares.py`` and its names (tools or words), or None:
-    digits and operators on the arithmetic tasks and the (numeric) reasoning_gym tasks, the calls on the tool task, the moves on
-    Blackjack."""
+    digits and operators on the arithmetic tasks and the (numeric) reasoning_gym tasks, the calls on the tool task,
+    the moves on Blackjack."""
     if task == "tool_calc":
         return "tool", ("calc",)
     if task == "blackjack":
@@ -289,8 +290,8 @@ def incomplete(metrics: dict, max_steps: int, interval: int) -> Optional[str]:
 
 
 def weight_shares_of(task: str, tokens: str) -> Optional[dict]:
-    """Item 4's split of the f mass (``scripts/weight_shares.py``) over the run's logged rollouts, under the task's
-    rule; None for a run that logged no token weights (no teacher) or a task without a rule."""
+    """Where the weight goes: the split of the f mass (``scripts/weight_shares.py``) over the run's logged
+    rollouts, under the task's rule; None for a run that logged no token weights (no teacher) or a task without a rule."""
     rule = decision_rule(task)
     if rule is None or not os.path.exists(tokens):
         return None
@@ -489,9 +490,9 @@ def without_option(argv: list[str], option: str) -> list[str]:
 
 
 def shared_gpu_budget(extra: list[str], gpus: int, per_gpu: int, free_gib: Optional[float] = None) -> list[str]:
-    """``extra`` with a memory budget for each of the ``per_gpu`` runs that share a card: 90% of the memory free now on
-    the fullest card split evenly, at least 1 GiB (each run would otherwise size its batches
-    for the whole card and run out of memory beside the others), unless the arguments set a budget or a config."""
+    """``extra`` with a memory budget for each of the ``per_gpu`` runs that share a card: 90% of the memory free now
+    on the fullest card split evenly, at least 1 GiB (each run would otherwise size its batches for the whole card
+    and run out of memory beside the others), unless the arguments set a budget or a config."""
     if not gpus or per_gpu < 2 or any("memory_budget_gib" in a or a.startswith("--config") for a in extra):
         return list(extra)
     if free_gib is None:

@@ -59,7 +59,8 @@ def extract(completion: str, extraction: str = "tag") -> tuple[Optional[str], bo
 
 class ReasoningGymVerifier(Verifier):
     """Scores with the task's own scorer: reasoning_gym's ``score_answer`` on the text of the completion's last
-    ``<answer>...</answer>`` block (no block: 0). Rewards are in [0, 1]; some tasks give partial credit.
+    ``<answer>...</answer>`` block (no block: 0, unless ``extraction`` reads the last number). Rewards are in
+    [0, 1]; some tasks give partial credit.
 
     Args:
         extraction: ``tag`` (reasoning_gym's convention: only the block counts) or ``tag_or_number`` (ours: a
@@ -124,6 +125,9 @@ class ReasoningGymTask(PromptSource):
         self.task, self.config, self.ood_config = task, dict(config or {}), ood_config
         self.num_train, self.num_eval, self.seed, self.instruction = num_train, num_eval, seed, instruction
         self.extraction = ReasoningGymVerifier(extraction).extraction  # checked here
+        create(task, {**self.config, "size": 1})  # an unknown task or bad settings fail here, before training
+        if ood_config is not None:
+            create(task, {**self.config, **ood_config, "size": 1})
         if extraction == "tag_or_number":
             sample = [entry for split in ("train", "ood") if split == "train" or ood_config is not None
                       for entry in create(task, {**self.settings(split), "seed": seed, "size": 8})]
@@ -131,9 +135,6 @@ class ReasoningGymTask(PromptSource):
             if words:
                 raise ValueError(f"extraction 'tag_or_number' reads numbers, but reasoning_gym task {task!r} answers "
                                  f"{words[0]!r}: use extraction 'tag'")
-        create(task, {**self.config, "size": 1})  # an unknown task or bad settings fail here, before training
-        if ood_config is not None:
-            create(task, {**self.config, **ood_config, "size": 1})
         self._cache: dict[str, list[Row]] = {}
 
     def splits(self) -> list[str]:
