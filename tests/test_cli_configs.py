@@ -283,3 +283,17 @@ def test_a_checkpoint_monitor_the_run_never_logs_is_one_line_before_training(tin
                     "metrics are val/id/avg@2, val/id/pass@2, val/id/completion_length, val/id/truncated, "
                     "val/id/greedy, val/id/time_s")
     assert not glob.glob(str(tmp_path / "runs" / "*" / "version_*" / "checkpoints" / "*.ckpt"))  # nothing trained
+
+
+def test_predict_is_not_offered(capsys):
+    """Lightning's predict loop needs a forward pass the policy does not have: the CLI offers fit, validate and test
+    only, and ``predict`` is refused in one line instead of crashing inside Lightning."""
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    listed = capsys.readouterr().out
+    assert "validate" in listed and "predict" not in listed
+    with pytest.raises(SystemExit) as info:
+        main(["predict"])
+    assert info.value.code == 2
+    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in capsys.readouterr().err

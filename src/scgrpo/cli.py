@@ -70,6 +70,12 @@ def check_output_folder(folder: str) -> None:
 
 
 class ScgrpoCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's subcommands less ``predict``: a policy's outputs are sampled completions, which ``validate``
+        and ``test`` score and log; Lightning's predict loop has no forward pass to call here."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
     def instantiate_classes(self) -> None:
         # A bad value in the YAML (unknown task, missing file, G < 2, ...) ends in one line, not a traceback.
         try:
