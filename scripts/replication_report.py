@@ -1223,16 +1223,27 @@ def round2_conclusions(second: dict[str, dict[str, list[dict]]]) -> list[str]:
     return lines
 
 
+def reasoning_args(task: str) -> Optional[dict]:
+    """The prompt source's init_args of a task config that names a reasoning_gym task (``task``), else None."""
+    source = ((task_config(task) or {}).get("data") or {}).get("source")
+    init = source.get("init_args") if isinstance(source, dict) else None
+    return init if isinstance(init, dict) and "task" in init else None
+
+
+def setting_key(task: str, config: Optional[dict]) -> tuple[str, str]:
+    """A (task, settings) pair as the calibration file and the configs are matched."""
+    return task, json.dumps(config or {}, sort_keys=True)
+
+
 def calibrated_length(task: str, path: str = CALIBRATION) -> Optional[float]:
     """The base model's mean correct-completion length on the task's settings (the calibration file), or None."""
-    init = ((task_config(task) or {}).get("data", {}).get("source") or {}).get("init_args") or {}
-    if not isinstance(init, dict) or "task" not in init or not os.path.exists(path):
+    init = reasoning_args(task)
+    if init is None or not os.path.exists(path):
         return None
     with open(path) as f:
         rows = json.load(f)["results"]
-    key = (init["task"], json.dumps(init.get("config") or {}, sort_keys=True))
-    return next((r["mean_correct_length"] for r in rows
-                 if (r["task"], json.dumps(r["config"], sort_keys=True)) == key), None)
+    key = setting_key(init["task"], init.get("config"))
+    return next((r["mean_correct_length"] for r in rows if setting_key(r["task"], r["config"]) == key), None)
 
 
 def lengths_said(task: str, groups: dict[str, list[dict]], path: str = CALIBRATION) -> list[str]:
@@ -1253,8 +1264,8 @@ def lengths_said(task: str, groups: dict[str, list[dict]], path: str = CALIBRATI
 def shortcut_said(task: str) -> str:
     """For a reasoning_gym task whose problems list their numbers: how many ID problems the largest given number
     answers (a shortcut a policy can learn without working), else ""."""
-    init = ((task_config(task) or {}).get("data", {}).get("source") or {}).get("init_args") or {}
-    if not isinstance(init, dict) or "task" not in init:
+    init = reasoning_args(task)
+    if init is None:
         return ""
     try:
         import reasoning_gym
@@ -1286,14 +1297,10 @@ def round2_calibration(path: str = CALIBRATION) -> list[str]:
         return []
     with open(path) as f:
         data = json.load(f)
-    chosen = set()
-    for task in ROUND2_TASKS:
-        init = ((task_config(task) or {}).get("data", {}).get("source") or {}).get("init_args") or {}
-        if isinstance(init, dict) and "task" in init:
-            chosen.add((init["task"], json.dumps(init.get("config") or {}, sort_keys=True)))
+    chosen = {setting_key(init["task"], init.get("config")) for init in map(reasoning_args, ROUND2_TASKS) if init}
     k, rows = data["results"][0]["samples"] if data["results"] else 8, []
     for r in data["results"]:
-        used = (r["task"], json.dumps(r["config"], sort_keys=True)) in chosen
+        used = setting_key(r["task"], r["config"]) in chosen
         rows.append([r["task"], f"`{json.dumps(r['config'])}`", f"{r['pass_at_k']:.2f}", f"{r['avg_at_k']:.3f}",
                      f"{r['mean_length']:.0f}", "-" if r["mean_correct_length"] is None else f"{r['mean_correct_length']:.0f}",
                      f"{r['truncated']:.2f}", "yes" if used else "no"])
