@@ -4,7 +4,13 @@
 
 Writes ``kl_percentiles.png`` (credit/kl_p25, p50, p75, p95 and c, log scale), ``entropy.png``
 (policy/entropy, the mean token entropy of the sampled responses) and ``routes.png`` (the share of groups in
-each route). Several CSV files (seeds, or methods) are drawn on the same axes, labelled by their folder.
+each route, from the first run that logs them). Several CSV files (seeds, or methods) are drawn on the same axes,
+labelled by their folder.
+
+The credit/* keys are logged by objectives with a self-teacher (SC-GRPO); a GRPO run has policy/entropy only. A
+figure with nothing to draw is not written, and a run without credit values beside runs with them is left out of
+those figures; both are said on stderr. With nothing to draw at all the script ends with status 1. It needs
+matplotlib: ``pip install -e '.[plots]'``.
 """
 
 from __future__ import annotations
@@ -13,9 +19,15 @@ import argparse
 import csv
 import math
 import os
+import sys
 
 PERCENTILES = ("credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95")
 ROUTES = ("credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all")
+FIGURES = {  # each figure: the keys it draws, and in words
+    "kl_percentiles.png": (PERCENTILES + ("credit/c",), "credit/kl_p* or credit/c"),
+    "entropy.png": (("policy/entropy",), "policy/entropy"),
+    "routes.png": (ROUTES, "credit/route_*"),
+}
 
 
 def read_series(path: str, keys: tuple[str, ...]) -> dict[str, tuple[list[int], list[float]]]:
@@ -40,9 +52,29 @@ def _label(path: str) -> str:
     return "/".join(parts[-3:-1]) if len(parts) >= 3 else path
 
 
-def _save(fig, ax, ylabel: str, title: str, path: str, written: list[str]) -> None:
+def _note(message: str) -> None:
+    print(f"plot_credit.py: {message}", file=sys.stderr)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend; without matplotlib the script ends in one line that says how to
+    install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot_credit.py: error: matplotlib is not installed: pip install -e '.[plots]' (or pip "
+                         "install matplotlib)") from None
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _has(series: dict, keys: tuple[str, ...]) -> bool:
+    return any(series[key][0] for key in keys)
+
+
+def _save(plt, fig, ax, ylabel: str, title: str, path: str, written: list[str]) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -54,53 +86,69 @@ def _save(fig, ax, ylabel: str, title: str, path: str, written: list[str]) -> No
 
 
 def plot(paths: list[str], out: str) -> list[str]:
-    """Draws the three figures for ``paths`` into the folder ``out``; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Draws the figures that have something to draw for ``paths`` into the folder ``out``; returns the files
+    written. A figure left out, and a run left out of figures that others are in, are said on stderr."""
+    runs = {p: read_series(p, tuple(key for keys, _ in FIGURES.values() for key in keys)) for p in paths}
+    drawn = {name: [p for p, series in runs.items() if _has(series, keys)] for name, (keys, _) in FIGURES.items()}
+    for name, (keys, what) in FIGURES.items():
+        why = " (objectives with a self-teacher, such as SCGRPO, log them; GRPO does not)" if "credit/" in what else ""
+        if not drawn[name]:
+            _note(f"{name} not written: no {what} values in {', '.join(paths)}{why}")
+        elif len(drawn[name]) < len(paths) and name != "routes.png":  # (routes.png draws one run)
+            left_out = [p for p in paths if p not in drawn[name]]
+            _note(f"{', '.join(left_out)} left out of {name}: no {what} values{why}")
+    if not any(drawn.values()):
+        return []
+    plt = pyplot()
     os.makedirs(out, exist_ok=True)
-    written = []
-    runs = {p: read_series(p, PERCENTILES + ROUTES + ("credit/c", "policy/entropy")) for p in paths}
+    written: list[str] = []
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (path, series) in enumerate(runs.items()):
-        for key, style in zip(PERCENTILES + ("credit/c",), (":", "--", "-", "-.", "-")):
-            steps, values = series[key]
-            if steps:
-                label = key.split("/")[-1] + (f" ({_label(path)})" if len(runs) > 1 else "")
-                ax.plot(steps, values, style, color=f"C{PERCENTILES.index(key) if key in PERCENTILES else 4}",
-                        alpha=1.0 if i == 0 else 0.6, label=label, linewidth=2 if key == "credit/c" else 1)
-    ax.set_yscale("log")
-    _save(fig, ax, "KL(teacher || policy) per token", "Self-teacher divergence of active tokens, and c",
-          os.path.join(out, "kl_percentiles.png"), written)
+    if drawn["kl_percentiles.png"]:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, path in enumerate(drawn["kl_percentiles.png"]):
+            for key, style in zip(FIGURES["kl_percentiles.png"][0], (":", "--", "-", "-.", "-")):
+                steps, values = runs[path][key]
+                if steps:
+                    label = key.split("/")[-1] + (f" ({_label(path)})" if len(runs) > 1 else "")
+                    ax.plot(steps, values, style, color=f"C{PERCENTILES.index(key) if key in PERCENTILES else 4}",
+                            alpha=1.0 if i == 0 else 0.6, label=label, linewidth=2 if key == "credit/c" else 1)
+        ax.set_yscale("log")
+        _save(plt, fig, ax, "KL(teacher || policy) per token", "Self-teacher divergence of active tokens, and c",
+              os.path.join(out, "kl_percentiles.png"), written)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for path, series in runs.items():
-        steps, values = series["policy/entropy"]
-        if steps:
+    if drawn["entropy.png"]:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for path in drawn["entropy.png"]:
+            steps, values = runs[path]["policy/entropy"]
             ax.plot(steps, values, label=_label(path))
-    _save(fig, ax, "nats per token", "Policy entropy of the sampled responses", os.path.join(out, "entropy.png"), written)
+        _save(plt, fig, ax, "nats per token", "Policy entropy of the sampled responses",
+              os.path.join(out, "entropy.png"), written)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    first = next(iter(runs.values()))
-    for key in ROUTES:
-        steps, values = first[key]
-        if steps:
-            ax.plot(steps, values, label=key.split("route_")[-1])
-    ax.set_ylim(0, 1)
-    _save(fig, ax, "share of groups", f"Routes by the number of correct rollouts ({_label(paths[0])})",
-          os.path.join(out, "routes.png"), written)
+    if drawn["routes.png"]:
+        first = drawn["routes.png"][0]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in ROUTES:
+            steps, values = runs[first][key]
+            if steps:
+                ax.plot(steps, values, label=key.split("route_")[-1])
+        ax.set_ylim(0, 1)
+        _save(plt, fig, ax, "share of groups", f"Routes by the number of correct rollouts ({_label(first)})",
+              os.path.join(out, "routes.png"), written)
     return written
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("metrics", nargs="+", help="metrics.csv file(s) of scgrpo runs")
     parser.add_argument("--out", default="plots", help="folder for the PNG files")
-    args = parser.parse_args()
-    for path in plot(args.metrics, args.out):
+    args = parser.parse_args(argv)
+    for path in args.metrics:
+        if not os.path.isfile(path):
+            parser.error(f"{path} is not a file")
+    written = plot(args.metrics, args.out)
+    if not written:
+        raise SystemExit(f"plot_credit.py: error: nothing to plot in {', '.join(args.metrics)}")
+    for path in written:
         print(path)
 
 

@@ -70,6 +70,7 @@ def test_the_installed_lightning_has_every_private_name_the_package_reaches():
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.callbacks.progress import tqdm_progress
+    from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
@@ -79,6 +80,7 @@ def test_the_installed_lightning_has_every_private_name_the_package_reaches():
     assert ModelCheckpoint(every_n_train_steps=2)._every_n_train_steps == 2
     assert callable(RichProgressBar._update) and callable(RichProgressBar._get_train_description)
     assert callable(ExperimentWriter._check_log_dir_exists)
+    assert callable(LightningCLI._run_subcommand)  # (cli.py's ScgrpoCLI wraps it)
     logger = CSVLogger(save_dir="/tmp/scgrpo-internals-test")
     assert hasattr(logger, "_fs") and hasattr(logger, "_experiment")
     trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -2,6 +2,7 @@
 
 import csv
 import os
+import sys
 
 import pytest
 
@@ -50,3 +51,52 @@ def test_the_figures_are_written_as_png(tmp_path):
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 5000
+
+
+def _grpo_metrics(path):
+    """A GRPO run's metrics.csv: entropy and reward every step, no credit/* key at all."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "train/reward", "policy/entropy", "val/id/avg@4"])
+        writer.writeheader()
+        writer.writerows([{"step": 0, "train/reward": 0.5, "policy/entropy": 0.9},
+                          {"step": 1, "train/reward": 0.6, "policy/entropy": 0.8}, {"step": 1, "val/id/avg@4": 0.3}])
+
+
+def test_a_grpo_run_gets_no_empty_credit_figures_and_is_told_why(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    grpo = tmp_path / "grpo" / "version_0" / "metrics.csv"
+    grpo.parent.mkdir(parents=True)
+    _grpo_metrics(grpo)
+    _script().main([str(grpo), "--out", str(tmp_path / "plots")])
+    assert os.listdir(tmp_path / "plots") == ["entropy.png"]
+    err = capsys.readouterr().err
+    assert f"kl_percentiles.png not written: no credit/kl_p* or credit/c values in {grpo}" in err
+    assert f"routes.png not written: no credit/route_* values in {grpo}" in err and "GRPO does not" in err
+
+    scgrpo = tmp_path / "scgrpo" / "version_0" / "metrics.csv"  # beside an SC-GRPO run: its credit alone is drawn
+    scgrpo.parent.mkdir(parents=True)
+    _metrics(scgrpo)
+    _script().main([str(grpo), str(scgrpo), "--out", str(tmp_path / "both")])
+    assert sorted(os.listdir(tmp_path / "both")) == ["entropy.png", "kl_percentiles.png", "routes.png"]
+    assert f"{grpo} left out of kl_percentiles.png: no credit/kl_p* or credit/c values" in capsys.readouterr().err
+
+
+def test_nothing_to_plot_writes_nothing_and_exits_non_zero(tmp_path, capsys):
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,val/id/avg@4\n0,0.3\n")
+    with pytest.raises(SystemExit) as info:
+        _script().main([str(path), "--out", str(tmp_path / "plots")])
+    assert info.value.code == f"plot_credit.py: error: nothing to plot in {path}"
+    assert not os.path.exists(tmp_path / "plots")
+    assert "entropy.png not written: no policy/entropy values" in capsys.readouterr().err
+
+
+def test_without_matplotlib_one_line_says_how_to_install_it(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.csv"
+    _metrics(path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit) as info:
+        _script().main([str(path), "--out", str(tmp_path / "plots")])
+    assert info.value.code == ("plot_credit.py: error: matplotlib is not installed: pip install -e '.[plots]' (or pip "
+                               "install matplotlib)")
+    assert not os.path.exists(tmp_path / "plots")

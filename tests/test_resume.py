@@ -142,9 +142,9 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
     _fit(tiny_model_dir, tmp_path, ckpt_path=str(last), checkpoint_every=checkpoint_every)
     rows = _rows(run)
     assert [int(r["step"]) for r in rows if r["train/reward"]] == list(range(STEPS))
-    # (logger step, optimiser steps): a validation is logged at the step of its optimiser step's training row
+    # (logger step, optimiser steps): the validation after N steps is logged at step N
     assert [(int(r["step"]), int(float(r["val/global_step"]))) for r in rows if r["val/global_step"]] == \
-        [(0, 0), (1, 2), (3, 4), (5, 6)]
+        [(0, 0), (2, 2), (4, 4), (6, 6)]
     assert [_values(r) for r in rows] == [_values(r) for r in _rows(straight)]
     checkpoint = torch.load(last, weights_only=False)
     assert checkpoint["global_step"] == STEPS
@@ -174,21 +174,21 @@ def test_the_first_validation_cut_short_is_made_on_resume_without_a_validation_b
 
 
 def test_a_resumed_metrics_file_keeps_the_rows_logged_before_the_checkpoint():
-    """A validation shares its logger step with the training row of its step: the resumed run's first row
+    """A validation shares its logger step with the training row of the next step: the resumed run's first row
     replaces the old one of the same step and kind and every row logged after it, not the rows before."""
     rows = [{"step": "0", "val/global_step": "0"}, {"step": "0", "val/global_step": ""},
-            {"step": "1", "val/global_step": ""}, {"step": "1", "val/global_step": "2"},
+            {"step": "1", "val/global_step": ""}, {"step": "2", "val/global_step": "2"},
             {"step": "2", "val/global_step": ""}]
     # resumed at step 2 with its validation to make: the training row of step 2 stays
-    assert rows_before(rows, {"step": 1, "val/global_step": 2.0}) == rows[:3]
+    assert rows_before(rows, {"step": 2, "val/global_step": 2.0}) == rows[:3]
     # resumed at step 2, validated: the next training row (logger step 2) is the first one replaced
     assert rows_before(rows, {"step": 2, "train/reward": 0.5}) == rows[:4]
     # resumed at step 1 (every step a validation): the validation of step 0 and the training row of step 1 stay
     one = [{"step": "0", "val/global_step": "0"}, {"step": "0", "val/global_step": ""},
-           {"step": "0", "val/global_step": "1"}, {"step": "1", "val/global_step": ""}]
-    assert rows_before(one, {"step": 0, "val/global_step": 1.0}) == one[:2]
+           {"step": "1", "val/global_step": "1"}, {"step": "1", "val/global_step": ""}]
+    assert rows_before(one, {"step": 1, "val/global_step": 1.0}) == one[:2]
     # the row to replace was never written (stopped during that validation): every row before its step stays
-    assert rows_before(rows[:3], {"step": 1, "val/global_step": 2.0}) == rows[:3]
+    assert rows_before(rows[:3], {"step": 2, "val/global_step": 2.0}) == rows[:3]
 
 
 def test_a_held_ctrl_c_takes_effect_on_release_and_a_second_one_at_once():

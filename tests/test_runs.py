@@ -5,9 +5,11 @@ import glob
 import os
 import warnings
 
+import pytest
 import torch
 
 from scgrpo.cli import main
+from scgrpo.verifiers import VerificationResult, Verifier, VerifierSetupError
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_arith.yaml")
 
@@ -77,3 +79,53 @@ def test_a_run_resumed_from_an_earlier_checkpoint_branches_and_last_holds_the_be
     assert _steps(run) == [0, 1, 2, 3]
     assert torch.load(tmp_path / "runs" / "scgrpo" / "version_1" / "checkpoints" / "last.ckpt",
                       weights_only=False)["global_step"] == 6
+
+
+class ScorerGone(Verifier):
+    """Scores 1 for its first ``calls`` completions, then cannot score anything (its service went away)."""
+
+    def __init__(self, calls: int = 0) -> None:
+        self.calls = calls
+
+    def verify(self, completion, answer, question=""):
+        self.calls -= 1
+        if self.calls < 0:
+            raise VerifierSetupError("the scorer's service is gone")
+        return VerificationResult(1.0)
+
+
+def test_a_run_that_fails_before_its_first_step_takes_its_empty_folder_away(tiny_model_dir, tmp_path, monkeypatch):
+    """The loggers made version_N and wrote config.yaml and TensorBoard's first events into it before the verifier
+    failed on the first rollouts (or a bad value was met at setup): the failed run takes that folder away, and the
+    folders it made for it, never an earlier run's beside it, even one that holds nothing but its config."""
+    monkeypatch.chdir(tmp_path)
+    gone = ["--model.verifier=tests.test_runs.ScorerGone", "--model.validate_before_training=true"]
+    with pytest.raises(VerifierSetupError):
+        main([*_args(tiny_model_dir, 2), *gone])
+    assert os.listdir(tmp_path) == []
+    earlier = tmp_path / "runs" / "scgrpo" / "version_0"
+    earlier.mkdir(parents=True)
+    (earlier / "config.yaml").write_text("model: {}\n")
+    with pytest.raises(VerifierSetupError):
+        main([*_args(tiny_model_dir, 2), *gone, "--model.validate_before_training=false"])
+    with pytest.raises(SystemExit):  # a checkpoint monitor the run never logs: refused at setup
+        main([*_args(tiny_model_dir, 2), "--checkpoint.monitor=val/id/nothing"])
+    assert os.listdir(tmp_path / "runs" / "scgrpo") == ["version_0"] and os.listdir(earlier) == ["config.yaml"]
+
+
+def test_a_failed_run_keeps_its_folder_once_it_holds_a_checkpoint_and_a_resumed_one_keeps_its_own(
+        tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first_step_only = ["--model.verifier=tests.test_runs.ScorerGone", "--model.verifier.calls=4",  # 2 prompts x G=2
+                       "--checkpoint.every_n_train_steps=1"]
+    with pytest.raises(VerifierSetupError):
+        main([*_args(tiny_model_dir, 3), *first_step_only])
+    run = tmp_path / "runs" / "scgrpo" / "version_0"
+    assert _steps(run) == [0] and os.listdir(run / "checkpoints") == ["last.ckpt"]
+    with pytest.raises(VerifierSetupError):
+        main([*_args(tiny_model_dir, 3), "--model.verifier=tests.test_runs.ScorerGone",
+              "--ckpt_path=runs/scgrpo/version_0/checkpoints/last.ckpt"])
+    assert os.listdir(tmp_path / "runs" / "scgrpo") == ["version_0"]
+    assert _steps(run) == [0] and os.listdir(run / "checkpoints") == ["last.ckpt"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
+

@@ -18,21 +18,43 @@ from scgrpo.data import PromptDataModule
 from scgrpo.distributed import RankFailed
 from scgrpo.errors import InputError
 from scgrpo.module import RLVRModule
-from scgrpo.runs import DEFAULT_NAME, DEFAULT_ROOT, share_run_folder
+from scgrpo.runs import (DEFAULT_NAME, DEFAULT_ROOT, FOLDER_LOGGERS, new_run_folders, remove_unused_folders,
+                         share_run_folder)
 
 
 _NOISE = re.compile(r"^(- )?(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|Given "
                     r"value:)|^- (Expected a <class '[\w.]+'>|Expected a path but)")
+# a list given where a union also takes one object (trainer.logger: Logger | Iterable[Logger]): the object member's
+# error, with the forms it takes nested under it, is a mere type mismatch too
+_NOT_ONE_OBJECT = re.compile(r"^(- )?Not a valid subclass of [\w.]+(\. Got value: .*)?$")
+# a class whose package is missing (Lightning's RequirementCache, e.g. WandbLogger without wandb)
+_MISSING_PACKAGE = re.compile(r"(?:Problem with given class_path '(?P<cls>[^']+)': )?"
+                              r"Requirement '(?P<req>[^']+)' not met\. HINT: Try running `[^`]*`")
+
+
+def _missing_package(match: re.Match) -> str:
+    who = f"{match['cls']} needs" if match["cls"] else "needs"
+    return f"{who} {match['req']}, which is not installed: pip install '{match['req']}'"
 
 
 def plain_message(message: str) -> str:
     """``message`` on one line. jsonargparse reports a value of a union type (``Optional[Objective]``,
-    ``str | PromptSource``) that fails as every member's error, the members and the whole value: only the errors that
-    are not a mere type mismatch are kept (``c_quantile must be in (0, 1), got 2.0``, not ``Expected a <class
-    'NoneType'>``)."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    kept = [line.removeprefix("- ") for line in lines if not _NOISE.match(line)]
-    return " ".join(" ".join(kept if kept else lines).split())
+    ``str | PromptSource``, ``Logger | Iterable[Logger]``) that fails as every member's error, the members and the
+    whole value: only the errors that are not a mere type mismatch are kept (``c_quantile must be in (0, 1), got
+    2.0``, not ``Expected a <class 'NoneType'>``; a list of loggers' failing class and its cause, not the list)."""
+    kept, lines, mismatch_depth = [], [], None
+    for line in message.splitlines():
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        line = line.strip()
+        lines.append(line)
+        if mismatch_depth is not None and depth > mismatch_depth:
+            continue  # nested under a type mismatch
+        mismatch_depth = depth if _NOT_ONE_OBJECT.match(line) else None
+        if mismatch_depth is None and not _NOISE.match(line):
+            kept.append(line.removeprefix("- "))
+    return _MISSING_PACKAGE.sub(_missing_package, " ".join(" ".join(kept if kept else lines).split()))
 
 
 def fail(err: BaseException) -> NoReturn:
@@ -70,6 +92,8 @@ def check_output_folder(folder: str) -> None:
 
 
 class ScgrpoCLI(LightningCLI):
+    new_run_folders: list[str] = []  # the run folders this run makes (scgrpo.runs.new_run_folders), on rank 0
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """Lightning's subcommands less ``predict``: a policy's outputs are sampled completions, which ``validate``
@@ -98,6 +122,9 @@ class ScgrpoCLI(LightningCLI):
             callbacks = config.trainer.get("callbacks") or []
             kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), checkpoint]
         trainer = super().instantiate_trainer(**kwargs)
+        # Lightning puts config.yaml and checkpoints in the first logger's folder, and scgrpo its own files: a logger
+        # without one (W&B, MLflow) listed first would scatter them, so the file loggers go first
+        trainer.loggers = sorted(trainer.loggers, key=lambda logger: not isinstance(logger, FOLDER_LOGGERS))
         for logger in trainer.loggers:
             if getattr(logger, "root_dir", None):
                 check_output_folder(logger.root_dir)
@@ -106,7 +133,19 @@ class ScgrpoCLI(LightningCLI):
         # loggers of one run share <root>/<name>/version_N instead of taking consecutive numbers.
         for logger in trainer.loggers:
             _ = logger.version
+        self.new_run_folders = new_run_folders(trainer.loggers) if trainer.is_global_zero else []
         return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        # a run that fails before it has done anything (a bad value met at setup, a missing file, an error before the
+        # first step) takes away the run folder it made: no empty version_N is left behind
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            removed = remove_unused_folders(self.new_run_folders, logged=bool(self.trainer.logged_metrics))
+            if removed:
+                logging.getLogger("scgrpo.cli").info("the run failed before it wrote anything: removed %s", removed[0])
+            raise
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_class_arguments(StepCheckpoint, "checkpoint", instantiate=True, sub_configs=True)

@@ -12,7 +12,7 @@ import torch
 
 from scgrpo.distributed import sum_over_ranks
 from scgrpo.rollout.engine import Generated
-from scgrpo.rollout.types import PromptBatch
+from scgrpo.rollout.types import PromptBatch, token_lists
 from scgrpo.verifiers import VerifierRunner
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,10 @@ class Evaluation:
             ids = [i for i in batch.ids for _ in range(k)]
             answers = [a for a in batch.answers for _ in range(k)]
             questions = [q for q in batch.questions for _ in range(k)]
-            scores = torch.tensor([r.score for r in verifier(sampled.completions, answers, questions, ids)])
+            columns = [c for c in batch.row_columns() for _ in range(k)]
+            results = verifier(sampled.completions, answers, questions, ids, columns,
+                               token_lists(sampled.completion_ids, sampled.completion_mask))
+            scores = torch.tensor([r.score for r in results])
         correct = (scores >= self.success_threshold).float().view(-1, k)  # [P, k]
         acc = self.sums.setdefault(batch.split, defaultdict(float))
         acc["prompts"] += correct.shape[0]
@@ -81,26 +84,29 @@ class Evaluation:
             acc["greedy"] += float((greedy_scores >= self.success_threshold).sum())
         elif self.greedy:
             greedy = policy.sample(prompts, 1, greedy=True)
-            results = verifier(greedy.completions, batch.answers, batch.questions, batch.ids)
+            results = verifier(greedy.completions, batch.answers, batch.questions, batch.ids, batch.row_columns(),
+                               token_lists(greedy.completion_ids, greedy.completion_mask))
             acc["greedy"] += sum(float(r.score >= self.success_threshold) for r in results)
 
-    def metrics(self, step: int, log_summary: bool = True) -> dict[str, dict[str, float]]:
-        """Per split, ``val/<split>/avg@k``, ``pass@k``, ``completion_length``, ``truncated``, ``greedy`` and
-        ``time_s`` over all ranks' prompts (each rank evaluated its share). Every rank must call it."""
+    def metrics(self, step: int, log_summary: bool = True, stage: str = "val") -> dict[str, dict[str, float]]:
+        """Per split, ``<stage>/<split>/avg@k``, ``pass@k``, ``completion_length``, ``truncated``, ``greedy`` and
+        ``time_s`` over all ranks' prompts (each rank evaluated its share); ``stage``: "val" (validation) or "test".
+        Every rank must call it."""
         k, out = self.k, {}
         for split, acc in sum_over_ranks(self.sums).items():
             n = max(acc["prompts"], 1.0)
             metrics = {
-                f"val/{split}/avg@{k}": acc["avg"] / n,
-                f"val/{split}/pass@{k}": acc["pass"] / n,
-                f"val/{split}/completion_length": acc["length"] / n,
-                f"val/{split}/truncated": acc["truncated"] / n,
+                f"{stage}/{split}/avg@{k}": acc["avg"] / n,
+                f"{stage}/{split}/pass@{k}": acc["pass"] / n,
+                f"{stage}/{split}/completion_length": acc["length"] / n,
+                f"{stage}/{split}/truncated": acc["truncated"] / n,
             }
             if self.greedy:
-                metrics[f"val/{split}/greedy"] = acc["greedy"] / n
-            metrics[f"val/{split}/time_s"] = time.perf_counter() - self.started
+                metrics[f"{stage}/{split}/greedy"] = acc["greedy"] / n
+            metrics[f"{stage}/{split}/time_s"] = time.perf_counter() - self.started
             if log_summary:
                 summary = ", ".join(f"{name.split('/')[-1]} {value:.3f}" for name, value in metrics.items())
-                log.info("step %d validation [%s] on %d prompts: %s", step, split, int(n), summary)
+                log.info("step %d %s [%s] on %d prompts: %s", step, "test" if stage == "test" else "validation",
+                         split, int(n), summary)
             out[split] = metrics
         return out

@@ -4,8 +4,9 @@ Checked against Lightning 2.6.6 (``lightning.__version__``; the package asks for
 private attribute or function it reaches; the rest of the package calls these and uses Lightning's public API,
 except for the private hooks that its subclasses override, whose names cannot move:
 ``RichProgressBar._get_train_description`` (``callbacks/progress.py``), ``ExperimentWriter._check_log_dir_exists``
-(``runs.py``); and ``module.py`` reads ``LightningModule._trainer`` (whether the module is attached to a trainer:
-``self.trainer`` raises when it is not).
+(``runs.py``), ``LightningCLI._run_subcommand`` (``cli.py``: a failed run's empty folder removed); and
+``module.py`` reads ``LightningModule._trainer`` (whether the module is attached to a trainer: ``self.trainer``
+raises when it is not).
 """
 
 from __future__ import annotations
@@ -103,6 +104,23 @@ def run_train_start_and_end(trainer) -> None:
     ``on_run_start`` and ``on_run_end``)."""
     trainer.fit_loop.on_run_start()
     trainer.fit_loop.on_run_end()
+
+
+def evaluations_logged_at_global_step(trainer) -> None:
+    """Makes the trainer log each validation's and test's metrics at ``trainer.global_step``, the optimiser steps done
+    before it (the step-0 baseline at 0, the validation after N steps at N), where Lightning logs them at its logger
+    step: N - 1 in a fit's validation after N steps (its ``_batches_that_stepped`` counts the step when the validation
+    is over), whatever the checkpoint held in ``validate`` and ``test``. Replaces the logger connector's
+    ``log_eval_end_metrics`` (its ``_logger_connector``), once per trainer."""
+    connector = trainer._logger_connector
+    if "log_eval_end_metrics" in vars(connector):
+        return
+
+    def log_eval_end_metrics(metrics) -> None:
+        if not trainer.sanity_checking:
+            connector.log_metrics(metrics, step=trainer.global_step)
+
+    connector.log_eval_end_metrics = log_eval_end_metrics
 
 
 @contextlib.contextmanager

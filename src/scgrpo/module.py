@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch import LightningModule
@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
 from torch.profiler import record_function
 
+from scgrpo import lightning_internals as internals
 from scgrpo.budget import MemoryBudget
 from scgrpo.callbacks import (
     AdapterExport,
@@ -29,6 +30,7 @@ from scgrpo.callbacks import (
     VerificationCallback,
 )
 from scgrpo.distributed import PolicyRunner, full_state
+from scgrpo.errors import InputError
 from scgrpo.envs import Environment, EpisodeSettings
 from scgrpo.envs.runner import EpisodeRunner
 from scgrpo.evaluation import Evaluation
@@ -43,7 +45,7 @@ from scgrpo.rollout.types import PromptBatch, RolloutBatch, TeacherSignal
 from scgrpo.selfteacher import SelfTeacher
 from scgrpo.step_log import phase_peak, skipped_step_metrics, step_metrics
 from scgrpo.update import PolicyUpdate, StepPlan, StepSums, check_tis_cap
-from scgrpo.verifiers import Verifier, VerifierRunner
+from scgrpo.verifiers import RewardFunctions, Verifier, VerifierRunner
 
 
 NAN = float("nan")
@@ -60,8 +62,11 @@ class RLVRModule(LightningModule):
     count their tokens, so the loss equals the full-batch one.
 
     Args:
-        model: "smollm2" (the embedded SmolLM2-135M-Instruct), a local Hugging Face folder, a hub id, or a
-            ``.gguf`` file.
+        model: "smollm2" (the embedded SmolLM2-135M-Instruct), a local Hugging Face folder, a hub id, a
+            ``.gguf`` file, or a LoRA adapter folder (``adapter_config.json`` beside its weights, as scgrpo's
+            ``adapter/final``, peft and TRL save it): that adapter, with its own LoRA settings, on its base model.
+        base_model: with ``model`` an adapter folder, the base model to load it on ("smollm2", a hub id, a folder or
+            a ``.gguf`` file) in place of the one its ``adapter_config.json`` names (None: that one).
         objective: the RLVR objective (default: GRPO).
         lora: LoRA settings; ``null`` trains all weights.
         dtype: "auto" (fp32 on CPU, bf16 on GPU), "float32", "bfloat16" or "float16".
@@ -103,11 +108,20 @@ class RLVRModule(LightningModule):
         environment: rollouts are multi-turn episodes in this environment (:mod:`scgrpo.envs`), rewarded by it;
             default: the data source's own environment, if it has one (else single completions and the verifier).
         episodes: turn limit, token budget and time limits of episodes (only with an environment).
+        reward_funcs: reward functions with TRL's calling convention, in place of ``verifier``
+            (:mod:`scgrpo.verifiers.rewards`): in YAML, import paths such as ``my_rewards.accuracy``. Each is called
+            on a batch with ``prompts``, ``completions``, ``completion_ids`` and every other dataset column as keyword
+            arguments and returns a float (or None) per completion; each one's mean is logged as
+            ``reward/<name>/mean``.
+        reward_weights: one weight per reward function (default 1 each); a row's reward is the weighted sum.
+        max_reward_failure_steps: stop the run when every reward of this many steps in a row failed (the verifier
+            or every reward function raised, timed out or gave None); 0: never stop.
     """
 
     def __init__(
         self,
         model: str = "smollm2",
+        base_model: Optional[str] = None,
         objective: Optional[Objective] = None,
         lora: Optional[LoraSettings] = LoraSettings(),
         dtype: str = "auto",
@@ -133,13 +147,16 @@ class RLVRModule(LightningModule):
         max_nonfinite_skips: int = 3,
         environment: Optional[Environment] = None,
         episodes: EpisodeSettings = EpisodeSettings(),
+        reward_funcs: Optional[list[Callable]] = None,
+        reward_weights: Optional[list[float]] = None,
+        max_reward_failure_steps: int = 3,
     ) -> None:
         super().__init__()
         self.evaluation = Evaluation(eval_samples, eval_temperature, eval_greedy, success_threshold)
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
         check_tis_cap(tis_cap)
-        check_model_settings(model, lora, quantization, dtype)
+        self.adapter = check_model_settings(model, lora, quantization, dtype, base_model)  # None: not an adapter
         self.budget = MemoryBudget(memory_budget_gib)  # (checks the value)
         if memory_budget_gib is not None and generation.memory_budget_gib is None:  # the rollout plans for it too
             generation = dataclasses.replace(generation, memory_budget_gib=memory_budget_gib)
@@ -147,6 +164,17 @@ class RLVRModule(LightningModule):
         self.model_name, self.quantization, self.lora, self.dtype_name = model, quantization, lora, dtype
         self.objective = objective if objective is not None else GRPO()
         self.generation, self.system_prompt, self.success_threshold = generation, system_prompt, success_threshold
+        if reward_funcs is not None and verifier is not None:
+            raise ValueError("set model.verifier or model.reward_funcs, not both (a Verifier's score can be one of "
+                             "the reward functions: wrap its verify in a function)")
+        if reward_weights is not None and reward_funcs is None:
+            raise ValueError("model.reward_weights is set without model.reward_funcs")
+        if reward_funcs is not None:
+            verifier = RewardFunctions(reward_funcs, reward_weights)
+        if max_reward_failure_steps < 0:
+            raise ValueError(f"max_reward_failure_steps must be >= 0 (0 = never stop), got {max_reward_failure_steps}")
+        self.max_reward_failure_steps = max_reward_failure_steps
+        self.reward_failure_steps = 0  # steps in a row up to now whose every reward failed
         self._verifier, self._optimizer, self._lr_scheduler = verifier, optimizer, lr_scheduler
         self.max_grad_norm, self.micro_batch_size, self.tis_cap = max_grad_norm, micro_batch_size, tis_cap
         self.logprob_chunk_size, self.gradient_checkpointing = logprob_chunk_size, gradient_checkpointing
@@ -205,6 +233,11 @@ class RLVRModule(LightningModule):
         """The last training step changed no weight (its rollouts are not stored)."""
         return self.guard.last_step_skipped
 
+    @property
+    def base_model_name(self) -> str:
+        """The model the run started from, as the user named it: ``model``, or the base of an adapter folder."""
+        return self.adapter.base if self.adapter is not None else self.model_name
+
     def configure_model(self) -> None:
         if self.runner is not None:
             return
@@ -212,9 +245,14 @@ class RLVRModule(LightningModule):
             device = self.trainer.strategy.root_device
         else:  # used outside a Trainer: a 4-bit base must load onto a GPU
             device = torch.device("cuda" if self.quantization is not None else "cpu")
-        self.actor = build_policy(self.model_name, self.dtype_name, self.lora, self.quantization, device,
+        name, lora = self.model_name, self.lora
+        if self.adapter is not None:  # its base, with LoRA layers shaped as the adapter's, then its weights
+            name, lora = self.adapter.base, self.adapter.lora_settings(self.lora)
+        self.actor = build_policy(name, self.dtype_name, lora, self.quantization, device,
                                   self.generation, self.system_prompt, self.logprob_chunk_size,
                                   self.gradient_checkpointing is True, getattr(self, "_device_mesh", None))
+        if self.adapter is not None:
+            self.adapter.load_weights(self.actor.model)
         self.runner, self.tokenizer = self.actor.runner, self.actor.tokenizer
         network = self.actor.model
         self.budget.setup(device, getattr(network, "config", None), next(network.parameters()).dtype)
@@ -249,7 +287,14 @@ class RLVRModule(LightningModule):
             if datamodule is None or not hasattr(datamodule, "default_verifier"):
                 raise ValueError("no verifier given and the data module offers no default; set model.verifier")
             verifier = datamodule.default_verifier()
+        no_answers = getattr(getattr(datamodule, "source", None), "answer_fault", lambda: None)()
+        privileged = self.objective.teacher is not None and self.objective.teacher.privileged
+        if no_answers and (getattr(verifier, "needs_answers", True) or privileged):
+            reader = "the objective's teacher reads them" if privileged else f"{type(verifier).__name__} scores against them"
+            raise InputError(f"{no_answers} ({reader})")
         self.verifier_runner = VerifierRunner(verifier)
+        if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
+            internals.evaluations_logged_at_global_step(self.trainer)
         if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -424,14 +469,22 @@ class RLVRModule(LightningModule):
             self.evaluation.add(batch, self, self.verifier_runner, episodes)  # (samples through self.sample)
 
     def on_validation_epoch_end(self) -> None:
-        for metrics in self.evaluation.metrics(self.global_step, log_summary=self.global_rank == 0).values():
+        self._log_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation("test")
+
+    def _log_evaluation(self, stage: str) -> None:
+        """``<stage>/<split>/...`` of every split and ``<stage>/global_step``, logged at the logger step
+        ``global_step`` (see ``setup``)."""
+        for metrics in self.evaluation.metrics(self.global_step, self.global_rank == 0, stage).values():
             self.log_dict(metrics, on_step=False, on_epoch=True, add_dataloader_idx=False)
-        # the optimiser steps done before this evaluation (the logger's own step column counts differently)
-        self.log("val/global_step", float(self.global_step), on_step=False, on_epoch=True, add_dataloader_idx=False)
+        # the optimiser steps done before this evaluation (a resumed run's metrics.csv tells its rows apart by it)
+        self.log(f"{stage}/global_step", float(self.global_step), on_step=False, on_epoch=True,
+                 add_dataloader_idx=False)
 
     test_step = validation_step
     on_test_epoch_start = on_validation_epoch_start
-    on_test_epoch_end = on_validation_epoch_end
 
     # ------------------------------------------------------------------------------------- checkpoints
     def trainable_names(self) -> set[str]:

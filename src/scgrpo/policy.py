@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from scgrpo.data.chat import Prompt, render
 from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, run_passes, span_rows, whole_rows
 from scgrpo.distributed import (PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, on_every_rank,
                                 shard_policy)
@@ -122,18 +123,11 @@ class Policy:
             self.model.train(was_training)
 
     # ---------------------------------------------------------------------------------------- prompts
-    def format_prompts(self, questions: list[str]) -> list[str]:
-        """Each question as the model's chat prompt (user turn + assistant header), or raw text without a
-        chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            return [q if self.system_prompt is None else f"{self.system_prompt}\n\n{q}" for q in questions]
-        prompts = []
-        for q in questions:
-            messages = [{"role": "user", "content": q}]
-            if self.system_prompt is not None:
-                messages.insert(0, {"role": "system", "content": self.system_prompt})
-            prompts.append(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        return prompts
+    def format_prompts(self, questions: list[Prompt]) -> list[str]:
+        """Each prompt (a question, or a list of chat messages: :mod:`scgrpo.data.chat`) as the model reads it: through
+        the chat template with the assistant's header, ``system_prompt`` as the system message unless the prompt has
+        its own; without a chat template, the texts between blank lines."""
+        return [render(self.tokenizer, q, self.system_prompt) for q in questions]
 
     def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
                temperature: Optional[float] = None) -> Generated:

@@ -9,7 +9,7 @@ import os
 from typing import Any, Optional
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from scgrpo import lightning_internals as internals
@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 DEFAULT_ROOT = "runs"  # the file loggers' save_dir when neither they nor trainer.default_root_dir name one
 DEFAULT_NAME = "scgrpo"
 FILE_LOGGERS = ("CSVLogger", "TensorBoardLogger", "RunCSVLogger")  # class names whose folder is <save_dir>/<name>/<version>
+FOLDER_LOGGERS = (CSVLogger, TensorBoardLogger)  # the loggers with a run folder (Lightning's Trainer.log_dir)
+SETUP_FILES = ("config.yaml", "hparams.yaml")  # what a run writes into its folder before it has done anything
 
 
 def _number(value) -> Optional[float]:
@@ -28,9 +30,9 @@ def _number(value) -> Optional[float]:
 def rows_before(rows: list[dict], first: dict) -> list[dict]:
     """The rows of a run's ``metrics.csv`` (in the order logged) that a process resuming it keeps, ``first`` being
     the first row it logs: those of earlier steps, and those of ``first``'s step logged before ``first`` was
-    the first time. A validation shares its logger step with the training row of its optimiser step, logged
-    before it (the validation of step k and the training row of step k both at step k-1): they are told apart by
-    ``val/global_step``, which the module logs with each validation only."""
+    the first time. A validation shares its logger step with the training row of the next optimiser step, logged
+    after it (the validation after k steps and the training row of step k + 1 both at step k): they are told apart
+    by ``val/global_step``, which the module logs with each validation only."""
     step, mark = int(first["step"]), _number(first.get("val/global_step"))
     kept, found = [], False
     for row in rows:
@@ -139,3 +141,56 @@ def share_run_folder(trainer_config: Any, ckpt_path: Optional[str] = None) -> Op
         if entry.class_path == "lightning.pytorch.loggers.CSVLogger" or entry.class_path.endswith("csv_logs.CSVLogger"):
             entry.class_path = f"{__name__}.RunCSVLogger"
     return os.path.join(*resumed) if resumed is not None else None
+
+
+def new_run_folders(loggers: list) -> list[str]:
+    """The run folders of ``loggers`` that do not exist yet, and the parents that making them will make, deepest
+    first: what a run that fails before it has done anything takes away again (:func:`remove_unused_folders`)."""
+    folders: list[str] = []
+    for logger in loggers:
+        if not isinstance(logger, FOLDER_LOGGERS) or not internals.is_local_path(logger.log_dir):
+            continue
+        folder = os.path.abspath(logger.log_dir)
+        while not os.path.exists(folder) and folder not in folders:
+            folders.append(folder)
+            folder = os.path.dirname(folder)
+    return sorted(folders, key=lambda f: -f.count(os.sep))
+
+
+def holds_nothing_of_use(folder: str) -> bool:
+    """Whether ``folder`` holds only what a run writes before its first step: its config (``config.yaml``,
+    ``hparams.yaml``), TensorBoard event files and empty folders. Anything else (a checkpoint, an adapter, metrics,
+    completions, a file of the user's) is of use."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            if os.listdir(path):
+                return False
+        elif not (os.path.isfile(path) and (name in SETUP_FILES or name.startswith("events.out.tfevents."))):
+            return False
+    return True
+
+
+def remove_unused_folders(folders: list[str], logged: bool) -> list[str]:
+    """After a failed run: removes the folders it made (``folders``, from :func:`new_run_folders`, deepest first)
+    that hold nothing of use (:func:`holds_nothing_of_use`; a parent once its run folder is gone), unless the run
+    logged a metric (its event files hold it). A folder that was there before the run, such as a resumed run's, is
+    never in ``folders``. Returns the folders removed."""
+    removed: list[str] = []
+    if logged:
+        return removed
+    for folder in folders:  # deepest first
+        if not os.path.isdir(folder) or not holds_nothing_of_use(folder):
+            continue
+        try:
+            for name in os.listdir(folder):
+                path = os.path.join(folder, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)  # (empty)
+                else:
+                    os.remove(path)
+            os.rmdir(folder)
+        except OSError:  # something was written into it meanwhile
+            continue
+        removed.append(folder)
+    return removed

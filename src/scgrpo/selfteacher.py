@@ -30,6 +30,7 @@ from torch.profiler import record_function
 
 from scgrpo.budget import MemoryBudget, Span, active, measuring, pack, row_extents, run_passes, span_rows
 from scgrpo.data.buffer import VerifiedBuffer
+from scgrpo.data.chat import Prompt, prompt_key, prompt_text, split_system
 from scgrpo.distributed import full_parameters
 from scgrpo.models import max_sequence_length
 from scgrpo.objectives.functional import chunked_divergence
@@ -224,25 +225,27 @@ class SelfTeacher:
         self._warned_truncation = False
 
     # ---------------------------------------------------------------------------------------- inputs
-    def teacher_prompts(self, policy: TeacherModel, questions: Sequence[str], references: Sequence[str]) -> list[str]:
-        """The teacher's prompts: the base system prompt + the guide instruction with the reference as the
-        system message, then the student's own user turn (or, for a template without a system role, the
-        block before the user turn)."""
+    def teacher_prompts(self, policy: TeacherModel, questions: Sequence[Prompt], references: Sequence[str]) -> list[str]:
+        """The teacher's prompts: the base system prompt (the prompt's own system message, else the run's) + the
+        guide instruction with the reference as the system message, then the student's own turns (or, for a
+        template without a system role, the block before the first turn)."""
         if self._layout is None:
             self._layout = system_prompt_layout(policy.tokenizer, policy.system_prompt)
-        has_system, base = self._layout
-        blocks = [self.spec.template.format(reference=ref) for ref in references]
-        systems = [f"{base}\n\n{block}" if base else block for block in blocks]
-        if not getattr(policy.tokenizer, "chat_template", None):
-            return [f"{s}\n\n{q}" for s, q in zip(systems, questions)]
+        has_system, default = self._layout
         prompts = []
-        for system, question in zip(systems, questions):
-            messages = [{"role": "user", "content": question}]
+        for question, ref in zip(questions, references):
+            own, turns = split_system(question)
+            base = own if own is not None else default
+            block = self.spec.template.format(reference=ref)
+            system = f"{base}\n\n{block}" if base else block
+            if not getattr(policy.tokenizer, "chat_template", None):
+                prompts.append("\n\n".join([system] + [m["content"] for m in turns]))
+                continue
             if has_system:
-                messages.insert(0, {"role": "system", "content": system})
+                turns.insert(0, {"role": "system", "content": system})
             else:
-                messages[0]["content"] = f"{system}\n\n{question}"
-            prompts.append(policy.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+                turns[0] = {**turns[0], "content": f"{system}\n\n{turns[0]['content']}"}
+            prompts.append(policy.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
         return prompts
 
     def _fit_references(self, policy: TeacherModel, questions: list[str], references: list[str], prompt_ids: list[list[int]],
@@ -261,7 +264,7 @@ class SelfTeacher:
             ref_ids = tok(ref, add_special_tokens=False)["input_ids"]
             if len(ref_ids) < over:
                 raise ValueError(
-                    f"the self-teacher's context for {questions[k][:60]!r} needs {len(ids) - len(ref_ids) + completion_len} "
+                    f"the self-teacher's context for {prompt_text(questions[k])[:60]!r} needs {len(ids) - len(ref_ids) + completion_len} "
                     f"tokens without any reference, over the model's maximum of {limit}: shorten the prompt or "
                     "max_new_tokens, or shorten model.objective.init_args.teacher_template")
             keep = max(len(ref_ids) - over - 1, 0)  # one token of slack for re-tokenisation at the cut
@@ -281,11 +284,14 @@ class SelfTeacher:
         questions = [rollouts.questions[i] for i in rows]
         c = rollouts.completion_ids.shape[1]
         # rendered and tokenised once per (question, reference): a solve-none group's rows share both
-        pairs = list(dict.fromkeys(zip(questions, references)))
-        rendered = tok(self.teacher_prompts(policy, [q for q, _ in pairs], [r for _, r in pairs]),
+        keys = [(prompt_key(q), r) for q, r in zip(questions, references)]
+        first = list(dict.fromkeys(keys).keys())
+        where = {key: k for k, key in reversed(list(enumerate(keys)))}
+        rendered = tok(self.teacher_prompts(policy, [questions[where[key]] for key in first],
+                                            [references[where[key]] for key in first]),
                        add_special_tokens=False)["input_ids"]
-        by_pair = dict(zip(pairs, rendered))
-        prompt_ids = [list(by_pair[pair]) for pair in zip(questions, references)]
+        by_pair = dict(zip(first, rendered))
+        prompt_ids = [list(by_pair[key]) for key in keys]
         references, cut = self._fit_references(policy, questions, list(references), prompt_ids, c)
         if cut:  # only the cut rows are rendered and tokenised again
             redone = tok(self.teacher_prompts(policy, [questions[k] for k in cut], [references[k] for k in cut]),

@@ -79,8 +79,9 @@ def test_file_source_maps_columns_and_skips_bad_rows(tmp_path, caplog):
     )
     source = FileSource(path, columns={"question": "problem", "answer": "solution", "id": "uid"})
     rows = source.rows("train")
-    assert rows == [{"id": "a", "question": "1+1?", "answer": 2}, {"id": "d", "question": "3+3?", "answer": 6}]
-    assert "skipped 2 of 4 rows" in caplog.text
+    assert rows == [{"id": "a", "question": "1+1?", "answer": 2, "columns": {"solution": 2, "uid": "a"}},
+                    {"id": "d", "question": "3+3?", "answer": 6, "columns": {"solution": 6, "uid": "d"}}]
+    assert "skipped 2 of 4 rows" in caplog.text and "(first: row 2: an empty prompt)" in caplog.text
     assert isinstance(source.default_verifier(), NumericVerifier)
 
 
@@ -188,7 +189,6 @@ BAD_FILES = {
     "not_utf8": "line 3: not UTF-8 text (byte 0xe9 at column 18)",
     "broken_line": "line 7: not valid JSON",
     "not_an_object": "line 7: a JSON list, where each line should be an object",
-    "no_answer_column": "no column 'answer' for the answer (columns: ['question', 'solution'])",
 }
 
 
@@ -199,6 +199,19 @@ def test_a_malformed_file_is_one_error_naming_the_file_and_line(fault, tmp_path)
         FileSource(path).rows("train")
     assert str(info.value).startswith(f"{path}: {BAD_FILES[fault]}")
     assert "\n" not in str(info.value)
+
+
+def test_a_file_without_answers_loads_and_says_so_to_a_verifier_that_needs_them(tmp_path):
+    """TRL-style data need no answer column (reward functions read their own columns); a verifier that scores
+    against answers is told which file lacks them."""
+    path = write_bad_file(tmp_path, "no_answer_column")
+    source = FileSource(path)
+    rows = source.rows("train")
+    assert len(rows) == 10 and rows[3]["answer"] is None and rows[3]["columns"] == {"solution": 3}
+    assert source.answer_fault().startswith(f"{path}: no column 'answer' for the answer (columns: ['question', 'solution'])")
+    answered = tmp_path / "answered.jsonl"
+    answered.write_text('{"question": "a", "answer": 1}\n')
+    assert FileSource(str(answered)).answer_fault() is None
 
 
 def test_a_broken_json_array_names_its_line(tmp_path):

@@ -12,6 +12,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from scgrpo.callbacks.logging import run_dir
+from scgrpo.data.chat import prompt_text
 from scgrpo.rollout.types import ROUTES
 
 
@@ -113,7 +114,7 @@ class CreditLogging(Callback):
             if not bool(signal.has_teacher[row]):
                 route += ", no teacher: weight 1"
             parts.append(
-                f"<p><b>{html.escape(rollouts.questions[row])}</b> route <i>{route}</i>, reward "
+                f"<p><b>{html.escape(prompt_text(rollouts.questions[row]))}</b> route <i>{route}</i>, reward "
                 f"{float(rollouts.rewards[row]):.2f}, advantage {float(advantages[row]):+.3f}</p>"
                 "<table style='width:100%;table-layout:fixed'><tr>"
                 f"<td style='vertical-align:top'><pre style='white-space:pre-wrap'>{spans}</pre></td>"

@@ -12,6 +12,9 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from scgrpo.atomic_io import write_folder_atomically
 from scgrpo.callbacks.validation import run_validation
+from scgrpo.data.chat import prompt_text
+from scgrpo.model_card import model_card, name_base_model, run_config
+from scgrpo.models import ADAPTER_CONFIG, portable_model_name
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +28,24 @@ def run_dir(trainer) -> str:
     return directory
 
 
+INFO_CHARS = 120  # the longest info shown in a cell of the TensorBoard table (completions.jsonl holds it whole)
+
+
+def compact_json(value) -> str:
+    """``value`` as JSON on one line, without spaces; a value JSON has no type for (a set, a tensor) as its text."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def table_cell(text: str, limit: Optional[int] = None) -> str:
+    """``text`` in one cell of a markdown table: on one line, no column bar, cut to ``limit`` characters."""
+    text = text.replace("|", "/").replace("\r", " ").replace("\n", " ")
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
+
+
 class CompletionsTable(Callback):
-    """Every ``every_n_steps`` steps, appends sample completions with their rewards to
-    ``<log_dir>/completions.jsonl`` (and to TensorBoard as text when a TensorBoard logger is present).
+    """Every ``every_n_steps`` steps, appends sample completions with their rewards and their verifier's ``info`` (the
+    extracted answer, a reason; an episode's turns and faults) to ``<log_dir>/completions.jsonl``, and to TensorBoard
+    as a text table (the info as compact JSON, cut to ``INFO_CHARS``) when a TensorBoard logger is present.
 
     Args:
         every_n_steps: how often to write (0 = never).
@@ -55,16 +73,18 @@ class CompletionsTable(Callback):
                     "reward": float(rollouts.rewards[i]),
                     "tokens": int(rollouts.completion_mask[i].sum()),
                     "truncated": bool(rollouts.truncated[i]),
+                    "info": rollouts.infos[i] if rollouts.infos is not None else {},
                 }
             )
         with open(os.path.join(run_dir(trainer), "completions.jsonl"), "a") as f:
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, default=str) + "\n")
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_text"):
-                table = "| reward | question | completion |\n|---|---|---|\n" + "\n".join(
-                    f"| {r['reward']:.2f} | {r['question']} | {r['completion'].replace('|', '/').replace(chr(10), ' ')} |"
+                table = "| reward | question | completion | info |\n|---|---|---|---|\n" + "\n".join(
+                    f"| {r['reward']:.2f} | {table_cell(prompt_text(r['question']))} | {table_cell(r['completion'])} | "
+                    f"{table_cell(compact_json(r['info']) if r['info'] else '', INFO_CHARS)} |"
                     for r in rows
                 )
                 experiment.add_text("completions", table, global_step=step)
@@ -78,10 +98,27 @@ class AdapterExport(Callback):
     An adapter is written only when its weights, and the policy's log-probs on a probe text, are finite (a
     diverged run's weights can be finite and still give NaN logits); after the divergence guard stopped a run,
     ``final`` holds the weights it restored. Each folder is written beside its place and then swapped in, so an
-    interrupted export leaves the previous one whole."""
+    interrupted export leaves the previous one whole.
+
+    The adapter is portable: its ``adapter_config.json`` names the base model as the user gave it ("smollm2", a hub
+    id, a folder's absolute path; never the local conversion cache), which ``scgrpo validate|test --model.model
+    <adapter folder>`` loads it on, and a ``README.md`` model card (:mod:`scgrpo.model_card`) holds the base model,
+    objective, LoRA settings, the last validation's metrics and the run's ``config.yaml`` (else the module's
+    settings)."""
 
     def __init__(self, every_n_steps: Optional[int] = None, dirpath: Optional[str] = None) -> None:
         self.every_n_steps, self.dirpath = every_n_steps, dirpath
+
+    @staticmethod
+    def _card(trainer, pl_module, folder: str, base: str) -> str:
+        config = run_config(os.path.join(run_dir(trainer), "config.yaml"), pl_module)  # (LightningCLI writes it)
+        adapter_config = os.path.join(folder, ADAPTER_CONFIG)
+        lora = None
+        if os.path.isfile(adapter_config):
+            with open(adapter_config) as f:
+                lora = json.load(f)
+        return model_card(base_model=base, objective=pl_module.objective, steps=trainer.global_step, lora=lora,
+                          metrics=dict(trainer.callback_metrics), config=config)
 
     def _save(self, trainer, pl_module, name: str) -> None:
         folder = os.path.join(self.dirpath or os.path.join(run_dir(trainer), "adapter"), name)
@@ -98,6 +135,10 @@ class AdapterExport(Callback):
             def write(path: str) -> None:
                 pl_module.policy.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
                 pl_module.tokenizer.save_pretrained(path)
+                base = portable_model_name(pl_module.base_model_name)
+                name_base_model(path, base)
+                with open(os.path.join(path, "README.md"), "w") as f:  # (over peft's empty template)
+                    f.write(self._card(trainer, pl_module, path, base))
 
             write_folder_atomically(write, folder)
             log.info("saved adapter to %s", folder)

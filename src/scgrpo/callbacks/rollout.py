@@ -11,12 +11,18 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback
 
 from scgrpo.distributed import all_reduce
+from scgrpo.errors import InputError
 from scgrpo.guard import nonfinite_inputs
 from scgrpo.oom import out_of_memory_as_error
-from scgrpo.rollout.types import PromptBatch, RolloutBatch
+from scgrpo.rollout.types import PromptBatch, RolloutBatch, token_lists
 from scgrpo.step_log import phase_peak
+from scgrpo.verifiers.rewards import RewardFunctions
 
 log = logging.getLogger(__name__)
+
+
+class RewardsFailed(InputError):
+    """Every reward of ``max_reward_failure_steps`` steps in a row failed: the run stops with one line."""
 
 
 def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
@@ -41,6 +47,7 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         sample_ids=[i for i in batch.ids for _ in range(g)],
         questions=questions,
         answers=[a for a in batch.answers for _ in range(g)],
+        columns=[c for c in batch.row_columns() for _ in range(g)],
         completions=generated.completions,
         entropy_sum=generated.entropy_sum,
         sampler_logprobs=generated.sampler_logprobs,
@@ -56,9 +63,40 @@ def verify_rollouts(pl_module, rollouts: RolloutBatch) -> None:
     rewarded by their environment and are left as they are."""
     if rollouts.rewards is not None:
         return
-    results = pl_module.verifier_runner(rollouts.completions, rollouts.answers, rollouts.questions, rollouts.sample_ids)
+    results = pl_module.verifier_runner(rollouts.completions, rollouts.answers, rollouts.questions, rollouts.sample_ids,
+                                        rollouts.columns, token_lists(rollouts.completion_ids, rollouts.completion_mask))
     rollouts.rewards = torch.tensor([r.score for r in results], dtype=torch.float32, device=pl_module.device)
     rollouts.infos = [r.info for r in results]
+
+
+def reward_metrics(verifier, infos: Optional[list[dict]]) -> dict[str, float]:
+    """``reward/<name>/mean`` and ``/std`` of each reward function of ``verifier`` (:class:`RewardFunctions`) over
+    the rows it gave a value (NaN where none); nothing for other verifiers. Under DAPO's dynamic sampling, those of
+    the first round (as ``verifier/errors``)."""
+    names = getattr(verifier, "names", None)
+    if not isinstance(verifier, RewardFunctions) or not names:
+        return {}
+    out = {}
+    for name in names:
+        values = torch.tensor([info["rewards"][name] for info in infos or []
+                               if info.get("rewards", {}).get(name) is not None], dtype=torch.float64)
+        out[f"reward/{name}/mean"] = float(values.mean()) if len(values) else float("nan")
+        out[f"reward/{name}/std"] = float(values.std(unbiased=False)) if len(values) else float("nan")
+    return out
+
+
+def check_reward_failures(pl_module, all_failed: bool, infos: Optional[list[dict]]) -> None:
+    """Counts the steps in a row whose every reward failed; at ``max_reward_failure_steps`` of them the run ends
+    with :class:`RewardsFailed` (before the step changes any weight)."""
+    pl_module.reward_failure_steps = pl_module.reward_failure_steps + 1 if all_failed else 0
+    limit = pl_module.max_reward_failure_steps
+    if not limit or pl_module.reward_failure_steps < limit:
+        return
+    why = next((info["error"] for info in infos or [] if info.get("error")), "no reward")
+    raise RewardsFailed(
+        f"every reward of the last {pl_module.reward_failure_steps} steps failed (the first of this step: {why}); "
+        f"the run is stopped before this step's update. Fix the {type(pl_module.verifier_runner.verifier).__name__} "
+        "(model.verifier or model.reward_funcs) or raise model.max_reward_failure_steps (0: never stop)")
 
 
 def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -90,6 +128,7 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
                           if all(p.sampler_logprobs is not None for p in parts) else None),
         env_mask=(torch.cat([right(p.env_mask, c, 0.0) for p in parts])
                   if all(p.env_mask is not None for p in parts) else None),
+        columns=(sum((p.columns for p in parts), []) if all(p.columns is not None for p in parts) else None),
     )
     for p in parts:
         for key, value in p.stats.items():
@@ -142,6 +181,10 @@ class VerificationCallback(Callback):
         rollouts.stats["time/verification_s"] = time.perf_counter() - start
         rollouts.stats["verifier/errors"] = float(runner.errors - errors)
         rollouts.stats["verifier/timeouts"] = float(runner.timeouts - timeouts)
+        rollouts.stats.update(reward_metrics(runner.verifier, rollouts.infos))
+        failed = all_reduce([float(runner.errors - errors + runner.timeouts - timeouts), float(len(rollouts.completions))],
+                            "sum", pl_module.device)
+        check_reward_failures(pl_module, failed[0] >= failed[1] > 0, rollouts.infos)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: PromptBatch, batch_idx: int) -> None:
         buffer = getattr(getattr(trainer, "datamodule", None), "verified_buffer", None)

@@ -13,13 +13,15 @@ from torch.utils.data import DataLoader, IterableDataset
 from scgrpo.data.buffer import VerifiedBuffer
 from scgrpo.data.lengths import drop_long_rows, prompt_limits
 from scgrpo.distributed import world_size
+from scgrpo.errors import InputError
 from scgrpo.data.sources import PromptSource, Row, resolve_source
 from scgrpo.rollout.types import PromptBatch
 
 
 def _batch(rows: list[Row], split: str) -> PromptBatch:
     return PromptBatch(
-        ids=[str(r["id"]) for r in rows], questions=[r["question"] for r in rows], answers=[r["answer"] for r in rows], split=split
+        ids=[str(r["id"]) for r in rows], questions=[r["question"] for r in rows], answers=[r["answer"] for r in rows],
+        split=split, columns=[r.get("columns", {}) for r in rows]
     )
 
 
@@ -103,6 +105,15 @@ class PromptDataModule(LightningDataModule):
         self.batches_consumed = 0  # per rank; saved in checkpoints so a resumed run continues the stream
         self.extra_consumed = 0
         self.verified_buffer = VerifiedBuffer(buffer_size_per_prompt, buffer_max_total)
+
+    def setup(self, stage: str) -> None:
+        """``fit`` needs the source's train split (one clear error before the model loads); ``validate`` and ``test``
+        read its evaluation splits only, so a source without a train split evaluates."""
+        splits = self.source.splits()
+        if stage == "fit" and "train" not in splits:
+            raise InputError(f"data.source ({type(self.source).__name__}) has no train split, only {splits}: scgrpo "
+                             "fit trains on one (FileSource: files: {train: ..., test: ...}); scgrpo validate and "
+                             "test evaluate without it")
 
     def default_verifier(self):
         return self.source.default_verifier()

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 from scgrpo.errors import InputError
 from scgrpo.models import max_sequence_length
+from scgrpo.data.chat import Prompt, is_chat, prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +77,24 @@ def _widest_token(tokenizer) -> int:
     return max(cached, 1)
 
 
-def _token_counts(tokenizer, render: Callable[[list[str]], list[str]], questions: Sequence[str],
+def _token_counts(tokenizer, render: Callable[[list[Prompt]], list[str]], questions: Sequence[Prompt],
                   limit: int) -> list[int]:
     """Tokens of ``render([q])[0]`` for each question, exact where they decide against ``limit``; elsewhere an
     upper bound at most ``limit - _MARGIN``. A question of ``b`` UTF-8 bytes has at most ``b`` tokens (byte-level
     BPE and SentencePiece with byte fallback: each token covers at least one byte), so most rows are settled
     without tokenising them; the rest are tokenised in one batch inside the template rendered once around a
     sentinel, and those counted near the limit that way are rendered and counted exactly (a template may trim or
-    escape its content)."""
+    escape its content). Lists of messages are rendered and counted exactly."""
+    chats = [i for i, q in enumerate(questions) if is_chat(q)]
+    if chats:  # lists of messages are rendered and counted exactly; strings as below
+        counts = [0] * len(questions)
+        texts = [i for i in range(len(questions)) if not is_chat(questions[i])]
+        exact = tokenizer(render([questions[i] for i in chats]), add_special_tokens=False)["input_ids"]
+        for i, row_ids in zip(chats, exact):
+            counts[i] = len(row_ids)
+        for i, n in zip(texts, _token_counts(tokenizer, render, [questions[i] for i in texts], limit) if texts else []):
+            counts[i] = n
+        return counts
     around = render([_SENTINEL])[0]
     if around.count(_SENTINEL) != 1:  # the template changes its content: render every row
         texts = render(list(questions))
@@ -127,7 +138,7 @@ def drop_long_rows(module, rows: list[dict], limits: PromptLimits, where: str) -
     skipped = [i for i, bad in enumerate(too_long) if bad]
     if not skipped:
         return rows
-    longest = max(skipped, key=lambda i: len(questions[i]))
+    longest = max(skipped, key=lambda i: len(prompt_text(questions[i])))
     tokens = len(tok(module.format_prompts([questions[longest]]), add_special_tokens=False)["input_ids"][0])
     what = f"the longest (id {rows[longest]['id']}) has {tokens:,} tokens"
     if limits.teacher is None:

@@ -13,6 +13,7 @@ import random
 from abc import ABC, abstractmethod
 from typing import Any, Optional, Union
 
+from scgrpo.data.chat import as_prompt, prompt_fault
 from scgrpo.errors import InputError, json_fault, one_line
 from scgrpo.verifiers import CountdownVerifier, NumericVerifier, Verifier
 
@@ -40,6 +41,11 @@ class PromptSource(ABC):
 
     def eval_splits(self) -> list[str]:
         return [s for s in self.splits() if s != "train"]
+
+    def answer_fault(self) -> Optional[str]:
+        """Why the rows carry no reference answers (a table without an answer column), or None. A verifier that
+        reads answers refuses such rows at setup; reward functions read the rows' own columns."""
+        return None
 
 
 class ArithmeticTask(PromptSource):
@@ -302,45 +308,72 @@ TEST_CONTEXT = ("entry_point", "fn_name", "test_setup_code")
 """Columns beside the tests that say how to run them (HumanEval, LiveCodeBench, MBPP)."""
 
 
-def _answer_column(names: list[str], columns: dict[str, str]) -> str:
+PROMPT_COLUMNS = ("question", "prompt")
+"""Columns read as the prompt when ``columns`` names none: ours, then TRL's (text, or a list of chat messages)"""
+
+
+def _answer_column(names: list[str], columns: dict[str, str]) -> Optional[str]:
     """The column that holds answers: the one named in ``columns``, else "answer", else a column of unit tests
-    (:data:`TEST_COLUMNS`)."""
+    (:data:`TEST_COLUMNS`), else None (rows without a reference answer: reward functions read their own columns)."""
     if "answer" in columns:
         return columns["answer"]
     if "answer" in names:
         return "answer"
-    return next((name for name in TEST_COLUMNS if name in names), "answer")
+    return next((name for name in TEST_COLUMNS if name in names), None)
 
 
-def _table_rows(table: Any, columns: dict[str, str], where: str) -> list[Row]:
-    """Map a datasets.Dataset to rows through ``columns`` (our name -> its column), skipping bad rows."""
+def _question_column(names: list[str], columns: dict[str, str]) -> str:
+    if "question" in columns:
+        return columns["question"]
+    return next((name for name in PROMPT_COLUMNS if name in names), "question")
+
+
+def _table_rows(table: Any, columns: dict[str, str], where: str) -> tuple[list[Row], Optional[str]]:
+    """Map a datasets.Dataset to rows through ``columns`` (our name -> its column), skipping bad rows. Returns the
+    rows and, when the table has no answer column, the message that says so (raised by a verifier that needs
+    answers, :meth:`PromptSource.answer_fault`).
+
+    Each row keeps every column of the table under "columns" (TRL passes them to reward functions by name) but the
+    prompt's. A prompt is text or a list of chat messages (:mod:`scgrpo.data.chat`); a row whose prompt is
+    malformed, or whose answer is missing where the table has answers, is skipped, and the skips are counted in one
+    warning with the first reason."""
     names = list(getattr(table, "column_names", []))
-    columns = {**columns, "answer": _answer_column(names, columns)}
-    for ours in ("question", "answer"):
-        theirs = columns.get(ours, ours)
-        if theirs not in names:
-            raise InputError(
-                f"{where}: no column {theirs!r} for the {ours} (columns: {names}); set columns: {{{ours}: <name>}}"
-            )
+    qcol, acol = _question_column(names, columns), _answer_column(names, columns)
+    if qcol not in names:
+        raise InputError(f"{where}: no column {qcol!r} for the prompt (columns: {names}); set columns: "
+                         "{question: <name>}")
+    if "answer" in columns and acol not in names:
+        raise InputError(f"{where}: no column {acol!r} for the answer (columns: {names}); set columns: "
+                         "{answer: <name>}")
+    no_answers = None
+    if acol is None:
+        no_answers = (f"{where}: no column 'answer' for the answer (columns: {names}); set columns: {{answer: <name>}}, "
+                      "or score with model.reward_funcs, which read any column")
     if len(table) == 0:
         raise InputError(f"{where}: the dataset is empty")
-    qcol, acol, icol = columns.get("question", "question"), columns.get("answer", "answer"), columns.get("id", "id")
+    icol = columns.get("id", "id")
     # the function the tests call travels with them (APPS keeps its fn_name inside input_output)
     context = [c for c in TEST_CONTEXT if c in names] if acol in TEST_COLUMNS and acol != "input_output" else []
-    rows, skipped = [], 0
+    rows, skipped, first_fault = [], 0, None
     for i, record in enumerate(table):
-        question, answer = record.get(qcol), record.get(acol)
-        if not isinstance(question, str) or not question.strip() or answer is None:
+        question, answer = record.get(qcol), (record.get(acol) if acol is not None else None)
+        fault = prompt_fault(question)
+        if fault is None and acol is not None and answer is None:
+            fault = "no answer"
+        if fault is not None:
             skipped += 1
+            first_fault = first_fault or f"row {i + 1}: {fault}"
             continue
         if context:
             answer = {acol: answer, **{c: record[c] for c in context if record.get(c) is not None}}
-        rows.append({"id": str(record.get(icol, i)) if icol in names else str(i), "question": question, "answer": answer})
+        rows.append({"id": str(record.get(icol, i)) if icol in names else str(i), "question": as_prompt(question),
+                     "answer": answer, "columns": {k: v for k, v in record.items() if k != qcol}})
     if skipped:
-        log.warning("%s: skipped %d of %d rows with a missing or empty question/answer", where, skipped, len(table))
+        log.warning("%s: skipped %d of %d rows with a missing or malformed prompt or answer (first: %s)", where,
+                    skipped, len(table), first_fault)
     if not rows:
-        raise InputError(f"{where}: every row lacks a question or an answer")
-    return rows
+        raise InputError(f"{where}: every row lacks a usable prompt or answer (first: {first_fault})")
+    return rows, no_answers
 
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
@@ -396,8 +429,10 @@ class FileSource(PromptSource):
     """Prompts from local JSONL, JSON, Parquet or CSV files, read with ``datasets``.
 
     Args:
-        files: one path (the train split) or a mapping split -> path, e.g. ``{train: a.jsonl, test: b.jsonl}``.
-        columns: our field -> the file's column, for "question", "answer" and optionally "id". Without an
+        files: one path (the train split) or a mapping split -> path, e.g. ``{train: a.jsonl, test: b.jsonl}``
+            (without "train": for ``scgrpo validate`` and ``test`` only).
+        columns: our field -> the file's column, for "question", "answer" and optionally "id". The prompt is read from
+            a "question" column, else from TRL's "prompt" (text or a list of chat messages). Without an
             "answer" column, a column of unit tests (``tests``, ``test_list``, ``test``, ``input_output``) is read
             as the answers, with ``entry_point``, ``fn_name`` and ``test_setup_code`` beside them, for
             :class:`scgrpo.verifiers.PythonTests` (LiveCodeBench, MBPP, HumanEval or APPS style).
@@ -409,8 +444,8 @@ class FileSource(PromptSource):
         self, files: Union[str, dict[str, str]], columns: Optional[dict[str, str]] = None, verifier: Optional[Verifier] = None
     ) -> None:
         self.files = {"train": files} if isinstance(files, str) else dict(files)
-        if "train" not in self.files:
-            raise ValueError(f"files must include a 'train' split, got {list(self.files)}")
+        if not self.files:
+            raise ValueError("files names no split; give a path, or a mapping such as {train: a.jsonl, test: b.jsonl}")
         for split, path in self.files.items():
             if not os.path.exists(path):
                 raise FileNotFoundError(f"data file for split {split!r} does not exist: {path}")
@@ -422,17 +457,22 @@ class FileSource(PromptSource):
         self._verifier = verifier
         self._answers_are_tests = False
         self._cache: dict[str, list[Row]] = {}
+        self._no_answers: dict[str, str] = {}
 
     def splits(self) -> list[str]:
-        return list(self.files)
+        return sorted(self.files, key=lambda split: split != "train")
 
     def describe(self, split: str) -> str:
         return self.files.get(split, super().describe(split))
 
+    def answer_fault(self) -> Optional[str]:
+        self.rows(self.splits()[0])  # (read once, cached)
+        return next(iter(self._no_answers.values()), None)
+
     def default_verifier(self) -> Verifier:
         if self._verifier is not None:
             return self._verifier
-        self.rows("train")
+        self.rows(self.splits()[0])
         if self._answers_are_tests:
             from scgrpo.verifiers import PythonTests
 
@@ -457,7 +497,7 @@ class FileSource(PromptSource):
             try:
                 table = datasets.load_dataset(_FORMATS[ext], data_files=path, split="train", **kwargs)
                 answer_column = _answer_column(list(table.column_names), self.columns)
-                rows = _table_rows(table, self.columns, path)
+                rows, no_answers = _table_rows(table, self.columns, path)
             except InputError:
                 raise
             except Exception as err:  # noqa: BLE001 - whatever the reader raised, the user sees the file and line
@@ -469,8 +509,10 @@ class FileSource(PromptSource):
                 raise InputError(f"{path}: could not be read as {ext[1:]}: {_reason(err)}") from err
             finally:
                 readers.setLevel(level)
-            if split == "train":  # the default verifier follows the train split's answers
+            if split == self.splits()[0]:  # the default verifier follows the train split's answers
                 self._answers_are_tests = answer_column in TEST_COLUMNS
+            if no_answers:
+                self._no_answers[split] = no_answers
             self._cache[split] = rows
         return self._cache[split]
 
@@ -483,7 +525,8 @@ class HubDataset(PromptSource):
         name: the dataset id or folder.
         subset: its configuration name (e.g. ``main`` for gsm8k).
         splits: our split -> its split, e.g. ``{train: train, test: test}``.
-        columns: our field -> its column, for "question", "answer" and optionally "id".
+        columns: our field -> its column, for "question", "answer" and optionally "id" (the prompt: "question",
+            else TRL's "prompt", text or a list of chat messages).
         verifier: the verifier that fits the answers (default: numeric).
     """
 
@@ -497,17 +540,22 @@ class HubDataset(PromptSource):
     ) -> None:
         self.name, self.subset = name, subset
         self.split_map = dict(splits or {"train": "train", "test": "test"})
-        if "train" not in self.split_map:
-            raise ValueError(f"splits must map a 'train' split, got {self.split_map}")
+        if not self.split_map:
+            raise ValueError("splits maps no split; e.g. {train: train, test: test}")
         self.columns = dict(columns or {})
         self._verifier = verifier
         self._cache: dict[str, list[Row]] = {}
+        self._no_answers: dict[str, str] = {}
 
     def splits(self) -> list[str]:
-        return list(self.split_map)
+        return sorted(self.split_map, key=lambda split: split != "train")
 
     def describe(self, split: str) -> str:
         return f"{self.name}[{self.split_map.get(split, split)}]"
+
+    def answer_fault(self) -> Optional[str]:
+        self.rows(self.splits()[0])  # (read once, cached)
+        return next(iter(self._no_answers.values()), None)
 
     def default_verifier(self) -> Verifier:
         return self._verifier or NumericVerifier()
@@ -523,7 +571,9 @@ class HubDataset(PromptSource):
                 table = datasets.load_dataset(self.name, self.subset, split=self.split_map[split])
             except Exception as err:  # noqa: BLE001 - not found, offline, malformed: one line naming the dataset
                 raise InputError(f"{where}: could not be loaded: {_reason(err)}") from err
-            self._cache[split] = _table_rows(table, self.columns, where)
+            self._cache[split], no_answers = _table_rows(table, self.columns, where)
+            if no_answers:
+                self._no_answers[split] = no_answers
         return self._cache[split]
 
 

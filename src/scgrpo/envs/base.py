@@ -22,7 +22,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 
 @dataclass
@@ -113,9 +113,10 @@ class Environment(ABC):
     timeout_s: float = 10.0
 
     @abstractmethod
-    def reset(self, row: dict[str, Any], seed: int) -> str:
-        """Starts an episode for the data ``row`` (``{"id", "question", "answer", ...}``) and returns the first
-        observation: the text of the first user message (task, rules, tools). ``seed`` seeds the environment's own
+    def reset(self, row: dict[str, Any], seed: int) -> Union[str, list[dict[str, str]]]:
+        """Starts an episode for the data ``row`` (``{"id", "question", "answer", "columns"}``) and returns the first
+        observation: the text of the first user message (task, rules, tools), or the opening messages in TRL's
+        conversational format (:mod:`scgrpo.data.chat`; a system message there replaces the run's). ``seed`` seeds the environment's own
         randomness: the episodes of one group get the same one (they start from one state), and it is fixed by the
         row's id and the run's seed (in evaluation by the row's id alone)."""
 

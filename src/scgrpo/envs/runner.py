@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from scgrpo.data.chat import prompt_fault, prompt_key
 from scgrpo.distributed import all_reduce
 from scgrpo.errors import InputError
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult
@@ -329,13 +330,18 @@ class EpisodeRunner:
         questions = []
         for episode, row in zip(episodes, expanded):
             first = observations.get(id(episode))
-            if not episode.done and not isinstance(first, str):
-                self._junk(episode, f"reset returned {type(first).__name__}, not the first observation's text", stats)
-            questions.append(first if isinstance(first, str) else str(row.get("question", "")))
-        distinct = list(dict.fromkeys(questions))  # a group's episodes mostly start from one observation
-        prompts = dict(zip(distinct, tok(policy.format_prompts(distinct), add_special_tokens=False)["input_ids"]))
-        for episode, question in zip(episodes, questions):
-            episode.prompt = list(prompts[question])
+            fault = "no first observation" if episode.done else prompt_fault(first)
+            if not episode.done and fault is not None:
+                self._junk(episode, f"reset returned {type(first).__name__} ({fault}), not the first observation's "
+                           "text or messages", stats)
+            questions.append(first if fault is None else row.get("question") or "")
+        # a group's episodes mostly start from one observation: each distinct one is rendered and tokenized once
+        keys = [prompt_key(q) for q in questions]
+        distinct = {key: q for key, q in zip(keys, questions)}
+        prompts = dict(zip(distinct, tok(policy.format_prompts(list(distinct.values())),
+                                         add_special_tokens=False)["input_ids"]))
+        for episode, key in zip(episodes, keys):
+            episode.prompt = list(prompts[key])
         eos_text = {i: tok.decode([i]) for i in _eos_ids(policy)}
         if self._chat is None:
             self._chat = ChatTurns(tok, self.environment.observation_role)

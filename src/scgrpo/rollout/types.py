@@ -9,22 +9,32 @@ import torch
 from torch import Tensor
 
 
+def token_lists(ids: Tensor, mask: Tensor) -> list[list[int]]:
+    """Each row's tokens of ``[N, C]`` ``ids`` where ``mask`` holds, as lists (e.g. completions without padding)."""
+    return [row[held.bool()].tolist() for row, held in zip(ids.cpu(), mask.cpu())]
+
+
 @dataclass
 class PromptBatch:
     """A batch of prompts as the data module yields it; the rollout callback fills ``rollouts``."""
 
     ids: list[str]
-    questions: list[str]
+    questions: list[Any]  # text, or a list of chat messages (scgrpo.data.chat)
     answers: list[Any]
     split: str = "train"
     rollouts: Optional["RolloutBatch"] = None
+    columns: Optional[list[dict[str, Any]]] = None  # each row's other dataset columns (reward functions read them)
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def row_columns(self) -> list[dict[str, Any]]:
+        return self.columns if self.columns is not None else [{} for _ in self.ids]
+
     def rows(self) -> list[dict[str, Any]]:
-        """The batch's data rows ``{"id", "question", "answer"}``, as environments receive them."""
-        return [{"id": i, "question": q, "answer": a} for i, q, a in zip(self.ids, self.questions, self.answers)]
+        """The batch's data rows ``{"id", "question", "answer", "columns"}``, as environments receive them."""
+        return [{"id": i, "question": q, "answer": a, "columns": c}
+                for i, q, a, c in zip(self.ids, self.questions, self.answers, self.row_columns())]
 
 
 @dataclass
@@ -47,7 +57,7 @@ class RolloutBatch:
     truncated: Tensor  # [N] bool, no end-of-sequence token within max_new_tokens
     group_size: int
     sample_ids: list[str]  # [N] prompt id of each row
-    questions: list[str]  # [N]
+    questions: list[Any]  # [N] text, or a list of chat messages
     answers: list[Any]  # [N]
     completions: list[str]  # [N] decoded completion text
     rewards: Optional[Tensor] = None  # [N] float, set by the verification callback
@@ -57,6 +67,7 @@ class RolloutBatch:
     entropy_sum: Optional[Tensor] = None  # [N] fp32 sum over each completion's tokens of the sampling entropy
     sampler_logprobs: Optional[Tensor] = None  # [N, C] fp32 log-prob of each sampled token under the sampler
     env_mask: Optional[Tensor] = None  # [N, C] float, environment tokens inside an episode (None: single turn)
+    columns: Optional[list[dict[str, Any]]] = None  # [N] each row's other dataset columns (None: none)
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -102,6 +113,7 @@ class RolloutBatch:
             entropy_sum=pick(self.entropy_sum),
             sampler_logprobs=pick(self.sampler_logprobs),
             env_mask=pick(self.env_mask),
+            columns=[self.columns[i] for i in idx] if self.columns is not None else None,
         )
 
 

@@ -6,6 +6,7 @@ from scgrpo.verifiers.combined import WeightedVerifier
 from scgrpo.verifiers.countdown import CountdownVerifier
 from scgrpo.verifiers.math import MathVerifier
 from scgrpo.verifiers.numeric import NumericVerifier
+from scgrpo.verifiers.rewards import RewardFunctions
 from scgrpo.verifiers.runner import VerifierRunner
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "MathVerifier",
     "NumericVerifier",
     "PythonTests",
+    "RewardFunctions",
     "VerificationResult",
     "Verifier",
     "VerifierRunner",

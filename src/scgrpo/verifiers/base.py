@@ -30,10 +30,16 @@ class Verifier(ABC):
 
     A verifier may also define ``verify_batch(completions, answers, questions)`` returning one result (or
     exception) per completion, to score a whole batch at once (e.g. in parallel, as :class:`PythonTests`
-    does); it then enforces its own time limits.
+    does); it then enforces its own time limits. A ``verify_batch`` that takes ``columns`` and ``completion_ids``
+    keyword arguments also gets each row's other dataset columns and its completion's token ids.
     """
 
     timeout_s: Optional[float] = 5.0
+    needs_answers: bool = True
+    """Scores against the rows' reference answers (a dataset without an answer column is refused at setup)"""
+    prompts_as_given: bool = False
+    """``question`` is the prompt as the dataset gave it (text, or a list of chat messages); False: as text (a
+    prompt of messages gives its last user turn)"""
 
     @abstractmethod
     def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:

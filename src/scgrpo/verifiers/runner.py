@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from scgrpo.data.chat import prompt_text
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 
 log = logging.getLogger(__name__)
@@ -55,26 +57,44 @@ class VerifierRunner:
     _logged: set = field(default_factory=set)
 
     def __call__(
-        self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[str], ids: Sequence[str]
+        self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[Any], ids: Sequence[str],
+        columns: Optional[Sequence[dict[str, Any]]] = None, completion_ids: Optional[Sequence[list[int]]] = None,
     ) -> list[VerificationResult]:
+        """One result per completion. ``questions`` are the rows' prompts (text or chat messages: a verifier reads
+        them as text unless it takes them as given, :attr:`Verifier.prompts_as_given`); ``columns`` each row's
+        other dataset columns and ``completion_ids`` its tokens, for a ``verify_batch`` that takes them."""
+        if not getattr(self.verifier, "prompts_as_given", False):
+            questions = [q if isinstance(q, str) else prompt_text(q) for q in questions]
         if callable(getattr(self.verifier, "verify_batch", None)):
-            return self.batch(completions, answers, questions, ids)
+            return self.batch(completions, answers, questions, ids, columns, completion_ids)
         return [self.one(c, a, q, i) for c, a, q, i in zip(completions, answers, questions, ids)]
 
     def batch(
-        self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[str], ids: Sequence[str]
+        self, completions: Sequence[str], answers: Sequence[Any], questions: Sequence[Any], ids: Sequence[str],
+        columns: Optional[Sequence[dict[str, Any]]] = None, completion_ids: Optional[Sequence[list[int]]] = None,
     ) -> list[VerificationResult]:
         """A verifier with ``verify_batch`` scores the whole batch itself (in parallel, under its own time
         limits); an exception in place of a row's result, or the whole call raising, scores 0 and is counted."""
         name = type(self.verifier).__name__
+        extra = {}
+        accepted = inspect.signature(self.verifier.verify_batch).parameters
+        if "columns" in accepted:
+            extra["columns"] = list(columns) if columns is not None else [{} for _ in completions]
+        if "completion_ids" in accepted:
+            extra["completion_ids"] = completion_ids
+        timeouts = getattr(self.verifier, "timeouts", 0)
         try:
-            results = list(self.verifier.verify_batch(list(completions), list(answers), list(questions)))
+            results = list(self.verifier.verify_batch(list(completions), list(answers), list(questions), **extra))
             if len(results) != len(completions):
                 raise ValueError(f"verify_batch gave {len(results)} results for {len(completions)} completions")
         except VerifierSetupError:
             raise
         except Exception as err:
             results = [err] * len(completions)
+        late = getattr(self.verifier, "timeouts", 0) - timeouts  # (reward functions count their own)
+        if late:
+            self.timeouts += late
+            self._log_once("timeout", f"{name} ran past {self.verifier.timeout_s}s on a batch; its values are missing")
         out = []
         for result, sample_id in zip(results, ids):
             if isinstance(result, VerifierSetupError):

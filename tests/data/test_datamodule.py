@@ -1,0 +1,48 @@
+"""The data module: an evaluation-only source (no train split) validates and tests; fitting on it is one error."""
+
+import pytest
+
+from scgrpo.cli import main
+from scgrpo.data import PromptDataModule
+from scgrpo.data.sources import ArithmeticTask, PromptSource
+from scgrpo.errors import InputError
+from tests.helpers import tiny_module, tiny_trainer
+
+
+class EvalOnlyArithmetic(PromptSource):
+    """Arithmetic's held-out splits alone, as a test set without a training set is."""
+
+    def __init__(self) -> None:
+        self.task = ArithmeticTask(num_eval=4, num_ood=4)
+
+    def splits(self) -> list[str]:
+        return ["id", "ood"]
+
+    def rows(self, split: str):
+        if split not in self.splits():
+            raise ValueError(f"no split {split!r}; splits: {self.splits()}")
+        return self.task.rows(split)
+
+
+def test_validate_and_test_need_no_train_split(tiny_model_dir, tmp_path):
+    data = PromptDataModule(source=EvalOnlyArithmetic(), eval_batch_size=4)
+    assert data.eval_splits == ["id", "ood"]
+    trainer = tiny_trainer(tmp_path, limit_val_batches=None, limit_test_batches=None)
+    module = tiny_module(tiny_model_dir)
+    validated = trainer.validate(module, datamodule=data)
+    tested = trainer.test(module, datamodule=data)
+    assert {k for m in validated for k in m if k.endswith("avg@2")} == {"val/id/avg@2", "val/ood/avg@2"}
+    assert {k for m in tested for k in m if k.endswith("avg@2")} == {"test/id/avg@2", "test/ood/avg@2"}
+
+
+def test_fit_without_a_train_split_is_one_error_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    data = PromptDataModule(source=EvalOnlyArithmetic())
+    with pytest.raises(InputError, match=r"has no train split, only \['id', 'ood'\]: scgrpo fit trains on one"):
+        data.setup("fit")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", f"--model.model={tiny_model_dir}", "--trainer.accelerator=cpu", "--trainer.max_steps=1",
+              "--data.source.class_path=tests.data.test_datamodule.EvalOnlyArithmetic"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("scgrpo: error: data.source (EvalOnlyArithmetic) has no train split")

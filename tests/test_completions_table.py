@@ -1,0 +1,70 @@
+"""CompletionsTable (callbacks/logging.py): each sample completion is written with its verifier's ``info``, whole in
+completions.jsonl and as compact, cut JSON in the TensorBoard table."""
+
+import json
+import os
+
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+from scgrpo.verifiers import VerificationResult, Verifier
+from tests.helpers import tiny_data, tiny_module, tiny_trainer
+
+
+class InfoVerifier(Verifier):
+    """Scores parity, and says in its info what it read, with a column bar, a line break and a long note."""
+
+    def verify(self, completion, answer, question=""):
+        return VerificationResult(float(len(completion) % 2 == 0),
+                                  {"seen": completion, "reason": "a|b\nc", "note": "x" * 300})
+
+
+class TextLogger(Logger):
+    """Stands in for TensorBoard: its experiment keeps what ``add_text`` is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.texts = []
+
+    @property
+    def name(self):
+        return "text"
+
+    @property
+    def version(self):
+        return 0
+
+    @property
+    def experiment(self):
+        return self
+
+    def add_text(self, tag, text, global_step=None):
+        self.texts.append((tag, text, global_step))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+
+def test_each_completion_is_written_with_its_verifiers_info(tiny_model_dir, tmp_path):
+    text = TextLogger()
+    csv_logger = CSVLogger(str(tmp_path), name="run")
+    module = tiny_module(tiny_model_dir, verifier=InfoVerifier(), log_completions_every_n_steps=1)
+    tiny_trainer(tmp_path, logger=[csv_logger, text]).fit(module, tiny_data())
+
+    with open(os.path.join(csv_logger.log_dir, "completions.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2 * 4  # two groups of G=4
+    for row in rows:  # each row's own info, whole
+        assert row["info"] == {"seen": row["completion"], "reason": "a|b\nc", "note": "x" * 300}
+
+    ((tag, table, step),) = text.texts
+    assert tag == "completions" and step == 1
+    header, rule, *lines = table.split("\n")
+    assert header == "| reward | question | completion | info |" and rule == "|---|---|---|---|"
+    assert len(lines) == len(rows)
+    for line, row in zip(lines, rows):
+        info = line.split(" | ")[-1].removesuffix(" |")
+        assert info.startswith('{"seen":') and '"reason":"a/b\\nc"' in info  # compact JSON, no column bar
+        assert len(info) == 120 and info.endswith("…")  # cut: the note alone is 300 characters

@@ -1,0 +1,37 @@
+"""Evaluation metrics: the fit's validations are logged at the optimiser steps done before them, and the test loop
+logs ``test/<split>/...`` and says "test"."""
+
+import csv
+import os
+
+from tests.helpers import tiny_data, tiny_module, tiny_trainer
+
+
+def _rows(trainer) -> list[dict]:
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_validation_after_n_steps_is_logged_at_step_n(tiny_model_dir, tmp_path):
+    module = tiny_module(tiny_model_dir, validate_before_training=True)
+    trainer = tiny_trainer(tmp_path, max_steps=4, limit_val_batches=None, val_check_interval=2)
+    trainer.fit(module, datamodule=tiny_data(max_eval_prompts=2))
+    rows = _rows(trainer)
+    validations = [(int(r["step"]), float(r["val/global_step"])) for r in rows if r.get("val/id/avg@2")]
+    assert validations == [(0, 0.0), (2, 2.0), (4, 4.0)]  # the baseline, after 2 and after 4 steps
+    assert [int(r["step"]) for r in rows if r.get("train/reward")] == [0, 1, 2, 3]  # (Lightning's: steps before)
+
+
+def test_the_test_loop_logs_test_keys_and_says_test_where_validate_keeps_val(tiny_model_dir, tmp_path, caplog):
+    module, data = tiny_module(tiny_model_dir), tiny_data(max_eval_prompts=2)
+    trainer = tiny_trainer(tmp_path, limit_val_batches=None, limit_test_batches=None)
+    with caplog.at_level("INFO", logger="scgrpo.evaluation"):
+        (tested,) = trainer.test(module, datamodule=data)
+        assert set(tested) == {"test/id/avg@2", "test/id/pass@2", "test/id/completion_length", "test/id/truncated",
+                               "test/id/greedy", "test/id/time_s", "test/global_step"}
+        assert "step 0 test [id] on 2 prompts" in caplog.text and "validation" not in caplog.text
+        (validated,) = trainer.validate(module, datamodule=data)
+        assert {key.replace("val/", "test/", 1) for key in validated} == set(tested)
+        assert "step 0 validation [id] on 2 prompts" in caplog.text
+    rows = _rows(trainer)
+    assert [sorted(k.split("/")[0] for k, v in r.items() if v and "/" in k)[0] for r in rows] == ["test", "val"]
