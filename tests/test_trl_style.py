@@ -62,6 +62,7 @@ def test_a_conversational_dataset_with_reward_functions_trains_and_logs_each_rew
     for row in steps:
         for name in ("even_length", "mentions_topic", "recording"):
             assert 0.0 <= float(row[f"reward/{name}/mean"]) <= 1.0 and f"reward/{name}/std" in row
+            assert float(row[f"reward/{name}/errors"]) == 0.0
     # every call saw the rows' prompts as messages, their completions as assistant messages, and the other columns
     train_calls = [c for c in rf.CALLS if len(c["prompts"]) == 2 * 4]  # 2 prompts x G=4 in training
     assert train_calls
@@ -145,3 +146,14 @@ def test_a_privileged_teacher_without_answers_is_one_line(tiny_model_dir, tmp_pa
         main(["fit", f"--config={opsd}", f"--config={config}", *_tiny_args(tiny_model_dir)])
     err = capsys.readouterr().err
     assert "no column 'answer' for the answer" in err and "the objective's teacher reads them" in err
+
+
+def test_reward_functions_with_episodes_are_refused(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """An environment rewards its episodes itself: reward functions there would never run."""
+    monkeypatch.chdir(tmp_path)
+    config = os.path.join(os.path.dirname(BASE), "tool_calc.yaml")
+    with pytest.raises(SystemExit):
+        main(["fit", f"--config={config}", *_tiny_args(tiny_model_dir),
+              "--model.reward_funcs=[tests.verifiers.reward_functions.even_length]"])
+    err = capsys.readouterr().err
+    assert "model.reward_funcs score single completions" in err and "CalculatorEnv" in err and "Traceback" not in err

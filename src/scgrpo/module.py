@@ -74,7 +74,8 @@ class RLVRModule(LightningModule):
         verifier: scores completions; default: the data source's own.
         optimizer: built over the trainable parameters only; default AdamW(lr=1e-4, weight_decay=0).
         lr_scheduler: stepped after every optimiser step.
-        system_prompt: a system message put before each question (None: the chat template's default).
+        system_prompt: a system message put before each question (None: the chat template's default); a prompt of
+            chat messages with its own system message keeps that one.
         success_threshold: a rollout counts as correct (and verified) when its reward is >= this.
         max_grad_norm: gradient clipping by global norm (0 = off).
         micro_batch_size: rows per forward/backward (gradient accumulation inside a step); None = all at once on CPU,
@@ -287,17 +288,34 @@ class RLVRModule(LightningModule):
             if datamodule is None or not hasattr(datamodule, "default_verifier"):
                 raise ValueError("no verifier given and the data module offers no default; set model.verifier")
             verifier = datamodule.default_verifier()
-        no_answers = getattr(getattr(datamodule, "source", None), "answer_fault", lambda: None)()
-        privileged = self.objective.teacher is not None and self.objective.teacher.privileged
-        if no_answers and (getattr(verifier, "needs_answers", True) or privileged):
-            reader = "the objective's teacher reads them" if privileged else f"{type(verifier).__name__} scores against them"
-            raise InputError(f"{no_answers} ({reader})")
-        self.verifier_runner = VerifierRunner(verifier)
+        self.verifier_runner = VerifierRunner(self._checked_verifier(verifier, getattr(datamodule, "source", None)))
         if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
             internals.evaluations_logged_at_global_step(self.trainer)
         if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def _checked_verifier(self, verifier: Verifier, source) -> Verifier:
+        """``verifier``, once it is known to fit the data: a verifier that scores against answers (or a teacher shown
+        them) needs an answer column; reward functions score single completions and their arguments' names are not
+        the dataset's columns. Episodes are rewarded by their environment, not by the verifier."""
+        episodes = self.episode_runner is not None
+        if episodes and isinstance(verifier, RewardFunctions):
+            raise InputError("model.reward_funcs score single completions, and this run's rollouts are episodes in "
+                             f"{type(self.episode_runner.environment).__name__}, which rewards them itself; drop "
+                             "reward_funcs, or score in the environment's step")
+        if source is None:
+            return verifier
+        privileged = self.objective.teacher is not None and self.objective.teacher.privileged
+        if (getattr(verifier, "needs_answers", True) and not episodes) or privileged:
+            no_answers = source.answer_fault() if hasattr(source, "answer_fault") else None
+            if no_answers:
+                reader = "the objective's teacher reads them" if privileged else f"{type(verifier).__name__} scores against them"
+                raise InputError(f"{no_answers} ({reader})")
+        if isinstance(verifier, RewardFunctions):
+            rows = source.rows(source.splits()[0])
+            verifier.check_columns(rows[0].get("columns", {}) if rows else {})
+        return verifier
 
     def configure_callbacks(self):
         # first: a Ctrl-C that StepCheckpoint held at the last step's end takes effect before the next rollout

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from scgrpo.data.chat import Prompt, render
+from scgrpo.data.chat import Prompt, render, system_prompt_layout
 from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, run_passes, span_rows, whole_rows
 from scgrpo.distributed import (PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, on_every_rank,
                                 shard_policy)
@@ -77,6 +77,7 @@ class Policy:
                  system_prompt: Optional[str] = None, logprob_chunk_size: int = 1024) -> None:
         self.runner, self.tokenizer, self.generation = runner, tokenizer, generation
         self.system_prompt, self.logprob_chunk_size = system_prompt, logprob_chunk_size
+        self._system_role: Optional[bool] = None  # the chat template renders a system message (read once)
         self._loaded_on = device
         self.max_completion_tokens = generation.max_new_tokens  # an episode's token budget when rollouts are episodes
         self.budget: Optional[MemoryBudget] = None  # sizes the passes on a GPU (set by the module)
@@ -126,8 +127,11 @@ class Policy:
     def format_prompts(self, questions: list[Prompt]) -> list[str]:
         """Each prompt (a question, or a list of chat messages: :mod:`scgrpo.data.chat`) as the model reads it: through
         the chat template with the assistant's header, ``system_prompt`` as the system message unless the prompt has
-        its own; without a chat template, the texts between blank lines."""
-        return [render(self.tokenizer, q, self.system_prompt) for q in questions]
+        its own (for a template that renders no system message, the system text opens the first turn, as in the
+        self-teacher's view); without a chat template, the texts between blank lines."""
+        if self._system_role is None:
+            self._system_role = system_prompt_layout(self.tokenizer, None)[0]
+        return [render(self.tokenizer, q, self.system_prompt, self._system_role) for q in questions]
 
     def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
                temperature: Optional[float] = None) -> Generated:

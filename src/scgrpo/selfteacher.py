@@ -30,7 +30,7 @@ from torch.profiler import record_function
 
 from scgrpo.budget import MemoryBudget, Span, active, measuring, pack, row_extents, run_passes, span_rows
 from scgrpo.data.buffer import VerifiedBuffer
-from scgrpo.data.chat import Prompt, prompt_key, prompt_text, split_system
+from scgrpo.data.chat import Prompt, prompt_key, prompt_text, render, split_system, system_prompt_layout  # noqa: F401
 from scgrpo.distributed import full_parameters
 from scgrpo.models import max_sequence_length
 from scgrpo.objectives.functional import chunked_divergence
@@ -152,31 +152,6 @@ def route_rollouts(
     return plan
 
 
-def system_prompt_layout(tokenizer, system_prompt: Optional[str]) -> tuple[bool, str]:
-    """(does the chat template render a system message, the base system prompt the student sees).
-
-    With ``system_prompt`` None the student sees the template's default system message, if it has one
-    (SmolLM2's does); it is found by rendering one user turn with and without a system message."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return False, system_prompt or ""
-    sentinel = "\x00SYSTEM\x00"
-    user = {"role": "user", "content": "\x00USER\x00"}
-    try:
-        with_system = tokenizer.apply_chat_template([{"role": "system", "content": sentinel}, user], tokenize=False)
-    except Exception:  # noqa: BLE001 - templates that raise on a system role
-        return False, system_prompt or ""
-    if sentinel not in with_system:
-        return False, system_prompt or ""
-    if system_prompt is not None:
-        return True, system_prompt
-    without = tokenizer.apply_chat_template([user], tokenize=False)
-    head, tail = with_system.split(sentinel)
-    if without.startswith(head) and without.endswith(tail) and len(without) >= len(head) + len(tail):
-        return True, without[len(head) : len(without) - len(tail)]  # the template's default system message
-    return True, ""
-
-
 class TeacherModel(Protocol):
     """What the self-teacher needs of the policy it conditions (:class:`scgrpo.policy.Policy` is one)."""
 
@@ -237,15 +212,7 @@ class SelfTeacher:
             own, turns = split_system(question)
             base = own if own is not None else default
             block = self.spec.template.format(reference=ref)
-            system = f"{base}\n\n{block}" if base else block
-            if not getattr(policy.tokenizer, "chat_template", None):
-                prompts.append("\n\n".join([system] + [m["content"] for m in turns]))
-                continue
-            if has_system:
-                turns.insert(0, {"role": "system", "content": system})
-            else:
-                turns[0] = {**turns[0], "content": f"{system}\n\n{turns[0]['content']}"}
-            prompts.append(policy.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+            prompts.append(render(policy.tokenizer, turns, f"{base}\n\n{block}" if base else block, has_system))
         return prompts
 
     def _fit_references(self, policy: TeacherModel, questions: list[str], references: list[str], prompt_ids: list[list[int]],

@@ -74,6 +74,27 @@ def test_the_teacher_puts_the_reference_in_the_rows_own_system_message():
         tokenize=False, add_generation_prompt=True)
 
 
+DROPS_SYSTEM = ("{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_without_a_system_role_student_and_teacher_both_open_the_first_turn_with_the_system_text():
+    """A template that renders no system message: the row's system text is not lost for the student while the
+    teacher sees it, so the divergence measures the reference alone."""
+    from scgrpo.policy import Policy
+
+    tok = build_tokenizer()
+    tok.chat_template = DROPS_SYSTEM
+    policy = Policy.__new__(Policy)  # (only what format_prompts reads)
+    policy.tokenizer, policy.system_prompt, policy._system_role = tok, "Run's system.", None
+    (student,) = policy.format_prompts([CHAT])
+    (teacher,) = SelfTeacher(TeacherSpec(template="Solution: {reference}")).teacher_prompts(policy, [CHAT], ["5"])
+    assert "<|im_start|>user\nYou are terse.\n\nWhat is 2 + 3?<|im_end|>" in student
+    assert "<|im_start|>user\nYou are terse.\n\nSolution: 5\n\nWhat is 2 + 3?<|im_end|>" in teacher
+    (plain,) = policy.format_prompts(["What?"])
+    assert "<|im_start|>user\nRun's system.\n\nWhat?<|im_end|>" in plain
+
+
 def test_token_counts_of_messages_are_exact():
     tok = build_tokenizer()
 
@@ -87,18 +108,23 @@ def test_token_counts_of_messages_are_exact():
 
 
 def test_a_trl_conversational_file_loads_with_its_columns(tmp_path, caplog):
-    rows = [{"prompt": CHAT, "solution": "5"},
+    rows = [{"prompt": CHAT, "solution": "5", "question": "What is 2 + 3?", "completion": "5"},
             {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "solution": "2"},
             {"prompt": [{"role": "user"}], "solution": "3"},
-            {"prompt": "What is 4 + 4?", "solution": "8"}]
+            {"prompt": "What is 4 + 4?", "solution": "8"},
+            {"prompt": [{"role": "user", "content": "Hi", "name": "ann"}], "solution": "0"}]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     source = FileSource(str(path))
     loaded = source.rows("train")
-    assert [r["question"] for r in loaded] == [CHAT, rows[1]["prompt"], "What is 4 + 4?"]
-    assert [r["columns"] for r in loaded] == [{"solution": "5"}, {"solution": "2"}, {"solution": "8"}]
+    # (the table gives every message every key of any, None where absent: those are dropped)
+    assert [r["question"] for r in loaded] == [CHAT, rows[1]["prompt"], "What is 4 + 4?", rows[4]["prompt"]]
+    # TRL's prompt is read where a plain question sits beside it; a reference completion reaches no reward function
+    assert [r["columns"] for r in loaded] == [{"solution": "5", "question": "What is 2 + 3?"},
+                                              {"solution": "2", "question": None}, {"solution": "8", "question": None},
+                                              {"solution": "0", "question": None}]
     assert all(r["answer"] is None for r in loaded) and "no column 'answer'" in source.answer_fault()
-    assert "skipped 1 of 4 rows" in caplog.text and "row 3: message 1 has no text content" in caplog.text
+    assert "skipped 1 of 5 rows" in caplog.text and "row 3: message 1 has no text content" in caplog.text
 
 
 def test_an_eval_only_file_source_has_no_train_split(tmp_path):

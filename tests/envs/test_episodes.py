@@ -415,3 +415,25 @@ def test_calls_that_keep_hanging_stop_the_run_with_a_clear_error(monkeypatch):
             break
         time.sleep(0.02)
     assert runner._stuck[0] <= before
+
+
+def test_a_first_observation_of_chat_messages_is_rendered_with_its_own_system_message(module):
+    """reset may return the opening messages (TRL's format); they go through the same rendering as a dataset's
+    prompt of messages, and a chat row reaches the environment as it is."""
+    opening = [{"role": "system", "content": "You play a game."}]
+
+    class Chatty(Scripted):
+        def reset(self, row, seed):
+            super().reset(row, seed)
+            return [*opening, *row["question"]]
+
+    rows = [{"id": "c1", "question": [{"role": "user", "content": "Start one."}], "answer": 1},
+            {"id": "c2", "question": [{"role": "user", "content": "Start two."}], "answer": 2}]
+    tok = module.tokenizer
+    _, ep = play(module, Chatty(turns=2), rows=rows)
+    assert ep.questions[0] == [*opening, *rows[0]["question"]] and ep.questions[2] == [*opening, *rows[1]["question"]]
+    for i in (0, 2):
+        prompt = tok.decode(ep.prompt_ids[i][ep.prompt_mask[i].bool()])
+        expected = tok.apply_chat_template(ep.questions[i], tokenize=False, add_generation_prompt=True)
+        assert prompt == expected and "You play a game." in prompt
+    assert ep.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]

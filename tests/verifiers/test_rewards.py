@@ -40,12 +40,40 @@ def test_called_as_trl_calls_them_columns_prompts_and_chat_completions():
     assert results[0].score == 0.5 and isinstance(results[1], NoReward)
 
 
-def test_a_raising_function_leaves_the_others_and_is_named():
-    results = RewardFunctions([rf.raises, rf.even_length]).verify_batch(["ab", "abc"], [None] * 2, ["q"] * 2)
+def test_a_raising_function_leaves_the_others_and_is_named_and_counted(caplog):
+    rewards = RewardFunctions([rf.raises, rf.even_length])
+    results = rewards.verify_batch(["ab", "abc"], [None] * 2, ["q"] * 2)
     assert [r.score for r in results] == [1.0, 0.0]
     assert results[0].info["errors"] == {"raises": "ValueError: no reward today"}
+    rewards.verify_batch(["abcd"], [None], ["q"])
+    assert rewards.failed_rows == {"raises": 3, "even_length": 0}
+    warnings = [r.getMessage() for r in caplog.records if "reward function raises" in r.getMessage()]
+    assert len(warnings) == 1 and "ValueError: no reward today" in warnings[0]  # once, not per batch
     alone = RewardFunctions([rf.raises]).verify_batch(["ab"], [None], ["q"])
     assert isinstance(alone[0], NoReward) and "raises ValueError: no reward today" in str(alone[0])
+
+
+def test_async_functions_and_iterables_are_read_and_text_is_not_a_number():
+    async def later(completions, **kwargs):
+        return [0.25] * len(completions)
+
+    def generator(completions, **kwargs):
+        return (float(len(c)) for c in completions)
+
+    def text(completions, **kwargs):
+        return ["1"] * len(completions)
+
+    results = RewardFunctions([later, generator, text]).verify_batch(["ab", "abc"], [None] * 2, ["q"] * 2)
+    assert [r.score for r in results] == [2.25, 3.25]
+    assert results[0].info["rewards"]["text"] is None and "returned '1', not a number" in results[0].info["errors"]["text"]
+
+
+def test_a_column_named_like_an_argument_is_refused():
+    from scgrpo.errors import InputError
+
+    RewardFunctions([rf.even_length]).check_columns(["solution", "topic"])
+    with pytest.raises(InputError, match="column 'completions', the name of the reward functions' own argument"):
+        RewardFunctions([rf.even_length]).check_columns(["solution", "completions"])
 
 
 @pytest.mark.parametrize("output, message", [(None, "returned NoneType"), ([1.0], "returned 1 values for 2"),

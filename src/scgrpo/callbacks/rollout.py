@@ -16,7 +16,6 @@ from scgrpo.guard import nonfinite_inputs
 from scgrpo.oom import out_of_memory_as_error
 from scgrpo.rollout.types import PromptBatch, RolloutBatch, token_lists
 from scgrpo.step_log import phase_peak
-from scgrpo.verifiers.rewards import RewardFunctions
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +68,22 @@ def verify_rollouts(pl_module, rollouts: RolloutBatch) -> None:
     rollouts.infos = [r.info for r in results]
 
 
-def reward_metrics(verifier, infos: Optional[list[dict]]) -> dict[str, float]:
-    """``reward/<name>/mean`` and ``/std`` of each reward function of ``verifier`` (:class:`RewardFunctions`) over
-    the rows it gave a value (NaN where none); nothing for other verifiers. Under DAPO's dynamic sampling, those of
-    the first round (as ``verifier/errors``)."""
+def reward_metrics(verifier, infos: Optional[list[dict]], failed_rows: Optional[dict[str, int]] = None) -> dict[str, float]:
+    """``reward/<name>/mean`` and ``/std`` of each named part of ``verifier`` (a :class:`RewardFunctions`' functions,
+    a :class:`WeightedVerifier`'s verifiers: its ``names``) over the rows it scored (NaN where none), and, from
+    ``failed_rows``, ``reward/<name>/errors``: the rows each function raised or timed out on. Nothing for other
+    verifiers. Under DAPO's dynamic sampling, those of the first round (as ``verifier/errors``)."""
     names = getattr(verifier, "names", None)
-    if not isinstance(verifier, RewardFunctions) or not names:
+    if not names:
         return {}
     out = {}
     for name in names:
         values = torch.tensor([info["rewards"][name] for info in infos or []
-                               if info.get("rewards", {}).get(name) is not None], dtype=torch.float64)
+                               if (info.get("rewards") or {}).get(name) is not None], dtype=torch.float64)
         out[f"reward/{name}/mean"] = float(values.mean()) if len(values) else float("nan")
         out[f"reward/{name}/std"] = float(values.std(unbiased=False)) if len(values) else float("nan")
+        if failed_rows is not None:
+            out[f"reward/{name}/errors"] = float(failed_rows.get(name, 0))
     return out
 
 
@@ -177,14 +179,18 @@ class VerificationCallback(Callback):
         start = time.perf_counter()
         runner = pl_module.verifier_runner
         errors, timeouts = runner.errors, runner.timeouts
+        per_function = getattr(runner.verifier, "failed_rows", None)
+        before = dict(per_function) if per_function is not None else None
+        verified = rollouts.rewards is None  # (episodes come rewarded by their environment)
         verify_rollouts(pl_module, rollouts)
         rollouts.stats["time/verification_s"] = time.perf_counter() - start
         rollouts.stats["verifier/errors"] = float(runner.errors - errors)
         rollouts.stats["verifier/timeouts"] = float(runner.timeouts - timeouts)
-        rollouts.stats.update(reward_metrics(runner.verifier, rollouts.infos))
-        failed = all_reduce([float(runner.errors - errors + runner.timeouts - timeouts), float(len(rollouts.completions))],
-                            "sum", pl_module.device)
-        check_reward_failures(pl_module, failed[0] >= failed[1] > 0, rollouts.infos)
+        failed_rows = {k: v - before[k] for k, v in per_function.items()} if before is not None else None
+        rollouts.stats.update(reward_metrics(runner.verifier, rollouts.infos, failed_rows))
+        failed = sum(1 for info in rollouts.infos or [] if info.get("error")) if verified else 0
+        failed, rows = all_reduce([float(failed), float(len(rollouts.completions))], "sum", pl_module.device)
+        check_reward_failures(pl_module, failed >= rows > 0, rollouts.infos)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: PromptBatch, batch_idx: int) -> None:
         buffer = getattr(getattr(trainer, "datamodule", None), "verified_buffer", None)

@@ -51,14 +51,15 @@ def prompt_fault(prompt: Any) -> Optional[str]:
 
 
 def as_prompt(prompt: Any) -> Prompt:
-    """A valid prompt as the rest of the package holds it: a string, or a list of message dicts (copies). Raises
-    ValueError with :func:`prompt_fault`'s reason."""
+    """A valid prompt as the rest of the package holds it: a string, or a list of message dicts (copies, without the
+    keys whose value is None: a Parquet or Arrow table gives every message every key of any). Raises ValueError with
+    :func:`prompt_fault`'s reason."""
     fault = prompt_fault(prompt)
     if fault is not None:
         raise ValueError(fault)
     if isinstance(prompt, str):
         return prompt
-    return [dict(m) for m in prompt]
+    return [{key: value for key, value in m.items() if value is not None} for m in prompt]
 
 
 def split_system(prompt: Prompt) -> tuple[Optional[str], list[Message]]:
@@ -70,18 +71,24 @@ def split_system(prompt: Prompt) -> tuple[Optional[str], list[Message]]:
     return None, [dict(m) for m in prompt]
 
 
-def messages(prompt: Prompt, system_prompt: Optional[str] = None) -> list[Message]:
+def messages(prompt: Prompt, system_prompt: Optional[str] = None, system_role: bool = True) -> list[Message]:
     """The chat messages of ``prompt``: its own system message if it has one, else ``system_prompt`` (None: none,
-    the template's default applies), then its turns."""
+    the template's default applies), then its turns. ``system_role`` False (a template that renders no system
+    message): the system text opens the first turn instead, between it and the turn a blank line."""
     own, turns = split_system(prompt)
     system = own if own is not None else system_prompt
-    return ([{"role": "system", "content": system}] if system is not None else []) + turns
+    if system is None:
+        return turns
+    if not system_role:
+        return [{**turns[0], "content": f"{system}\n\n{turns[0]['content']}"}, *turns[1:]]
+    return [{"role": "system", "content": system}, *turns]
 
 
-def render(tokenizer, prompt: Prompt, system_prompt: Optional[str] = None) -> str:
-    """``prompt`` as the model reads it before its answer: through the chat template with the assistant's header,
-    or, for a tokenizer without one, the messages' texts between blank lines."""
-    chat = messages(prompt, system_prompt)
+def render(tokenizer, prompt: Prompt, system_prompt: Optional[str] = None, system_role: bool = True) -> str:
+    """``prompt`` as the model reads it before its answer: through the chat template with the assistant's header
+    (``system_role``: as :func:`messages`), or, for a tokenizer without one, the messages' texts between blank
+    lines."""
+    chat = messages(prompt, system_prompt, system_role)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     return "\n\n".join(m["content"] for m in chat)
@@ -99,3 +106,28 @@ def prompt_text(prompt: Prompt) -> str:
 def prompt_key(prompt: Prompt) -> str:
     """A hashable stand-in that is equal for equal prompts (a string is its own key; messages as JSON)."""
     return prompt if isinstance(prompt, str) else "\x00chat" + json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+def system_prompt_layout(tokenizer, system_prompt: Optional[str]) -> tuple[bool, str]:
+    """(does the chat template render a system message, the base system prompt the student sees).
+
+    With ``system_prompt`` None the student sees the template's default system message, if it has one
+    (SmolLM2's does); it is found by rendering one user turn with and without a system message."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return False, system_prompt or ""
+    sentinel = "\x00SYSTEM\x00"
+    user = {"role": "user", "content": "\x00USER\x00"}
+    try:
+        with_system = tokenizer.apply_chat_template([{"role": "system", "content": sentinel}, user], tokenize=False)
+    except Exception:  # noqa: BLE001 - templates that raise on a system role
+        return False, system_prompt or ""
+    if sentinel not in with_system:
+        return False, system_prompt or ""
+    if system_prompt is not None:
+        return True, system_prompt
+    without = tokenizer.apply_chat_template([user], tokenize=False)
+    head, tail = with_system.split(sentinel)
+    if without.startswith(head) and without.endswith(tail) and len(without) >= len(head) + len(tail):
+        return True, without[len(head) : len(without) - len(tail)]  # the template's default system message
+    return True, ""

@@ -308,8 +308,11 @@ TEST_CONTEXT = ("entry_point", "fn_name", "test_setup_code")
 """Columns beside the tests that say how to run them (HumanEval, LiveCodeBench, MBPP)."""
 
 
-PROMPT_COLUMNS = ("question", "prompt")
-"""Columns read as the prompt when ``columns`` names none: ours, then TRL's (text, or a list of chat messages)"""
+PROMPT_COLUMNS = ("prompt", "question")
+"""Columns read as the prompt when ``columns`` names none: TRL's (text, or a list of chat messages; a TRL script
+often keeps the plain question beside the prompt it built from it), then ours"""
+NOT_PASSED = ("completion",)
+"""Columns that reach no reward function (TRL's prompt-completion datasets: the reference completion)"""
 
 
 def _answer_column(names: list[str], columns: dict[str, str]) -> Optional[str]:
@@ -334,7 +337,7 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> tuple[list[R
     answers, :meth:`PromptSource.answer_fault`).
 
     Each row keeps every column of the table under "columns" (TRL passes them to reward functions by name) but the
-    prompt's. A prompt is text or a list of chat messages (:mod:`scgrpo.data.chat`); a row whose prompt is
+    prompt's and :data:`NOT_PASSED`. A prompt is text or a list of chat messages (:mod:`scgrpo.data.chat`); a row whose prompt is
     malformed, or whose answer is missing where the table has answers, is skipped, and the skips are counted in one
     warning with the first reason."""
     names = list(getattr(table, "column_names", []))
@@ -351,6 +354,9 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> tuple[list[R
                       "or score with model.reward_funcs, which read any column")
     if len(table) == 0:
         raise InputError(f"{where}: the dataset is empty")
+    if qcol == "prompt" and "question" in names and "question" not in columns:
+        log.info("%s: prompts read from the 'prompt' column (TRL's); 'question' reaches reward functions as a column "
+                 "(set columns: {question: question} to prompt with it)", where)
     icol = columns.get("id", "id")
     # the function the tests call travels with them (APPS keeps its fn_name inside input_output)
     context = [c for c in TEST_CONTEXT if c in names] if acol in TEST_COLUMNS and acol != "input_output" else []
@@ -367,7 +373,7 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> tuple[list[R
         if context:
             answer = {acol: answer, **{c: record[c] for c in context if record.get(c) is not None}}
         rows.append({"id": str(record.get(icol, i)) if icol in names else str(i), "question": as_prompt(question),
-                     "answer": answer, "columns": {k: v for k, v in record.items() if k != qcol}})
+                     "answer": answer, "columns": {k: v for k, v in record.items() if k != qcol and k not in NOT_PASSED}})
     if skipped:
         log.warning("%s: skipped %d of %d rows with a missing or malformed prompt or answer (first: %s)", where,
                     skipped, len(table), first_fault)
@@ -425,7 +431,19 @@ def _text_file_fault(path: str, ext: str) -> Optional[str]:
     return None
 
 
-class FileSource(PromptSource):
+class TableSource(PromptSource):
+    """A source whose rows come from tables (:class:`FileSource`, :class:`HubDataset`): it knows which of its splits
+    have no answer column."""
+
+    _no_answers: dict[str, str]  # split -> the message saying so, for the splits read so far
+
+    def answer_fault(self) -> Optional[str]:
+        for split in self.splits():  # (each read once, cached)
+            self.rows(split)
+        return next(iter(self._no_answers.values()), None)
+
+
+class FileSource(TableSource):
     """Prompts from local JSONL, JSON, Parquet or CSV files, read with ``datasets``.
 
     Args:
@@ -464,10 +482,6 @@ class FileSource(PromptSource):
 
     def describe(self, split: str) -> str:
         return self.files.get(split, super().describe(split))
-
-    def answer_fault(self) -> Optional[str]:
-        self.rows(self.splits()[0])  # (read once, cached)
-        return next(iter(self._no_answers.values()), None)
 
     def default_verifier(self) -> Verifier:
         if self._verifier is not None:
@@ -517,7 +531,7 @@ class FileSource(PromptSource):
         return self._cache[split]
 
 
-class HubDataset(PromptSource):
+class HubDataset(TableSource):
     """A dataset by name through ``datasets.load_dataset`` (a hub id such as ``openai/gsm8k``, or a local
     folder in the hub's layout).
 
@@ -552,10 +566,6 @@ class HubDataset(PromptSource):
 
     def describe(self, split: str) -> str:
         return f"{self.name}[{self.split_map.get(split, split)}]"
-
-    def answer_fault(self) -> Optional[str]:
-        self.rows(self.splits()[0])  # (read once, cached)
-        return next(iter(self._no_answers.values()), None)
 
     def default_verifier(self) -> Verifier:
         return self._verifier or NumericVerifier()

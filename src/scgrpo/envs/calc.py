@@ -16,6 +16,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from scgrpo.data.chat import prompt_text
 from scgrpo.envs.base import Action, Environment, StepResult
 from scgrpo.verifiers import NumericVerifier
 from scgrpo.verifiers.numeric import _NUMBER_RE
@@ -144,7 +145,7 @@ class CalculatorEnv(Environment):
 
     def reset(self, row: dict[str, Any], seed: int) -> str:
         self.answer, self.tool_calls = row["answer"], 0
-        return self.template.replace("{question}", str(row["question"]))
+        return self.template.replace("{question}", prompt_text(row["question"]))
 
     def step(self, action: Action) -> StepResult:
         call = action.tool_call

@@ -14,6 +14,7 @@ import importlib
 import re
 from typing import Any, Callable, Optional
 
+from scgrpo.data.chat import prompt_text
 from scgrpo.envs.base import Action, Environment, StepResult
 
 GYM_INSTALL = "pip install 'scgrpo[gym]'"
@@ -218,7 +219,7 @@ class GymnasiumEnv(Environment):
         self._env = self._make(make_kwargs)
         obs, info = self._env.reset(seed=reset_seed, options=options)
         self._total, self._invalid = 0.0, 0
-        intro = self.instructions if self.instructions is not None else str(row.get("question") or "")
+        intro = self.instructions if self.instructions is not None else prompt_text(row.get("question") or "")
         text = self._render_fn(obs, info, self._env)
         return f"{intro}\n\n{text}" if intro else text
 

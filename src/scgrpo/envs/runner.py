@@ -238,7 +238,7 @@ class Episode:
 class Episodes:
     """A batch of finished episodes (``N`` rows, each prompt's ``num_samples`` adjacent), as tensors."""
 
-    questions: list[str]  # [N] the first observation (the episode's user turn)
+    questions: list[Any]  # [N] the first observation (the episode's user turn: text, or chat messages)
     prompt_ids: Tensor  # [N, Tp] left-padded
     prompt_mask: Tensor  # [N, Tp]
     completion_ids: Tensor  # [N, C] right-padded: the model's turns and the observations
@@ -310,7 +310,7 @@ class EpisodeRunner:
 
     def run(self, policy, rows: Sequence[dict[str, Any]], num_samples: int, greedy: bool = False,
             temperature: Optional[float] = None, seed: Optional[int] = None) -> Episodes:
-        """``num_samples`` episodes of each of ``rows`` (``{"id", "question", "answer"}``) with ``policy`` (a
+        """``num_samples`` episodes of each of ``rows`` (``{"id", "question", "answer", "columns"}``) with ``policy`` (a
         :class:`~scgrpo.policy.Policy`: ``tokenizer``, ``format_prompts``, ``sample_ids``). The episodes of one row
         share the environment seed (a group starts from one state), made from the row's id and ``seed`` (None: drawn
         from torch's generator, so a seeded run repeats; evaluation passes 0, so every run meets the same episodes)."""

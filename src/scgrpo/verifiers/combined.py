@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from scgrpo.verifiers.base import VerificationResult, Verifier
+from scgrpo.verifiers.rewards import reward_names
 
 
 class WeightedVerifier(Verifier):
-    """score = sum_k weight_k * score_k. ``info`` holds each part's score under its class name.
+    """score = sum_k weight_k * score_k. ``info["rewards"]`` holds each part's score under its class name (two parts of
+    one class: ``Name``, ``Name_2``), logged as ``reward/<name>/mean``.
 
     Args:
         verifiers: the parts, each any :class:`Verifier`.
@@ -25,12 +27,13 @@ class WeightedVerifier(Verifier):
             raise ValueError(f"{len(weights)} weights given for {len(verifiers)} verifiers")
         self.verifiers = list(verifiers)
         self.weights = weights
+        self.names = reward_names(self.verifiers)
         self.timeout_s = timeout_s
 
     def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
-        total, info = 0.0, {}
-        for verifier, weight in zip(self.verifiers, self.weights):
+        total, scores = 0.0, {}
+        for verifier, weight, name in zip(self.verifiers, self.weights, self.names):
             result = verifier.verify(completion, answer, question)
-            info[type(verifier).__name__] = result.score
+            scores[name] = result.score
             total += weight * result.score
-        return VerificationResult(total, info)
+        return VerificationResult(total, {"rewards": scores})

@@ -18,12 +18,22 @@ Pick them in YAML by import path: ``model.reward_funcs: [my_rewards.accuracy, my
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import logging
 import math
 from typing import Any, Callable, Optional, Sequence
 
 from scgrpo.data.chat import is_chat
+from scgrpo.errors import InputError
 from scgrpo.verifiers.base import VerificationResult, Verifier
 from scgrpo.verifiers.runner import VerifierTimeout, _time_limit
+
+
+log = logging.getLogger(__name__)
+
+ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What every reward function is given besides the dataset's columns"""
 
 
 class NoReward(Exception):
@@ -31,7 +41,7 @@ class NoReward(Exception):
 
 
 def reward_name(function: Callable) -> str:
-    """What a reward function is logged as: its ``__name__`` (a callable object: its class's name)."""
+    """What a reward function (or a verifier) is logged as: its ``__name__`` (an object: its class's name)."""
     name = getattr(function, "__name__", None) or type(function).__name__
     return name if name != "<lambda>" else "lambda"
 
@@ -73,6 +83,16 @@ class RewardFunctions(Verifier):
         self.functions, self.weights, self.names = functions, weights, reward_names(functions)
         self.timeout_s = timeout_s
         self.timeouts = 0  # function calls that ran past timeout_s (the runner adds them to verifier/timeouts)
+        self.failed_rows = {name: 0 for name in self.names}  # rows each function failed on (raised, timed out)
+        self._warned: set[str] = set()
+
+    def check_columns(self, columns: Sequence[str]) -> None:
+        """Raises an :class:`InputError` when a dataset column would take the place of one of the arguments the
+        functions get (``prompts``, ``completions``, ``completion_ids``)."""
+        taken = sorted(set(columns) & set(ARGUMENTS))
+        if taken:
+            raise InputError(f"the dataset has a column {taken[0]!r}, the name of the reward functions' own argument; "
+                             "rename it (data.source's columns map names only for question, answer and id)")
 
     def verify(self, completion: str, answer: Any, question: Any = "") -> VerificationResult:
         result = self.verify_batch([completion], [answer], [question])[0]
@@ -98,12 +118,21 @@ class RewardFunctions(Verifier):
             try:
                 with _time_limit(self.timeout_s):
                     out = function(**kwargs)
+                    if inspect.isawaitable(out):  # an async reward function
+                        out = asyncio.run(_awaited(out))
                 values[name] = _checked(out, n, name)
             except VerifierTimeout:
                 self.timeouts += 1
                 values[name], errors[name] = [None] * n, f"ran past {self.timeout_s}s"
             except Exception as err:  # noqa: BLE001 - a user's function may raise anything; the run goes on
                 values[name], errors[name] = [None] * n, f"{type(err).__name__}: {err}"
+            if name in errors:
+                self.failed_rows[name] += n
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.warning("reward function %s %s; its values are missing for that batch (the rows it fails on "
+                                "are counted under reward/%s/errors; further failures are not logged)", name,
+                                errors[name], name)
         results: list[Any] = []
         for i in range(n):
             got = {name: values[name][i] for name in self.names}
@@ -119,9 +148,14 @@ class RewardFunctions(Verifier):
         return results
 
 
+async def _awaited(awaitable):
+    return await awaitable
+
+
 def _checked(out: Any, n: int, name: str) -> list[Optional[float]]:
-    """A function's output as ``n`` floats or Nones; raises ValueError on a wrong length or a non-number."""
-    if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+    """A function's output (a list, tuple, array, tensor or other iterable) as ``n`` floats or Nones; raises
+    ValueError on a wrong length or a value that is not a number."""
+    if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
         raise ValueError(f"{name} returned {type(out).__name__}, not a list of {n} floats")
     out = list(out.tolist() if hasattr(out, "tolist") else out)
     if len(out) != n:
@@ -131,7 +165,12 @@ def _checked(out: Any, n: int, name: str) -> list[Optional[float]]:
         if value is None:
             values.append(None)
             continue
-        value = float(value)
+        try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} returned {value!r}, not a number") from None
         values.append(value if math.isfinite(value) else None)  # NaN: TRL's "does not apply"
     return values
 
