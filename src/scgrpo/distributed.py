@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
+import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
@@ -165,6 +169,55 @@ def on_every_rank(prepare: Callable[[], Any], what: str) -> Any:
     if error is not None:
         raise error
     return result
+
+
+SHARED_WAIT_S = 10.0
+"""How long a rank looks for rank 0's marker (a network filesystem may show a new file to other hosts late)"""
+
+
+def check_shared_folder(folder: str) -> None:
+    """With several ranks: rank 0 writes a marker file into ``folder`` and every rank must then read it back, so a
+    run folder that the nodes do not share (checkpoints and adapters are written there by rank 0, and read back by
+    every rank when a run resumes) ends the run at its start with one :class:`~scgrpo.errors.InputError` on every
+    rank, naming the ranks and hosts that do not see it. Every rank must call it; nothing on one process."""
+    if world_size() == 1:
+        return
+    from scgrpo.errors import InputError
+
+    token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = os.path.join(folder, f".scgrpo-shared-{token[0]}")
+    written = None
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(marker, "w") as f:
+                f.write(token[0])
+        except OSError as err:
+            written = f"rank 0 could not write {marker}: {err}"
+    dist.barrier()
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while not _reads(marker, token[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    seen: list[Any] = [None] * world_size()
+    dist.all_gather_object(seen, (_reads(marker, token[0]), socket.gethostname()))
+    if dist.get_rank() == 0 and os.path.exists(marker):
+        os.remove(marker)
+    missing = [(rank, host) for rank, (read, host) in enumerate(seen) if not read]
+    if written or missing:
+        where = ", ".join(f"rank {rank} on {host}" for rank, host in missing)
+        raise InputError(f"the run folder {folder} is not shared by every node: {written or where + ' does not see'} "
+                         "the file rank 0 wrote there. Rank 0 writes checkpoints and adapters there and every rank "
+                         "reads them back on resume: put trainer.default_root_dir (or the logger's save_dir) on a "
+                         "filesystem all nodes mount")
+
+
+def _reads(path: str, token: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == token
+    except OSError:
+        return False
 
 
 def all_reduce(values: list[float], op: str = "sum", device: Optional[torch.device] = None) -> list[float]:

@@ -96,6 +96,8 @@ def dequantize_gguf(gguf_path: Path, out_dir: Path) -> Path:
         config = json.loads(config_file.read_text())
         config.pop("quantization_config", None)
         config_file.write_text(json.dumps(config, indent=2))
+        if (out_dir / "model.safetensors").is_file():  # another process finished first (a cache that several
+            return out_dir  # nodes share, where the lock may not hold): its folder stays, this one is dropped
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)  # atomic: a half-written cache is never picked up

@@ -29,7 +29,7 @@ from scgrpo.callbacks import (
     ValidateBeforeTraining,
     VerificationCallback,
 )
-from scgrpo.distributed import PolicyRunner, full_state
+from scgrpo.distributed import PolicyRunner, check_shared_folder, full_state
 from scgrpo.errors import InputError
 from scgrpo.envs import Environment, EpisodeSettings
 from scgrpo.envs.runner import EpisodeRunner
@@ -291,6 +291,7 @@ class RLVRModule(LightningModule):
         self.verifier_runner = VerifierRunner(self._checked_verifier(verifier, getattr(datamodule, "source", None)))
         if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
             internals.evaluations_logged_at_global_step(self.trainer)
+            check_shared_folder(self.trainer.log_dir or self.trainer.default_root_dir)  # (several nodes)
         if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
