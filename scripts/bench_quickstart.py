@@ -68,8 +68,10 @@ def summarise(run_dir: str) -> dict:
         return {"mean": statistics.mean(values), "median": statistics.median(values)} if values else None
 
     return {
-        "evaluations": [{k: (float(v) if k != "step" else int(v)) for k, v in r.items() if v and (k.startswith("val/") or k == "step")}
-                        for r in evals],
+        # "step": the optimiser steps before the evaluation (val/global_step; the logger's step column says so
+        # too since validation is logged at it, and said one less before)
+        "evaluations": [{**{k: float(v) for k, v in r.items() if v and k.startswith("val/")},
+                         "step": int(float(r.get("val/global_step") or r["step"]))} for r in evals],
         "steps": len(steps),
         "seconds_per_step": phase("time/step_s"),
         "generation_s": phase("time/generation_s"),

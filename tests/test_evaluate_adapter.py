@@ -139,3 +139,36 @@ def test_an_adapter_of_another_shape_does_not_fit(tiny_model_dir, tmp_path):
     with pytest.raises(InputError, match="does not fit the base model"):
         module.configure_model()
     assert models.is_adapter_folder(adapter) and not models.is_adapter_folder(tiny_model_dir)
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("targets", "does not fit the base model"), ("weights", "its weights cannot be read"),
+    ("pissa", "init_lora_weights='pissa' before conversion")])
+def test_an_adapter_that_cannot_go_on_its_base_is_one_error(fault, message, tiny_model_dir, tmp_path):
+    adapter = _export(tiny_model_dir, tmp_path)
+    config_file = os.path.join(adapter, "adapter_config.json")
+    config = json.loads(open(config_file).read())
+    if fault == "targets":  # another architecture's layer names (GPT-2's)
+        config["target_modules"] = ["c_attn"]
+    if fault == "pissa":  # saved before its conversion to a plain LoRA adapter
+        config["init_lora_weights"] = "pissa"
+    open(config_file, "w").write(json.dumps(config))
+    if fault == "weights":  # a copy cut short
+        weights = os.path.join(adapter, "adapter_model.safetensors")
+        data = open(weights, "rb").read()
+        open(weights, "wb").write(data[: len(data) // 3])
+    with pytest.raises(InputError, match=message):
+        RLVRModule(model=adapter, dtype="float32").configure_model()
+
+
+def test_an_adapter_is_loaded_as_it_was_trained_not_initialised_again(tiny_model_dir, tmp_path):
+    adapter = _export(tiny_model_dir, tmp_path)
+    settings = models.AdapterFolder.read(adapter).lora_settings()
+    assert settings.extra["init_lora_weights"] is False
+
+
+def test_a_file_that_is_not_gguf_is_refused_when_the_run_is_configured(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"<html>not found</html>")
+    with pytest.raises(InputError, match="is not a GGUF file"):
+        models.check_model_name(str(fake))

@@ -35,3 +35,17 @@ def test_the_test_loop_logs_test_keys_and_says_test_where_validate_keeps_val(tin
         assert "step 0 validation [id] on 2 prompts" in caplog.text
     rows = _rows(trainer)
     assert [sorted(k.split("/")[0] for k, v in r.items() if v and "/" in k)[0] for r in rows] == ["test", "val"]
+
+
+def test_testing_a_checkpoint_logs_at_the_checkpoint_s_step(tiny_model_dir, tmp_path, caplog):
+    """Lightning restores no training step in ``test``: the checkpoint's own is the one the metrics belong to."""
+    trainer = tiny_trainer(tmp_path / "fit", max_steps=2)
+    trainer.fit(tiny_module(tiny_model_dir), datamodule=tiny_data())
+    checkpoint = str(tmp_path / "two-steps.ckpt")
+    trainer.save_checkpoint(checkpoint)
+    tester = tiny_trainer(tmp_path / "test", limit_test_batches=None)
+    with caplog.at_level("INFO", logger="scgrpo.evaluation"):
+        (tested,) = tester.test(tiny_module(tiny_model_dir), datamodule=tiny_data(max_eval_prompts=2),
+                                ckpt_path=checkpoint)
+    assert tested["test/global_step"] == 2.0 and "step 2 test [id]" in caplog.text
+    assert [int(r["step"]) for r in _rows(tester)] == [2]

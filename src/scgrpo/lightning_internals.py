@@ -106,19 +106,19 @@ def run_train_start_and_end(trainer) -> None:
     trainer.fit_loop.on_run_end()
 
 
-def evaluations_logged_at_global_step(trainer) -> None:
-    """Makes the trainer log each validation's and test's metrics at ``trainer.global_step``, the optimiser steps done
-    before it (the step-0 baseline at 0, the validation after N steps at N), where Lightning logs them at its logger
-    step: N - 1 in a fit's validation after N steps (its ``_batches_that_stepped`` counts the step when the validation
-    is over), whatever the checkpoint held in ``validate`` and ``test``. Replaces the logger connector's
-    ``log_eval_end_metrics`` (its ``_logger_connector``), once per trainer."""
+def evaluations_logged_at_global_step(trainer, step=None) -> None:
+    """Makes the trainer log each validation's and test's metrics at the optimiser steps done before it (``step()``,
+    default ``trainer.global_step``: the step-0 baseline at 0, the validation after N steps at N), where Lightning
+    logs them at its logger step: N - 1 in a fit's validation after N steps (its ``_batches_that_stepped`` counts the
+    step when the validation is over), whatever the checkpoint held in ``validate`` and ``test``. Replaces the logger
+    connector's ``log_eval_end_metrics`` (its ``_logger_connector``), once per trainer."""
     connector = trainer._logger_connector
     if "log_eval_end_metrics" in vars(connector):
         return
 
     def log_eval_end_metrics(metrics) -> None:
         if not trainer.sanity_checking:
-            connector.log_metrics(metrics, step=trainer.global_step)
+            connector.log_metrics(metrics, step=step() if step is not None else trainer.global_step)
 
     connector.log_eval_end_metrics = log_eval_end_metrics
 

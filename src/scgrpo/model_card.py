@@ -92,7 +92,9 @@ def model_card(*, base_model: str, objective, steps: int, lora: Optional[dict], 
     hub_base = SMOLLM2_HUB_ID if base_model == SMOLLM2 else base_model
     kind = type(objective).__name__
     tags = ["scgrpo", kind.lower(), "rlvr", "reinforcement-learning"] + (["lora"] if lora is not None else [])
-    front = {"base_model": hub_base, "library_name": "peft" if lora is not None else "transformers", "tags": tags}
+    front = {"library_name": "peft" if lora is not None else "transformers", "tags": tags}
+    if not _local(hub_base):  # the hub takes a hub id only (a local folder or file is named in the text)
+        front = {"base_model": hub_base, **front}
     summary = (objective.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
     what = "A LoRA adapter" if lora is not None else "A model"
     lines = ["---", _yaml(front), "---", "", f"# {kind} on {hub_base}", "",
@@ -132,3 +134,8 @@ def model_card(*, base_model: str, objective, steps: int, lora: Optional[dict], 
                   "`AutoModelForCausalLM.from_pretrained(\"<this folder>\")`."]
     lines += ["", "## Configuration", "", "```yaml", config.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def _local(name: str) -> bool:
+    """A base named by a path (a folder or a ``.gguf`` file), not a hub id."""
+    return name.startswith(("/", ".", "~")) or name.endswith(".gguf") or os.path.exists(name)

@@ -143,6 +143,9 @@ def check_model_name(name: str) -> None:
     if name.endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"model file does not exist: {name}")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise InputError(f"model file {name} is not a GGUF file (it does not start with the bytes GGUF)")
     elif path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {name} has no config.json (a Hugging Face model) or "
@@ -253,15 +256,23 @@ class AdapterFolder:
             raise InputError(f"{Path(self.folder) / ADAPTER_CONFIG}: not a LoRA config peft reads: "
                              f"{one_line(err)}") from err
         defaults = vars(LoraConfig())
+        initial = config.init_lora_weights
+        if isinstance(initial, str) and initial.lower().startswith(("pissa", "olora", "loftq", "corda", "eva")):
+            raise InputError(f"adapter {self.folder} was saved with init_lora_weights={initial!r} before conversion "
+                             "to a plain LoRA adapter: it holds the change of base weights its initialisation made; "
+                             "convert it as peft's save_pretrained(path_initial_model_for_weight_conversion=...) does")
+        # (bookkeeping, and how the saved weights were first drawn: they are loaded, not drawn again)
         bookkeeping = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "peft_type", "auto_mapping",
-                       "peft_version", "base_model_name_or_path", "revision", "inference_mode"}
+                       "peft_version", "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights",
+                       "loftq_config", "eva_config", "corda_config"}
         extra = {key: value for key, value in vars(config).items()
                  if key in defaults and key not in bookkeeping and value != defaults[key]}
         targets = config.target_modules
         like = like or LoraSettings()
         return LoraSettings(r=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
                             target_modules=targets if isinstance(targets, str) else sorted(targets or []),
-                            extra=extra, fused_4bit=like.fused_4bit, fused_16bit=like.fused_16bit)
+                            extra={**extra, "init_lora_weights": False}, fused_4bit=like.fused_4bit,
+                            fused_16bit=like.fused_16bit)
 
     def load_weights(self, policy) -> None:
         """Puts the adapter's weights into ``policy``, a peft model built with :meth:`lora_settings`; an
@@ -273,7 +284,10 @@ class AdapterFolder:
             raise InputError(f"model.model={self.folder}: an adapter folder is loaded in one process; it cannot be "
                              "sharded (FSDP2Strategy): evaluate it on one device, or resume from the run's checkpoint")
         device = next(policy.parameters()).device
-        weights = load_peft_weights(self.folder, device=str(device))
+        try:
+            weights = load_peft_weights(self.folder, device=str(device))
+        except Exception as err:  # noqa: BLE001 - a truncated or corrupt file: one line naming the folder
+            raise InputError(f"adapter {self.folder}: its weights cannot be read: {one_line(err)}") from err
         try:
             result = set_peft_model_state_dict(policy, weights)
         except RuntimeError as err:  # (size mismatch: torch names every tensor; the first one says enough)

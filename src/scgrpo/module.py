@@ -30,7 +30,7 @@ from scgrpo.callbacks import (
     VerificationCallback,
 )
 from scgrpo.distributed import PolicyRunner, check_shared_folder, full_state
-from scgrpo.errors import InputError
+from scgrpo.errors import InputError, one_line
 from scgrpo.envs import Environment, EpisodeSettings
 from scgrpo.envs.runner import EpisodeRunner
 from scgrpo.evaluation import Evaluation
@@ -198,6 +198,7 @@ class RLVRModule(LightningModule):
         self._self_teacher: Optional[SelfTeacher] = None
         self.last_step_metrics: dict[str, float] = {}
         self.last_credit: Optional[dict] = None  # what CreditLogging draws: the step's signal and credit
+        self._checkpoint_step: Optional[int] = None  # the global step of a checkpoint loaded (see evaluated_step)
 
     # ----------------------------------------------------------------------------------------------- setup
     @property
@@ -249,9 +250,16 @@ class RLVRModule(LightningModule):
         name, lora = self.model_name, self.lora
         if self.adapter is not None:  # its base, with LoRA layers shaped as the adapter's, then its weights
             name, lora = self.adapter.base, self.adapter.lora_settings(self.lora)
-        self.actor = build_policy(name, self.dtype_name, lora, self.quantization, device,
-                                  self.generation, self.system_prompt, self.logprob_chunk_size,
-                                  self.gradient_checkpointing is True, getattr(self, "_device_mesh", None))
+        try:
+            self.actor = build_policy(name, self.dtype_name, lora, self.quantization, device,
+                                      self.generation, self.system_prompt, self.logprob_chunk_size,
+                                      self.gradient_checkpointing is True, getattr(self, "_device_mesh", None))
+        except (ValueError, TypeError) as err:
+            if self.adapter is None:
+                raise
+            # peft's word on a layout that does not fit the base (target modules it lacks, a bad setting)
+            raise InputError(f"adapter {self.adapter.folder} does not fit the base model {self.adapter.base}: "
+                             f"{one_line(err)}") from err
         if self.adapter is not None:
             self.adapter.load_weights(self.actor.model)
         self.runner, self.tokenizer = self.actor.runner, self.actor.tokenizer
@@ -290,7 +298,7 @@ class RLVRModule(LightningModule):
             verifier = datamodule.default_verifier()
         self.verifier_runner = VerifierRunner(self._checked_verifier(verifier, getattr(datamodule, "source", None)))
         if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
-            internals.evaluations_logged_at_global_step(self.trainer)
+            internals.evaluations_logged_at_global_step(self.trainer, lambda: self.evaluated_step)
             check_shared_folder(self.trainer.log_dir or self.trainer.default_root_dir)  # (several nodes)
         if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
@@ -493,14 +501,21 @@ class RLVRModule(LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_evaluation("test")
 
+    @property
+    def evaluated_step(self) -> int:
+        """The optimiser steps behind the weights being evaluated: ``global_step`` in a fit; in ``validate`` or
+        ``test`` from a checkpoint, the checkpoint's (Lightning restores no training step there)."""
+        fitting = self._trainer is not None and self.trainer.state.fn == "fit"
+        return self.global_step if fitting or self._checkpoint_step is None else self._checkpoint_step
+
     def _log_evaluation(self, stage: str) -> None:
         """``<stage>/<split>/...`` of every split and ``<stage>/global_step``, logged at the logger step
-        ``global_step`` (see ``setup``)."""
-        for metrics in self.evaluation.metrics(self.global_step, self.global_rank == 0, stage).values():
+        :attr:`evaluated_step` (see ``setup``)."""
+        step = self.evaluated_step
+        for metrics in self.evaluation.metrics(step, self.global_rank == 0, stage).values():
             self.log_dict(metrics, on_step=False, on_epoch=True, add_dataloader_idx=False)
         # the optimiser steps done before this evaluation (a resumed run's metrics.csv tells its rows apart by it)
-        self.log(f"{stage}/global_step", float(self.global_step), on_step=False, on_epoch=True,
-                 add_dataloader_idx=False)
+        self.log(f"{stage}/global_step", float(step), on_step=False, on_epoch=True, add_dataloader_idx=False)
 
     test_step = validation_step
     on_test_epoch_start = on_validation_epoch_start
@@ -526,6 +541,7 @@ class RLVRModule(LightningModule):
         checkpoint["scgrpo"] = {**self.guard.state_dict(), **checkpoint_rng(rng)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint_step = checkpoint.get("global_step")
         self.configure_model()
         check_trainable(checkpoint, self.trainable_names())
         state = checkpoint.get("scgrpo", {})

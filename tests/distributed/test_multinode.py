@@ -24,10 +24,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_nodes(tmp_path, model_dir: str, cwds: list, *extra: str, gpu: bool = False) -> list[subprocess.CompletedProcess]:
+def _launch_nodes(tmp_path, model_dir: str, cwds: list, *extra: str, gpu: bool = False,
+                  launcher: str = "torchrun") -> list[subprocess.CompletedProcess]:
     """``scgrpo fit`` of the FSDP config on 2 nodes of 1 process; node k runs in ``cwds[k]`` with its own
     ``SCGRPO_CACHE`` and ``TMPDIR`` under ``tmp_path/node<k>``; with ``gpu``, on GPU k alone (NCCL), else on CPU
-    (gloo)."""
+    (gloo). ``launcher``: "torchrun" (each node's own ``torchrun --nnodes 2 --node_rank k``) or "slurm" (the process
+    started with the variables ``srun`` gives a task of a 2-node job, one task per node, which Lightning reads)."""
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")  # (converted by the stand-in)
     port, procs = _free_port(), []
@@ -40,8 +42,15 @@ def _launch_nodes(tmp_path, model_dir: str, cwds: list, *extra: str, gpu: bool =
                    SCGRPO_CACHE=str(home / "cache"), TMPDIR=str(home / "tmp"), SCGRPO_TEST_NODE_DIR=str(home),
                    SCGRPO_TEST_GGUF_SOURCE=model_dir, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    CUDA_VISIBLE_DEVICES=str(node) if gpu else "")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-                   "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "scgrpo.cli", "fit",
+        if launcher == "slurm":
+            env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_PROCID=str(node), SLURM_LOCALID="0",
+                       SLURM_NODEID=str(node), SLURM_JOB_ID="4242", SLURM_JOB_NAME="scgrpo", SLURM_NNODES="2",
+                       SLURM_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            launch = [sys.executable, "-m", "scgrpo.cli"]
+        else:
+            launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                      "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "scgrpo.cli"]
+        command = [*launch, "fit",
                    f"--config={os.path.join(ROOT, 'configs', 'fsdp_scgrpo_arith.yaml')}", f"--model.model={gguf}",
                    "--model.dtype=float32", "--model.generation.max_new_tokens=6",
                    "--model.generation.num_generations=4", "--model.eval_samples=2",
@@ -65,12 +74,16 @@ def _conversions(tmp_path, node: int) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 GPUs (each simulated node takes one)"))], ids=["cpu", "gpu"])
-def test_two_nodes_train_to_identical_weights_each_with_its_own_cache(tiny_model_dir, tmp_path, gpu):
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (each simulated node takes one)")
+
+
+@pytest.mark.parametrize("gpu, launcher", [(False, "torchrun"), (False, "slurm"), pytest.param(True, "torchrun",
+                                                                                              marks=TWO_GPUS)],
+                         ids=["cpu-torchrun", "cpu-slurm", "gpu-torchrun"])
+def test_two_nodes_train_to_identical_weights_each_with_its_own_cache(tiny_model_dir, tmp_path, gpu, launcher):
     shared = tmp_path / "shared"  # the run folder's filesystem, mounted by both nodes
     shared.mkdir()
-    results = _launch_nodes(tmp_path, tiny_model_dir, [shared, shared], gpu=gpu)
+    results = _launch_nodes(tmp_path, tiny_model_dir, [shared, shared], gpu=gpu, launcher=launcher)
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node}:\n" + result.stdout[-3000:] + result.stderr[-3000:]
     first, second = (torch.load(tmp_path / f"node{k}" / "weights.pt", weights_only=True) for k in (0, 1))
