@@ -21,7 +21,7 @@ import secrets
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -175,41 +175,64 @@ SHARED_WAIT_S = 10.0
 """How long a rank looks for rank 0's marker (a network filesystem may show a new file to other hosts late)"""
 
 
-def check_shared_folder(folder: str) -> None:
-    """With several ranks: rank 0 writes a marker file into ``folder`` and every rank must then read it back, so a
-    run folder that the nodes do not share (checkpoints and adapters are written there by rank 0, and read back by
-    every rank when a run resumes) ends the run at its start with one :class:`~scgrpo.errors.InputError` on every
-    rank, naming the ranks and hosts that do not see it. Every rank must call it; nothing on one process."""
+def check_shared(folders: Sequence[str], files: Sequence[str] = ()) -> None:
+    """With several ranks: every rank must see ``files`` (checkpoints it will read: those that rank 0 finds) and what
+    rank 0 writes into each of
+    ``folders`` (where rank 0 writes checkpoints and adapters that every rank reads back on resume): rank 0 writes a
+    marker file into each, and every rank reads it back. Otherwise every rank ends with the same one-line
+    :class:`~scgrpo.errors.InputError` naming the ranks and hosts that miss it. Folders that are not on a local
+    filesystem (``s3://...``) are left to their store. Every rank must call it; nothing on one process."""
     if world_size() == 1:
         return
     from scgrpo.errors import InputError
+    from scgrpo.lightning_internals import is_local_path
 
-    token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    folders = [os.path.abspath(f) for f in dict.fromkeys(folders) if f and is_local_path(f)]
+    first = dist.get_rank() == 0
+    token = [secrets.token_hex(8) if first else None,
+             [f for f in files if is_local_path(f) and os.path.isfile(f)] if first else None]
     dist.broadcast_object_list(token, src=0)
-    marker = os.path.join(folder, f".scgrpo-shared-{token[0]}")
-    written = None
+    files = token[1]
+    markers = [os.path.join(folder, f".scgrpo-shared-{token[0]}") for folder in folders]
+    unwritable = None
     if dist.get_rank() == 0:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(marker, "w") as f:
-                f.write(token[0])
-        except OSError as err:
-            written = f"rank 0 could not write {marker}: {err}"
+        for marker in markers:
+            try:
+                os.makedirs(os.path.dirname(marker), exist_ok=True)
+                with open(marker, "w") as f:
+                    f.write(token[0])
+            except OSError as err:
+                unwritable = f"rank 0 cannot write into {os.path.dirname(marker)}: {err.strerror or err}"
+                break
     dist.barrier()
     deadline = time.monotonic() + SHARED_WAIT_S
-    while not _reads(marker, token[0]) and time.monotonic() < deadline:
+
+    def missing() -> list[str]:
+        return ([m for m in markers if not _reads(m, token[0])] if unwritable is None else []) + \
+               [f for f in files if not os.path.isfile(f)]
+
+    while missing() and time.monotonic() < deadline and unwritable is None:
         time.sleep(0.2)
     seen: list[Any] = [None] * world_size()
-    dist.all_gather_object(seen, (_reads(marker, token[0]), socket.gethostname()))
-    if dist.get_rank() == 0 and os.path.exists(marker):
-        os.remove(marker)
-    missing = [(rank, host) for rank, (read, host) in enumerate(seen) if not read]
-    if written or missing:
-        where = ", ".join(f"rank {rank} on {host}" for rank, host in missing)
-        raise InputError(f"the run folder {folder} is not shared by every node: {written or where + ' does not see'} "
-                         "the file rank 0 wrote there. Rank 0 writes checkpoints and adapters there and every rank "
-                         "reads them back on resume: put trainer.default_root_dir (or the logger's save_dir) on a "
-                         "filesystem all nodes mount")
+    dist.all_gather_object(seen, (missing(), socket.gethostname(), unwritable))
+    if dist.get_rank() == 0:
+        for marker in markers:
+            with contextlib.suppress(OSError):
+                os.remove(marker)
+    unwritable = next((u for _, _, u in seen if u), None)
+    if unwritable:
+        raise InputError(f"{unwritable}; checkpoints and adapters are written there")
+    blind = [(rank, host, paths) for rank, (paths, host, _) in enumerate(seen) if paths]
+    if blind:
+        rank, host, paths = blind[0]
+        path = paths[0]
+        what = (f"the checkpoint {path}" if path in files else
+                f"the run folder {os.path.dirname(path)} (the file rank 0 wrote there)")
+        others = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
+        raise InputError(f"{what} is not shared by every node: rank {rank} on {host}{others} does not see it. Rank 0 "
+                         "writes checkpoints and adapters there and every rank reads them back on resume: put "
+                         "trainer.default_root_dir (or the logger's save_dir, the checkpoint's dirpath, ckpt_path) "
+                         "on a filesystem all nodes mount")
 
 
 def _reads(path: str, token: str) -> bool:

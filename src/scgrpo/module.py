@@ -29,7 +29,7 @@ from scgrpo.callbacks import (
     ValidateBeforeTraining,
     VerificationCallback,
 )
-from scgrpo.distributed import PolicyRunner, check_shared_folder, full_state
+from scgrpo.distributed import PolicyRunner, check_shared, full_state
 from scgrpo.errors import InputError, one_line
 from scgrpo.envs import Environment, EpisodeSettings
 from scgrpo.envs.runner import EpisodeRunner
@@ -283,6 +283,8 @@ class RLVRModule(LightningModule):
         return self.episodes.max_episode_tokens + self.generation.max_new_tokens
 
     def setup(self, stage: str) -> None:
+        if self._trainer is not None:  # several nodes: before the model loads, what they must share
+            self._check_shared(stage)
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         environment = self._environment
         if environment is None and callable(getattr(getattr(datamodule, "source", None), "default_environment", None)):
@@ -299,10 +301,20 @@ class RLVRModule(LightningModule):
         self.verifier_runner = VerifierRunner(self._checked_verifier(verifier, getattr(datamodule, "source", None)))
         if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
             internals.evaluations_logged_at_global_step(self.trainer, lambda: self.evaluated_step)
-            check_shared_folder(self.trainer.log_dir or self.trainer.default_root_dir)  # (several nodes)
         if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def _check_shared(self, stage: str) -> None:
+        """Every rank sees the checkpoint it will read (``ckpt_path``) and, in a fit, the folders rank 0 writes
+        checkpoints and the adapter into (:func:`scgrpo.distributed.check_shared`)."""
+        trainer = self.trainer
+        folders = []
+        if stage == "fit":
+            folders = [trainer.log_dir or trainer.default_root_dir,
+                       *(getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks)]
+        path = trainer.ckpt_path
+        check_shared([f for f in folders if f], [path] if isinstance(path, str) else [])
 
     def _checked_verifier(self, verifier: Verifier, source) -> Verifier:
         """``verifier``, once it is known to fit the data: a verifier that scores against answers (or a teacher shown

@@ -95,6 +95,16 @@ def _one_test(test: Any, fn_name: Optional[str]) -> dict[str, Any]:
     raise ValueError(f"unknown test {sorted(test)}; expected a call, stdio or assert test")
 
 
+def processes_per_node() -> int:
+    """Training processes on this machine, as torchrun (``LOCAL_WORLD_SIZE``) or SLURM (``SLURM_NTASKS_PER_NODE``,
+    e.g. "8" or "8(x2)") says; 1 where neither does."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        match = re.match(r"\d+", os.environ.get(name, ""))
+        if match and int(match.group()) > 0:
+            return int(match.group())
+    return 1
+
+
 class ParsedTests(NamedTuple):
     """A row's tests as the verifier runs them."""
 
@@ -337,7 +347,8 @@ class PythonTests(Verifier):
         isolation: ``auto`` (the strongest that works: ``bwrap``, then ``namespaces``, then ``process``), or
             one of them. A sandbox that cannot be set up raises
             :class:`~scgrpo.verifiers.sandbox.SandboxError`, which stops the run.
-        workers: programs run at a time (0 = the number of cores).
+        workers: programs run at a time (0 = the machine's cores over the training processes it runs: torchrun's
+            ``LOCAL_WORLD_SIZE``, SLURM's tasks per node).
         timeout_s: wall-clock seconds for one program and all its tests.
         test_timeout_s: wall-clock seconds for one test.
         cpu_s / memory_mb / processes / file_mb / disk_mb / open_files / output_kb: see
@@ -366,7 +377,7 @@ class PythonTests(Verifier):
                              processes=processes, file_mb=file_mb, disk_mb=disk_mb, open_files=open_files,
                              output_kb=output_kb)
         self.isolation = isolation
-        self.workers = workers or os.cpu_count() or 1
+        self.workers = workers or max((os.cpu_count() or 1) // processes_per_node(), 1)
         self.timeout_s = None  # the sandbox enforces its own limits; the runner's alarm would not kill programs
         self._sandbox: Optional[Sandbox] = None
 

@@ -1,25 +1,21 @@
 """Put first on the PYTHONPATH of the simulated nodes' processes (tests/distributed/test_multinode.py).
 
-Stands in for the GGUF conversion, which would take each node most of a minute: a ``.gguf`` model is "converted" by
-copying the folder ``SCGRPO_TEST_GGUF_SOURCE`` names into the cache, through the package's own caching (the lock,
-the atomic rename), and each conversion is recorded as a line of ``$SCGRPO_CACHE/conversions.log``."""
+Stands in for reading a GGUF file, which would take each node most of a minute: a ``.gguf`` model is read as the
+folder ``SCGRPO_TEST_GGUF_SOURCE`` names, and the rest of the conversion is the package's own (the cache's lock,
+the folder written beside its place and renamed into it). Each conversion is recorded as a line of
+``$SCGRPO_TEST_CONVERSIONS``."""
 
 import os
 
 if os.environ.get("SCGRPO_TEST_GGUF_SOURCE"):
-    import shutil
-    import tempfile
-    from pathlib import Path
-
     import scgrpo.models
 
-    def _copy(gguf_path: Path, out_dir: Path) -> Path:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
-        shutil.copytree(os.environ["SCGRPO_TEST_GGUF_SOURCE"], tmp, dirs_exist_ok=True)
-        with open(Path(os.environ["SCGRPO_CACHE"]) / "conversions.log", "a") as log:
-            log.write(f"{os.getpid()} {out_dir}\n")
-        tmp.rename(out_dir)
-        return out_dir
+    def _load(gguf_path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    scgrpo.models.dequantize_gguf = _copy
+        with open(os.environ["SCGRPO_TEST_CONVERSIONS"], "a") as log:
+            log.write(f"{os.getpid()} {gguf_path}\n")
+        source = os.environ["SCGRPO_TEST_GGUF_SOURCE"]
+        return AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+
+    scgrpo.models.load_gguf = _load
