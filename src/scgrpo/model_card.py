@@ -91,7 +91,8 @@ def model_card(*, base_model: str, objective, steps: int, lora: Optional[dict], 
     """
     hub_base = SMOLLM2_HUB_ID if base_model == SMOLLM2 else base_model
     kind = type(objective).__name__
-    tags = ["scgrpo", kind.lower(), "rlvr", "reinforcement-learning"] + (["lora"] if lora is not None else [])
+    tags = list(dict.fromkeys(["scgrpo", kind.lower(), "rlvr", "reinforcement-learning"]
+                              + (["lora"] if lora is not None else [])))  # (SCGRPO's own name is a tag once)
     front = {"library_name": "peft" if lora is not None else "transformers", "tags": tags}
     if not _local(hub_base):  # the hub takes a hub id only (a local folder or file is named in the text)
         front = {"base_model": hub_base, **front}
