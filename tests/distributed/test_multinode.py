@@ -107,6 +107,19 @@ def _one_node_of_two(tmp_path, model_dir: str, gpu: bool) -> dict:
     return torch.load(home / "weights-rank0.pt", weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def one_node_of_two(tiny_model_dir, tmp_path_factory):
+    """:func:`_one_node_of_two`'s weights, run once per device kind for the module's tests."""
+    runs: dict[bool, dict] = {}
+
+    def weights(gpu: bool) -> dict:
+        if gpu not in runs:
+            runs[gpu] = _one_node_of_two(tmp_path_factory.mktemp("one-node"), tiny_model_dir, gpu)
+        return runs[gpu]
+
+    return weights
+
+
 def _conversions(home) -> list[str]:
     path = home / "conversions.log"
     return path.read_text().splitlines() if path.exists() else []
@@ -115,7 +128,7 @@ def _conversions(home) -> list[str]:
 @pytest.mark.parametrize("gpu, launcher", [(False, "torchrun"), (False, "slurm"),
                                            pytest.param(True, "torchrun", marks=TWO_GPUS)],
                          ids=["cpu-torchrun", "cpu-slurm", "gpu-torchrun"])
-def test_two_nodes_train_as_one_node_of_two_processes(tiny_model_dir, tmp_path, gpu, launcher):
+def test_two_nodes_train_as_one_node_of_two_processes(tiny_model_dir, tmp_path, gpu, launcher, one_node_of_two):
     """The torchrun nodes keep a cache each, the SLURM ones mount one: each cache is converted into once."""
     shared = tmp_path / "shared"  # the run folder's filesystem, mounted by both nodes
     shared.mkdir()
@@ -125,7 +138,7 @@ def test_two_nodes_train_as_one_node_of_two_processes(tiny_model_dir, tmp_path, 
     for node, (code, err) in enumerate(results):
         assert code == 0, f"node {node}:\n" + err[-3000:]
     nodes = [torch.load(tmp_path / f"node{k}" / f"weights-rank{k}.pt", weights_only=True) for k in (0, 1)]
-    reference = _one_node_of_two(tmp_path, tiny_model_dir, gpu)
+    reference = one_node_of_two(gpu)
     assert nodes[0] and set(nodes[0]) == set(nodes[1]) == set(reference)
     for name, tensor in reference.items():  # (a node that trained on the other's prompts, or alone, differs)
         for node in nodes:
