@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "runs"  # the file loggers' save_dir when neither they nor trainer.default_root_dir name one
 DEFAULT_NAME = "scgrpo"
-FILE_LOGGERS = ("CSVLogger", "TensorBoardLogger", "RunCSVLogger")  # class names whose folder is <save_dir>/<name>/<version>
 FOLDER_LOGGERS = (CSVLogger, TensorBoardLogger)  # the loggers with a run folder (Lightning's Trainer.log_dir)
+# their class names in a config (RunCSVLogger: ours, below), whose folder is <save_dir>/<name>/<version>
+FILE_LOGGERS = (*(cls.__name__ for cls in FOLDER_LOGGERS), "RunCSVLogger")
 SETUP_FILES = ("config.yaml", "hparams.yaml")  # what a run writes into its folder before it has done anything
 
 

@@ -252,10 +252,11 @@ class SelfTeacher:
         c = rollouts.completion_ids.shape[1]
         # rendered and tokenised once per (question, reference): a solve-none group's rows share both
         keys = [(prompt_key(q), r) for q, r in zip(questions, references)]
-        first = list(dict.fromkeys(keys).keys())
-        where = {key: k for k, key in reversed(list(enumerate(keys)))}
-        rendered = tok(self.teacher_prompts(policy, [questions[where[key]] for key in first],
-                                            [references[where[key]] for key in first]),
+        first: dict = {}  # each distinct (question, reference): the first row holding it
+        for k, key in enumerate(keys):
+            first.setdefault(key, k)
+        rendered = tok(self.teacher_prompts(policy, [questions[k] for k in first.values()],
+                                            [references[k] for k in first.values()]),
                        add_special_tokens=False)["input_ids"]
         by_pair = dict(zip(first, rendered))
         prompt_ids = [list(by_pair[key]) for key in keys]
