@@ -294,7 +294,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              profile: Optional[str] = None, fused_lora: bool = True, fused_16bit: bool = True,
              cudnn_attention: bool = False, shared_teacher_passes: bool = True,
              stream_kernel: str = "dequantize", packed: bool = True, packed_update: bool = True,
-             pack_width: Optional[int] = None, shared_prefixes: bool = True) -> dict[str, Any]:
+             pack_width: Optional[int] = None, shared_prefixes: bool = True,
+             student_states: str = "auto") -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from scgrpo import packing as packing_module
@@ -319,7 +320,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         generation=GenerationSettings(num_generations=group, max_new_tokens=max_new, min_new_tokens=min_new,
                                       cuda_graphs=cuda_graphs, decode_forward=decode_forward, max_slots=max_slots,
                                       keep_workspace=keep_workspace, four_bit=four_bit,
-                                      memory_budget_gib=memory_budget_gib),
+                                      memory_budget_gib=memory_budget_gib, student_states=student_states),
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
         gradient_checkpointing=gradient_checkpointing,
         micro_batch_size=micro_batch_size,
@@ -380,7 +381,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
         "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
         "stream_kernel": stream_kernel, "packed": packed, "packed_update": packed_update,
-        "pack_width": pack_width or defaults[5], "shared_prefixes": shared_prefixes,
+        "pack_width": pack_width or defaults[5], "shared_prefixes": shared_prefixes, "student_states": student_states,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start,
         # (a failed case: every step it finished, warm-up included, and the error)
@@ -586,6 +587,8 @@ def main() -> None:
         for objective in ("grpo", "scgrpo"):
             cases[f"smollm2_{objective}_cudnn_attention"] = dict(objective=objective, cudnn_attention=True, **common)
         cases["smollm2_scgrpo_separate_teacher_passes"] = dict(objective="scgrpo", shared_teacher_passes=False, **common)
+        # the student's side by a forward pass (generation.student_states "forward"), as before the sampler kept states
+        cases["smollm2_scgrpo_forward_states"] = dict(objective="scgrpo", student_states="forward", **common)
         # every pass padded to its longest row (before scgrpo.packing); the update's passes padded; rows of 256 columns
         for objective in ("grpo", "scgrpo"):
             cases[f"smollm2_{objective}_padded"] = dict(objective=objective, packed=False, **common)
@@ -653,6 +656,9 @@ def main() -> None:
         cases["qwen8b_grpo_1k_20gib_auto"] = dict(auto, objective="grpo")
         # ... the self-teacher's student and teacher rows in passes of their own (selfteacher.SHARED_PASSES off)
         cases["qwen8b_scgrpo_1k_20gib_auto_separate_teacher_passes"] = dict(auto, shared_teacher_passes=False)
+        # ... the student's side by a forward pass in the teacher pass (generation.student_states "forward"), not
+        # the sampler's kept states (the default on a GPU)
+        cases["qwen8b_scgrpo_1k_20gib_auto_forward_states"] = dict(auto, student_states="forward")
         for objective in ("grpo", "scgrpo"):  # ... the streamed 4-bit base through the fused nf4 matmul
             cases[f"qwen8b_{objective}_1k_20gib_auto_fused_nf4"] = dict(auto, objective=objective, stream_kernel="fused")
         cases["qwen8b_scgrpo_4k_20gib"] = dict(max_new=4096, min_new=4096, steps=1, warmup=0, **consumer)

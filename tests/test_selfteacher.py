@@ -390,3 +390,50 @@ def test_the_group_window_counts_the_reference_when_it_is_the_shortest():
     plan = route_rollouts(_rollouts([0.0] * 4, tokens), spec, 1.0, step=3)
     assert plan.is_reference[r]
     assert [plan.diversity_length[i] for i in range(4) if i != r] == [2, 2, 2]
+
+
+def test_the_samplers_kept_states_give_the_forwards_divergences_without_a_student_pass(tiny_model_dir):
+    """``generation.student_states: rollout``: the rollouts carry the sampler's final states, the teacher pass runs
+    the teacher's rows alone (no student forward) and D equals the forward's (fp32 on a CPU: to rounding); the
+    states are dropped once read. States one column off give other divergences."""
+    from scgrpo.callbacks.rollout import sample_rollouts
+    from scgrpo.rollout.types import PromptBatch
+
+    module = tiny_module(tiny_model_dir, objective=SCGRPO(),
+                         generation=GenerationSettings(num_generations=4, max_new_tokens=10, student_states="rollout"))
+    module.configure_model()
+    with torch.no_grad():  # sharper distributions (see the test above)
+        module.policy.get_base_model().model.norm.weight.mul_(8.0)
+    assert module.rollout_states
+    questions = ["What is 1 + 1?", "What is 23 + 4 and then what is 5 times 6 exactly?"]
+    torch.manual_seed(0)
+    rollouts = sample_rollouts(module, PromptBatch(ids=["q0", "q1"], questions=questions, answers=[2, 27]))
+    assert rollouts.student_states is not None and rollouts.student_states.device.type == "cpu"
+    assert rollouts.student_states.shape == (*rollouts.completion_ids.shape, module.policy.config.hidden_size)
+    rollouts.rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # partial-solve and solve-none
+    states = rollouts.student_states
+    student_passes = []
+    span_hidden = module.actor.span_hidden
+    module.actor.span_hidden = lambda *args, **kwargs: (student_passes.append(1), span_hidden(*args, **kwargs))[1]
+    kept = module.run_self_teacher(rollouts)
+    assert not student_passes and rollouts.student_states is None
+    forward = module.run_self_teacher(rollouts)  # (no states now: the student's forward pass)
+    assert student_passes
+    assert kept.has_teacher.sum() == 7 and forward.divergence.abs().sum() > 1.0
+    torch.testing.assert_close(kept.divergence, forward.divergence, atol=2e-5, rtol=1e-4)
+    rollouts.student_states = torch.cat([states[:, :1], states[:, :-1]], 1)  # one column late
+    assert (module.run_self_teacher(rollouts).divergence - forward.divergence).abs().max() > 1e-2
+
+
+def test_rollout_states_are_asked_for_where_they_serve(tiny_model_dir):
+    """"auto" keeps the sampler's states on a GPU only (a CPU run keeps the forward's numerics); objectives
+    without divergences, and episodes, never ask."""
+    from scgrpo.objectives import GRPO
+
+    def wants(objective, mode):
+        module = tiny_module(tiny_model_dir, objective=objective,
+                             generation=GenerationSettings(num_generations=4, student_states=mode))
+        return module.rollout_states
+
+    assert not wants(SCGRPO(), "auto") and wants(SCGRPO(), "rollout") and not wants(SCGRPO(), "forward")
+    assert not wants(GRPO(), "rollout")

@@ -364,8 +364,18 @@ class RLVRModule(LightningModule):
         return self.actor.format_prompts(questions)
 
     def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
-               temperature: Optional[float] = None) -> Generated:
-        return self.actor.sample(prompts, num_samples, greedy, temperature)
+               temperature: Optional[float] = None, states: bool = False) -> Generated:
+        return self.actor.sample(prompts, num_samples, greedy, temperature, states)
+
+    @property
+    def rollout_states(self) -> bool:
+        """Whether training rollouts keep the sampler's final hidden states as the self-teacher's student side
+        (``generation.student_states``; single-turn rollouts of an objective that compares distributions)."""
+        teacher = self.self_teacher
+        if teacher is None or teacher.spec.output != "divergence" or self.episode_runner is not None:
+            return False
+        mode = self.generation.student_states
+        return mode == "rollout" or (mode == "auto" and self.device.type == "cuda")
 
     def play_episodes(self, rows: list[dict], num_samples: int, greedy: bool = False,
                       temperature: Optional[float] = None, seed: Optional[int] = 0):

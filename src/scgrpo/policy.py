@@ -134,12 +134,14 @@ class Policy:
         return [render(self.tokenizer, q, self.system_prompt, self._system_role) for q in questions]
 
     def sample(self, prompts: list[str], num_samples: int, greedy: bool = False,
-               temperature: Optional[float] = None) -> Generated:
+               temperature: Optional[float] = None, states: bool = False) -> Generated:
         """``num_samples`` completions of each prompt under the current weights (eval mode, no grad). When the
-        network is sharded, its parameters are gathered once for the whole decode loop."""
+        network is sharded, its parameters are gathered once for the whole decode loop. ``states``: keep the
+        sampler's final hidden states (:attr:`~scgrpo.rollout.engine.Generated.states`)."""
 
         return self._sampling(lambda settings: generate(self.model, self.tokenizer, prompts, num_samples, settings,
-                                                        self.device, greedy=greedy, temperature=temperature))
+                                                        self.device, greedy=greedy, temperature=temperature,
+                                                        states=states))
 
     def sample_ids(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool = False,
                    temperature: Optional[float] = None, reserve: Optional[tuple[int, int]] = None) -> Generated:

@@ -9,7 +9,7 @@ One component, called once per training step by the module. From a scored rollou
 3. builds the teacher's inputs: the reference goes into the *system* message only (base system prompt +
    guide instruction + reference); the user turn is the student's and the response tokens are the rollout's,
 4. runs the teacher pass (same network, no gradient, no dropout) and, for divergence-weighted objectives,
-   the student pass, and returns a :class:`TeacherSignal`: per row its route, reference, per-token
+   the student pass (or reads the student's states the sampler kept: ``generation.student_states``), and returns a :class:`TeacherSignal`: per row its route, reference, per-token
    divergence D_i,t (full vocabulary, fp32 logits, clamped at 0) and the tokens its solve-none diversity
    score averages over (the first L_i = min(|o_i|, |o_r|) tokens the model sampled).
 
@@ -309,7 +309,10 @@ class SelfTeacher:
             references=plan.references,
         )
         micro = micro_batch_size or max(len(rows), 1)
-        cut, tokens = policy.runner(lambda: self._passes(policy, rollouts, rows, plan.references, signal, micro))
+        try:
+            cut, tokens = policy.runner(lambda: self._passes(policy, rollouts, rows, plan.references, signal, micro))
+        finally:
+            rollouts.student_states = None  # (read: the host memory goes)
         policy.sync()
         groups = max(len(plan.route) // max(rollouts.group_size, 1), 1)
         group_route = signal.route.view(-1, rollouts.group_size)[:, 0] if n else signal.route
@@ -328,7 +331,8 @@ class SelfTeacher:
         ``micro`` rows). The student's states before the model's tokens are kept (``[N, C, H]``, zeros elsewhere)
         until the teacher passes have compared them, and only those tokens go through the head; under a budget a
         micro-batch's teacher and student rows share one forward instead (:meth:`_shared_passes`) when the step's
-        longest teacher sequence is at most :data:`SHARED_PASS_TOKENS`."""
+        longest teacher sequence is at most :data:`SHARED_PASS_TOKENS`. Where the rollouts hold the sampler's states
+        (``rollouts.student_states``), those are the student's and only the teacher's rows run."""
         n, c = rollouts.completion_ids.shape
         device = rollouts.completion_ids.device
         spec = self.spec
@@ -347,11 +351,13 @@ class SelfTeacher:
         with policy.eval_mode(), full_parameters(policy.runner):  # (every rank gathers, rows or not)
             if not rows:
                 return cut, 0
+            kept = rollouts.student_states if spec.output == "divergence" else None  # [N, C, H] on the host
             short = max(len(ids) for ids in prompt_ids) + rollouts.completion_ids.shape[1] <= SHARED_PASS_TOKENS
-            if SHARED_PASSES and short and budget is not None and spec.output == "divergence" and spec.weights == "policy":
+            if (SHARED_PASSES and short and budget is not None and kept is None and spec.output == "divergence"
+                    and spec.weights == "policy"):
                 return cut, self._shared_passes(policy, rollouts, rows, prompt_ids, signal, budget, chunk, fixed, micro)
             student = None
-            if spec.output == "divergence":
+            if spec.output == "divergence" and kept is None:
                 with record_function("scgrpo.teacher.student_forward"):
                     student = self._student_states(policy, rollouts, rows, mask, micro, budget)
             # teacher sequences: prompts of their own lengths, the rollouts' completions after them
@@ -387,9 +393,13 @@ class SelfTeacher:
                         signal.teacher_hidden[index, :w] = teacher_hidden
                     else:
                         keep = mask[index, :w]  # [n, w]
+                        if kept is not None:  # the sampler's states of these rows, brought to the device
+                            own = kept[torch.tensor(index_rows), :w].to(device, non_blocking=True)
+                        else:
+                            own = student[index, :w]
                         with record_function("scgrpo.teacher.divergence"):
                             divergence = chunked_divergence(
-                                teacher_hidden[keep].unsqueeze(0), student[index, :w][keep].unsqueeze(0),
+                                teacher_hidden[keep].unsqueeze(0), own[keep].unsqueeze(0),
                                 policy.lm_head(), spec.divergence, policy.temperature, chunk)[0]  # [k] the model's tokens
                         signal.divergence[index, :w] = signal.divergence[index, :w].masked_scatter(keep, divergence)
                 tokens += ids.numel()

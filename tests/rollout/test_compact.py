@@ -370,9 +370,10 @@ def test_unrolled_low_rank_terms_add_each_layers_own_ranks(tok, targets):
             for e, g in zip([expected[0], *expected[1]], [got[0], *got[1]]):
                 assert torch.allclose(g, e, atol=1e-5, rtol=1e-5)
         head = ProjectionArgs.of(decoder.head)
-        logits = plain[2](x, attn, *args1.attention_out, decoder.norm, *head)
-        assert torch.allclose(blockwise[2](x, attn, *args1.attention_out, decoder.norm, *head), logits,
-                              atol=1e-5, rtol=1e-5)
+        logits, states = plain[2](x, attn, *args1.attention_out, decoder.norm, *head)
+        got_logits, got_states = blockwise[2](x, attn, *args1.attention_out, decoder.norm, *head)
+        assert torch.allclose(got_logits, logits, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(got_states, states, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_counts_the_allocators_unused_reserve_as_memory_left(monkeypatch):
@@ -498,3 +499,57 @@ def test_prefills_are_recorded_only_with_kept_workspaces_and_no_memory_budget(to
     assert records()
     assert not records(memory_budget=20 * 2**30)
     assert not records(keep_workspace=False)
+
+
+def _forward_states(model, batch, tokens):
+    """``[N, C, H]`` a plain forward's final hidden states before each of ``tokens`` ``[N, C]`` after the prompts."""
+    full = torch.cat([batch["input_ids"], tokens], 1)
+    mask = torch.cat([batch["attention_mask"], torch.ones_like(tokens)], 1)
+    with torch.no_grad():
+        hidden = model(input_ids=full, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    tp = batch["input_ids"].shape[1]
+    return hidden[:, tp - 1 : -1]
+
+
+@pytest.mark.parametrize("slots", [dict(), dict(max_slots=3), dict(compaction=True)])
+def test_kept_states_are_the_policys_final_states_before_each_token(tok, slots):
+    """With ``keep_states`` the sampler hands back, for every token it drew, the final hidden state the head read
+    (the prefill's for the first, a decode step's for the others), in the row and column of the token: a forward
+    pass over prompt and completion gives the same states, whichever slot a row sat in (refill, compaction), and the
+    tokens are those sampled without it. A state one column off, or another row's, would differ."""
+    model = with_lora(tiny("llama", len(tok)))
+    batch = tok([f"row {i} " + "ab" * (i % 5) for i in range(16)], return_tensors="pt", padding=True)
+    free_run, _ = compact_greedy(model, batch, 12)
+    eos = sorted({int(free_run[i, 2 + (i % 9)]) for i in range(0, 16, 2)})  # rows end at different steps
+    plain, _ = compact_greedy(model, batch, 12, eos, **slots)
+    sampler = SlotDecoder(CompactDecoder(model), eos, 2, 12, greedy=True, keep_states=True, **slots)
+    tokens = sampler(batch["input_ids"], batch["attention_mask"])[0]
+    assert torch.equal(tokens, plain)
+    if slots:
+        assert sampler.stats["rollout/prefills"] + sampler.stats["rollout/compactions"] > 1
+    states = sampler.states
+    assert states.shape == (*tokens.shape, 32) and states.dtype == torch.float32
+    ended = (tokens[:, :, None] == torch.tensor(eos)).any(-1).int()
+    mask = (ended.cumsum(1) - ended) == 0  # each row's tokens up to its end-of-sequence
+    assert not mask.all()
+    expected = _forward_states(model, batch, tokens)
+    torch.testing.assert_close(states[mask], expected[mask], atol=1e-5, rtol=1e-4)
+    assert (states[:, 1:][mask[:, 1:]] - expected[:, :-1][mask[:, 1:]]).abs().max() > 1e-2  # one column off
+    assert (states.roll(1, 0)[mask] - expected[mask]).abs().max() > 1e-2  # another row's
+    # a second call reuses the workspace and hands back its own states
+    again = sampler(batch["input_ids"][:5], batch["attention_mask"][:5])[0]
+    first = {k: v[:5] for k, v in batch.items()}
+    mask = torch.ones_like(again, dtype=torch.bool).logical_and(
+        (((again[:, :, None] == torch.tensor(eos)).any(-1).int().cumsum(1)
+          - (again[:, :, None] == torch.tensor(eos)).any(-1).int()) == 0))
+    torch.testing.assert_close(sampler.states[mask], _forward_states(model, first, again)[mask], atol=1e-5, rtol=1e-4)
+
+
+def test_states_are_kept_only_when_asked_for(tok, batch):
+    model = tiny("llama", len(tok))
+    settings = GenerationSettings(max_new_tokens=6)
+    assert generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu")).states is None
+    out = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), states=True)
+    assert out.states.shape == (4, out.completion_ids.shape[1], 32)
+    with pytest.raises(ValueError, match="student_states"):
+        GenerationSettings(student_states="sampler")

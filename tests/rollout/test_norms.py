@@ -15,7 +15,7 @@ from scgrpo.rollout import kernels, lora_matmul, norms
 from scgrpo.rollout.compact import CompactDecoder
 from scgrpo.rollout.layers import rms_norm
 from scgrpo.rollout.slots import SlotDecoder
-from tests.rollout.test_compact import batch, hf_greedy, tiny, tok, with_lora  # noqa: F401
+from tests.rollout.test_compact import _forward_states, batch, hf_greedy, tiny, tok, with_lora  # noqa: F401
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels.usable(DEVICE), reason="needs Triton on a GPU, or TRITON_INTERPRET=1")
@@ -278,6 +278,9 @@ def test_the_block_kernels_with_unmerged_lora_equal_the_merged_model(tok, batch,
     updated = sampler(batch["input_ids"], batch["attention_mask"])[0]
     assert decoder.prefill_kernels and not decoder.compile_failed  # (no silent fallback)
     assert widths == {64}  # (q/k/v, o and gate/up's inputs)
+    keeping = SlotDecoder(decoder, [], 2, NEW, greedy=True, keep_states=True)  # the states the head read, kept
+    assert torch.equal(keeping(batch["input_ids"], batch["attention_mask"])[0], updated)
+    torch.testing.assert_close(keeping.states, _forward_states(model, batch, updated).cpu(), atol=1e-4, rtol=1e-4)
     merged = model.merge_and_unload()
     assert torch.equal(updated, hf_greedy(merged, batch, NEW))
     assert torch.equal(qkv.weight, before) and not torch.equal(qkv.up, before_up)  # only the B's moved

@@ -34,7 +34,8 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         questions = generated.questions  # each episode's first message
         extra = dict(env_mask=generated.env_mask, rewards=generated.rewards, infos=generated.infos)
     else:
-        generated = pl_module.sample(pl_module.format_prompts(batch.questions), g)
+        generated = pl_module.sample(pl_module.format_prompts(batch.questions), g,
+                                     states=getattr(pl_module, "rollout_states", False))
         questions, extra = [q for q in batch.questions for _ in range(g)], {}
     rollouts = RolloutBatch(
         prompt_ids=generated.prompt_ids,
@@ -50,6 +51,7 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         completions=generated.completions,
         entropy_sum=generated.entropy_sum,
         sampler_logprobs=generated.sampler_logprobs,
+        student_states=getattr(generated, "states", None),
         **extra,
     )
     rollouts.stats.update(generated.stats)
@@ -131,6 +133,8 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         env_mask=(torch.cat([right(p.env_mask, c, 0.0) for p in parts])
                   if all(p.env_mask is not None for p in parts) else None),
         columns=(sum((p.columns for p in parts), []) if all(p.columns is not None for p in parts) else None),
+        student_states=(torch.cat([F.pad(p.student_states, (0, 0, 0, c - p.student_states.shape[1])) for p in parts])
+                        if all(p.student_states is not None for p in parts) else None),
     )
     for p in parts:
         for key, value in p.stats.items():

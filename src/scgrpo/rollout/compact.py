@@ -281,8 +281,10 @@ class CompactDecoder:
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         return tokens * self.embed.element_size() * (3 * h + qkv + 3 * self.heads * self.head_dim + 3 * inner)
 
-    def logits(self, x: Tensor) -> Tensor:
-        return self.head(rms_norm(x, self.norm, self.eps)).float()
+    def _head(self, x: Tensor, states: bool) -> Tensor | tuple[Tensor, Tensor]:
+        h = rms_norm(x, self.norm, self.eps)
+        logits = self.head(h).float()
+        return (logits, h) if states else logits
 
     @property
     def compile_failed(self) -> bool:
@@ -290,16 +292,19 @@ class CompactDecoder:
             self._first, self._middle, self._last, self._plain_norm, self._plain_silu))
 
     @torch.no_grad()
-    def decode(self, tokens: Tensor, lens: Tensor, cache: Tensor, length: int) -> Tensor:
+    def decode(self, tokens: Tensor, lens: Tensor, cache: Tensor, length: int,
+               states: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Logits ``[S, V]`` fp32 of the next token of every slot, after feeding ``tokens`` ``[S]`` at positions
         ``lens`` ``[S]`` (written into ``cache`` ``[layers, 2, S, kv, Lmax, D]`` there); attends to the first
-        ``length`` cache entries. Reads nothing back to the host, so a CUDA graph can record it."""
+        ``length`` cache entries. Reads nothing back to the host, so a CUDA graph can record it. ``states``: also
+        the final norm's output ``[S, H]`` (in the model dtype) that the head read: the policy's final hidden states."""
         s, cache_len = tokens.shape[0], cache.shape[4]
         cos_table, sin_table = self.rope_tables(cache_len)
         x = F.embedding(tokens, self.embed)  # [S, H]
         if self.block_kernels:
             try:
-                return self._decode_blocks(x, lens, cache, cos_table, sin_table)
+                out = self._decode_blocks(x, lens, cache, cos_table, sin_table)
+                return out if states else out[0]
             except Exception as err:  # noqa: BLE001 - a kernel that fails to build or launch: the eager step is exact
                 if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                     raise  # (a graph's warm-up step, uncaptured, meets the failure first)
@@ -315,7 +320,8 @@ class CompactDecoder:
                                                 rotate=layer.q_norm is None)
                 if i + 1 < self.num_layers:
                     x, a = self._middle(x, attn, *args[i].attention_out, cos, sin, *args[i + 1].attention_in)
-            return self._last(x, attn, *args[-1].attention_out, self.norm, *ProjectionArgs.of(self.head))
+            out = self._last(x, attn, *args[-1].attention_out, self.norm, *ProjectionArgs.of(self.head))
+            return out if states else out[0]
         cos, sin = cos_table[lens], sin_table[lens]  # [S, D]
         # additive mask, built once per step for every layer (a boolean one is converted inside each attention)
         visible = torch.arange(length, device=lens.device) <= lens.unsqueeze(1)  # [S, L]
@@ -329,14 +335,17 @@ class CompactDecoder:
                                                   attn_mask=mask, scale=self.scaling)  # [S, kv, G, D]
             if i + 1 < self.num_layers:
                 x, (q, kv) = self._middle(x, attn, *args[i].attention_out, cos, sin, *args[i + 1].attention_in)
-        return self._last(x, attn, *args[-1].attention_out, self.norm, *ProjectionArgs.of(self.head))
+        out = self._last(x, attn, *args[-1].attention_out, self.norm, *ProjectionArgs.of(self.head))
+        return out if states else out[0]
 
-    def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor, sin_table: Tensor) -> Tensor:
-        """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`); see :meth:`_block_layers`."""
+    def _decode_blocks(self, x: Tensor, lens: Tensor, cache: Tensor, cos_table: Tensor,
+                       sin_table: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`); see :meth:`_block_layers`.
+        Returns the logits and the final states."""
         x, y, up = self._block_layers(x, lambda i, qkv: kernels.decode_attention(
             qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling), decode=True)
         _, h = self._add_norm(x, y, up, self.norm, compiled=True)
-        return F.linear(h, self.head.weight, self.head.bias).float()
+        return F.linear(h, self.head.weight, self.head.bias).float(), h
 
     def _add_norm(self, x: Tensor, y: Optional[Tensor], up: Optional[Tensor], weight: Tensor,
                   compiled: bool) -> tuple[Tensor, Tensor]:
@@ -391,17 +400,20 @@ class CompactDecoder:
         return x, y, up
 
     @torch.no_grad()
-    def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
+    def prefill(self, ids: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor,
+                states: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Runs right-padded prompts ``ids`` ``[n, T]`` (``lengths`` ``[n]`` real tokens each) from position 0,
         stores their keys/values in cache rows ``slots`` ``[n]`` and returns the fp32 logits ``[n, V]`` after
         each prompt's last token (a row of length 0 pads a batch: nothing stored, its logits meaningless). Where the block kernels can run (:attr:`prefill_kernels`), the work between
-        the matmuls is theirs (fewer launches, the decode step's roundings), else the eager layer code's."""
+        the matmuls is theirs (fewer launches, the decode step's roundings), else the eager layer code's. ``states``:
+        also the final states ``[n, H]`` there, as :meth:`decode`'s."""
         n, t = ids.shape
         cos_table, sin_table = self.rope_tables(cache.shape[4])
         x = F.embedding(ids, self.embed)  # [n, T, H]
         if self.prefill_kernels:
             try:
-                return self._prefill_blocks(x, lengths, slots, cache, cos_table, sin_table)
+                out = self._prefill_blocks(x, lengths, slots, cache, cos_table, sin_table)
+                return out if states else out[0]
             except Exception as err:  # noqa: BLE001 - as in decode: the eager layers are exact
                 if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                     raise  # (a recording's warm-up run, uncaptured, meets the failure first)
@@ -411,8 +423,9 @@ class CompactDecoder:
         empty = lengths == 0
         if bool(empty.any()):  # padding rows (a recorded prefill's shape): no cache write, zero logits
             logits = torch.zeros(n, self.embed.shape[0], dtype=torch.float32, device=ids.device)
-            logits[~empty] = self.prefill(ids[~empty], lengths[~empty], slots[~empty], cache)
-            return logits
+            hidden = torch.zeros(n, self.embed.shape[1], dtype=self.dtype, device=ids.device)
+            logits[~empty], hidden[~empty] = self.prefill(ids[~empty], lengths[~empty], slots[~empty], cache, True)
+            return (logits, hidden) if states else logits
         cos, sin = cos_table[:t].unsqueeze(0), sin_table[:t].unsqueeze(0)  # [1, T, D]
         mask = self._prefill_mask(lengths, t)
         for i, layer in enumerate(self.layers):
@@ -420,7 +433,7 @@ class CompactDecoder:
             q, k, v = self.attention_in(x, cos, sin, *args.attention_in)  # [n, T, kv, G, D], [n, T, kv, D] x 2
             x = self.attention_out(x, self._prefill_attention(i, q, k, v, slots, cache, mask), *args.attention_out)
         last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
-        return self.logits(last)
+        return self._head(last, states)
 
     @staticmethod
     def _prefill_mask(lengths: Tensor, t: int) -> Tensor:
@@ -445,7 +458,7 @@ class CompactDecoder:
         return attn.transpose(1, 2)
 
     def _prefill_blocks(self, x: Tensor, lengths: Tensor, slots: Tensor, cache: Tensor, cos_table: Tensor,
-                        sin_table: Tensor) -> Tensor:
+                        sin_table: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`prefill` with :meth:`_decode_blocks`' kernels between the matmuls (LoRA's B products added by
         the kernels that read each output), over the ``n T`` positions as rows; the attention, its rotation and
         the cache write are :func:`kernels.prefill_attention`'s one launch a layer (the prefill was host-bound:
@@ -459,4 +472,4 @@ class CompactDecoder:
         x, y, up = self._block_layers(x.reshape(n * t, width), attend, decode=False)
         last = torch.arange(n, device=x.device) * t + lengths - 1  # each prompt's last position
         _, h = norms.add_norm(x[last], y[last], up, self.norm, self.eps)
-        return F.linear(h, self.head.weight, self.head.bias).float()
+        return F.linear(h, self.head.weight, self.head.bias).float(), h

@@ -74,6 +74,13 @@ class GenerationSettings:
     lag behind the policy that is trained"""
     extra: dict = field(default_factory=dict)
     """Further ``model.generate`` arguments (engine "hf" only)"""
+    student_states: str = "auto"
+    """Where the self-teacher's student side (the policy's distribution before each sampled token, which D compares
+    with the teacher's) comes from: "rollout", the final hidden states the sampler computed as it drew each token
+    (kept on the host; no second forward: the teacher pass runs the teacher's rows alone); "forward", a forward pass
+    of the policy over the rollouts, without gradient, in the teacher pass (the training forward's numerics: the
+    two differ at the kernels' rounding); "auto", "rollout" on a GPU and "forward" on a CPU. Single-turn rollouts
+    through the compact decode forward only: episodes, engine "hf" and sharded policies take the forward"""
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -98,6 +105,8 @@ class GenerationSettings:
             raise ValueError(f"four_bit={self.four_bit!r}: expected one of {', '.join(map(repr, FOUR_BIT_MODES))}")
         if self.merge_lora not in ("auto", "always", "never"):
             raise ValueError(f"merge_lora={self.merge_lora!r}: expected 'auto', 'always' or 'never'")
+        if self.student_states not in ("auto", "rollout", "forward"):
+            raise ValueError(f"student_states={self.student_states!r}: expected 'auto', 'rollout' or 'forward'")
 
 
 @dataclass
@@ -111,6 +120,8 @@ class Generated:
     entropy_sum: Optional[Tensor] = None  # [N] fp32 sampling entropy summed over each completion's tokens
     sampler_logprobs: Optional[Tensor] = None  # [N, C] fp32 log-prob of each sampled token under the sampler
     stats: dict = field(default_factory=dict)  # the engine's counters (rollout/...)
+    states: Optional[Tensor] = None  # [N, C, H] the sampler's final hidden state before each token (when asked for,
+    # where the compact forward sampled; on the host): undefined after a row's end
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -422,11 +433,11 @@ def release_rollout_workspaces() -> None:
 
 
 def _slot_decoder(entry: dict, settings: GenerationSettings, eos_ids, pad_id: int, temperature: float,
-                  greedy: bool, cuda_graphs: bool):
+                  greedy: bool, cuda_graphs: bool, states: bool = False):
     from scgrpo.rollout.slots import SlotDecoder
 
     key = (tuple(eos_ids), pad_id, settings.max_new_tokens, temperature, settings.top_p, settings.top_k, greedy,
-           settings.min_new_tokens, cuda_graphs, settings.max_slots, settings.memory_budget_gib)
+           settings.min_new_tokens, cuda_graphs, settings.max_slots, settings.memory_budget_gib, states)
     samplers = entry["samplers"]
     if key not in samplers:
         if len(samplers) >= 2:  # training and evaluation settings; drop the oldest other
@@ -434,7 +445,7 @@ def _slot_decoder(entry: dict, settings: GenerationSettings, eos_ids, pad_id: in
         samplers[key] = SlotDecoder(
             entry["decoder"], eos_ids, pad_id, settings.max_new_tokens, temperature, settings.top_p, settings.top_k,
             greedy, settings.min_new_tokens, cuda_graphs=cuda_graphs, max_slots=settings.max_slots,
-            memory_budget=budget_bytes(settings.memory_budget_gib))
+            memory_budget=budget_bytes(settings.memory_budget_gib), keep_states=states)
     sampler = samplers[key]
     sampler.keep_workspace = settings.keep_workspace
     return sampler
@@ -450,12 +461,14 @@ def generate(
     greedy: bool = False,
     temperature: Optional[float] = None,
     cuda_graphs: bool = True,
+    states: bool = False,
 ) -> Generated:
     """Sample ``num_samples`` completions of each prompt (rows ``[p0 x num_samples, p1 x num_samples, ...]``)."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     prompt_ids = encoded["input_ids"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
     prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
-    return generate_ids(model, tokenizer, prompt_ids, prompt_mask, settings, greedy, temperature, cuda_graphs)
+    return generate_ids(model, tokenizer, prompt_ids, prompt_mask, settings, greedy, temperature, cuda_graphs,
+                        states=states)
 
 
 def generate_ids(
@@ -469,16 +482,19 @@ def generate_ids(
     cuda_graphs: bool = True,
     reserve: Optional[tuple[int, int]] = None,
     texts: bool = True,
+    states: bool = False,
 ) -> Generated:
     """One completion of each left-padded prompt ``[N, Tp]`` (token ids, as they are: nothing is re-tokenized).
     ``reserve`` ``(rows, length)``: size the compact engine's workspace for up to that many rows of that many
     positions, so that calls that grow (the turns of episodes) reuse one KV cache and its CUDA graphs (and the
     compact forward's support is checked for that length). ``texts``: decode the completions to text (False:
-    ``completions`` is empty, for callers that read the ids only)."""
+    ``completions`` is empty, for callers that read the ids only). ``states``: also keep the final hidden state
+    before each sampled token (:attr:`Generated.states`), where the compact forward samples."""
     eos_ids = eos_token_ids(model, tokenizer)
     temperature = temperature if temperature is not None else settings.temperature
     entropy_sum = sampler_logprobs = None
     stats: dict = {}
+    hidden = None
     if settings.memory_budget_gib is not None and not settings.keep_workspace and prompt_ids.is_cuda:
         # a budget sizes the rollout's copies and KV cache by what is allocated; the blocks the allocator keeps
         # cached from the last update would count on top of it against a per-process cap (a 20 GiB card's second
@@ -488,10 +504,12 @@ def generate_ids(
     use_graphs = settings.cuda_graphs and cuda_graphs
     compact = compact_decoder(model, settings, max_length)
     if compact is not None:
-        sampler = _slot_decoder(compact, settings, eos_ids, tokenizer.pad_token_id, temperature, greedy, use_graphs)
+        sampler = _slot_decoder(compact, settings, eos_ids, tokenizer.pad_token_id, temperature, greedy, use_graphs,
+                                states)
         with generation_mode(model, "never"):
             completion_ids, sampler_logprobs, entropy_sum = sampler(prompt_ids, prompt_mask, reserve)  # [N, C] x 2, [N]
-        stats = dict(sampler.stats)
+        stats, hidden = dict(sampler.stats), sampler.states
+        sampler.states = None
         if not settings.keep_workspace:
             compact["decoder"].release()  # the fused weight copies too
     else:
@@ -519,4 +537,4 @@ def generate_ids(
         sampler_logprobs = sampler_logprobs * completion_mask
     decoded = tokenizer.batch_decode(completion_ids, skip_special_tokens=True) if texts else []
     return Generated(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, decoded,
-                     None if greedy else entropy_sum, None if greedy else sampler_logprobs, stats)
+                     None if greedy else entropy_sum, None if greedy else sampler_logprobs, stats, hidden)

@@ -173,7 +173,8 @@ def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_a
     """The decode step's compute between attentions, as functions of tensors (compiled once, reused by every
     layer): ``first(x, cos, sin, *in_args)`` -> a; ``middle(x, attn, *out_args, cos, sin, *in_args)`` -> (x, a), one
     block's end and the next block's start, so that the residual add fuses into the next norm;
-    ``last(x, attn, *out_args, norm, head_w, head_b, head_up)`` -> fp32 logits.
+    ``last(x, attn, *out_args, norm, head_w, head_b, head_up)`` -> fp32 logits and the final norm's states (what the
+    head reads: the policy's final hidden states).
 
     ``a`` is what the attention reads. For :func:`~scgrpo.rollout.kernels.decode_attention`
     (``fused_attention``): the q/k/v projection's output ``[S, (heads + 2 kv) D]``, rotated in the kernel (or
@@ -202,6 +203,7 @@ def step_functions(heads: int, kv_heads: int, head_dim: int, eps: float, fused_a
 
     def last(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up, norm, head_w, head_b, head_up):
         x = attention_out(x, attn, o_w, o_b, o_up, ln2, gu_w, gu_b, gu_up, d_w, d_b, d_up)
-        return linear(rms_norm(x, norm, eps), head_w, head_b, head_up, unrolled, spans.get("head")).float()
+        h = rms_norm(x, norm, eps)
+        return linear(h, head_w, head_b, head_up, unrolled, spans.get("head")).float(), h
 
     return first, middle, last

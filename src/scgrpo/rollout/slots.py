@@ -18,6 +18,12 @@ budget or without kept workspaces (see :meth:`SlotDecoder._graphs_prefill`).
 
 A row's tokens depend only on its own prompt and draws: compaction and refill change which slot a row sits in,
 never what it samples (greedy: bit for bit up to the matmul's batch-size dependence).
+
+With ``keep_states``, each emitted token's final hidden state (what the head read to draw it: the policy's state
+before that token) is kept too, for the self-teacher's student side (:attr:`SlotDecoder.states`). The states of a
+whole batch would take GPU memory the KV cache needs (an 8B model's 64 rows of 1,024 tokens: 0.5 GiB), so a step
+writes them into a small staging buffer of :data:`STAGE_STEPS` steps, which the host empties into a host tensor at
+each of its looks (pinned memory on a GPU).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ PREFILL_TOKENS = 16384
 """Prompt tokens one prefill runs at most (its activations cover every prompt in it at once)."""
 MAX_PREFILL_GRAPHS = 32
 """Prefill shapes a workspace records as CUDA graphs; past that, prefills run uncaptured."""
+STAGE_STEPS = 16
+"""Steps' states the staging buffer holds (``keep_states``): at least the steps between two of the host's looks."""
 
 
 @dataclass
@@ -70,6 +78,7 @@ class PrefillGraph:
     lengths: Tensor  # [rows]: 0 for padding rows (they write no cache entry)
     slots: Tensor  # [rows]
     logits: Tensor  # [rows, V] the recorded output
+    hidden: Optional[Tensor] = None  # [rows, H] the recorded final states (keep_states)
 
 
 @dataclass
@@ -95,6 +104,17 @@ class Outputs:
     logprobs: Tensor  # [N + 1, C] fp32 log-probability of each sampled token under the sampler
     entropy: Tensor  # [N + 1] fp32 summed sampling entropy
     count: Tensor  # [N + 1] long tokens produced
+
+
+@dataclass
+class Stage:
+    """The final states of the tokens emitted since the host last emptied it (``keep_states``): entry ``k`` of each
+    emission, one column per slot."""
+
+    hidden: Tensor  # [K, S, H] in the model dtype
+    row: Tensor  # [K, S] long: the output row of each state (the scratch row N: none)
+    at: Tensor  # [K, S] long: its completion column
+    k: Tensor  # [1] long: emissions since the last emptying
 
 
 @dataclass
@@ -130,7 +150,7 @@ class SlotDecoder:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                  min_new_tokens: int = 0, cuda_graphs: bool = True, check_every: int = 8,
                  max_slots: int = 0, refill: bool = True, compaction: bool = True,
-                 memory_budget: Optional[int] = None) -> None:
+                 memory_budget: Optional[int] = None, keep_states: bool = False) -> None:
         self.decoder = decoder
         self.device = decoder.device
         self.pad_id, self.max_new = pad_id, max_new_tokens
@@ -156,6 +176,10 @@ class SlotDecoder:
         # prefills as CUDA graphs (with the prefill's kernels: about eight launches a layer, still host-bound)
         self.prefill_graphs = self.graphs
         self._prefills: dict[tuple, PrefillGraph] = {}
+        self.keep_states = keep_states
+        self.states: Optional[Tensor] = None  # [N, C, H] the last call's final states (keep_states), on the host
+        self._stage: Optional[Stage] = None
+        self._host: Optional[Tensor] = None  # [N, C, H] the states being gathered
 
     # ------------------------------------------------------------------------------------------ one step
     def _ban_eos(self, logits: Tensor, count: Tensor) -> Tensor:
@@ -176,14 +200,23 @@ class SlotDecoder:
             return self._ban_eos(logits, count).argmax(dim=-1), zero, zero
         return self._draw(logits, uniform, count)
 
-    def _emit(self, state: SlotState, out: Outputs, logits: Tensor, slots: Optional[Tensor]) -> None:
-        """Samples a token for ``slots`` (None: all) from their ``logits`` and books it."""
+    def _emit(self, state: SlotState, out: Outputs, logits: Tensor, slots: Optional[Tensor],
+              hidden: Optional[Tensor] = None) -> None:
+        """Samples a token for ``slots`` (None: all) from their ``logits`` and books it (and, with ``keep_states``,
+        the ``hidden`` states the logits came from)."""
         idx = slice(None) if slots is None else slots
         live, count, row = state.live[idx], state.count[idx], state.row[idx]
         uniform = None if self.greedy else torch.rand(logits.shape[0], 1, device=logits.device)
         token, logprob, entropy = self._sample(logits, uniform, count)
         token = torch.where(live, token, torch.full_like(token, self.pad_id))
         at = count.clamp(max=self.max_new - 1)
+        if self._stage is not None:
+            stage = self._stage
+            columns = torch.arange(state.slots, device=logits.device) if slots is None else slots
+            stage.hidden[stage.k, columns] = hidden
+            stage.row[stage.k, columns] = torch.where(live, row, torch.full_like(row, out.tokens.shape[0] - 1))
+            stage.at[stage.k, columns] = at
+            stage.k += 1
         out.tokens[row, at] = torch.where(live, token, out.tokens[row, at])
         out.logprobs[row, at] = torch.where(live, logprob, out.logprobs[row, at])
         out.entropy.index_add_(0, row, torch.where(live, entropy, torch.zeros_like(entropy)))
@@ -194,10 +227,14 @@ class SlotDecoder:
         state.tokens[idx] = token
 
     def _step(self, state: SlotState, out: Outputs, length: int) -> None:
-        logits = self.decoder.decode(state.tokens, state.lens, state.cache, length)
+        hidden = None
+        if self._stage is not None:
+            logits, hidden = self.decoder.decode(state.tokens, state.lens, state.cache, length, states=True)
+        else:
+            logits = self.decoder.decode(state.tokens, state.lens, state.cache, length)
         limit = state.cache.shape[4] - 1
         state.lens.copy_((state.lens + 1).clamp(max=limit))  # free slots keep writing into their last entry
-        self._emit(state, out, logits, None)
+        self._emit(state, out, logits, None, hidden)
 
     def _run(self, state: SlotState, out: Outputs, length: int, steps: int) -> None:
         if not self.graphs:
@@ -213,8 +250,7 @@ class SlotDecoder:
     def _record(self, state: SlotState, out: Outputs, length: int):
         """Records one step as a CUDA graph (after a warm-up step on a side stream, which also compiles). The
         warm-up's effects are undone: every buffer the step writes is restored."""
-        saved = [t.clone() for t in (state.tokens, state.lens, state.live, state.count, out.tokens, out.logprobs,
-                                     out.entropy, out.count)]
+        saved = [t.clone() for t in self._written(state, out)]
         rng = torch.cuda.get_rng_state(self.device)  # recording draws nothing: a seed gives the same tokens either way
         stream = warmup_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
@@ -232,10 +268,15 @@ class SlotDecoder:
         self.stats["rollout/graphs_recorded"] = self.stats.get("rollout/graphs_recorded", 0.0) + 1
         return graph
 
-    @staticmethod
-    def _restore(state: SlotState, out: Outputs, saved: list[Tensor]) -> None:
-        for dst, src in zip((state.tokens, state.lens, state.live, state.count, out.tokens, out.logprobs,
-                             out.entropy, out.count), saved):
+    def _written(self, state: SlotState, out: Outputs) -> list[Tensor]:
+        """The buffers a step writes."""
+        written = [state.tokens, state.lens, state.live, state.count, out.tokens, out.logprobs, out.entropy, out.count]
+        if self._stage is not None:
+            written += [self._stage.row, self._stage.at, self._stage.k]
+        return written
+
+    def _restore(self, state: SlotState, out: Outputs, saved: list[Tensor]) -> None:
+        for dst, src in zip(self._written(state, out), saved):
             dst.copy_(src)
 
     # ------------------------------------------------------------------------------------------ workspace
@@ -355,14 +396,50 @@ class SlotDecoder:
         out, cache_len = self._workspace(rows, self.cache_length(rows, positions, prompt_tokens))
         if self._top is None:  # decided once per workspace: a budget that moved with free memory would pile up caches
             self._top = rows if not self.refill else self.slot_budget(rows, cache_len, prompt_tokens)
+            if self.keep_states:  # (as the graphs that write it, kept with the workspace)
+                self._stage = self._new_stage(self._top)
+        self.states = None
+        if self._stage is not None:
+            self._stage.row.fill_(out.tokens.shape[0] - 1)
+            self._stage.k.zero_()
+            self._host = torch.empty(n, self.max_new, self._stage.hidden.shape[-1], dtype=self._stage.hidden.dtype,
+                                     pin_memory=self.device.type == "cuda")
+        self._rows = n
         loop = self._decode(out, right, lengths, cache_len)
         counts = out.count[:n]
         width = max(int(counts.max()), 1) if n else 1
         self._record_stats(loop, counts)
         result = out.tokens[:n, :width].clone(), out.logprobs[:n, :width].clone(), out.entropy[:n].clone()
+        if self._host is not None:
+            self.states, self._host = self._host[:, :width], None
         if not self.keep_workspace:
             self.release()
         return result
+
+    def _new_stage(self, slots: int) -> Stage:
+        hidden = self.decoder.embed.shape[1]
+        return Stage(hidden=torch.zeros(STAGE_STEPS, slots, hidden, dtype=self.decoder.dtype, device=self.device),
+                     row=torch.zeros(STAGE_STEPS, slots, dtype=torch.long, device=self.device),
+                     at=torch.zeros(STAGE_STEPS, slots, dtype=torch.long, device=self.device),
+                     k=torch.zeros(1, dtype=torch.long, device=self.device))
+
+    def _flush(self) -> None:
+        """Moves the staged states of this call's rows into the host tensor and empties the stage (one read of its
+        count; with ``keep_states`` only)."""
+        stage = self._stage
+        if stage is None or self._host is None:
+            return
+        k = int(stage.k)
+        if not k:
+            return
+        if k > STAGE_STEPS:
+            raise RuntimeError(f"the states of {k} steps were staged without the host emptying them (at most {STAGE_STEPS})")
+        rows, at = stage.row[:k].flatten(), stage.at[:k].flatten()
+        keep = rows < self._rows
+        rows, at = rows[keep].cpu(), at[keep].cpu()
+        self._host[rows, at] = stage.hidden[:k].flatten(0, 1)[keep].cpu()
+        stage.row.fill_(self._rows)
+        stage.k.zero_()
 
     def _right_padded(self, prompt_ids: Tensor, lengths: Tensor) -> Tensor:
         """The left-padded prompts ``[N, Tp]`` with each row's ``lengths`` real tokens moved to the front (pad
@@ -400,6 +477,7 @@ class SlotDecoder:
             # the attention kernel reads each row's own length: one graph per slot count serves every length
             length = cache_len if self.decoder.fused_attention else length_bucket(max(lens_host) + burst, cache_len)
             self._run(state, out, length, burst)
+            self._flush()
             loop.steps += burst
             loop.slot_steps += burst * state.slots
         return loop
@@ -451,7 +529,7 @@ class SlotDecoder:
         """Frees the kept workspaces (KV caches, graphs, output buffers)."""
         self._states.clear()
         self._prefills.clear()
-        self._out, self._key, self.pool, self._top = None, None, None, None
+        self._out, self._key, self.pool, self._top, self._stage = None, None, None, None, None
 
     def _admit(self, state: SlotState, out: Outputs, right: Tensor, lengths: Tensor, rows: list[int],
                slots: list[int]) -> None:
@@ -466,15 +544,19 @@ class SlotDecoder:
         chunk = max(1, PREFILL_TOKENS // max(span, 1))  # prompts a prefill runs
         for start in range(0, len(rows), chunk):
             r, s, ln = row_t[start : start + chunk], slot_t[start : start + chunk], lens[start : start + chunk]
+            hidden = None
             if graphed:
-                logits = self._graphed_prefill(state, right[r, :width], ln, s, span, chunk)
+                logits, hidden = self._graphed_prefill(state, right[r, :width], ln, s, span, chunk)
+            elif self._stage is not None:
+                logits, hidden = self.decoder.prefill(right[r, :width], ln, s, state.cache, states=True)  # [k, V], [k, H]
             else:
                 logits = self.decoder.prefill(right[r, :width], ln, s, state.cache)  # [k, V]
             state.lens[s] = ln
             state.row[s] = r
             state.count[s] = 0
             state.live[s] = True
-            self._emit(state, out, logits, s)
+            self._emit(state, out, logits, s, hidden)
+            self._flush()
 
     def _graphs_prefill(self) -> bool:
         """Prefills run as CUDA graphs: graphs on (:attr:`prefill_graphs`, on by default with them), the prefill's
@@ -486,19 +568,25 @@ class SlotDecoder:
                 and self.memory_budget is None)
 
     def _graphed_prefill(self, state: SlotState, ids: Tensor, lengths: Tensor, slots: Tensor, span: int,
-                         most: int) -> Tensor:
+                         most: int) -> tuple[Tensor, Optional[Tensor]]:
         """:meth:`CompactDecoder.prefill` of ``ids`` ``[k, W]`` replayed from a CUDA graph recorded for the next
         power of two of ``k`` rows (at most ``most``) of ``span`` positions; the padding rows have length 0 (the
-        prefill's attention writes no cache entry for them). Returns ``[k, V]`` logits, valid until the next
-        prefill. A shape not yet recorded is recorded (its warm-up run, on the side stream, is this call's
+        prefill's attention writes no cache entry for them). Returns ``[k, V]`` logits and, with ``keep_states``,
+        the ``[k, H]`` final states (else None), valid until the next prefill. A shape not yet recorded is recorded (its warm-up run, on the side stream, is this call's
         prefill; where the prefill's kernels fail there, it falls back to the eager layers and nothing is
         recorded), unless :data:`MAX_PREFILL_GRAPHS` are."""
         k, width = ids.shape
         rows = min(1 << max(k - 1, 0).bit_length(), max(most, k))
         key = (rows, span, state.cache.data_ptr(), tuple(state.cache.shape))
         entry = self._prefills.get(key)
+        states = self._stage is not None
+
+        def prefill(*args) -> tuple[Tensor, Optional[Tensor]]:
+            out = self.decoder.prefill(*args, state.cache, states=states)
+            return out if states else (out, None)
+
         if entry is None and len(self._prefills) >= MAX_PREFILL_GRAPHS:
-            return self.decoder.prefill(ids, lengths, slots, state.cache)
+            return prefill(ids, lengths, slots)
         if entry is None:
             device = self.device
             entry = PrefillGraph(graph=torch.cuda.CUDAGraph(),
@@ -513,21 +601,22 @@ class SlotDecoder:
         entry.slots[:k] = slots
         if key in self._prefills:
             entry.graph.replay()
-            return entry.logits[:k]
+            return entry.logits[:k], entry.hidden[:k] if states else None
         stream = warmup_stream(self.device)  # the warm-up run is this call's prefill (it compiles and allocates)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            logits = self.decoder.prefill(entry.ids, entry.lengths, entry.slots, state.cache)
+            logits, hidden = prefill(entry.ids, entry.lengths, entry.slots)
         torch.cuda.current_stream().wait_stream(stream)
-        logits.record_stream(torch.cuda.current_stream())  # (read there: not reused before that is done)
+        for out in (logits, hidden) if states else (logits,):
+            out.record_stream(torch.cuda.current_stream())  # (read there: not reused before that is done)
         if not self.decoder.prefill_kernels:  # its kernels failed (and it fell back to the eager layers)
-            return logits[:k]
+            return logits[:k], hidden[:k] if states else None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         # (as the decode step's recording, a failure here is not caught: a stream capture that failed leaves the
         # device's random generator mid-capture, so no uncaptured fallback would run safely after it)
         with torch.cuda.graph(entry.graph, pool=self.pool):
-            entry.logits = self.decoder.prefill(entry.ids, entry.lengths, entry.slots, state.cache)
+            entry.logits, entry.hidden = prefill(entry.ids, entry.lengths, entry.slots)
         self._prefills[key] = entry
         self.stats["rollout/graphs_recorded"] = self.stats.get("rollout/graphs_recorded", 0.0) + 1
-        return logits[:k]
+        return logits[:k], hidden[:k] if states else None

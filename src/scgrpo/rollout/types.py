@@ -68,6 +68,8 @@ class RolloutBatch:
     sampler_logprobs: Optional[Tensor] = None  # [N, C] fp32 log-prob of each sampled token under the sampler
     env_mask: Optional[Tensor] = None  # [N, C] float, environment tokens inside an episode (None: single turn)
     columns: Optional[list[dict[str, Any]]] = None  # [N] each row's other dataset columns (None: none)
+    student_states: Optional[Tensor] = None  # [N, C, H] the sampler's final hidden state before each completion
+    # token (generation.student_states "rollout"), on the host; read by the self-teacher and then dropped
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -114,6 +116,8 @@ class RolloutBatch:
             sampler_logprobs=pick(self.sampler_logprobs),
             env_mask=pick(self.env_mask),
             columns=[self.columns[i] for i in idx] if self.columns is not None else None,
+            student_states=(self.student_states[rows.to(self.student_states.device)]
+                            if self.student_states is not None else None),
         )
 
 
