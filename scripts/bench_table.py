@@ -69,7 +69,9 @@ BUDGET_FILES = (BUDGET_FILE, TRL_FILE, WIDTH_FILE, *EARLIER_FILES, BEFORE_FILE, 
                 SEGMENTS_FILE)
 """The memory budget's measurements: read by :func:`budget_entries` only (their case names are the suite's own,
 and the earlier figures keep theirs)"""
-QWEN8B_FILE = "bench_qwen8b_1k_20gib_expandable_h200.json"
+QWEN8B_FILE = "bench_qwen8b_1k_20gib_rollout_states_h200.json"
+QWEN8B_FORWARD_FILE = "bench_qwen8b_1k_20gib_forward_states_h200.json"  # (the student's forward pass, same call)
+QWEN8B_PREVIOUS_FILE = "bench_qwen8b_1k_20gib_expandable_h200.json"  # (before the sampler's states served the student)
 QWEN8B_EARLIER_FILE = "bench_qwen8b_1k_20gib_slots_h200.json"  # (fixed segments, the teacher's rows in one shared pass)
 QWEN8B_TEACHER_FILE = "bench_qwen8b_1k_20gib_shared_prompts_h200.json"  # (shared teacher pass against its own passes)
 QWEN8B_SEGMENTS_FILE = "bench_qwen8b_1k_20gib_fixed_segments_h200.json"  # (GRPO's second rollout on fixed segments)
@@ -191,8 +193,23 @@ def budget_entries() -> dict[str, dict]:
         )
     q, q_earlier, q_before = file_cases(QWEN8B_FILE), file_cases(QWEN8B_EARLIER_FILE), file_cases(QWEN8B_BEFORE_FILE)
     q_teacher, q_fixed = file_cases(QWEN8B_TEACHER_FILE), file_cases(QWEN8B_SEGMENTS_FILE)
+    q_forward, q_previous = file_cases(QWEN8B_FORWARD_FILE), file_cases(QWEN8B_PREVIOUS_FILE)
     if q:
         sc8, grpo8 = q["qwen8b_scgrpo_1k_20gib_auto"], q["qwen8b_grpo_1k_20gib_auto"]
+        states = ""  # the student's side: the sampler's states against a forward pass
+        if q_forward:
+            kept, fwd, g = (q_forward[k] for k in ("qwen8b_scgrpo_1k_20gib_auto", "qwen8b_scgrpo_1k_20gib_auto_forward_states",
+                                                   "qwen8b_grpo_1k_20gib_auto"))
+            states += (f" In an earlier call of three cases ({QWEN8B_FORWARD_FILE}, the states emptied to the host "
+                       f"synchronously: {kept['time_generation_s'] - g['time_generation_s']:.1f} s more sampling): SC-GRPO "
+                       f"{kept['wall_s']:.1f} s, with the student's forward pass instead (student_states 'forward', as "
+                       f"before) {fwd['wall_s']:.1f} s (teacher pass {fwd['time_teacher_s']:.1f} s against "
+                       f"{kept['time_teacher_s']:.1f} s), GRPO {g['wall_s']:.1f} s.")
+        if q_previous:
+            p8, pg = q_previous["qwen8b_scgrpo_1k_20gib_auto"], q_previous["qwen8b_grpo_1k_20gib_auto"]
+            states += (f" Before the sampler's states served the student ({QWEN8B_PREVIOUS_FILE}): {p8['wall_s']:.1f} s "
+                       f"(teacher pass {p8['time_teacher_s']:.1f} s) against {pg['wall_s']:.1f} s, "
+                       f"{p8['wall_s'] / pg['wall_s']:.3f}.")
         earlier = ""
         if q_teacher:
             one, own = q_teacher["qwen8b_scgrpo_1k_20gib_auto"], q_teacher["qwen8b_scgrpo_1k_20gib_auto_separate_teacher_passes"]
@@ -220,7 +237,8 @@ def budget_entries() -> dict[str, dict]:
             "qlora_8b_1k_step_20gib_s", sc8["wall_s"], sc8["card"], sc8["command"],
             f"{shape}: SC-GRPO {sc8['wall_s']:.1f} s = sampling {sc8['time_generation_s']:.1f} s (streamed 4-bit "
             f"mode, {sc8['rollout_slots']:.0f} decode slots for {sc8['prompts_per_gpu'] * sc8['group_size']} rows, "
-            f"{sc8['rollout_decode_steps']:.0f} decode steps), teacher pass {sc8['time_teacher_s']:.1f} s, update "
+            f"{sc8['rollout_decode_steps']:.0f} decode steps, the final states kept on the host for the self-teacher), "
+            f"teacher pass {sc8['time_teacher_s']:.1f} s (the teacher's rows alone), update "
             f"{sc8['time_train_s']:.1f} s ({update_passes(sc8)}), peak allocated "
             f"{sc8['peak_allocated_gib']:.1f} GiB.{earlier.rstrip('.')}",
         )
@@ -228,10 +246,11 @@ def budget_entries() -> dict[str, dict]:
             "scgrpo_over_grpo_step_8b", sc8["wall_s"] / grpo8["wall_s"], sc8["card"], sc8["command"],
             f"{shape}: SC-GRPO {sc8['wall_s']:.1f} s against GRPO {grpo8['wall_s']:.1f} s (teacher pass "
             f"{sc8['time_teacher_s']:.1f} s; sampling {sc8['time_generation_s']:.1f} vs {grpo8['time_generation_s']:.1f} s, "
-            f"update {sc8['time_train_s']:.1f} vs {grpo8['time_train_s']:.1f} s). The teacher pass runs the student's and "
-            "the teacher's rows without a gradient before any backward: c, a quantile of every D of the step, must be "
-            "known before the first token's gradient, and under 20 GiB the update's activations of the whole step do "
-            "not fit, so the student's forward cannot be the update's",
+            f"update {sc8['time_train_s']:.1f} vs {grpo8['time_train_s']:.1f} s). The student's side of D is the sampler's "
+            "own final states (generation.student_states, 'rollout' on a GPU), so the teacher pass runs the teacher's "
+            "rows alone: c, a quantile of every D of the step, must be known before the first token's gradient, and "
+            "under 20 GiB the update's activations of the whole step do not fit, so the update's forward cannot serve."
+            f"{states.rstrip('.')}",
         )
     return out
 

@@ -511,19 +511,29 @@ def _forward_states(model, batch, tokens):
     return hidden[:, tp - 1 : -1]
 
 
+@pytest.mark.parametrize("stage", [None, 3])
 @pytest.mark.parametrize("slots", [dict(), dict(max_slots=3), dict(compaction=True)])
-def test_kept_states_are_the_policys_final_states_before_each_token(tok, slots):
+def test_kept_states_are_the_policys_final_states_before_each_token(tok, slots, stage, monkeypatch):
     """With ``keep_states`` the sampler hands back, for every token it drew, the final hidden state the head read
     (the prefill's for the first, a decode step's for the others), in the row and column of the token: a forward
     pass over prompt and completion gives the same states, whichever slot a row sat in (refill, compaction), and the
-    tokens are those sampled without it. A state one column off, or another row's, would differ."""
+    tokens are those sampled without it. A state one column off, or another row's, would differ. A stage of 3 steps
+    is emptied many times on the way (between steps and between admissions)."""
+    import scgrpo.rollout.slots as slots_module
+
+    if stage is not None:
+        monkeypatch.setattr(slots_module, "STAGE_STEPS", stage)
     model = with_lora(tiny("llama", len(tok)))
     batch = tok([f"row {i} " + "ab" * (i % 5) for i in range(16)], return_tensors="pt", padding=True)
     free_run, _ = compact_greedy(model, batch, 12)
     eos = sorted({int(free_run[i, 2 + (i % 9)]) for i in range(0, 16, 2)})  # rows end at different steps
     plain, _ = compact_greedy(model, batch, 12, eos, **slots)
     sampler = SlotDecoder(CompactDecoder(model), eos, 2, 12, greedy=True, keep_states=True, **slots)
+    flushes, flush = [], sampler._flush
+    sampler._flush = lambda **kwargs: (flushes.append(sampler._staged), flush(**kwargs))[1]
     tokens = sampler(batch["input_ids"], batch["attention_mask"])[0]
+    emptied = [k for k in flushes if k]
+    assert max(emptied) <= (stage or 64) and (len(emptied) >= 3 if stage else len(emptied) == 1)
     assert torch.equal(tokens, plain)
     if slots:
         assert sampler.stats["rollout/prefills"] + sampler.stats["rollout/compactions"] > 1
