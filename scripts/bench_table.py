@@ -721,6 +721,29 @@ def add_norm_table(card: str) -> list[str]:
     return lines
 
 
+def kept_states_table() -> list[str]:
+    """What keeping the sampler's final states costs a rollout (``scripts/bench_kept_states.py``): the emptying to
+    the host as it is, and as it was (synchronous, ``bench_kept_states_sync_h200.json``)."""
+    rows = []
+    for name, label in (("bench_kept_states_h200.json", "emptied while the next steps run"),
+                        ("bench_kept_states_sync_h200.json", "emptied synchronously (before)")):
+        path = os.path.join(RESULTS, name)
+        if os.path.exists(path):
+            rows.append((label, json.load(open(path))))
+    if not rows:
+        return []
+    first = rows[0][1]
+    lines = ["", "## Kept states (the self-teacher's student side from the sampler)", "",
+             f"`{first['command']}` on an {first['card']}: a random two-layer model as wide as an 8B one (hidden 4,096, "
+             f"a 151,936-token head), {first['rows']} rows x {first['new_tokens']} new tokens forced, bf16, CUDA graphs; "
+             "median rollout seconds without and with `keep_states`, and the host's time emptying the stage.", "",
+             "| emptying | without states | with states | more | host time in emptying | emptyings |", "|---|---|---|---|---|---|"]
+    for label, r in rows:
+        lines.append(f"| {label} | {r['plain_s']:.3f} | {r['kept_states_s']:.3f} | {r['overhead_s']:.3f} | "
+                     f"{r['flush_s']:.3f} | {r['flushes']} |")
+    return lines
+
+
 def verifier_table() -> list[str]:
     """Programs verified per second by the code sandbox (``scripts/bench_verifier.py``), one row per mode."""
     path = os.path.join(RESULTS, "bench_verifier_cpu.json")
@@ -801,6 +824,7 @@ def main() -> None:
         lines += multiturn_table(card)
         lines += add_norm_table(card)
         lines += lora_matmul_table(card)
+    lines += kept_states_table()
     lines += verifier_table()
     lines.append("")
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
