@@ -741,6 +741,32 @@ def kept_states_table() -> list[str]:
     for label, r in rows:
         lines.append(f"| {label} | {r['plain_s']:.3f} | {r['kept_states_s']:.3f} | {r['overhead_s']:.3f} | "
                      f"{r['flush_s']:.3f} | {r['flushes']} |")
+    steps = os.path.join(RESULTS, "bench_smollm2_rollout_states_h200.json")
+    if os.path.exists(steps):  # where the student's rows ride in the teacher's forward, the states do not pay
+        report = json.load(open(steps))
+        case = {c["case"]: c for c in report["cases"]}
+        kept, fwd, grpo = case["smollm2_scgrpo"], case["smollm2_scgrpo_forward_states"], case["smollm2_grpo"]
+        lines += ["", f"SmolLM2's step (`{report['command']}`; real weights, 32 prompts x G=8, 128 tokens, package "
+                  "defaults but the student's side): SC-GRPO with the sampler's states "
+                  f"{kept['wall_s']:.3f} s (teacher pass {kept['time_teacher_s']:.3f} s), with the student's forward "
+                  f"riding in the teacher's {fwd['wall_s']:.3f} s ({fwd['time_teacher_s']:.3f} s), GRPO "
+                  f"{grpo['wall_s']:.3f} s: so `student_states: auto` takes the forward for rows this short."]
+    for name in ("student_states_probe_smollm2_h200.json", "student_states_probe_cpu.json"):
+        path = os.path.join(RESULTS, name)
+        if not os.path.exists(path):
+            continue
+        probe = json.load(open(path))
+        lines += ["", f"What the sampler's states do to D and the weights (`{probe['command']}`, {probe['card']}, "
+                  f"{probe['model']}, {probe['settings']['prompts_per_gpu']} prompts x G={probe['settings']['group_size']}, "
+                  f"{probe['settings']['max_new_tokens']} new tokens, {probe['settings']['dtype']}): each step's rollouts "
+                  "scored twice, with the student's forward pass and with the kept states, over the tokens that have "
+                  "a teacher; weights f(D) = D / (D + c), c each side's 0.75 quantile.", "",
+                  "| step | tokens | mean D | mean abs. D difference (share of mean D) | largest | correlation | c forward / kept "
+                  "| mean abs. weight difference | largest |", "|---|---|---|---|---|---|---|---|---|"]
+        for i, st in enumerate(probe["steps"]):
+            lines.append(f"| {i} | {st['tokens']} | {st['d_mean']:.4f} | {st['d_abs_diff_mean']:.4f} ({st['d_rel_diff']:.1%}) "
+                         f"| {st['d_abs_diff_max']:.3f} | {st['d_corr']:.4f} | {st['c_forward']:.4f} / {st['c_kept']:.4f} "
+                         f"| {st['w_abs_diff_mean']:.4f} | {st['w_abs_diff_max']:.3f} |")
     return lines
 
 

@@ -437,3 +437,30 @@ def test_rollout_states_are_asked_for_where_they_serve(tiny_model_dir):
 
     assert not wants(SCGRPO(), "auto") and wants(SCGRPO(), "rollout") and not wants(SCGRPO(), "forward")
     assert not wants(GRPO(), "rollout")
+
+    def on_a_gpu(max_new_tokens):  # (only the device the module reports is a GPU's)
+        module = tiny_module(tiny_model_dir, objective=SCGRPO(), generation=GenerationSettings(
+            num_generations=4, max_new_tokens=max_new_tokens))
+        module._device = torch.device("cuda", 0)
+        return module.rollout_states
+
+    assert on_a_gpu(1024) and not on_a_gpu(128)  # a pass of its own, or riding in the teacher's forward
+
+
+def test_dynamic_sampling_rounds_and_selected_rows_keep_their_states():
+    """DAPO's rounds are concatenated (completions right-padded: the states too) and filtered rows keep theirs; a
+    round without states (another engine) leaves the whole batch without, so the student's forward runs."""
+    from scgrpo.callbacks.rollout import concat_rollouts
+
+    first, second = _rollouts([1.0, 0.0], [[5, 6], [7]], group_size=2), _rollouts([0.0, 1.0], [[8, 9, 10], [11]], group_size=2)
+    first.student_states = torch.randn(2, first.completion_ids.shape[1], 4)
+    second.student_states = torch.randn(2, second.completion_ids.shape[1], 4)
+    merged = concat_rollouts([first, second], pad_id=2)
+    c = merged.completion_ids.shape[1]
+    assert merged.student_states.shape == (4, c, 4) and c > first.completion_ids.shape[1]
+    assert torch.equal(merged.student_states[:2, : first.student_states.shape[1]], first.student_states)
+    assert torch.equal(merged.student_states[2:], second.student_states)
+    picked = merged.select(torch.tensor([3, 0]))
+    assert torch.equal(picked.student_states, merged.student_states[[3, 0]])
+    second.student_states = None
+    assert concat_rollouts([first, second], pad_id=2).student_states is None

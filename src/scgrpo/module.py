@@ -6,6 +6,7 @@ passes), :mod:`scgrpo.selfteacher`, the objective, :mod:`scgrpo.update`, :mod:`s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable, Optional
 
@@ -42,10 +43,12 @@ from scgrpo.policy import Policy, build_policy
 from scgrpo.run_state import RngBookmark, check_trainable, checkpoint_rng, restore_rng, rng_state, trainable_only
 from scgrpo.rollout.engine import Generated, GenerationSettings
 from scgrpo.rollout.types import PromptBatch, RolloutBatch, TeacherSignal
-from scgrpo.selfteacher import SelfTeacher
+from scgrpo.selfteacher import SHARED_PASS_TOKENS, SelfTeacher
 from scgrpo.step_log import phase_peak, skipped_step_metrics, step_metrics
 from scgrpo.update import PolicyUpdate, StepPlan, StepSums, check_tis_cap
 from scgrpo.verifiers import RewardFunctions, Verifier, VerifierRunner
+
+log = logging.getLogger(__name__)
 
 
 NAN = float("nan")
@@ -196,6 +199,7 @@ class RLVRModule(LightningModule):
         self.updating = False
         self.rng_between_steps = RngBookmark()  # what a checkpoint written on an exception holds
         self._self_teacher: Optional[SelfTeacher] = None
+        self._said_no_states = False  # (the missing sampler states were logged)
         self.last_step_metrics: dict[str, float] = {}
         self.last_credit: Optional[dict] = None  # what CreditLogging draws: the step's signal and credit
         self._checkpoint_step: Optional[int] = None  # the global step of a checkpoint loaded (see evaluated_step)
@@ -375,7 +379,9 @@ class RLVRModule(LightningModule):
         if teacher is None or teacher.spec.output != "divergence" or self.episode_runner is not None:
             return False
         mode = self.generation.student_states
-        return mode == "rollout" or (mode == "auto" and self.device.type == "cuda")
+        if mode == "auto":  # where the student's forward is a pass of its own (see GenerationSettings.student_states)
+            return self.device.type == "cuda" and 2 * self.generation.max_new_tokens > SHARED_PASS_TOKENS
+        return mode == "rollout"
 
     def play_episodes(self, rows: list[dict], num_samples: int, greedy: bool = False,
                       temperature: Optional[float] = None, seed: Optional[int] = 0):
@@ -393,6 +399,11 @@ class RLVRModule(LightningModule):
         """The self-teacher's signal for the batch (routes, references, teacher pass), or None."""
         if self.self_teacher is None:
             return None
+        if self.rollout_states and rollouts.student_states is None and not self._said_no_states:
+            log.info("self-teacher: these rollouts carry no sampler states (the Hugging Face forward sampled them: "
+                     "engine hf, or a model or length the compact forward does not run); the student's forward pass "
+                     "runs instead (generation.student_states)")
+            self._said_no_states = True
         buffer = getattr(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None,
                          "verified_buffer", None)
         return self.self_teacher(self.actor, rollouts, self.success_threshold, self.micro_batch_size, buffer,
@@ -422,6 +433,7 @@ class RLVRModule(LightningModule):
             with out_of_memory_as_error("scoring", self):  # (the batch-entropy pass of objectives that need one)
                 plan = update.plan(rollouts, signal)  # credit, the rows in the loss, micro-batches
             reason = on_any_rank(nonfinite_inputs(rollouts, plan), self.device)
+        rollouts.student_states = None  # (read by the self-teacher, if it ran)
         with record_function("scgrpo.update"), out_of_memory_as_error("update", self):  # (a profiler's range)
             reason = self._optimise(update, rollouts, plan, sums, reason)
             self.actor.sync()

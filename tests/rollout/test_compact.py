@@ -556,10 +556,21 @@ def test_kept_states_are_the_policys_final_states_before_each_token(tok, slots, 
 
 
 def test_states_are_kept_only_when_asked_for(tok, batch):
+    """A sampler is rebuilt once to keep states (its steps write the stage); it then serves calls without them too
+    (evaluation at the training temperature), which hand none back, without another rebuild."""
+    from scgrpo.rollout.engine import _DECODERS
+
     model = tiny("llama", len(tok))
     settings = GenerationSettings(max_new_tokens=6)
     assert generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu")).states is None
+    (plain,) = _DECODERS[model]["samplers"].values()
+    assert not plain.keep_states
     out = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), states=True)
     assert out.states.shape == (4, out.completion_ids.shape[1], 32)
+    (keeping,) = _DECODERS[model]["samplers"].values()
+    assert keeping is not plain and keeping.keep_states
+    again = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"))
+    assert again.states is None and list(_DECODERS[model]["samplers"].values()) == [keeping]
+    assert keeping._host is None and keeping.states is None
     with pytest.raises(ValueError, match="student_states"):
         GenerationSettings(student_states="sampler")

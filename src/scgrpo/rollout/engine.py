@@ -78,9 +78,13 @@ class GenerationSettings:
     """Where the self-teacher's student side (the policy's distribution before each sampled token, which D compares
     with the teacher's) comes from: "rollout", the final hidden states the sampler computed as it drew each token
     (kept on the host; no second forward: the teacher pass runs the teacher's rows alone); "forward", a forward pass
-    of the policy over the rollouts, without gradient, in the teacher pass (the training forward's numerics: the
-    two differ at the kernels' rounding); "auto", "rollout" on a GPU and "forward" on a CPU. Single-turn rollouts
-    through the compact decode forward only: episodes, engine "hf" and sharded policies take the forward"""
+    of the policy over the rollouts, without gradient, in the teacher pass (the training forward's numerics, as the
+    teacher's: the sampler's differ at the kernels' rounding, which moves D by a few percent, see
+    docs/benchmarks.md); "auto", "rollout" on a GPU where the student's forward would be a pass of its own
+    (max_new_tokens over half of ``selfteacher.SHARED_PASS_TOKENS``: an 8B step of 1,024 tokens, 30.8 s against
+    33.8 s), else "forward" (shorter rows ride in the teacher's forward: SmolLM2's step of 128 tokens, 0.76 s against
+    0.81 s; and on a CPU). Single-turn rollouts through the compact decode forward only: episodes, engine "hf" and
+    sharded policies take the forward"""
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -437,8 +441,10 @@ def _slot_decoder(entry: dict, settings: GenerationSettings, eos_ids, pad_id: in
     from scgrpo.rollout.slots import SlotDecoder
 
     key = (tuple(eos_ids), pad_id, settings.max_new_tokens, temperature, settings.top_p, settings.top_k, greedy,
-           settings.min_new_tokens, cuda_graphs, settings.max_slots, settings.memory_budget_gib, states)
+           settings.min_new_tokens, cuda_graphs, settings.max_slots, settings.memory_budget_gib)
     samplers = entry["samplers"]
+    if states and key in samplers and not samplers[key].keep_states:  # rebuilt once, with a stage (its graphs write it)
+        samplers.pop(key).release()
     if key not in samplers:
         if len(samplers) >= 2:  # training and evaluation settings; drop the oldest other
             samplers.pop(next(iter(samplers))).release()
@@ -448,6 +454,7 @@ def _slot_decoder(entry: dict, settings: GenerationSettings, eos_ids, pad_id: in
             memory_budget=budget_bytes(settings.memory_budget_gib), keep_states=states)
     sampler = samplers[key]
     sampler.keep_workspace = settings.keep_workspace
+    sampler.want_states = states  # (a sampler with a stage serves calls without states too: evaluation at T)
     return sampler
 
 

@@ -23,7 +23,7 @@ With ``keep_states``, each emitted token's final hidden state (what the head rea
 before that token) is kept too, for the self-teacher's student side (:attr:`SlotDecoder.states`). The states of a
 whole batch would take GPU memory the KV cache needs (an 8B model's 64 rows of 1,024 tokens: 0.5 GiB), so a step
 writes them into a small staging buffer of up to :data:`STAGE_STEPS` steps, which the host empties into a host tensor
-(pinned memory on a GPU) when the next burst of steps would not fit, and at the end.
+when the next burst of steps would not fit (through pinned buffers, while the next steps run), and at the end.
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ class SlotDecoder:
         # prefills as CUDA graphs (with the prefill's kernels: about eight launches a layer, still host-bound)
         self.prefill_graphs = self.graphs
         self._prefills: dict[tuple, PrefillGraph] = {}
-        self.keep_states = keep_states
+        self.keep_states = keep_states  # (its recorded steps write the stage)
+        self.want_states = keep_states  # this call hands the states back (else the stage is emptied unread)
         self.states: Optional[Tensor] = None  # [N, C, H] the last call's final states (keep_states), on the host
         self._stage: Optional[Stage] = None
         self._staged = 0  # emissions in the stage (known to the host without a read)
@@ -407,13 +408,13 @@ class SlotDecoder:
             self._top = rows if not self.refill else self.slot_budget(rows, cache_len, prompt_tokens)
             if self.keep_states:  # (as the graphs that write it, kept with the workspace)
                 self._stage = self._new_stage(self._top)
-        self.states = None
+        self.states, self._host = None, None
         if self._stage is not None:
             self._stage.row.fill_(out.tokens.shape[0] - 1)
             self._stage.k.zero_()
             self._staged, self._pending, self._copied = 0, 0, None
-            self._host = torch.empty(n, self.max_new, self._stage.hidden.shape[-1], dtype=self._stage.hidden.dtype,
-                                     pin_memory=self.device.type == "cuda")
+            if self.want_states:  # (pageable: only the pages of the columns written are ever touched)
+                self._host = torch.empty(n, self.max_new, self._stage.hidden.shape[-1], dtype=self._stage.hidden.dtype)
         self._rows = n
         loop = self._decode(out, right, lengths, cache_len)
         self._flush()
@@ -451,18 +452,20 @@ class SlotDecoder:
         waiting: the copy runs before the next steps, which may then write the stage) and, unless ``wait`` is False,
         put into the host tensor at once (else by :meth:`_scatter`, while the next steps run)."""
         stage, k = self._stage, self._staged
-        if stage is None or self._host is None or not k:
+        if stage is None or not k:
             return
-        self._scatter()
-        stage.host[:k].copy_(stage.hidden[:k], non_blocking=True)
-        stage.host_row[:k].copy_(stage.row[:k], non_blocking=True)
-        stage.host_at[:k].copy_(stage.at[:k], non_blocking=True)
+        if self._host is not None:  # (else nobody reads them: the stage is only emptied)
+            self._scatter()
+            stage.host[:k].copy_(stage.hidden[:k], non_blocking=True)
+            stage.host_row[:k].copy_(stage.row[:k], non_blocking=True)
+            stage.host_at[:k].copy_(stage.at[:k], non_blocking=True)
+            self._pending = k
+            if self.device.type == "cuda":
+                self._copied = torch.cuda.Event()
+                self._copied.record()
         stage.row.fill_(self._rows)
         stage.k.zero_()
-        self._staged, self._pending = 0, k
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._staged = 0
         if wait:
             self._scatter()
 

@@ -69,7 +69,8 @@ class RolloutBatch:
     env_mask: Optional[Tensor] = None  # [N, C] float, environment tokens inside an episode (None: single turn)
     columns: Optional[list[dict[str, Any]]] = None  # [N] each row's other dataset columns (None: none)
     student_states: Optional[Tensor] = None  # [N, C, H] the sampler's final hidden state before each completion
-    # token (generation.student_states "rollout"), on the host; read by the self-teacher and then dropped
+    # token (generation.student_states "rollout"), on the host, undefined past each row's end (read under
+    # completion_mask only); read by the self-teacher and then dropped
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
