@@ -587,8 +587,11 @@ def main() -> None:
         for objective in ("grpo", "scgrpo"):
             cases[f"smollm2_{objective}_cudnn_attention"] = dict(objective=objective, cudnn_attention=True, **common)
         cases["smollm2_scgrpo_separate_teacher_passes"] = dict(objective="scgrpo", shared_teacher_passes=False, **common)
-        # the student's side by a forward pass (generation.student_states "forward"), as before the sampler kept states
+        # the student's side by a forward pass (generation.student_states "forward", what "auto" takes at this length),
+        # or from the sampler's kept states ("rollout"; bench_smollm2_rollout_states_h200.json's smollm2_scgrpo case
+        # ran so, with "auto" before it took the forward here)
         cases["smollm2_scgrpo_forward_states"] = dict(objective="scgrpo", student_states="forward", **common)
+        cases["smollm2_scgrpo_rollout_states"] = dict(objective="scgrpo", student_states="rollout", **common)
         # every pass padded to its longest row (before scgrpo.packing); the update's passes padded; rows of 256 columns
         for objective in ("grpo", "scgrpo"):
             cases[f"smollm2_{objective}_padded"] = dict(objective=objective, packed=False, **common)
@@ -657,7 +660,7 @@ def main() -> None:
         # ... the self-teacher's student and teacher rows in passes of their own (selfteacher.SHARED_PASSES off)
         cases["qwen8b_scgrpo_1k_20gib_auto_separate_teacher_passes"] = dict(auto, shared_teacher_passes=False)
         # ... the student's side by a forward pass in the teacher pass (generation.student_states "forward"), not
-        # the sampler's kept states (the default on a GPU)
+        # the sampler's kept states ("auto" at this length on a GPU)
         cases["qwen8b_scgrpo_1k_20gib_auto_forward_states"] = dict(auto, student_states="forward")
         for objective in ("grpo", "scgrpo"):  # ... the streamed 4-bit base through the fused nf4 matmul
             cases[f"qwen8b_{objective}_1k_20gib_auto_fused_nf4"] = dict(auto, objective=objective, stream_kernel="fused")

@@ -747,7 +747,9 @@ def kept_states_table() -> list[str]:
         case = {c["case"]: c for c in report["cases"]}
         kept, fwd, grpo = case["smollm2_scgrpo"], case["smollm2_scgrpo_forward_states"], case["smollm2_grpo"]
         lines += ["", f"SmolLM2's step (`{report['command']}`; real weights, 32 prompts x G=8, 128 tokens, package "
-                  "defaults but the student's side): SC-GRPO with the sampler's states "
+                  "defaults but the student's side; the `smollm2_scgrpo` case of that call ran with `student_states: "
+                  "auto` when it meant the sampler's states on every GPU, the `smollm2_scgrpo_rollout_states` case "
+                  "since): SC-GRPO with the sampler's states "
                   f"{kept['wall_s']:.3f} s (teacher pass {kept['time_teacher_s']:.3f} s), with the student's forward "
                   f"riding in the teacher's {fwd['wall_s']:.3f} s ({fwd['time_teacher_s']:.3f} s), GRPO "
                   f"{grpo['wall_s']:.3f} s: so `student_states: auto` takes the forward for rows this short."]

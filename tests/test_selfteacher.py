@@ -438,13 +438,14 @@ def test_rollout_states_are_asked_for_where_they_serve(tiny_model_dir):
     assert not wants(SCGRPO(), "auto") and wants(SCGRPO(), "rollout") and not wants(SCGRPO(), "forward")
     assert not wants(GRPO(), "rollout")
 
-    def on_a_gpu(max_new_tokens):  # (only the device the module reports is a GPU's)
-        module = tiny_module(tiny_model_dir, objective=SCGRPO(), generation=GenerationSettings(
+    def on_a_gpu(max_new_tokens, teacher="policy"):  # (only the device the module reports is a GPU's)
+        module = tiny_module(tiny_model_dir, objective=SCGRPO(teacher=teacher), generation=GenerationSettings(
             num_generations=4, max_new_tokens=max_new_tokens))
         module._device = torch.device("cuda", 0)
         return module.rollout_states
 
-    assert on_a_gpu(1024) and not on_a_gpu(128)  # a pass of its own, or riding in the teacher's forward
+    # the student's forward a pass of its own (long rows; a base teacher), or riding in the teacher's forward
+    assert on_a_gpu(1024) and on_a_gpu(128, teacher="base") and not on_a_gpu(128)
 
 
 def test_dynamic_sampling_rounds_and_selected_rows_keep_their_states():

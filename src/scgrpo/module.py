@@ -6,7 +6,6 @@ passes), :mod:`scgrpo.selfteacher`, the objective, :mod:`scgrpo.update`, :mod:`s
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any, Callable, Optional
 
@@ -43,12 +42,11 @@ from scgrpo.policy import Policy, build_policy
 from scgrpo.run_state import RngBookmark, check_trainable, checkpoint_rng, restore_rng, rng_state, trainable_only
 from scgrpo.rollout.engine import Generated, GenerationSettings
 from scgrpo.rollout.types import PromptBatch, RolloutBatch, TeacherSignal
-from scgrpo.selfteacher import SHARED_PASS_TOKENS, SelfTeacher
+from scgrpo import selfteacher as selfteacher_module
+from scgrpo.selfteacher import SelfTeacher
 from scgrpo.step_log import phase_peak, skipped_step_metrics, step_metrics
 from scgrpo.update import PolicyUpdate, StepPlan, StepSums, check_tis_cap
 from scgrpo.verifiers import RewardFunctions, Verifier, VerifierRunner
-
-log = logging.getLogger(__name__)
 
 
 NAN = float("nan")
@@ -380,7 +378,9 @@ class RLVRModule(LightningModule):
             return False
         mode = self.generation.student_states
         if mode == "auto":  # where the student's forward is a pass of its own (see GenerationSettings.student_states)
-            return self.device.type == "cuda" and 2 * self.generation.max_new_tokens > SHARED_PASS_TOKENS
+            shared = (selfteacher_module.SHARED_PASSES and teacher.spec.weights == "policy"
+                      and 2 * self.generation.max_new_tokens <= selfteacher_module.SHARED_PASS_TOKENS)
+            return self.device.type == "cuda" and not shared
         return mode == "rollout"
 
     def play_episodes(self, rows: list[dict], num_samples: int, greedy: bool = False,
@@ -399,11 +399,6 @@ class RLVRModule(LightningModule):
         """The self-teacher's signal for the batch (routes, references, teacher pass), or None."""
         if self.self_teacher is None:
             return None
-        if self.rollout_states and rollouts.student_states is None and not self._said_no_states:
-            log.info("self-teacher: these rollouts carry no sampler states (the Hugging Face forward sampled them: "
-                     "engine hf, or a model or length the compact forward does not run); the student's forward pass "
-                     "runs instead (generation.student_states)")
-            self._said_no_states = True
         buffer = getattr(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None,
                          "verified_buffer", None)
         return self.self_teacher(self.actor, rollouts, self.success_threshold, self.micro_batch_size, buffer,

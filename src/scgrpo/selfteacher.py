@@ -352,8 +352,6 @@ class SelfTeacher:
             if not rows:
                 return cut, 0
             kept = rollouts.student_states if spec.output == "divergence" else None  # [N, C, H] on the host
-            if kept is not None:  # (on the device once, as the student's forward would hold its states)
-                kept = kept.to(device, non_blocking=True)
             short = max(len(ids) for ids in prompt_ids) + rollouts.completion_ids.shape[1] <= SHARED_PASS_TOKENS
             if (SHARED_PASSES and short and budget is not None and kept is None and spec.output == "divergence"
                     and spec.weights == "policy"):
@@ -395,8 +393,8 @@ class SelfTeacher:
                         signal.teacher_hidden[index, :w] = teacher_hidden
                     else:
                         keep = mask[index, :w]  # [n, w]
-                        if kept is not None:  # the sampler's states of these rows
-                            own = kept[index, :w]
+                        if kept is not None:  # the sampler's states of these rows, brought to the device
+                            own = kept[torch.tensor(index_rows), :w].to(device, non_blocking=True)
                         else:
                             own = student[index, :w]
                         with record_function("scgrpo.teacher.divergence"):

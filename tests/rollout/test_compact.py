@@ -572,5 +572,13 @@ def test_states_are_kept_only_when_asked_for(tok, batch):
     again = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"))
     assert again.states is None and list(_DECODERS[model]["samplers"].values()) == [keeping]
     assert keeping._host is None and keeping.states is None
+    torch.manual_seed(0)
+    last = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), states=True)
+    assert list(_DECODERS[model]["samplers"].values()) == [keeping]
+    encoded = tok(["hi", "there"], return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = {k: v.repeat_interleave(2, 0) for k, v in encoded.items()}
+    expected = _forward_states(model, batch, last.completion_ids)  # (a tiny model seldom ends early: 6 tokens each)
+    mask = last.completion_mask.bool()
+    torch.testing.assert_close(last.states[mask], expected[mask], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="student_states"):
         GenerationSettings(student_states="sampler")

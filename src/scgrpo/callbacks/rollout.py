@@ -34,8 +34,13 @@ def sample_rollouts(pl_module, batch: PromptBatch) -> RolloutBatch:
         questions = generated.questions  # each episode's first message
         extra = dict(env_mask=generated.env_mask, rewards=generated.rewards, infos=generated.infos)
     else:
-        generated = pl_module.sample(pl_module.format_prompts(batch.questions), g,
-                                     states=getattr(pl_module, "rollout_states", False))
+        states = getattr(pl_module, "rollout_states", False)
+        generated = pl_module.sample(pl_module.format_prompts(batch.questions), g, states=states)
+        if states and getattr(generated, "states", None) is None and not getattr(pl_module, "_said_no_states", True):
+            log.info("self-teacher: these rollouts carry no sampler states (the Hugging Face forward sampled them: "
+                     "engine hf, a sharded policy, or a model or length the compact forward does not run); the "
+                     "student's forward pass runs instead (generation.student_states)")
+            pl_module._said_no_states = True
         questions, extra = [q for q in batch.questions for _ in range(g)], {}
     rollouts = RolloutBatch(
         prompt_ids=generated.prompt_ids,

@@ -80,11 +80,11 @@ class GenerationSettings:
     (kept on the host; no second forward: the teacher pass runs the teacher's rows alone); "forward", a forward pass
     of the policy over the rollouts, without gradient, in the teacher pass (the training forward's numerics, as the
     teacher's: the sampler's differ at the kernels' rounding, which moves D by a few percent, see
-    docs/benchmarks.md); "auto", "rollout" on a GPU where the student's forward would be a pass of its own
-    (max_new_tokens over half of ``selfteacher.SHARED_PASS_TOKENS``: an 8B step of 1,024 tokens, 30.8 s against
-    33.8 s), else "forward" (shorter rows ride in the teacher's forward: SmolLM2's step of 128 tokens, 0.76 s against
-    0.81 s; and on a CPU). Single-turn rollouts through the compact decode forward only: episodes, engine "hf" and
-    sharded policies take the forward"""
+    docs/benchmarks.md); "auto", "rollout" on a GPU where the student's forward would be a pass of its own (an 8B
+    step of 1,024 tokens: 31.7 s against 33.8 s in one call), else "forward": on a CPU, and where the student's rows
+    ride in the teacher's forward (the self-teacher's shared pass: teacher "policy", max_new_tokens at most half of
+    ``selfteacher.SHARED_PASS_TOKENS``; SmolLM2's step of 128 tokens: 0.76 s against 0.81 s). Single-turn rollouts
+    through the compact decode forward only: episodes, engine "hf" and sharded policies take the forward"""
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
