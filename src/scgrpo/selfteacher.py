@@ -9,7 +9,8 @@ One component, called once per training step by the module. From a scored rollou
 3. builds the teacher's inputs: the reference goes into the *system* message only (base system prompt +
    guide instruction + reference); the user turn is the student's and the response tokens are the rollout's,
 4. runs the teacher pass (same network, no gradient, no dropout) and, for divergence-weighted objectives,
-   the student pass (or reads the student's states the sampler kept: ``generation.student_states``), and returns a :class:`TeacherSignal`: per row its route, reference, per-token
+   the student pass (or reads the student's states the sampler kept: ``generation.student_states``), and
+   returns a :class:`TeacherSignal`: per row its route, reference, per-token
    divergence D_i,t (full vocabulary, fp32 logits, clamped at 0) and the tokens its solve-none diversity
    score averages over (the first L_i = min(|o_i|, |o_r|) tokens the model sampled).
 
