@@ -425,6 +425,35 @@ def test_the_samplers_kept_states_give_the_forwards_divergences_without_a_studen
     assert (module.run_self_teacher(rollouts).divergence - forward.divergence).abs().max() > 1e-2
 
 
+def test_kept_states_past_a_rows_end_are_never_read(tiny_model_dir, monkeypatch):
+    """The sampler leaves the states past each row's end unwritten (uninitialised host memory): here they hold NaN,
+    rows end early (a token they drew made an end-of-sequence), and D is still finite and the forward's."""
+    import scgrpo.rollout.slots as slots_module
+    from scgrpo.callbacks.rollout import sample_rollouts
+    from scgrpo.rollout.types import PromptBatch
+
+    monkeypatch.setattr(slots_module, "host_states", lambda rows, columns, hidden, dtype: torch.full(
+        (rows, columns, hidden), float("nan"), dtype=dtype))
+    module = tiny_module(tiny_model_dir, objective=SCGRPO(),
+                         generation=GenerationSettings(num_generations=4, max_new_tokens=10, student_states="rollout"))
+    module.configure_model()
+    batch = PromptBatch(ids=["q0", "q1"], questions=["What is 1 + 1?", "What is 23 + 4?"], answers=[2, 27])
+    torch.manual_seed(0)
+    free = sample_rollouts(module, batch).completion_ids
+    config = module.policy.get_base_model().generation_config
+    config.eos_token_id = sorted({int(free[i, 2 + i % 5]) for i in range(0, 8, 2)})  # rows end at different steps
+    torch.manual_seed(0)
+    rollouts = sample_rollouts(module, batch)
+    mask = rollouts.completion_mask.bool()
+    assert not mask.all() and mask.any(1).all()
+    assert rollouts.student_states[~mask].isnan().all() and not rollouts.student_states[mask].isnan().any()
+    rollouts.rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    kept = module.run_self_teacher(rollouts)
+    forward = module.run_self_teacher(rollouts)  # (the states were dropped: the student's forward pass)
+    assert kept.divergence.isfinite().all() and (kept.divergence[~mask] == 0).all()
+    torch.testing.assert_close(kept.divergence, forward.divergence, atol=2e-5, rtol=1e-4)
+
+
 def test_rollout_states_are_asked_for_where_they_serve(tiny_model_dir):
     """"auto" keeps the sampler's states on a GPU only (a CPU run keeps the forward's numerics); objectives
     without divergences, and episodes, never ask."""

@@ -141,6 +141,12 @@ def slots_within(budget: int, allocated: int, per_row: int, rows: int, workspace
     return max(1, min(rows, int(BUDGET_SHARE * max(budget - allocated - workspace, 0) // max(per_row, 1))))
 
 
+def host_states(rows: int, columns: int, hidden: int, dtype: torch.dtype) -> Tensor:
+    """The host tensor a rollout's kept states are scattered into: pageable and uninitialised, so that only the pages
+    of the columns written are ever touched (the positions past a row's end stay undefined, and nothing reads them)."""
+    return torch.empty(rows, columns, hidden, dtype=dtype)
+
+
 def length_bucket(length: int, limit: int) -> int:
     """Attention length for a step whose longest live row needs ``length`` entries: rounded up to a multiple of
     64 (256 past 1,024), at most ``limit``. Few buckets = few CUDA graphs; a bucket reads at most 63 (255)
@@ -413,8 +419,8 @@ class SlotDecoder:
             self._stage.row.fill_(out.tokens.shape[0] - 1)
             self._stage.k.zero_()
             self._staged, self._pending, self._copied = 0, 0, None
-            if self.want_states:  # (pageable: only the pages of the columns written are ever touched)
-                self._host = torch.empty(n, self.max_new, self._stage.hidden.shape[-1], dtype=self._stage.hidden.dtype)
+            if self.want_states:
+                self._host = host_states(n, self.max_new, self._stage.hidden.shape[-1], self._stage.hidden.dtype)
         self._rows = n
         loop = self._decode(out, right, lengths, cache_len)
         self._flush()
