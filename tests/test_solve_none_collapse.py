@@ -9,7 +9,7 @@ length over the same steps; on the GPU it kept about half of it over 200 steps i
 (docs/solve_none.md, ``benchmarks/results/solve_none/``).
 
 The run is bf16, the dtype of the GPU runs, and runs only on CPUs with native bf16: on the fp32 path (CPUs without
-it) the same 8 steps fell to 3 tokens and came back to 14, so this short reproduction does not hold there.
+it) 8 steps (the test's earlier length) fell to 3 tokens and came back to 14, so this short reproduction does not hold there.
 """
 
 import csv

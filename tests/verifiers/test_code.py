@@ -177,8 +177,8 @@ def test_the_process_mode_makes_the_trainer_undumpable():
 
 def test_subclasses_of_plain_types_cross_as_plain_data():
     """A Counter, a namedtuple or a numpy integer is the right answer's value, not a foreign object."""
-    # loading the program imports numpy inside the test's time limit: a limit that a cold import on a loaded
-    # machine keeps (the module's 1 s limit did not, once)
+    # loading the program (its numpy import) gets a test's time limit, and a load that runs out of it fails every
+    # test: a limit that a cold import on a loaded machine keeps (the module's 1 s did not, once)
     verifier = PythonTests(test_timeout_s=10.0, timeout_s=40.0, cpu_s=5, memory_mb=512)
     tests = [{"type": "call", "fn": "counts", "args": ["aab"], "expected": {"a": 2, "b": 1}},
              {"type": "call", "fn": "point", "args": [], "expected": [1, 2]},
