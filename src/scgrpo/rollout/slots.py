@@ -448,10 +448,13 @@ class SlotDecoder:
                      host_at=torch.empty(steps, slots, dtype=torch.long, pin_memory=pinned))
 
     def _room(self, emissions: int) -> None:
-        """Empties the stage (``keep_states``) unless ``emissions`` more fit in it; the host tensor gets the states
-        at the next :meth:`_scatter`."""
-        if self._stage is not None and self._staged + emissions > self._stage.row.shape[0]:
+        """Makes room in the stage (``keep_states``) for the ``emissions`` about to be written and counts them: empties
+        it unless they fit (the host tensor gets its states at the next :meth:`_scatter`)."""
+        if self._stage is None:
+            return
+        if self._staged + emissions > self._stage.row.shape[0]:
             self._flush(wait=False)
+        self._staged += emissions
 
     def _flush(self, wait: bool = True) -> None:
         """Empties the stage (``keep_states``): its entries are copied to the host's buffers (on a GPU without
@@ -526,7 +529,6 @@ class SlotDecoder:
             self._room(burst)
             self._run(state, out, length, burst)
             self._scatter()  # (the states copied before the burst, while it runs)
-            self._staged += burst if self._stage is not None else 0
             loop.steps += burst
             loop.slot_steps += burst * state.slots
         return loop
@@ -607,7 +609,6 @@ class SlotDecoder:
             self._room(1)
             self._emit(state, out, logits, s, hidden)
             self._scatter()
-            self._staged += 1 if self._stage is not None else 0
 
     def _graphs_prefill(self) -> bool:
         """Prefills run as CUDA graphs: graphs on (:attr:`prefill_graphs`, on by default with them), the prefill's
