@@ -86,16 +86,20 @@ def test_tool_calls_get_results_or_errors_and_do_not_end_the_episode():
     env.reset(ROW, seed=0)
     first = _turn(env, "Let me compute. calc(397 - 942 * 197) and then answer.")
     assert (first.observation, first.reward, first.done) == ("calc result: -185177", 0.0, False)
-    assert first.info == {"tool_calls": 1}
+    # the call is the turn's decision: its span, right when its value is the answer
+    assert first.info == {"tool_calls": 1, "decisions": [{"span": [16, 37], "correct": True}]}
+    assert "Let me compute. calc(397 - 942 * 197) and then answer."[16:37] == "calc(397 - 942 * 197)"
     json_form = _turn(env, '<tool_call>{"name": "calc", "arguments": {"expression": "942 * 197"}}</tool_call>')
     assert json_form.observation == "calc result: 185574" and not json_form.done
+    assert json_form.info["decisions"] == [{"span": [0, 81], "correct": False}]  # the whole tag; 185574 is wrong
     bad = _turn(env, "calc(import os)")
     assert bad.observation.startswith("calc error: cannot read") and not bad.done and bad.reward == 0.0
+    assert bad.info["decisions"] == [{"span": [0, 15], "correct": False}]
     other = _turn(env, '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>')
     assert other.observation == "calc error: there is no tool 'search'; the only tool is calc" and not other.done
     nested = _turn(env, "calc((1 + 2) * (3 + 4))")  # balanced parentheses
     assert nested.observation == "calc result: 21"
-    assert nested.info == {"tool_calls": 5}
+    assert nested.info == {"tool_calls": 5, "decisions": [{"span": [0, 23], "correct": False}]}
 
 
 @pytest.mark.parametrize("text, extracted, reward", [
@@ -115,7 +119,11 @@ def test_a_turn_without_a_tool_call_is_the_final_answer(text, extracted, reward)
     env.reset(ROW, seed=0)
     result = _turn(env, text)
     assert result.done and result.reward == reward
+    decisions = result.info.pop("decisions", [])
     assert result.info == {"extracted": extracted, "tool_calls": 0}
+    # the number read is the turn's decision, right when it scores 1
+    assert [(text[slice(*d["span"])], d["correct"]) for d in decisions] == \
+        ([(extracted, reward == 1.0)] if extracted is not None else [])
 
 
 def test_spawned_episodes_keep_their_own_answer_and_count():
@@ -124,7 +132,8 @@ def test_spawned_episodes_keep_their_own_answer_and_count():
     a.reset(ROW, seed=0)
     b.reset({"id": "id-1", "question": "What is 1 + 2 * 3?", "answer": 7}, seed=1)
     _turn(a, "calc(1 + 1)")
-    assert _turn(b, "Answer: 7").info == {"extracted": "7", "tool_calls": 0}
+    assert _turn(b, "Answer: 7").info == {"extracted": "7", "tool_calls": 0,
+                                          "decisions": [{"span": [8, 9], "correct": True}]}
     assert _turn(a, "Answer: 7").reward == 0.0 and template.answer is None
 
 

@@ -380,3 +380,36 @@ def test_readme_corridor_rows_from_a_file(corridor_package, tmp_path):
     # a null seed (filled in by the reader) is the runner's
     unseeded = {"question": "Walk east.", "answer": {"make_kwargs": {"length": 9}}}
     assert firsts[2] == env.spawn().reset(unseeded, 5)
+
+
+@pytest.mark.parametrize("total, dealer, ace, stick", [
+    (20, 10, 0, True), (17, 1, 0, True), (16, 6, 0, True), (16, 7, 0, False), (13, 2, 0, True),
+    (12, 3, 0, False), (12, 4, 0, True), (12, 7, 0, False), (11, 6, 0, False), (5, 5, 0, False),
+    (19, 10, 1, True), (18, 8, 1, True), (18, 9, 1, False), (18, 1, 1, False), (17, 6, 1, False),
+])
+def test_blackjack_basic_strategy_by_hand(total, dealer, ace, stick):
+    """Hit/stick basic strategy, dealer standing on 17: stick on hard 17+, 13-16 against 2-6, 12 against 4-6; soft
+    19+, soft 18 against 2-8 (a dealer's ace is 1 in the observation)."""
+    from scgrpo.envs.gym import blackjack_basic_strategy
+
+    assert blackjack_basic_strategy((total, dealer, ace), 0) is stick
+    assert blackjack_basic_strategy((total, dealer, ace), 1) is (not stick)
+
+
+def test_blackjacks_moves_are_marked_with_the_basic_strategy_verdict_on_the_state_the_model_read():
+    from scgrpo.envs.gym import blackjack_basic_strategy
+
+    env = BlackjackTask().default_environment()
+    for seed in range(40):
+        episode = env.spawn()
+        episode.reset({"answer": seed}, seed)
+        state = episode._env.unwrapped._get_obs()
+        reply = "I will Hit now" if state[0] < 15 else "stick."
+        result = episode.step(Action(reply))
+        word = (7, 10) if state[0] < 15 else (0, 5)
+        right = blackjack_basic_strategy(state, 1 if state[0] < 15 else 0)
+        assert result.info["decisions"] == [{"span": list(word), "correct": right}]
+        episode.close()
+    nothing = env.spawn()
+    nothing.reset({"answer": 0}, 0)
+    assert "decisions" not in nothing.step(Action("no move here")).info  # no move, no decision

@@ -53,7 +53,8 @@ def test_rel_tol_accepts_a_near_value_and_exact_mode_does_not():
 
 
 def test_extracted_value_is_reported_and_a_non_numeric_reference_is_an_error():
-    assert NumericVerifier().verify("\\boxed{2} then \\boxed{4}", 4).info == {"extracted": "4"}
+    assert NumericVerifier().verify("\\boxed{2} then \\boxed{4}", 4).info == {
+        "extracted": "4", "decisions": [{"span": [22, 23], "correct": True}]}
     assert NumericVerifier().verify("no number", 4).info == {"extracted": None}
     with pytest.raises(ValueError, match="not a number"):
         NumericVerifier().verify("4", "four")
@@ -63,3 +64,16 @@ def test_parse_number_drops_commas_and_refuses_what_is_not_a_number():
     assert parse_number(" 1,234 ") == 1234
     assert parse_number("3/4") == parse_number("0.75")
     assert parse_number("1/0") is None and parse_number("abc") is None
+
+
+@pytest.mark.parametrize("text, answer, span, correct", [
+    ("The sum is 41.", 42, (11, 13), False),
+    ("#### 1,234 and then 7", 1234, (5, 10), True),
+    ("\\boxed{x = 3/4} so 9", "3/4", (11, 14), True),  # the last number inside the box
+    ("12 then -5", -5, (8, 10), True),
+])
+def test_the_number_read_is_marked_as_the_completions_decision(text, answer, span, correct):
+    """The answer's span is the one decision (scgrpo.pivots), right exactly when it scores 1."""
+    result = NumericVerifier().verify(text, answer)
+    assert result.info["decisions"] == [{"span": list(span), "correct": correct}]
+    assert text[span[0]:span[1]] == result.info["extracted"] and result.score == float(correct)

@@ -38,7 +38,7 @@ class GymTask(PromptSource):
 
     Args:
         env_id, entry_point, make_kwargs, instructions, actions, render, parse, reward, success_threshold,
-            max_invalid: those of :class:`GymnasiumEnv` (``instructions`` is also each row's question).
+            max_invalid, judge: those of :class:`GymnasiumEnv` (``instructions`` is also each row's question).
         ood_make_kwargs: the ood split's settings, over ``make_kwargs`` (None: no ood split).
         num_train: size of the train split.
         num_eval: size of the id split.
@@ -58,6 +58,7 @@ class GymTask(PromptSource):
         reward: str = "success",
         success_threshold: float = 0.0,
         max_invalid: int = 2,
+        judge: Optional[str] = None,
         ood_make_kwargs: Optional[dict[str, Any]] = None,
         num_train: int = 10000,
         num_eval: int = 64,
@@ -70,7 +71,7 @@ class GymTask(PromptSource):
         self.env_settings = dict(env_id=env_id, entry_point=entry_point, make_kwargs=make_kwargs,
                                  instructions=instructions or None, actions=actions, render=render,
                                  parse=parse, reward=reward, success_threshold=success_threshold,
-                                 max_invalid=max_invalid)
+                                 max_invalid=max_invalid, judge=judge)
         self.instructions, self.ood_make_kwargs = instructions, ood_make_kwargs
         self.num_train, self.num_eval, self.num_ood, self.seed = num_train, num_eval, num_ood, seed
         self._cache: dict[str, list[Row]] = {}
@@ -114,7 +115,8 @@ class GymTask(PromptSource):
 class BlackjackTask(GymTask):
     """gymnasium's Blackjack-v1: reply ``hit`` or ``stick`` until the hand is over; an episode succeeds when
     it wins. Each row is one shuffle of the (infinite) deck. The ood split plays Sutton and Barto's rules
-    (``sab=True``: a natural blackjack wins over the dealer's non-natural 21)."""
+    (``sab=True``: a natural blackjack wins over the dealer's non-natural 21). Each move is marked as its turn's
+    decision, right when it is the basic-strategy move (:func:`scgrpo.envs.gym.blackjack_basic_strategy`)."""
 
     INSTRUCTIONS = "Play blackjack: get closer to 21 than the dealer without going over 21."
     ACTIONS = {"hit": 1, "hits": 1, "hitting": 1, "stick": 0, "sticks": 0, "sticking": 0, "stand": 0,
@@ -123,6 +125,7 @@ class BlackjackTask(GymTask):
     def __init__(self, num_train: int = 10000, num_eval: int = 64, num_ood: int = 64, seed: int = 1234,
                  instructions: str = INSTRUCTIONS, max_invalid: int = 2) -> None:
         super().__init__("Blackjack-v1", instructions=instructions, actions=self.ACTIONS,
+                         judge="scgrpo.envs.gym:blackjack_basic_strategy",
                          render="scgrpo.envs.gym:blackjack_text", max_invalid=max_invalid,
                          ood_make_kwargs={"sab": True}, num_train=num_train, num_eval=num_eval,
                          num_ood=num_ood, seed=seed)

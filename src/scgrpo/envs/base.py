@@ -27,10 +27,12 @@ from typing import Any, Optional, Sequence, Union
 
 @dataclass
 class ToolCall:
-    """A tool call parsed from the model's turn: the tool's ``name`` and its ``arguments``."""
+    """A tool call parsed from the model's turn: the tool's ``name``, its ``arguments`` and where the call lies
+    in the turn's text (``span``, characters ``[start, end)``; None when not parsed from text)."""
 
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
+    span: Optional[tuple[int, int]] = None
 
 
 @dataclass
@@ -46,7 +48,12 @@ class Action:
 class StepResult:
     """What :meth:`Environment.step` returns: the next ``observation`` (the text of the next message the model
     reads; ignored when ``done``), the ``reward`` for this turn, whether the episode ended (``done``) and free-form
-    ``info`` (kept with the rollout)."""
+    ``info`` (kept with the rollout).
+
+    ``info["decisions"]`` may mark the decisions in the model's text (:mod:`scgrpo.pivots`): a list of
+    ``{"span": [start, end], "correct": bool}`` (characters of this turn's ``Action.text``), or with ``"turn": k``
+    for model turn ``k`` (0-based) of the episode, so that a step may judge earlier moves, e.g. at the end. Runs
+    log from them whether the token weights land on the wrong decisions (``credit/pivot_auroc``)."""
 
     observation: str = ""
     reward: float = 0.0
@@ -80,7 +87,7 @@ def parse_tool_call(text: str, names: Sequence[str] = ()) -> Optional[ToolCall]:
                     arguments = {"input": arguments}
             if not isinstance(arguments, dict):
                 arguments = {"input": arguments}
-            found.append((match.start(), ToolCall(payload["name"], arguments)))
+            found.append((match.start(), ToolCall(payload["name"], arguments, match.span())))
     for name in names:
         for start in (m.start() for m in re.finditer(rf"(?<![\w.]){re.escape(name)}\s*\(", text)):
             open_at = text.index("(", start)
@@ -91,7 +98,7 @@ def parse_tool_call(text: str, names: Sequence[str] = ()) -> Optional[ToolCall]:
                     end = k
                     break
             if end is not None:
-                found.append((start, ToolCall(name, {"input": text[open_at + 1 : end].strip()})))
+                found.append((start, ToolCall(name, {"input": text[open_at + 1 : end].strip()}, (start, end + 1))))
                 break
     return min(found, key=lambda f: f[0])[1] if found else None
 

@@ -104,13 +104,13 @@ def format_number(value: Fraction) -> str:
 _ANSWER = re.compile(r"\banswer\b(?:\s+is)?\s*[:=]?", re.IGNORECASE)
 
 
-def _final_answer(text: str) -> str:
-    """The first number after the last "Answer:" (or "answer is"), else the whole ``text``."""
+def _final_answer(text: str) -> tuple[str, int]:
+    """The first number after the last "Answer:" (or "answer is"), else the whole ``text``; and where it starts."""
     for found in reversed(list(_ANSWER.finditer(text))):
         number = _NUMBER_RE.search(text, found.end())
         if number is not None:
-            return number.group()
-    return text
+            return number.group(), number.start()
+    return text, 0
 
 
 class CalculatorEnv(Environment):
@@ -119,7 +119,8 @@ class CalculatorEnv(Environment):
     Each turn that calls ``calc(...)`` (or ``<tool_call>{"name": "calc", "arguments": {"expression": ...}}``) gets
     ``calc result: N`` or ``calc error: ...`` back, reward 0; the first turn without a tool call ends the episode
     with reward 1 when its number equals the answer, else 0. ``info`` holds the ``extracted`` answer and the
-    episode's number of ``tool_calls``.
+    episode's number of ``tool_calls``, and marks each turn's decision (``info["decisions"]``): a call, right
+    when its expression's value is the answer, and the final answer's number, right when it scores 1.
 
     Args:
         template: the first message, with ``{question}``; says how to call the tool and how to answer. The default,
@@ -155,12 +156,25 @@ class CalculatorEnv(Environment):
             if call.name != "calc":
                 return StepResult(f"calc error: there is no tool {call.name!r}; the only tool is calc", info=info)
             try:
-                return StepResult(f"calc result: {format_number(evaluate(_expression(call.arguments)))}", info=info)
+                value = format_number(evaluate(_expression(call.arguments)))
             except CalcError as err:
-                return StepResult(f"calc error: {err}", info=info)
-        result = self._verifier.verify(_final_answer(action.text), self.answer)
-        return StepResult(reward=result.score, done=True,
-                          info={"extracted": result.info["extracted"], "tool_calls": self.tool_calls})
+                return StepResult(f"calc error: {err}", info=_decided(info, call.span, False))
+            right = self._verifier.verify(value, self.answer).score >= 1.0
+            return StepResult(f"calc result: {value}", info=_decided(info, call.span, right))
+        text, offset = _final_answer(action.text)
+        result = self._verifier.verify(text, self.answer)
+        info = {"extracted": result.info["extracted"], "tool_calls": self.tool_calls}
+        for decision in result.info.get("decisions", []):  # the number read, in the turn's text
+            start, end = decision["span"]
+            info = _decided(info, (start + offset, end + offset), decision["correct"])
+        return StepResult(reward=result.score, done=True, info=info)
+
+
+def _decided(info: dict[str, Any], span, correct: bool) -> dict[str, Any]:
+    """``info`` with the decision at ``span`` (None: not marked) in ``info["decisions"]``."""
+    if span is None:
+        return info
+    return {**info, "decisions": [{"span": [int(span[0]), int(span[1])], "correct": bool(correct)}]}
 
 
 def _expression(arguments: dict[str, Any]) -> str:

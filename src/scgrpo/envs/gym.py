@@ -95,6 +95,9 @@ class GymnasiumEnv(Environment):
         success_threshold: see ``reward``.
         max_invalid: turns without a valid action that end the episode.
         timeout_s: seconds one reset or step may take.
+        judge: import path of ``judge(obs, action, env) -> bool or None``: whether ``action`` was the right move
+            in the state ``obs`` the model read (None: no rule for it). Each judged move is marked as the turn's
+            decision (``info["decisions"]``: the action word's span, :mod:`scgrpo.pivots`); needs ``actions``.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class GymnasiumEnv(Environment):
         success_threshold: float = 0.0,
         max_invalid: int = 2,
         timeout_s: float = 10.0,
+        judge: Optional[str] = None,
     ) -> None:
         if (env_id is None) == (entry_point is None):
             raise ValueError(
@@ -120,6 +124,8 @@ class GymnasiumEnv(Environment):
             raise ValueError(f"max_invalid must be >= 1, got {max_invalid}")
         if actions is not None and parse is not None:
             raise ValueError("give actions or parse, not both")
+        if judge is not None and parse is not None:
+            raise ValueError("judge marks the action word's span: it needs actions, not parse")
         if actions is not None and not (actions and all(isinstance(w, str) and w.strip() for w in actions)):
             raise ValueError(f"actions must map non-empty reply words to actions, got {actions!r}")
         self.env_id, self.entry_point = env_id, entry_point
@@ -129,6 +135,8 @@ class GymnasiumEnv(Environment):
         self.timeout_s = timeout_s
         self._render_fn: Callable[..., str] = import_path(render, "render") if render else default_render
         self._parse_fn: Optional[Callable[..., Any]] = import_path(parse, "parse") if parse else None
+        self.judge = judge
+        self._judge_fn: Optional[Callable[..., Any]] = import_path(judge, "judge") if judge else None
         self._spec = self._find_spec()
         self._ansi = self._offers_ansi()
         # one environment made here checks the settings and the actions before any episode runs
@@ -145,6 +153,7 @@ class GymnasiumEnv(Environment):
             shown.setdefault(str(a), word)
         self._shown = ", ".join(shown.values()) if shown else "a valid action"
         self._env: Any = None
+        self._obs: Any = None
         self._total, self._invalid = 0.0, 0
 
     # ---------------------------------------------------------------- set-up
@@ -218,22 +227,26 @@ class GymnasiumEnv(Environment):
         self.close()
         self._env = self._make(make_kwargs)
         obs, info = self._env.reset(seed=reset_seed, options=options)
-        self._total, self._invalid = 0.0, 0
+        self._obs, self._total, self._invalid = obs, 0.0, 0
         intro = self.instructions if self.instructions is not None else prompt_text(row.get("question") or "")
         text = self._render_fn(obs, info, self._env)
         return f"{intro}\n\n{text}" if intro else text
 
     def choose(self, text: str) -> Any:
         """The action in the model's turn ``text``, or None."""
+        return self._choose(text)[0]
+
+    def _choose(self, text: str) -> tuple[Any, Optional[tuple[int, int]]]:
+        """The action in ``text`` and the span of its word (None with ``parse``), or (None, None)."""
         if self._parse_fn is not None:
-            return self._parse_fn(text, self._env)
+            return self._parse_fn(text, self._env), None
         match = self._pattern.search(text)
-        return self._lower[match.group(1).lower()] if match else None
+        return (self._lower[match.group(1).lower()], match.span(1)) if match else (None, None)
 
     def step(self, action: Action) -> StepResult:
         if self._env is None:
             raise RuntimeError("step() before reset(), or after the episode ended")
-        chosen = self.choose(action.text)
+        chosen, span = self._choose(action.text)
         if chosen is None:
             self._invalid += 1
             info = {"invalid": True, "invalid_turns": self._invalid}
@@ -242,11 +255,15 @@ class GymnasiumEnv(Environment):
                 return StepResult("", 0.0, True, {**info, "success": False})
             observation = f"That is not a valid move. Reply with one of: {self._shown}."
             return StepResult(observation, 0.0, False, info)
+        right = self._judge_fn(self._obs, chosen, self._env) if self._judge_fn is not None and span else None
         obs, gym_reward, terminated, truncated, gym_info = self._env.step(chosen)
+        self._obs = obs
         self._total += float(gym_reward)
         done = bool(terminated or truncated)
         info = {"action": chosen if isinstance(chosen, (int, float, str)) else str(chosen),
                 "gym_reward": float(gym_reward), "invalid_turns": self._invalid}
+        if right is not None:
+            info["decisions"] = [{"span": list(span), "correct": bool(right)}]
         if done:
             info.update(terminated=bool(terminated), truncated=bool(truncated),
                         success=self._total > self.success_threshold)
@@ -262,7 +279,7 @@ class GymnasiumEnv(Environment):
     def spawn(self) -> "GymnasiumEnv":
         """A copy for one episode: the settings shared (never changed), its own environment made in reset."""
         episode = copy.copy(self)
-        episode._env, episode._total, episode._invalid = None, 0.0, 0
+        episode._env, episode._obs, episode._total, episode._invalid = None, None, 0.0, 0
         return episode
 
     def close(self) -> None:
@@ -286,3 +303,17 @@ def blackjack_text(obs: Any, info: dict[str, Any], env: Any) -> str:
     return (f"Your cards: {_hand(env.unwrapped.player)} (total {total}{ace}). "
             f"The dealer shows: {_CARD.get(dealer, str(dealer))}.\n"
             "Do you hit (take a card) or stick (stop)? Reply hit or stick.")
+
+
+def blackjack_basic_strategy(obs: Any, action: Any, env: Any = None) -> bool:
+    """Whether ``action`` (1 hit, 0 stick) is the basic-strategy move of Blackjack-v1's state ``obs`` (the
+    player's total, the dealer's face-up card, 1 for an ace, and whether an ace counts 11): the move of highest
+    expected return when the deck is infinite and the dealer stands on 17 (with hit and stick only, Sutton and
+    Barto's optimal policy, Figure 5.2). With a usable ace: stick on 19 or more, on 18 against a dealer 2 to 8;
+    otherwise stick on 17 or more, on 13 to 16 against 2 to 6, on 12 against 4 to 6."""
+    total, dealer, usable_ace = (int(x) for x in obs)
+    if usable_ace:
+        stick = total >= 19 or (total == 18 and 2 <= dealer <= 8)
+    else:
+        stick = total >= 17 or (13 <= total <= 16 and 2 <= dealer <= 6) or (total == 12 and 4 <= dealer <= 6)
+    return int(action) == (0 if stick else 1)

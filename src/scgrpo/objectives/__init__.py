@@ -7,8 +7,9 @@ from scgrpo.objectives.grpo import GRPO
 from scgrpo.objectives.high_entropy import HighEntropyGRPO
 from scgrpo.objectives.opsd import OPSD
 from scgrpo.objectives.reinforce_pp import REINFORCEPlusPlus
+from scgrpo.objectives.scaled_grpo import ScaledGRPO
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.objectives.selfdistill import SelfDistillation
 
-__all__ = ["DAPO", "GRPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "Credit", "CreditStats", "DrGRPO",
+__all__ = ["DAPO", "GRPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "ScaledGRPO", "Credit", "CreditStats", "DrGRPO",
            "HighEntropyGRPO", "LossInputs", "LossOutput", "LossStats", "Objective", "SelfDistillation"]

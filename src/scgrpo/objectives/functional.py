@@ -392,6 +392,21 @@ def kl_weights(divergence: Tensor, c: Tensor | float) -> Tensor:
     return divergence / (divergence + c)
 
 
+def permute_within_rows(values: Tensor, mask: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """``[N, C]`` ``values`` with each row's entries at its ``mask`` positions shuffled among those positions
+    (a uniform permutation per row, drawn on the CPU from ``generator``, else torch's default CPU generator);
+    0 elsewhere. Each row keeps its multiset of values: its sum and mean over the mask are unchanged."""
+    held = mask.bool()
+    n, c = values.shape
+    keys = torch.rand(n, c, generator=generator).to(values.device)  # [N, C] random order of the held positions
+    keys = torch.where(held, keys, torch.full_like(keys, 2.0))  # held positions first, the rest after
+    shuffled = torch.argsort(keys, dim=1)  # [N, C] the held positions in random order, then the others
+    natural = torch.argsort(torch.where(held, 0, 1).to(torch.int8), dim=1, stable=True)  # held positions in order
+    out = torch.zeros_like(values)
+    out.scatter_(1, natural, values.masked_fill(~held, 0).gather(1, shuffled))
+    return out
+
+
 def credit_threshold(active: Tensor, q: float = 0.75, c_min: float = 1e-4, c_fixed: Optional[float] = None) -> Tensor:
     """SC-GRPO's c = max(P_q(D_act), c_min) over the active tokens' divergences ``active`` (1-D), or
     ``c_fixed`` when given. With no active token c is ``c_min`` (no weight is ever computed from it)."""

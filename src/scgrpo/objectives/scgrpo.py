@@ -69,6 +69,10 @@ class SCGRPO(GRPO):
             about half the length (``configs/ablations/kl_anchor.yaml``).
         diversity_min_tokens: a solve-none rollout whose window is shorter than this has no score and advantage 0
             (ours; 1, every rollout with a token, is the paper's).
+        permute_weights: a control, not the method (ours, DESIGN §4.2): each row's weights f are shuffled over its
+            model tokens before the loss, so the row keeps its weights' values, its step size and its advantage
+            (the solve-none scores are taken before the shuffle) and loses only *where* the weights sit. The
+            shuffle draws from torch's CPU generator, which checkpoints restore.
         (and GRPO's arguments; the paper's aggregation "seq-mean-token-mean" is the default here)
     """
 
@@ -89,6 +93,7 @@ class SCGRPO(GRPO):
         seed: int = 0,
         diversity_window: Literal["pair", "group"] = "pair",
         diversity_min_tokens: int = 1,
+        permute_weights: bool = False,
         scale: Fn.AdvantageScale = "group",
         eps_low: float = 0.2,
         eps_high: float = 0.2,
@@ -118,7 +123,7 @@ class SCGRPO(GRPO):
         if teacher not in ("policy", "base"):
             raise ValueError(f"teacher={teacher!r}: expected 'policy' or 'base'")
         self.c_quantile, self.c_min, self.c_fixed, self.c_scope = c_quantile, c_min, c_fixed, c_scope
-        self.alpha, self.divergence = alpha, divergence
+        self.alpha, self.divergence, self.permute_weights = alpha, divergence, permute_weights
         routes = ("partial",) + ("solve_none",) * route_solve_none + ("single",) * route_single + ("all",) * route_all
         self.teacher = TeacherSpec(routes=routes, template=check_teacher_template(teacher_template), weights=teacher,
                                    output="divergence", divergence=divergence, buffer_references=buffer_references,
@@ -166,6 +171,8 @@ class SCGRPO(GRPO):
         diversity = self.diversity_advantages(f, signal, group_size)  # [N]
         if "solve_none" in self.teacher.routes:  # alpha * A_div replaces A_i in routed solve-none groups (o_r: 0);
             advantages = torch.where(signal.route == SOLVE_NONE, diversity, advantages)  # unrouted: plain GRPO
+        if self.permute_weights:
+            weights = torch.where(has_teacher, Fn.permute_within_rows(f, mask), weights)
         return Credit(advantages=advantages, token_weights=weights, stats=self._stats(f, active, c_rows, values,
                                                                                        diversity, signal))
 

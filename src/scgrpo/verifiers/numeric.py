@@ -14,8 +14,8 @@ _NUMBER_RE = re.compile(_NUMBER)
 _HASH_RE = re.compile(r"####\s*(" + _NUMBER + ")")
 
 
-def _boxed_contents(text: str) -> Optional[str]:
-    """Contents of the last \\boxed{...} (balanced braces), or None."""
+def _boxed_span(text: str) -> Optional[tuple[int, int]]:
+    """Where the contents of the last \\boxed{...} (balanced braces) lie in ``text``, or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -26,7 +26,7 @@ def _boxed_contents(text: str) -> Optional[str]:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1 : j]
+                return i + 1, j
     return None
 
 
@@ -38,22 +38,32 @@ def parse_number(text: str) -> Optional[Fraction]:
         return None
 
 
+def number_span(text: str) -> Optional[tuple[int, int]]:
+    """Where the answer a numeric verifier reads lies in ``text``: "#### n", else the last number in \\boxed{},
+    else the last number; None when there is none."""
+    hashed = list(_HASH_RE.finditer(text))
+    if hashed:
+        return hashed[-1].span(1)
+    boxed = _boxed_span(text)
+    if boxed is not None:
+        found = list(_NUMBER_RE.finditer(text, boxed[0], boxed[1]))
+        if found:
+            return found[-1].span()
+    found = list(_NUMBER_RE.finditer(text))
+    return found[-1].span() if found else None
+
+
 def extract_number(text: str) -> Optional[str]:
     """The answer string a numeric verifier reads: "#### n", else \\boxed{n}, else the last number."""
-    hashed = _HASH_RE.findall(text)
-    if hashed:
-        return hashed[-1]
-    boxed = _boxed_contents(text)
-    if boxed is not None:
-        found = _NUMBER_RE.findall(boxed)
-        if found:
-            return found[-1]
-    found = _NUMBER_RE.findall(text)
-    return found[-1] if found else None
+    span = number_span(text)
+    return text[span[0]:span[1]] if span is not None else None
 
 
 class NumericVerifier(Verifier):
     """Score 1 when the completion's final number equals the reference (exactly, or within ``rel_tol``).
+
+    The number read is the completion's one decision (``info["decisions"]``, :mod:`scgrpo.pivots`): its span,
+    right when it scores 1.
 
     Args:
         rel_tol: relative tolerance for non-integer answers (0 = exact rational equality).
@@ -64,7 +74,8 @@ class NumericVerifier(Verifier):
         self.timeout_s = timeout_s
 
     def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
-        extracted = extract_number(completion)
+        span = number_span(completion)
+        extracted = completion[span[0]:span[1]] if span is not None else None
         target = parse_number(str(answer))
         if target is None:  # a worked solution such as GSM8K's "... #### 72"
             found = extract_number(str(answer))
@@ -75,4 +86,5 @@ class NumericVerifier(Verifier):
         if value is None:
             return VerificationResult(0.0, {"extracted": None})
         ok = value == target or (self.rel_tol > 0 and math.isclose(float(value), float(target), rel_tol=self.rel_tol))
-        return VerificationResult(1.0 if ok else 0.0, {"extracted": extracted})
+        decision = {"span": list(span), "correct": bool(ok)}
+        return VerificationResult(1.0 if ok else 0.0, {"extracted": extracted, "decisions": [decision]})

@@ -1,0 +1,243 @@
+"""Decisions a task marks in the model's text, and whether the token weights land on them (DESIGN §4.2).
+
+A task says which spans of the model's text were *decisions* and whether each was right:
+
+- an environment in ``StepResult.info["decisions"]`` (spans of that turn's text, ``Action.text``, unless a
+  decision names another model turn);
+- a verifier in ``VerificationResult.info["decisions"]`` (spans of the completion it scored).
+
+Each decision is a :class:`Decision`, a dict ``{"turn": k, "span": [start, end], "correct": bool}`` (``turn``
+optional) or a triple ``(turn, (start, end), correct)``; spans are character offsets, end exclusive.
+
+:func:`decision_labels` maps the spans to the model's own tokens through the offsets of the ids as they were
+sampled (each token's characters in the decoded text, never a re-tokenisation): a token is a decision token when
+its characters overlap a decision's span. :func:`pivot_metrics` then measures, in the failed rollouts of
+partial-solve groups that had a teacher (the rows whose reference holds the right decisions and whose own text
+holds at least one wrong one):
+
+- ``credit/pivot_auroc``: the AUROC of the weight f at tokens of wrong decisions against tokens of right ones
+  (the probability that a wrong decision's token weighs more than a right one's, ties counting half): 0.5 means
+  the weights do not tell them apart, 1 that every wrong decision outweighs every right one;
+- ``credit/pivot_share``: the decisions' share of the f mass over their share of the tokens (1: no more weight
+  on decisions than uniform weights would put there);
+- ``credit/pivot_rows``: the rows counted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from scgrpo.distributed import all_reduce, gather_values
+
+NONE, RIGHT, WRONG, BOTH = 0, 1, 2, 3
+"""A token's label: in no decision, in right decisions only, in wrong ones only, in both (one token that two
+decisions of either kind split: counted as a decision token, left out of the AUROC's two classes)"""
+
+PIVOT_KEYS = ("credit/pivot_auroc", "credit/pivot_share", "credit/pivot_rows")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision in the model's text: characters ``start`` to ``end`` (exclusive) of model turn ``turn``
+    (0-based; None: the turn whose step reported it, or the completion for a verifier), right or not."""
+
+    start: int
+    end: int
+    correct: bool
+    turn: Optional[int] = None
+
+    def as_info(self) -> dict[str, Any]:
+        """The decision as plain data, for ``info`` (kept in the completions table)."""
+        return {"turn": self.turn, "span": [self.start, self.end], "correct": self.correct}
+
+
+class DecisionError(ValueError):
+    """A task's ``info["decisions"]`` that is not a list of decisions."""
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DecisionError(f"{what} must be an int, got {value!r}")
+    return value
+
+
+def read_decision(item: Any, turn: Optional[int]) -> Decision:
+    """One decision from any of its forms (see the module docstring); ``turn`` is the one it defaults to."""
+    if isinstance(item, Decision):
+        found = item
+    elif isinstance(item, dict):
+        if "span" in item:
+            span = item["span"]
+            if not isinstance(span, (list, tuple)) or len(span) != 2:
+                raise DecisionError(f"a decision's span must be [start, end], got {span!r}")
+            start, end = span
+        else:
+            start, end = item.get("start"), item.get("end")
+        if "correct" not in item:
+            raise DecisionError(f"a decision needs 'correct', got {item!r}")
+        found = Decision(_int(start, "a decision's start"), _int(end, "a decision's end"), item["correct"],
+                         item.get("turn"))
+    elif isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[1], (list, tuple)):
+        if len(item[1]) != 2:
+            raise DecisionError(f"a decision's span must be (start, end), got {item[1]!r}")
+        found = Decision(_int(item[1][0], "a decision's start"), _int(item[1][1], "a decision's end"), item[2],
+                         item[0])
+    else:
+        raise DecisionError(f"a decision is a Decision, a dict with span and correct, or (turn, (start, end), "
+                            f"correct); got {item!r}")
+    if not isinstance(found.correct, bool):
+        raise DecisionError(f"a decision's correct must be true or false, got {found.correct!r}")
+    if found.turn is not None:
+        _int(found.turn, "a decision's turn")
+    if not 0 <= found.start <= found.end:
+        raise DecisionError(f"a decision's span must have 0 <= start <= end, got ({found.start}, {found.end})")
+    return Decision(found.start, found.end, found.correct, turn if found.turn is None else found.turn)
+
+
+def read_decisions(value: Any, turn: Optional[int] = None) -> list[Decision]:
+    """``info["decisions"]`` as decisions (turn None defaulting to ``turn``); raises :class:`DecisionError`."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        raise DecisionError(f"info['decisions'] must be a list of decisions, got {type(value).__name__}")
+    return [read_decision(item, turn) for item in value]
+
+
+def row_decisions(info: Optional[dict], episode: bool) -> list[Decision]:
+    """Every decision a rollout's ``info`` holds: an episode's per-step infos (``info["env"][k]`` for model turn
+    ``k``), or a verifier's ``info``. Raises :class:`DecisionError` for a malformed one."""
+    if not isinstance(info, dict):
+        return []
+    if not episode:
+        return [Decision(d.start, d.end, d.correct, 0) for d in read_decisions(info.get("decisions"), 0)]
+    found: list[Decision] = []
+    for turn, step in enumerate(info.get("env") or []):
+        if isinstance(step, dict):
+            found += read_decisions(step.get("decisions"), turn)
+    return found
+
+
+def turn_text(decode: Callable[[list[int]], str], ids: list[int], strip: bool) -> str:
+    """The text of a model turn as the task read it: the ids decoded without special tokens (stripped for an
+    episode's turn, as :class:`~scgrpo.envs.runner.EpisodeRunner` hands it to the environment)."""
+    text = decode(ids)
+    return text.strip() if strip else text
+
+
+def token_offsets(decode: Callable[[list[int]], str], ids: list[int], strip: bool) -> list[tuple[int, int]]:
+    """Each token's characters ``[start, end)`` in :func:`turn_text` of ``ids``: the length of the decoded text up
+    to the token and up to its end (so a character that two tokens' bytes make belongs to the one that completes
+    it, and a token that decodes to nothing, a special token, covers no character)."""
+    if not ids:
+        return []
+    pieces = [decode([t]) for t in ids]
+    whole = decode(ids)
+    if "".join(pieces) == whole:
+        ends, total = [], 0
+        for piece in pieces:
+            total += len(piece)
+            ends.append(total)
+    else:  # a character split over tokens: how much of the whole text each decoded prefix already holds (an
+        # incomplete character decodes to a replacement character, not the character)
+        ends = [len(os.path.commonprefix([decode(ids[: k + 1]), whole])) for k in range(len(ids))]
+    lead = len(whole) - len(whole.lstrip()) if strip else 0
+    starts = [0] + ends[:-1]
+    return [(a - lead, b - lead) for a, b in zip(starts, ends)]
+
+
+def model_turns(mask_row: list[int]) -> list[tuple[int, int]]:
+    """The runs ``[start, end)`` of model tokens in a completion's mask, in order: an episode's model turns
+    (an observation of at least one token lies between two turns)."""
+    runs, start = [], None
+    for k, m in enumerate(mask_row):
+        if m and start is None:
+            start = k
+        elif not m and start is not None:
+            runs.append((start, k))
+            start = None
+    if start is not None:
+        runs.append((start, len(mask_row)))
+    return runs
+
+
+def label_turn(offsets: list[tuple[int, int]], decisions: Sequence[Decision]) -> list[int]:
+    """Each token's label (``NONE``/``RIGHT``/``WRONG``/``BOTH``) from ``decisions`` over its ``offsets``."""
+    labels = []
+    for a, b in offsets:
+        label = NONE
+        for d in decisions:
+            if b > a and a < d.end and b > d.start:  # the token's characters overlap the span
+                label |= RIGHT if d.correct else WRONG
+        labels.append(label)
+    return labels
+
+
+def decision_labels(completion_ids: Tensor, completion_mask: Tensor, infos: Optional[list], episode: bool,
+                    decode: Callable[[list[int]], str]) -> tuple[Optional[Tensor], int]:
+    """``[N, C]`` int8 labels of every rollout's tokens (``NONE`` where no decision, and at the environment's
+    tokens and padding), or None when no rollout marks a decision; and the rows whose decisions were malformed
+    (those rows are left unlabelled)."""
+    n, width = completion_ids.shape
+    labels = torch.zeros(n, width, dtype=torch.int8)
+    ids_rows, mask_rows = completion_ids.cpu().tolist(), completion_mask.cpu().bool().tolist()
+    marked, malformed = False, 0
+    for row in range(n):
+        try:
+            decisions = row_decisions(infos[row] if infos else None, episode)
+        except DecisionError:
+            malformed += 1
+            continue
+        if not decisions:
+            continue
+        marked = True
+        turns = model_turns(mask_rows[row]) if episode else [(0, sum(mask_rows[row]))]
+        for k, (start, end) in enumerate(turns):
+            mine = [d for d in decisions if d.turn == k]
+            if not mine:
+                continue
+            offsets = token_offsets(decode, ids_rows[row][start:end], strip=episode)
+            labels[row, start:end] = torch.tensor(label_turn(offsets, mine), dtype=torch.int8)
+    return (labels if marked else None), malformed
+
+
+def auroc(positive: Tensor, negative: Tensor) -> float:
+    """P(a value of ``positive`` > one of ``negative``) + half P(equal), from ranks (Mann-Whitney U); NaN when
+    either is empty."""
+    n_pos, n_neg = positive.numel(), negative.numel()
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    values = torch.cat([positive.double().reshape(-1), negative.double().reshape(-1)])
+    order = torch.argsort(values)
+    _, inverse, counts = torch.unique(values[order], return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    average_rank = ends - (counts.double() - 1) / 2  # 1-based rank of each distinct value, ties averaged
+    ranks = torch.empty_like(values)
+    ranks[order] = average_rank[inverse]
+    u = float(ranks[:n_pos].sum()) - n_pos * (n_pos + 1) / 2
+    return u / (n_pos * n_neg)
+
+
+def pivot_metrics(weights: Tensor, labels: Tensor, completion_mask: Tensor, rows: Tensor,
+                  device: Optional[torch.device] = None) -> dict[str, float]:
+    """The ``credit/pivot_*`` keys over ``rows`` (``[N]`` bool: failed partial-solve rollouts with a teacher),
+    from the ``[N, C]`` token ``weights`` f, the :func:`decision_labels` and the model-token mask, pooled over
+    every rank. Only rows with at least one decision token count."""
+    weights, labels = weights.detach().float().cpu(), labels.cpu()
+    mask = completion_mask.cpu().bool()
+    rows = rows.cpu().bool() & ((labels != NONE) & mask).any(1)
+    model = mask & rows.unsqueeze(1)
+    decision = model & (labels != NONE)
+    wrong = gather_values(weights[model & (labels == WRONG)].to(device or "cpu"))
+    right = gather_values(weights[model & (labels == RIGHT)].to(device or "cpu"))
+    f_all, f_decision, n_all, n_decision, n_rows = all_reduce(
+        [float(weights[model].sum()), float(weights[decision].sum()), float(model.sum()), float(decision.sum()),
+         float(rows.sum())], "sum", device)
+    share = (f_decision / f_all) / (n_decision / n_all) if f_all > 0 and n_decision > 0 else math.nan
+    return {"credit/pivot_auroc": auroc(wrong.cpu(), right.cpu()), "credit/pivot_share": share,
+            "credit/pivot_rows": n_rows}
