@@ -66,10 +66,14 @@ METHODS = {
     "scgrpo-group-window": "ablations/diversity_group_window.yaml",
     "scgrpo-min16": "ablations/diversity_min_tokens_16.yaml",
     "scgrpo-kl-anchor": "ablations/kl_anchor.yaml",
+    # the controls that separate targeting from shrinkage (DESIGN §4.2): the plan "credit"
+    "scgrpo-permuted": "ablations/permute_weights.yaml",
+    "grpo-scaled": "ablations/scaled_grpo.yaml",
 }
 MAIN = ["grpo", "dapo", "scgrpo", "scgrpo-buffer", "selfdistill-fkl", "opsd-oracle"]
 EXTRA = ["reinforce-pp", "scgrpo-group-window", "scgrpo-min16", "scgrpo-kl-anchor"]  # outside the first round's tables: the plan "extra"
-ABLATIONS = [m for m in METHODS if m not in MAIN and m not in EXTRA]
+CREDIT = ["grpo", "scgrpo", "scgrpo-permuted", "grpo-scaled"]  # docs/credit.md's comparison: the plan "credit"
+ABLATIONS = [m for m in METHODS if m not in MAIN and m not in EXTRA and m not in CREDIT]
 LR_GRID = (1e-4, 2e-4, 5e-4)
 """The learning rates of the GRPO check (--plan lr): GRPO alone, at every seed; every method runs at the task
 config's rate, fixed for GRPO."""
@@ -88,6 +92,8 @@ STEP_KEYS = {
     # episodes (tasks with an environment)
     "turns": "episode/turns_mean", "model_tokens": "episode/model_tokens_mean", "env_tokens": "episode/env_tokens_mean",
     "episode_truncated": "episode/truncated", "env_errors": "episode/env_errors", "env_time_s": "episode/env_time_s",
+    # where the task marks its decisions (scgrpo.pivots), on the credit-logging steps
+    "pivot_auroc": "credit/pivot_auroc", "pivot_share": "credit/pivot_share", "pivot_rows": "credit/pivot_rows",
 }
 
 
@@ -160,11 +166,11 @@ def plan_runs(plans: list[str], tasks: list[str], seeds: list[int], methods: Opt
         for plan in plans:
             if plan == "lr":
                 runs += [Run(task, "grpo", s, rate) for rate in LR_GRID for s in seeds]
-            elif plan in ("main", "ablations", "extra"):
-                chosen = {"main": MAIN, "ablations": ABLATIONS, "extra": EXTRA}[plan]
+            elif plan in ("main", "ablations", "extra", "credit"):
+                chosen = {"main": MAIN, "ablations": ABLATIONS, "extra": EXTRA, "credit": CREDIT}[plan]
                 runs += [Run(task, m, s, lr) for s in seeds for m in chosen]
             else:
-                raise SystemExit(f"unknown plan {plan!r}: expected lr, main, ablations or extra")
+                raise SystemExit(f"unknown plan {plan!r}: expected lr, main, ablations, extra or credit")
     if methods:
         unknown = sorted(set(methods) - set(METHODS))
         if unknown:
@@ -302,6 +308,30 @@ def weight_shares_of(task: str, tokens: str) -> Optional[dict]:
     return {"rule": rule[0], "names": list(rule[1]), **shares} if shares["overall"] else None
 
 
+def pivot_tokens_of(tokens: str) -> list[dict]:
+    """The rows the pivot metrics read (failed rollouts of partial-solve groups with a teacher that mark a
+    decision), compactly, from a run's ``credit_tokens.jsonl``: per row its step, group, and at its model tokens
+    in order the weight f and the decision label (``scgrpo.pivots``: 0 none, 1 right, 2 wrong, 3 both). The
+    offline analyses of docs/credit.md (a position-matched null, a row bootstrap) read these. A step logged twice
+    (a resumed run) keeps its last block of rows."""
+    if not os.path.exists(tokens):
+        return []
+    by_step: dict[int, list[dict]] = {}
+    with open(tokens, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["row"] == 0:
+                by_step[row["step"]] = []  # a step's block starts at row 0 (a later block replaces it)
+            if (row["route"] != "partial" or not row["has_teacher"] or row["reward"] >= 1.0
+                    or not any(row.get("decision") or [])):
+                continue
+            model = [k for k, m in enumerate(row["model"]) if m]
+            by_step.setdefault(row["step"], []).append({
+                "step": row["step"], "group": row["group"], "f": [row["f"][k] for k in model],
+                "decision": [row["decision"][k] for k in model]})
+    return [r for step in sorted(by_step) for r in by_step[step]]
+
+
 def write_result(run: Run, work: str, results_dir: str, env: dict, per_gpu: int) -> str:
     """The run's result file (written whole, then renamed into place). Raises ValueError for a run whose metrics
     show it unfinished (see :func:`incomplete`), so that it is never taken for a finished one."""
@@ -329,6 +359,9 @@ def write_result(run: Run, work: str, results_dir: str, env: dict, per_gpu: int)
     shares = weight_shares_of(run.task, os.path.join(folder, "credit_tokens.jsonl"))
     if shares:
         result["weight_shares"] = shares
+    pivots = pivot_tokens_of(os.path.join(folder, "credit_tokens.jsonl"))
+    if pivots:
+        result["pivot_tokens"] = pivots
     os.makedirs(results_dir, exist_ok=True)
     path = os.path.join(results_dir, f"{run.name}.json")
     tmp = path + ".tmp"
@@ -514,9 +547,9 @@ def bundle(path: str, results: list[str], logs: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations, extra")
+    parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations, extra, credit")
     parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown, tool_calc, chain_sum, lcm, "
-                        "blackjack (configs/replication/<task>.yaml)")
+                        "blackjack, doors (configs/replication/<task>.yaml)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=None, help="only these methods of the plan (comma-separated)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 0 = CPU)")

@@ -1,6 +1,7 @@
 """Prompt sources and the data module."""
 
 from scgrpo.data.code import CodeTask
+from scgrpo.data.doors import DoorsTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
 from scgrpo.data.gym import BlackjackTask, GymTask
 from scgrpo.data.reasoning import ReasoningGymTask, ReasoningGymVerifier
@@ -17,6 +18,7 @@ from scgrpo.data.sources import (
 
 TASKS["code"] = CodeTask
 TASKS["blackjack"] = BlackjackTask
+TASKS["doors"] = DoorsTask
 
 __all__ = [
     "TASKS",
@@ -24,6 +26,7 @@ __all__ = [
     "BlackjackTask",
     "CodeTask",
     "CountdownTask",
+    "DoorsTask",
     "FileSource",
     "GymTask",
     "HubDataset",

@@ -1,0 +1,151 @@
+"""Calibrates the doors task (scgrpo.envs.doors) on the untrained model before any training run uses it.
+
+For each candidate wording and number of rooms, plays ``--rows`` fixed episodes of the id split (and the ood
+split) ``--samples`` times each with the base model, as training rollouts would (T=1), and reports: per-episode
+success (Avg@k), the share of rooms whose move was right, the share of turns that named a door at all, the share
+of moves on the first-named door (a positional habit reads 0.5 right), and the share of groups of ``--samples``
+that would be partial-solve (2 <= correct < k) and solve-none.
+
+The rule that picks the trained candidate is fixed here, before any run: the first candidate in ``CANDIDATES``
+order whose id success lies in [0.25, 0.40] with at least half of its groups partial-solve; none if none does.
+
+    PYTHONPATH=src python scripts/calibrate_doors.py --out benchmarks/results/credit/calibration
+    PYTHONPATH=src python scripts/calibrate_doors.py --candidates plain-3,shot-3 --rows 32 --samples 4   # a look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from scgrpo.data.doors import DoorsTask
+from scgrpo.envs import EpisodeSettings
+from scgrpo.envs.doors import INTRO, ROOM
+from scgrpo.envs.runner import EpisodeRunner
+from scgrpo.policy import build_policy
+from scgrpo.rollout.engine import GenerationSettings
+
+SHOT = ("You walk through {rooms} rooms. In each room, open the door with the key: reply with the colour of that "
+        "door.\nExample: Room 1: a red door and a blue door. The key is behind the blue door. Which door do you "
+        "open?\nYou: blue\n\n")
+KEY_FIRST = "Room {room}. The key is behind the {key} door. There is a {a} door and a {b} door. Which door do you open?"
+REPLY = ROOM + " Reply with its colour."
+
+WORDINGS = {
+    "plain": {"intro": INTRO, "room": ROOM},
+    "reply": {"intro": INTRO, "room": REPLY},
+    "shot": {"intro": SHOT, "room": ROOM},
+    "keyfirst": {"intro": SHOT, "room": KEY_FIRST},
+}
+CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in (2, 3, 4)]
+"""In the order the selection rule reads them: each wording with 2, 3 and 4 rooms"""
+SUCCESS_RANGE = (0.25, 0.40)
+MIN_PARTIAL = 0.5
+
+
+def task_of(candidate: str, seed: int = 1234) -> DoorsTask:
+    wording, rooms = candidate.rsplit("-", 1)
+    if wording not in WORDINGS:
+        raise SystemExit(f"unknown candidate {candidate!r}; wordings: {sorted(WORDINGS)}")
+    return DoorsTask(rooms=int(rooms), ood_rooms=int(rooms) + 2, seed=seed, **WORDINGS[wording])
+
+
+def measure(runner: EpisodeRunner, policy, rows: list[dict], samples: int, batch_rows: int) -> dict:
+    """Success, moves and group routes of ``samples`` episodes of each row."""
+    rewards, steps = [], []
+    for start in range(0, len(rows), batch_rows):
+        episodes = runner.run(policy, rows[start:start + batch_rows], samples, seed=0)
+        rewards.append(episodes.rewards.float().cpu())
+        steps += [step for info in episodes.infos for step in info["env"]]
+    reward = torch.cat(rewards).view(-1, samples)  # [rows, samples]
+    correct = (reward >= 1.0).sum(1)
+    decided = [s for s in steps if s.get("decisions")]
+    right = sum(s["decisions"][0]["correct"] for s in decided)
+    return {
+        "rows": reward.shape[0], "samples": samples,
+        "success": float(reward.mean()), "pass": float((correct > 0).float().mean()),
+        "right_moves": right / max(len(steps), 1), "moves": len(decided) / max(len(steps), 1),
+        "first_named": (sum(s["move"] is not None and s["move"] == s["doors"][0] for s in decided)
+                        / max(len(decided), 1)),
+        "partial_groups": float(((correct >= 2) & (correct < samples)).float().mean()),
+        "solve_none_groups": float((correct == 0).float().mean()),
+    }
+
+
+def choose(results: dict) -> str | None:
+    """The selection rule of the module docstring."""
+    for name in CANDIDATES:
+        m = results.get(name, {}).get("id")
+        if m and SUCCESS_RANGE[0] <= m["success"] <= SUCCESS_RANGE[1] and m["partial_groups"] >= MIN_PARTIAL:
+            return name
+    return None
+
+
+def table(results: dict, chosen: str | None, command: str) -> str:
+    lines = [f"# Doors task: the untrained model's calibration\n\n`{command}`\n",
+             f"Selection rule (fixed before the runs): the first candidate whose id success lies in "
+             f"[{SUCCESS_RANGE[0]}, {SUCCESS_RANGE[1]}] with at least {MIN_PARTIAL:.0%} of its groups partial-solve. "
+             f"Chosen: **{chosen or 'none'}**.\n",
+             "| candidate | split | episodes | success (Avg@k) | Pass@k | right moves | a door named | first-named door | "
+             "partial-solve groups | solve-none groups |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, splits in results.items():
+        for split, m in splits.items():
+            lines.append(f"| {name} | {split} | {m['rows']} x {m['samples']} | {m['success']:.3f} | {m['pass']:.2f} | "
+                         f"{m['right_moves']:.3f} | {m['moves']:.3f} | {m['first_named']:.3f} | "
+                         f"{m['partial_groups']:.2f} | {m['solve_none_groups']:.2f} |")
+    lines += ["", "Wordings (`scripts/calibrate_doors.py`, `WORDINGS`): " + "; ".join(
+        f"**{w}**: intro {json.dumps(v['intro'])}, room {json.dumps(v['room'])}" for w, v in WORDINGS.items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--candidates", default=",".join(CANDIDATES))
+    parser.add_argument("--splits", default="id,ood")
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--batch-rows", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write <out>.json and <out>.md")
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    generation = GenerationSettings(num_generations=args.samples, max_new_tokens=args.max_new_tokens, temperature=1.0)
+    policy = build_policy(args.model, args.dtype, None, None, torch.device(args.device), generation)
+    results: dict = {}
+    for name in args.candidates.split(","):
+        task = task_of(name)
+        runner = EpisodeRunner(task.default_environment(), EpisodeSettings(max_turns=task.ood_rooms + 1,
+                                                                 max_episode_tokens=64 * (task.ood_rooms + 1)))
+        for split in args.splits.split(","):
+            start = time.perf_counter()
+            results.setdefault(name, {})[split] = m = measure(runner, policy, task.rows(split)[:args.rows],
+                                                              args.samples, args.batch_rows)
+            print(f"{name} {split}: success {m['success']:.3f}, right moves {m['right_moves']:.3f}, named "
+                  f"{m['moves']:.3f}, first-named {m['first_named']:.3f}, partial {m['partial_groups']:.2f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+    chosen = choose(results)
+    print(f"chosen: {chosen}")
+    if args.out:
+        command = "PYTHONPATH=src python scripts/calibrate_doors.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump({"command": command, "model": args.model, "dtype": args.dtype, "device": args.device,
+                       "card": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                       "rule": {"success": SUCCESS_RANGE, "min_partial": MIN_PARTIAL}, "chosen": chosen,
+                       "wordings": WORDINGS, "results": results}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(table(results, chosen, command))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

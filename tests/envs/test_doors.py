@@ -1,0 +1,104 @@
+"""The doors task: rooms drawn from the seed, the first door name as the move, reward only for every move right,
+each move marked as its turn's decision, and policies that do not read the room at chance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scgrpo.data import TASKS, DoorsTask
+from scgrpo.envs import Action, DoorsEnv
+from scgrpo.envs.doors import OOD_NAMES, first_name
+
+
+def play(env: DoorsEnv, row: dict, replies, seed: int = 0):
+    episode = env.spawn()
+    first = episode.reset(row, seed)
+    results = [episode.step(Action(reply(episode, k) if callable(reply) else reply)) for k, reply in
+               zip(range(len(episode.layout)), replies if not callable(replies) else [replies] * len(episode.layout))]
+    return first, results, episode
+
+
+def right_reply(episode, k):
+    a, b, key = episode.layout[k]
+    return f"I open the {(a, b)[key].upper()} door, not the {(a, b)[1 - key]} one."
+
+
+def test_every_right_move_scores_1_and_each_move_is_its_turns_decision():
+    task = DoorsTask(rooms=4)
+    row = task.rows("id")[0]
+    first, results, episode = play(task.default_environment(), row, right_reply)
+    assert first.startswith("You walk through 4 rooms") and "Room 1:" in first
+    assert [r.done for r in results] == [False, False, False, True] and results[-1].reward == 1.0
+    assert all(r.reward == 0.0 for r in results[:-1])  # no feedback until the end
+    assert "Room 2:" in results[0].observation and "Room 4:" in results[2].observation
+    for k, result in enumerate(results):
+        a, b, key = episode.layout[k]
+        reply = right_reply(episode, k)
+        (decision,) = result.info["decisions"]
+        assert decision["correct"] is True and reply[slice(*decision["span"])].lower() == (a, b)[key]
+    assert results[-1].info["right_moves"] == 4
+
+
+def test_one_wrong_move_scores_0_and_is_marked_wrong():
+    env = DoorsEnv(rooms=3)
+    row = {"id": "r", "question": "doors", "answer": {"seed": 5}}
+
+    def one_wrong(episode, k):
+        a, b, key = episode.layout[k]
+        return (a, b)[1 - key] if k == 1 else (a, b)[key]
+
+    _, results, _ = play(env, row, one_wrong)
+    assert results[-1].reward == 0.0 and results[-1].info["right_moves"] == 2
+    assert [r.info["decisions"][0]["correct"] for r in results] == [True, False, True]
+    _, silent, _ = play(env, row, ["no idea", "none", "?"])
+    assert all("decisions" not in r.info for r in silent) and silent[-1].reward == 0.0  # no door named: no decision
+
+
+def test_the_seed_fixes_the_rooms_and_a_group_shares_it():
+    env = DoorsEnv(rooms=5)
+    row = {"id": "r", "question": "doors", "answer": {}}
+    layouts = [play(env, row, ["x"] * 5, seed=s)[2].layout for s in (7, 7, 8)]
+    assert layouts[0] == layouts[1] != layouts[2]  # the runner's seed, shared by a group's episodes
+    fixed = {"id": "r", "question": "doors", "answer": {"seed": 3}}
+    assert play(env, fixed, ["x"] * 5, seed=1)[2].layout == play(env, fixed, ["x"] * 5, seed=2)[2].layout
+
+
+@pytest.mark.parametrize("policy", ["first", "second", "left-word", "alternate", "red"])
+def test_policies_that_do_not_read_the_room_succeed_at_chance(policy):
+    """Over 4,000 episodes of 3 rooms: 1/8 each, within 4 standard errors (0.021)."""
+    env = DoorsEnv(rooms=3)
+    wins = 0
+    for n in range(4000):
+        episode = env.spawn()
+        episode.reset({"id": str(n), "answer": {}}, n)
+        reward = 0.0
+        for k, (a, b, _) in enumerate(episode.layout):
+            reply = {"first": a, "second": b, "left-word": "left", "alternate": (a, b)[k % 2],
+                     "red": "red"}[policy]
+            reward = episode.step(Action(reply)).reward
+        wins += reward
+    assert abs(wins / 4000 - 1 / 8) < 0.021 or (policy in ("left-word", "red") and wins / 4000 < 1 / 8)
+
+
+def test_first_name_is_the_earliest_whole_word_in_any_case():
+    assert first_name("Blue, then red", ("red", "blue")) == (1, (0, 4))
+    assert first_name("reddish bluebird", ("red", "blue")) == (None, None)
+    assert first_name("the RED one", ("red", "blue")) == (0, (4, 7))
+
+
+def test_the_task_splits_and_the_ood_rooms_and_names():
+    task = TASKS["doors"](rooms=3, ood_rooms=5, num_eval=8, num_ood=8)
+    ids = {r["answer"]["seed"] for r in task.rows("id")}
+    assert len(task.rows("id")) == 8 and not ids & {r["answer"]["seed"] for r in task.rows("train")[:2000]}
+    ood = task.rows("ood")[0]
+    first, results, episode = play(task.default_environment(), ood, right_reply)
+    assert len(results) == 5 and results[-1].reward == 1.0
+    assert {n for a, b, _ in episode.layout for n in (a, b)} <= set(OOD_NAMES)
+    with pytest.raises(ValueError, match="rooms"):
+        DoorsTask(rooms=0)
+    with pytest.raises(ValueError, match="names"):
+        DoorsEnv(names=["red"])
+    with pytest.raises(ValueError, match="no {key}"):
+        DoorsEnv(room="Room {room}: {a} or {b}?")
