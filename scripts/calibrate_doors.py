@@ -6,8 +6,9 @@ success (Avg@k), the share of rooms whose move was right, the share of turns tha
 of moves on the first-named door (a positional habit reads 0.5 right), and the share of groups of ``--samples``
 that would be partial-solve (2 <= correct < k) and solve-none.
 
-The rule that picks the trained candidate is fixed here, before any run: the first candidate in ``CANDIDATES``
-order whose id success lies in [0.25, 0.40] with at least half of its groups partial-solve; none if none does.
+The rule that picks the trained candidate is fixed here, before any run: of the candidates whose id success lies
+in [0.25, 0.40] with at least half of their groups partial-solve, the one whose success is nearest 0.325 (the
+range's middle); none if none qualifies.
 
     PYTHONPATH=src python scripts/calibrate_doors.py --out benchmarks/results/credit/calibration
     PYTHONPATH=src python scripts/calibrate_doors.py --candidates plain-3,shot-3 --rows 32 --samples 4   # a look
@@ -30,20 +31,10 @@ from scgrpo.envs.runner import EpisodeRunner
 from scgrpo.policy import build_policy
 from scgrpo.rollout.engine import GenerationSettings
 
-SHOT = ("You walk through {rooms} rooms. In each room, open the door with the key: reply with the colour of that "
-        "door.\nExample: Room 1: a red door and a blue door. The key is behind the blue door. Which door do you "
-        "open?\nYou: blue\n\n")
-KEY_FIRST = "Room {room}. The key is behind the {key} door. There is a {a} door and a {b} door. Which door do you open?"
-REPLY = ROOM + " Reply with its colour."
-
-WORDINGS = {
-    "plain": {"intro": INTRO, "room": ROOM},
-    "reply": {"intro": INTRO, "room": REPLY},
-    "shot": {"intro": SHOT, "room": ROOM},
-    "keyfirst": {"intro": SHOT, "room": KEY_FIRST},
-}
-CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in (2, 3, 4)]
-"""In the order the selection rule reads them: each wording with 2, 3 and 4 rooms"""
+WORDINGS = {f"shots{k}": {"shots": k} for k in (0, 1, 2, 3)}
+"""The task's texts (scgrpo.envs.doors INTRO and ROOM) with 0 to 3 worked rooms before the first"""
+CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in (3, 4, 5)]
+"""Each wording with 3, 4 and 5 rooms (the ood split: 2 rooms more, unseen door names)"""
 SUCCESS_RANGE = (0.25, 0.40)
 MIN_PARTIAL = 0.5
 
@@ -79,17 +70,17 @@ def measure(runner: EpisodeRunner, policy, rows: list[dict], samples: int, batch
 
 def choose(results: dict) -> str | None:
     """The selection rule of the module docstring."""
-    for name in CANDIDATES:
-        m = results.get(name, {}).get("id")
-        if m and SUCCESS_RANGE[0] <= m["success"] <= SUCCESS_RANGE[1] and m["partial_groups"] >= MIN_PARTIAL:
-            return name
-    return None
+    middle = sum(SUCCESS_RANGE) / 2
+    fits = [(abs(m["success"] - middle), name) for name, splits in results.items() for m in [splits.get("id")]
+            if m and SUCCESS_RANGE[0] <= m["success"] <= SUCCESS_RANGE[1] and m["partial_groups"] >= MIN_PARTIAL]
+    return min(fits)[1] if fits else None
 
 
 def table(results: dict, chosen: str | None, command: str) -> str:
     lines = [f"# Doors task: the untrained model's calibration\n\n`{command}`\n",
-             f"Selection rule (fixed before the runs): the first candidate whose id success lies in "
-             f"[{SUCCESS_RANGE[0]}, {SUCCESS_RANGE[1]}] with at least {MIN_PARTIAL:.0%} of its groups partial-solve. "
+             f"Selection rule (fixed before the runs): of the candidates whose id success lies in "
+             f"[{SUCCESS_RANGE[0]}, {SUCCESS_RANGE[1]}] with at least {MIN_PARTIAL:.0%} of their groups partial-solve, "
+             f"the one nearest {sum(SUCCESS_RANGE) / 2:.3f}. "
              f"Chosen: **{chosen or 'none'}**.\n",
              "| candidate | split | episodes | success (Avg@k) | Pass@k | right moves | a door named | first-named door | "
              "partial-solve groups | solve-none groups |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -98,8 +89,8 @@ def table(results: dict, chosen: str | None, command: str) -> str:
             lines.append(f"| {name} | {split} | {m['rows']} x {m['samples']} | {m['success']:.3f} | {m['pass']:.2f} | "
                          f"{m['right_moves']:.3f} | {m['moves']:.3f} | {m['first_named']:.3f} | "
                          f"{m['partial_groups']:.2f} | {m['solve_none_groups']:.2f} |")
-    lines += ["", "Wordings (`scripts/calibrate_doors.py`, `WORDINGS`): " + "; ".join(
-        f"**{w}**: intro {json.dumps(v['intro'])}, room {json.dumps(v['room'])}" for w, v in WORDINGS.items())]
+    lines += ["", f"Texts (`scgrpo.envs.doors`): intro {json.dumps(INTRO)}, room {json.dumps(ROOM)}; `shotsK` puts K "
+              "worked rooms before the first as chat turns; `-R`: R rooms (ood: R + 2, door names never trained on)."]
     return "\n".join(lines) + "\n"
 
 

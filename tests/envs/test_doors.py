@@ -29,10 +29,14 @@ def test_every_right_move_scores_1_and_each_move_is_its_turns_decision():
     task = DoorsTask(rooms=4)
     row = task.rows("id")[0]
     first, results, episode = play(task.default_environment(), row, right_reply)
-    assert first.startswith("You walk through 4 rooms") and "Room 1:" in first
+    a, b = episode.doors
+    # two worked rooms as chat turns, then the first room
+    assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant", "user"]
+    assert first[0]["content"].startswith(f"Every room has a {a} door and a {b} door.")
+    assert first[1]["content"] in (a, b) and first[-1]["content"] == episode._room_text(0)
     assert [r.done for r in results] == [False, False, False, True] and results[-1].reward == 1.0
     assert all(r.reward == 0.0 for r in results[:-1])  # no feedback until the end
-    assert "Room 2:" in results[0].observation and "Room 4:" in results[2].observation
+    assert [r.observation for r in results[:3]] == [episode._room_text(k) for k in (1, 2, 3)]
     for k, result in enumerate(results):
         a, b, key = episode.layout[k]
         reply = right_reply(episode, k)
@@ -42,8 +46,9 @@ def test_every_right_move_scores_1_and_each_move_is_its_turns_decision():
 
 
 def test_one_wrong_move_scores_0_and_is_marked_wrong():
-    env = DoorsEnv(rooms=3)
+    env = DoorsEnv(rooms=3, shots=0)
     row = {"id": "r", "question": "doors", "answer": {"seed": 5}}
+    assert isinstance(play(env, row, [])[0], str)  # without worked rooms the first message is text
 
     def one_wrong(episode, k):
         a, b, key = episode.layout[k]
@@ -102,3 +107,5 @@ def test_the_task_splits_and_the_ood_rooms_and_names():
         DoorsEnv(names=["red"])
     with pytest.raises(ValueError, match="no {key}"):
         DoorsEnv(room="Room {room}: {a} or {b}?")
+    with pytest.raises(ValueError, match="shots"):
+        DoorsEnv(shots=-1)

@@ -21,13 +21,13 @@ class DoorsTask(PromptSource):
     Args:
         rooms, names: the train and id episodes' rooms and door names.
         ood_rooms, ood_names: the ood split's.
-        intro, room: the texts of :class:`~scgrpo.envs.doors.DoorsEnv`.
+        intro, room, shots: the texts and worked rooms of :class:`~scgrpo.envs.doors.DoorsEnv`.
         num_train, num_eval, num_ood: the splits' sizes.
         seed: fixes the splits' seeds.
     """
 
-    def __init__(self, rooms: int = 3, names: Sequence[str] = NAMES, ood_rooms: int = 5,
-                 ood_names: Sequence[str] = OOD_NAMES, intro: str = INTRO, room: str = ROOM,
+    def __init__(self, rooms: int = 4, names: Sequence[str] = NAMES, ood_rooms: int = 6,
+                 ood_names: Sequence[str] = OOD_NAMES, intro: str = INTRO, room: str = ROOM, shots: int = 2,
                  num_train: int = 20000, num_eval: int = 256, num_ood: int = 256, seed: int = 1234) -> None:
         check_settings(rooms, names)
         check_settings(ood_rooms, ood_names)
@@ -35,7 +35,8 @@ class DoorsTask(PromptSource):
             raise ValueError(f"num_train must be >= 1, num_eval and num_ood >= 0; got {num_train}, {num_eval}, "
                              f"{num_ood}")
         self.rooms, self.names, self.ood_rooms, self.ood_names = rooms, list(names), ood_rooms, list(ood_names)
-        self.intro, self.room = intro, room
+        self.intro, self.room, self.shots = intro, room, shots
+        self.default_environment()  # the texts and shots checked here
         self.num_train, self.num_eval, self.num_ood, self.seed = num_train, num_eval, num_ood, seed
         self._cache: dict[str, list[Row]] = {}
 
@@ -46,7 +47,7 @@ class DoorsTask(PromptSource):
         return ScoredByEnvironment()
 
     def default_environment(self) -> DoorsEnv:
-        return DoorsEnv(self.rooms, self.names, self.intro, self.room)
+        return DoorsEnv(self.rooms, self.names, self.intro, self.room, self.shots)
 
     def rows(self, split: str) -> list[Row]:
         if split not in self.splits():

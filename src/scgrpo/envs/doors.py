@@ -1,10 +1,13 @@
 """A task with known pivots: rooms in a row, one door to choose in each (ours, DESIGN §4.2).
 
-Each room shows two doors, named by words drawn from a pool, and says which of them holds the key; the side
-(first- or second-named) of the key's door is drawn per room. The model's turn is one move: the first of the two
-door names in its reply (whole word, any case). No feedback until the end: the next room follows whatever the
-move; after the last room the episode scores 1 only if every move was right. So a policy that does not read the
-room (always the first-named door, always one word, alternating) succeeds with probability 2^-rooms.
+An episode's two doors are named by two words drawn from a pool (both named in the first message); each room
+says which of them holds the key, drawn per room. The model's turn is one move: the first of the two door names
+in its reply (whole word, any case). No feedback until the end: the next room follows whatever the move; after the
+last room the episode scores 1 only if every move was right. So a policy that does not read the room (always the
+first-named door, always one word, alternating) succeeds with probability 2^-rooms. The first message holds
+``shots`` worked rooms as earlier chat turns (the room, then the door's name as the assistant's reply): the
+untrained SmolLM2-135M-Instruct names a door in 16-48% of its replies without them and about 80% with two, and
+is then right in about 70% of first rooms (benchmarks/results/credit/calibration.md).
 
 Every move is the turn's decision (``info["decisions"]``, :mod:`scgrpo.pivots`): the door name's span in the
 reply, right or wrong. A reply that names neither door is a wrong move without a span (no decision marked).
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from scgrpo.envs.base import Action, Environment, StepResult
 
@@ -25,8 +28,8 @@ NAMES = ("red", "blue", "green", "yellow", "white", "black")
 OOD_NAMES = ("purple", "orange", "pink", "brown", "grey", "golden")
 """Door names of the ood split (never seen in training)"""
 
-INTRO = "You walk through {rooms} rooms. In each room, open the door with the key.\n\n"
-ROOM = "Room {room}: a {a} door and a {b} door. The key is behind the {key} door. Which door do you open?"
+INTRO = "Every room has a {a} door and a {b} door. Open the door with the key.\n\n"
+ROOM = "The key is behind the {key} door. Which door do you open?"
 
 
 class DoorsEnv(Environment):
@@ -37,35 +40,51 @@ class DoorsEnv(Environment):
 
     Args:
         rooms: rooms per episode.
-        names: the pool the two door names of a room are drawn from (at least 2 distinct words).
-        intro: text before the first room, with ``{rooms}``.
-        room: one room's text, with ``{room}`` (1-based), ``{a}`` and ``{b}`` (the doors in the order named) and
-            ``{key}`` (the door with the key).
+        names: the pool the episode's two door names are drawn from (at least 2 distinct words).
+        intro: text before the first (worked) room, with ``{a}``, ``{b}`` (the doors) and ``{rooms}``.
+        room: one room's text, with ``{key}`` (the door with the key) and optionally ``{room}`` (1-based), ``{a}``
+            and ``{b}``.
+        shots: worked rooms before the first room, as user and assistant turns of the first message (0: the
+            first message is the intro and the first room, as text).
     """
 
-    def __init__(self, rooms: int = 3, names: Sequence[str] = NAMES, intro: str = INTRO, room: str = ROOM) -> None:
+    def __init__(self, rooms: int = 4, names: Sequence[str] = NAMES, intro: str = INTRO, room: str = ROOM,
+                 shots: int = 2) -> None:
         check_settings(rooms, names)
-        for field in ("{a}", "{b}", "{key}"):
-            if field not in room:
-                raise ValueError(f"room {room!r} has no {field}")
-        self.rooms, self.names, self.intro, self.room = rooms, list(names), intro, room
+        if "{key}" not in room:
+            raise ValueError(f"room {room!r} has no {{key}}")
+        if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
+            raise ValueError(f"shots must be an int >= 0, got {shots!r}")
+        self.rooms, self.names, self.intro, self.room, self.shots = rooms, list(names), intro, room, shots
+        self.doors: tuple[str, str] = ("", "")
         self.layout: list[tuple[str, str, int]] = []  # (first name, second name, index of the key's door)
         self.moves: list[Optional[int]] = []
 
-    def reset(self, row: dict[str, Any], seed: int) -> str:
+    def reset(self, row: dict[str, Any], seed: int) -> Union[str, list[dict[str, str]]]:
         answer = row.get("answer") if isinstance(row.get("answer"), dict) else {}
         rooms, names = int(answer.get("rooms", self.rooms)), list(answer.get("names", self.names))
         check_settings(rooms, names)
         rng = random.Random(int(answer.get("seed", seed)))
-        self.layout = []
-        for _ in range(rooms):
-            a, b = rng.sample(names, 2)
-            self.layout.append((a, b, rng.randrange(2)))
+        a, b = rng.sample(names, 2)
+        self.doors = (a, b)
+        worked = [rng.randrange(2) for _ in range(self.shots)]
+        self.layout = [(a, b, rng.randrange(2)) for _ in range(rooms)]
         self.moves = []
-        return self.intro.replace("{rooms}", str(rooms)) + self._room_text(0)
+        intro = self.intro.replace("{a}", a).replace("{b}", b).replace("{rooms}", str(rooms))
+        if not self.shots:
+            return intro + self._room_text(0)
+        messages = []
+        for k, key in enumerate(worked):
+            text = self._text(a, b, key, k)
+            messages += [{"role": "user", "content": intro + text if k == 0 else text},
+                         {"role": "assistant", "content": (a, b)[key]}]
+        return messages + [{"role": "user", "content": self._room_text(0)}]
 
     def _room_text(self, k: int) -> str:
         a, b, key = self.layout[k]
+        return self._text(a, b, key, self.shots + k)
+
+    def _text(self, a: str, b: str, key: int, k: int) -> str:
         return (self.room.replace("{room}", str(k + 1)).replace("{a}", a).replace("{b}", b)
                 .replace("{key}", (a, b)[key]))
 
