@@ -123,18 +123,24 @@ def main(argv=None) -> None:
             print(f"{name} {split}: success {m['success']:.3f}, right moves {m['right_moves']:.3f}, named "
                   f"{m['moves']:.3f}, first-named {m['first_named']:.3f}, partial {m['partial_groups']:.2f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
+            if args.out:
+                write(args.out, results, args, argv)
+    print(f"chosen: {choose(results)}")
+
+
+def write(out: str, results: dict, args, argv) -> None:
+    """``<out>.json`` and ``<out>.md`` with what is measured so far (rewritten after each candidate, so that a
+    command stopped early keeps them)."""
     chosen = choose(results)
-    print(f"chosen: {chosen}")
-    if args.out:
-        command = "PYTHONPATH=src python scripts/calibrate_doors.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"command": command, "model": args.model, "dtype": args.dtype, "device": args.device,
-                       "card": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                       "rule": {"success": SUCCESS_RANGE, "min_partial": MIN_PARTIAL}, "chosen": chosen,
-                       "wordings": WORDINGS, "results": results}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(table(results, chosen, command))
+    command = "PYTHONPATH=src python scripts/calibrate_doors.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"command": command, "model": args.model, "dtype": args.dtype, "device": args.device,
+                   "card": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                   "rule": {"success": SUCCESS_RANGE, "min_partial": MIN_PARTIAL}, "chosen": chosen,
+                   "wordings": WORDINGS, "results": results}, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(table(results, chosen, command))
 
 
 if __name__ == "__main__":

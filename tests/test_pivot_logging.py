@@ -135,3 +135,18 @@ def test_a_task_that_marks_no_decisions_logs_no_pivot_keys_and_says_so_once(tiny
     header = open(glob.glob(str(tmp_path / "run" / "*" / "metrics.csv"))[0]).readline()
     assert "credit/teacher_rows" in header and "pivot" not in header
     assert sum("marks no decisions" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_pivot_keys_are_nan_between_credit_logging_steps(tiny_model_dir, tmp_path):
+    """Lightning logs a callback's key again at every later step unless it is logged anew: between the logging
+    steps the keys read NaN, not the last step's values."""
+    module = tiny_module(tiny_model_dir, environment=Marking(), objective=SCGRPO(),
+                         episodes=EpisodeSettings(max_turns=2, max_episode_tokens=48), log_completions_every_n_steps=2,
+                         dtype="float32")
+    tiny_trainer(tmp_path, max_steps=3).fit(module, tiny_data(batch_size=16))
+    rows = [r for r in csv.DictReader(open(glob.glob(str(tmp_path / "run" / "*" / "metrics.csv"))[0]))
+            if r.get("train/reward")]
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert rows[0]["credit/pivot_rows"] != "nan" and rows[2]["credit/pivot_rows"] != "nan"
+    assert all(math.isnan(float(rows[1][key])) for key in
+               ("credit/pivot_rows", "credit/pivot_auroc", "credit/pivot_share"))

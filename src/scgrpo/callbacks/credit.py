@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from scgrpo.callbacks.logging import run_dir
 from scgrpo.data.chat import prompt_text
 from scgrpo.distributed import all_reduce
-from scgrpo.pivots import BOTH, NONE, RIGHT, WRONG, decision_labels, pivot_metrics
+from scgrpo.pivots import BOTH, NONE, PIVOT_KEYS, RIGHT, WRONG, decision_labels, pivot_metrics
 from scgrpo.rollout.types import PARTIAL, ROUTES
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class CreditLogging(Callback):
 
     def __init__(self, every_n_steps: int = 10, num_rollouts: int = 8) -> None:
         self.every_n_steps, self.num_rollouts = every_n_steps, num_rollouts
-        self._said_unmarked = self._said_malformed = False
+        self._said_unmarked = self._said_malformed = self._pivots_logged = False
 
     def pick_rows(self, signal, group_size: int) -> list[int]:
         """Rows to draw: for each route present, in ``ROUTES`` order, up to two rows of its first group (rows
@@ -92,6 +92,9 @@ class CreditLogging(Callback):
             labels = self._pivots(pl_module, batch, record)
             self._heatmap(trainer, pl_module, batch, record, labels)
             self._token_log(trainer, pl_module, batch, record, labels)
+        elif self._pivots_logged:  # Lightning would log a key's last value again at every later step: NaN between
+            pl_module.log_dict({key: float("nan") for key in PIVOT_KEYS}, on_step=True, on_epoch=False,
+                               prog_bar=False, batch_size=1)
 
     def _pivots(self, pl_module, batch, record):
         """The decision labels of the batch's tokens (None: no rollout marks one), with the ``credit/pivot_*``
@@ -121,6 +124,7 @@ class CreditLogging(Callback):
         rows = (signal.route.cpu() == PARTIAL) & signal.has_teacher.cpu() & failed
         metrics = pivot_metrics(credit.token_weights, labels, rollouts.completion_mask, rows, device)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
+        self._pivots_logged = True
         return labels
 
     @rank_zero_only
