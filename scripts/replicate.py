@@ -313,7 +313,8 @@ def pivot_tokens_of(tokens: str) -> list[dict]:
     decision), compactly, from a run's ``credit_tokens.jsonl``: per row its step, group, and at its model tokens
     in order the weight f and the decision label (``scgrpo.pivots``: 0 none, 1 right, 2 wrong, 3 both). The
     offline analyses of docs/credit.md (a position-matched null, a row bootstrap) read these. A step logged twice
-    (a resumed run) keeps its last block of rows."""
+    (a resumed run) keeps its last block of rows. Failed means a reward below 1 (the replication configs'
+    ``success_threshold``); on several GPUs the file holds rank 0's rows only, the live keys every rank's."""
     if not os.path.exists(tokens):
         return []
     by_step: dict[int, list[dict]] = {}

@@ -124,3 +124,20 @@ def test_pivot_metrics_by_hand():
     none = pivot_metrics(weights, labels, mask, torch.zeros(4, dtype=torch.bool))
     assert none["credit/pivot_rows"] == 0 and math.isnan(none["credit/pivot_auroc"])
     assert math.isnan(none["credit/pivot_share"])
+
+
+def test_numpy_integers_and_booleans_are_read_as_plain_ones():
+    import numpy as np
+
+    assert read_decisions([{"span": [np.int64(1), np.int32(3)], "correct": np.bool_(True), "turn": np.int64(2)}]) \
+        == [Decision(1, 3, True, 2)]
+    with pytest.raises(DecisionError):
+        read_decisions([{"span": [True, 3], "correct": True}])
+
+
+def test_a_weighted_verifier_keeps_its_parts_decisions():
+    from scgrpo.verifiers import NumericVerifier
+    from scgrpo.verifiers.combined import WeightedVerifier
+
+    result = WeightedVerifier([NumericVerifier(), NumericVerifier()], [0.5, 0.5]).verify("so 41", 42)
+    assert result.info["decisions"] == [{"span": [3, 5], "correct": False}] * 2

@@ -12,8 +12,7 @@ optional) or a triple ``(turn, (start, end), correct)``; spans are character off
 :func:`decision_labels` maps the spans to the model's own tokens through the offsets of the ids as they were
 sampled (each token's characters in the decoded text, never a re-tokenisation): a token is a decision token when
 its characters overlap a decision's span. :func:`pivot_metrics` then measures, in the failed rollouts of
-partial-solve groups that had a teacher (the rows whose reference holds the right decisions and whose own text
-holds at least one wrong one):
+partial-solve groups that had a teacher and mark at least one decision (their reference holds the right decisions):
 
 - ``credit/pivot_auroc``: the AUROC of the weight f at tokens of wrong decisions against tokens of right ones
   (the probability that a wrong decision's token weighs more than a right one's, ties counting half): 0.5 means
@@ -21,11 +20,18 @@ holds at least one wrong one):
 - ``credit/pivot_share``: the decisions' share of the f mass over their share of the tokens (1: no more weight
   on decisions than uniform weights would put there);
 - ``credit/pivot_rows``: the rows counted.
+
+A task whose only decision decides the reward (a numeric answer: right exactly when it scores 1) has no right
+decision in a failed rollout: its AUROC is undefined (NaN) and only the share speaks. The offsets decode each
+token alone and join the pieces; where that is not the whole text (a character split over tokens, or a tokenizer
+whose pieces drop a leading space, as SentencePiece's do) every prefix is decoded, a cost quadratic in the turn's
+length on the credit-logging steps.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -62,9 +68,13 @@ class DecisionError(ValueError):
 
 
 def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DecisionError(f"{what} must be an int, got {value!r}")
-    return value
+    """``value`` as an int: any integer type (numpy's too), not a bool."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise DecisionError(f"{what} must be an int, got {value!r}") from None
 
 
 def read_decision(item: Any, turn: Optional[int]) -> Decision:
@@ -82,15 +92,17 @@ def read_decision(item: Any, turn: Optional[int]) -> Decision:
         if "correct" not in item:
             raise DecisionError(f"a decision needs 'correct', got {item!r}")
         found = Decision(_int(start, "a decision's start"), _int(end, "a decision's end"), item["correct"],
-                         item.get("turn"))
+                         None if item.get("turn") is None else _int(item["turn"], "a decision's turn"))
     elif isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[1], (list, tuple)):
         if len(item[1]) != 2:
             raise DecisionError(f"a decision's span must be (start, end), got {item[1]!r}")
         found = Decision(_int(item[1][0], "a decision's start"), _int(item[1][1], "a decision's end"), item[2],
-                         item[0])
+                         None if item[0] is None else _int(item[0], "a decision's turn"))
     else:
         raise DecisionError(f"a decision is a Decision, a dict with span and correct, or (turn, (start, end), "
                             f"correct); got {item!r}")
+    if not isinstance(found.correct, bool) and type(found.correct).__name__ in ("bool", "bool_"):  # numpy's
+        found = Decision(found.start, found.end, bool(found.correct), found.turn)
     if not isinstance(found.correct, bool):
         raise DecisionError(f"a decision's correct must be true or false, got {found.correct!r}")
     if found.turn is not None:

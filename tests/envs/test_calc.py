@@ -91,7 +91,7 @@ def test_tool_calls_get_results_or_errors_and_do_not_end_the_episode():
     assert "Let me compute. calc(397 - 942 * 197) and then answer."[16:37] == "calc(397 - 942 * 197)"
     json_form = _turn(env, '<tool_call>{"name": "calc", "arguments": {"expression": "942 * 197"}}</tool_call>')
     assert json_form.observation == "calc result: 185574" and not json_form.done
-    assert json_form.info["decisions"] == [{"span": [0, 81], "correct": False}]  # the whole tag; 185574 is wrong
+    assert "decisions" not in json_form.info  # 185574 may be an intermediate value: not marked
     bad = _turn(env, "calc(import os)")
     assert bad.observation.startswith("calc error: cannot read") and not bad.done and bad.reward == 0.0
     assert bad.info["decisions"] == [{"span": [0, 15], "correct": False}]
@@ -99,7 +99,9 @@ def test_tool_calls_get_results_or_errors_and_do_not_end_the_episode():
     assert other.observation == "calc error: there is no tool 'search'; the only tool is calc" and not other.done
     nested = _turn(env, "calc((1 + 2) * (3 + 4))")  # balanced parentheses
     assert nested.observation == "calc result: 21"
-    assert nested.info == {"tool_calls": 5, "decisions": [{"span": [0, 23], "correct": False}]}
+    assert nested.info == {"tool_calls": 5}
+    whole = _turn(env, '<tool_call>{"name": "calc", "arguments": {"expression": "397 - 942 * 197"}}</tool_call>')
+    assert whole.info["decisions"] == [{"span": [0, 87], "correct": True}]  # the whole tag
 
 
 @pytest.mark.parametrize("text, extracted, reward", [

@@ -81,7 +81,8 @@ def test_countdown_use_all():
 def test_weighted_verifier_sums_parts():
     combined = WeightedVerifier([NumericVerifier(), ParityVerifier()], weights=[1.0, 0.5])
     result = combined.verify("42", 42)  # correct, even length
-    assert result.score == 1.5 and result.info == {"rewards": {"NumericVerifier": 1.0, "ParityVerifier": 1.0}}
+    assert result.score == 1.5 and result.info == {"rewards": {"NumericVerifier": 1.0, "ParityVerifier": 1.0},
+                                                   "decisions": [{"span": [0, 2], "correct": True}]}  # NumericVerifier's
     assert WeightedVerifier([ParityVerifier(), ParityVerifier(offset=1)]).names == ["ParityVerifier", "ParityVerifier_2"]
     assert combined.verify("421", 42).score == 0.0
     with pytest.raises(ValueError, match="weights"):

@@ -107,7 +107,7 @@ class CreditLogging(Callback):
                                             lambda ids: pl_module.tokenizer.decode(ids, skip_special_tokens=True))
         device = rollouts.completion_ids.device
         marked, malformed = all_reduce([float(labels is not None), float(malformed)], "sum", device)
-        if malformed and not self._said_malformed:
+        if malformed and not self._said_malformed and pl_module.global_rank == 0:
             self._said_malformed = True
             log.warning("%d rollout(s) of step %d hold info['decisions'] that is not a list of decisions (see "
                         "scgrpo.pivots); they are left out of credit/pivot_*", int(malformed), pl_module.global_step)
@@ -117,6 +117,9 @@ class CreditLogging(Callback):
                 log.info("the task marks no decisions (StepResult.info['decisions'] or VerificationResult."
                          "info['decisions']): credit/pivot_auroc, credit/pivot_share and credit/pivot_rows are not "
                          "logged")
+            if self._pivots_logged:  # marked on an earlier step: not this step's values
+                pl_module.log_dict({key: float("nan") for key in PIVOT_KEYS}, on_step=True, on_epoch=False,
+                                   prog_bar=False, batch_size=1)
             return None
         if labels is None:
             labels = rollouts.completion_ids.new_zeros(rollouts.completion_ids.shape).cpu().to(torch.int8)

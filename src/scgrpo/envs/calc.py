@@ -119,8 +119,9 @@ class CalculatorEnv(Environment):
     Each turn that calls ``calc(...)`` (or ``<tool_call>{"name": "calc", "arguments": {"expression": ...}}``) gets
     ``calc result: N`` or ``calc error: ...`` back, reward 0; the first turn without a tool call ends the episode
     with reward 1 when its number equals the answer, else 0. ``info`` holds the ``extracted`` answer and the
-    episode's number of ``tool_calls``, and marks each turn's decision (``info["decisions"]``): a call, right
-    when its expression's value is the answer, and the final answer's number, right when it scores 1.
+    episode's number of ``tool_calls``, and marks the decisions (``info["decisions"]``): a call whose value is the
+    answer (right), a call the calculator refuses (wrong; a call with another value may be an intermediate step
+    and is not marked), and the final answer's number, right when it scores 1.
 
     Args:
         template: the first message, with ``{question}``; says how to call the tool and how to answer. The default,
@@ -159,8 +160,9 @@ class CalculatorEnv(Environment):
                 value = format_number(evaluate(_expression(call.arguments)))
             except CalcError as err:
                 return StepResult(f"calc error: {err}", info=_decided(info, call.span, False))
-            right = self._verifier.verify(value, self.answer).score >= 1.0
-            return StepResult(f"calc result: {value}", info=_decided(info, call.span, right))
+            if self._verifier.verify(value, self.answer).score >= 1.0:  # (an intermediate value is no wrong move)
+                info = _decided(info, call.span, True)
+            return StepResult(f"calc result: {value}", info=info)
         text, offset = _final_answer(action.text)
         result = self._verifier.verify(text, self.answer)
         info = {"extracted": result.info["extracted"], "tool_calls": self.tool_calls}

@@ -65,7 +65,7 @@ class DoorsEnv(Environment):
         rooms, names = int(answer.get("rooms", self.rooms)), list(answer.get("names", self.names))
         check_settings(rooms, names)
         rng = random.Random(int(answer.get("seed", seed)))
-        a, b = rng.sample(names, 2)
+        a, b = rng.sample(list(dict.fromkeys(names)), 2)
         self.doors = (a, b)
         worked = [rng.randrange(2) for _ in range(self.shots)]
         self.layout = [(a, b, rng.randrange(2)) for _ in range(rooms)]

@@ -16,8 +16,10 @@ from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE, TeacherSignal
 
 class ScaledGRPO(SCGRPO):
     """GRPO whose advantage on each row that had a teacher is scaled by the step's mean weight f(D) over the
-    active tokens (SC-GRPO's f, its routing and its c): the same shrinkage of the step as SC-GRPO's, spread evenly
-    over the row's tokens, so none of it says *where* a row's credit lies.
+    active tokens (SC-GRPO's f, its routing and its c, solve-none rows' tokens included): SC-GRPO's shrinkage of
+    the step on average, spread evenly over every row's tokens, so none of it says *where* a row's credit lies.
+    (Under seq-mean-token-mean SC-GRPO shrinks each row by its own mean f; this control gives every row the step's
+    token mean, so rows of other lengths or routes are shrunk by slightly more or less than SC-GRPO shrinks them.)
 
     Beside SC-GRPO with ``permute_weights`` (each row's own weights shuffled) it separates targeting from
     shrinkage: SC-GRPO's claim is that it beats both. Unlike SC-GRPO, solve-none groups keep GRPO's advantage 0

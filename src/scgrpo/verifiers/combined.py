@@ -31,9 +31,12 @@ class WeightedVerifier(Verifier):
         self.timeout_s = timeout_s
 
     def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
-        total, scores = 0.0, {}
+        total, scores, decisions = 0.0, {}, []
         for verifier, weight, name in zip(self.verifiers, self.weights, self.names):
             result = verifier.verify(completion, answer, question)
             scores[name] = result.score
             total += weight * result.score
-        return VerificationResult(total, {"rewards": scores})
+            marked = result.info.get("decisions") if isinstance(result.info, dict) else None
+            if isinstance(marked, list):  # each part's decisions (scgrpo.pivots), in the parts' order
+                decisions += marked
+        return VerificationResult(total, {"rewards": scores, **({"decisions": decisions} if decisions else {})})
