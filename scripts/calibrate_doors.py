@@ -11,7 +11,12 @@ in [0.25, 0.40] with at least half of their groups partial-solve, the one whose 
 range's middle); none if none qualifies.
 
     PYTHONPATH=src python scripts/calibrate_doors.py --out benchmarks/results/credit/calibration
-    PYTHONPATH=src python scripts/calibrate_doors.py --candidates plain-3,shot-3 --rows 32 --samples 4   # a look
+    PYTHONPATH=src python scripts/calibrate_doors.py --candidates shots2-3,larger1-shots3-2 --rows 32 --samples 4
+    PYTHONPATH=src python scripts/calibrate_doors.py --candidates larger --splits id \
+        --write-config configs/replication/doors_larger.yaml      # the rule larger's candidates; set the chosen
+
+``--write-config`` sets the chosen candidate's ``rooms``, ``ood_rooms`` (2 more), ``digits`` and ``shots`` in a
+task config whose data source is a DoorsTask of the same rule (a command that chooses none leaves it as it is).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -26,15 +32,18 @@ import torch
 
 from scgrpo.data.doors import DoorsTask
 from scgrpo.envs import EpisodeSettings
-from scgrpo.envs.doors import INTRO, ROOM
+from scgrpo.envs.doors import INTRO, LARGER_ROOM, ROOM
 from scgrpo.envs.runner import EpisodeRunner
 from scgrpo.policy import build_policy
 from scgrpo.rollout.engine import GenerationSettings
 
 WORDINGS = {f"shots{k}": {"shots": k} for k in (0, 1, 2, 3)}
-"""The task's texts (scgrpo.envs.doors INTRO and ROOM) with 0 to 3 worked rooms before the first"""
-CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in (3, 4, 5)]
-"""Each wording with 3, 4 and 5 rooms (the ood split: 2 rooms more, unseen door names)"""
+"""The rule ``named`` (scgrpo.envs.doors INTRO and ROOM) with 0 to 3 worked rooms before the first"""
+WORDINGS.update({f"larger{d}-shots{k}": {"rule": "larger", "digits": d, "shots": k} for d in (1, 2) for k in (2, 3, 4)})
+"""The rule ``larger`` (LARGER_ROOM): numbers of 1 or 2 digits, 2 to 4 worked rooms"""
+CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in ((2, 3) if w.startswith("larger") else (3, 4, 5))]
+"""The rule named's wordings with 3, 4 and 5 rooms, the rule larger's with 2 and 3 (the ood split: 2 rooms more,
+unseen door names; rule ``larger``: a digit more); ``--candidates named`` or ``larger``: those of one rule"""
 SUCCESS_RANGE = (0.25, 0.40)
 MIN_PARTIAL = 0.5
 
@@ -89,8 +98,10 @@ def table(results: dict, chosen: str | None, command: str) -> str:
             lines.append(f"| {name} | {split} | {m['rows']} x {m['samples']} | {m['success']:.3f} | {m['pass']:.2f} | "
                          f"{m['right_moves']:.3f} | {m['moves']:.3f} | {m['first_named']:.3f} | "
                          f"{m['partial_groups']:.2f} | {m['solve_none_groups']:.2f} |")
-    lines += ["", f"Texts (`scgrpo.envs.doors`): intro {json.dumps(INTRO)}, room {json.dumps(ROOM)}; `shotsK` puts K "
-              "worked rooms before the first as chat turns; `-R`: R rooms (ood: R + 2, door names never trained on)."]
+    lines += ["", f"Texts (`scgrpo.envs.doors`): intro {json.dumps(INTRO)}, room {json.dumps(ROOM)} (rule named) or "
+              f"{json.dumps(LARGER_ROOM)} (rule larger, `largerD`: numbers of D digits); `shotsK` puts K worked rooms "
+              "before the first as chat turns; `-R`: R rooms (ood: R + 2, door names never trained on, and with the "
+              "rule larger a digit more)."]
     return "\n".join(lines) + "\n"
 
 
@@ -107,12 +118,18 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-rows", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write <out>.json and <out>.md")
+    parser.add_argument("--write-config", default=None, help="set the chosen candidate in this task config")
     args = parser.parse_args(argv)
+    names = {"named": [c for c in CANDIDATES if c.startswith("shots")],
+             "larger": [c for c in CANDIDATES if c.startswith("larger")]}
+    candidates = [c for name in args.candidates.split(",") for c in names.get(name, [name])]
+    for name in candidates:
+        task_of(name)  # (an unknown one stops here, before the model loads)
     torch.manual_seed(args.seed)
     generation = GenerationSettings(num_generations=args.samples, max_new_tokens=args.max_new_tokens, temperature=1.0)
     policy = build_policy(args.model, args.dtype, None, None, torch.device(args.device), generation)
     results: dict = {}
-    for name in args.candidates.split(","):
+    for name in candidates:
         task = task_of(name)
         runner = EpisodeRunner(task.default_environment(), EpisodeSettings(max_turns=task.ood_rooms + 1,
                                                                  max_episode_tokens=64 * (task.ood_rooms + 1)))
@@ -125,7 +142,33 @@ def main(argv=None) -> None:
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
             if args.out:
                 write(args.out, results, args, argv)
-    print(f"chosen: {choose(results)}")
+    chosen = choose(results)
+    print(f"chosen: {chosen}")
+    if args.write_config and chosen:
+        set_candidate(args.write_config, chosen)
+        print(f"set {chosen} in {args.write_config}")
+
+
+def candidate_settings(candidate: str) -> dict[str, int]:
+    """The DoorsTask settings a candidate fixes."""
+    task = task_of(candidate)
+    return {"rooms": task.rooms, "ood_rooms": task.ood_rooms, "digits": task.digits, "shots": task.shots}
+
+
+def set_candidate(path: str, candidate: str) -> None:
+    """Sets ``candidate``'s settings (:func:`candidate_settings`) in the task config at ``path``: its DoorsTask's
+    ``init_args`` lines (comments kept), whose ``rule`` must be the candidate's."""
+    with open(path) as f:
+        text = f.read()
+    rule = task_of(candidate).rule
+    if not re.search(rf"^\s+rule: {rule}\s*$", text, re.MULTILINE):
+        raise SystemExit(f"{path} sets no DoorsTask rule {rule!r} (the candidate {candidate!r}'s)")
+    for key, value in candidate_settings(candidate).items():
+        text, n = re.subn(rf"^(\s+{key}): \d+\s*$", rf"\g<1>: {value}", text, count=1, flags=re.MULTILINE)
+        if not n:
+            raise SystemExit(f"{path} has no line '{key}: <n>' to set")
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def write(out: str, results: dict, args, argv) -> None:

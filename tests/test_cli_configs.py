@@ -299,3 +299,20 @@ def test_predict_is_not_offered(capsys):
         main(["predict"])
     assert info.value.code == 2
     assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in capsys.readouterr().err
+
+
+def test_the_credit_task_config_evaluates_id_on_the_way_and_ood_at_the_end(tiny_model_dir, tmp_path, monkeypatch):
+    import csv
+
+    monkeypatch.chdir(tmp_path)
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    main(["fit", f"--config={root}/replication/doors_larger.yaml", f"--config={root}/replication/scgrpo.yaml",
+          *_tiny_args(tiny_model_dir), "--trainer.val_check_interval=1", "--model.episodes.max_episode_tokens=64",
+          "--model.eval_samples=2", "--data.eval_batch_size=4", "--checkpoint.every_n_train_steps=1",
+          "--data.source.init_args.shots=0"])  # (the tiny tokenizer spends a token a byte)
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    with open(os.path.join(run, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    steps = {split: [int(float(r["val/global_step"])) for r in rows if r.get(f"val/{split}/avg@2")]
+             for split in ("id", "ood")}
+    assert steps == {"id": [0, 1, 2], "ood": [2]}

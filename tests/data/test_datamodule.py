@@ -46,3 +46,29 @@ def test_fit_without_a_train_split_is_one_error_before_the_model_loads(tiny_mode
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("scgrpo: error: data.source (EvalOnlyArithmetic) has no train split")
+
+
+def test_a_final_split_is_evaluated_at_the_fits_last_step_only_and_by_validate(tiny_model_dir, tmp_path):
+    import csv
+
+    data = PromptDataModule(source=ArithmeticTask(num_eval=4, num_ood=4), batch_size=2, eval_batch_size=4,
+                            eval_splits=["id"], final_splits=["ood"])
+    assert data.eval_splits == ["id", "ood"] and data.final_splits == ["ood"]
+    trainer = tiny_trainer(tmp_path, max_steps=4, limit_val_batches=None, val_check_interval=2,
+                           check_val_every_n_epoch=None)
+    trainer.fit(tiny_module(tiny_model_dir, validate_before_training=True), datamodule=data)
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = {split: [int(float(r["val/global_step"])) for r in rows if r.get(f"val/{split}/avg@2")]
+             for split in ("id", "ood")}
+    assert steps == {"id": [0, 2, 4], "ood": [4]}  # before training, every 2 steps; ood at the end only
+    validated = tiny_trainer(tmp_path / "v", limit_val_batches=None).validate(tiny_module(tiny_model_dir),
+                                                                              datamodule=data)
+    assert {k for m in validated for k in m if k.endswith("avg@2")} == {"val/id/avg@2", "val/ood/avg@2"}
+    with pytest.raises(ValueError, match=r"final_splits \['test'\] not offered by ArithmeticTask"):
+        PromptDataModule(source=ArithmeticTask(), final_splits=["test"])
+    off = tiny_trainer(tmp_path / "off", max_steps=5, limit_val_batches=None, val_check_interval=2,
+                       check_val_every_n_epoch=None)
+    with pytest.raises(InputError, match=r"max_steps=5 is no multiple of trainer.val_check_interval=2: no "
+                                         r"evaluation falls there \(set max_steps to 6\)"):
+        off.fit(tiny_module(tiny_model_dir), datamodule=data)

@@ -70,10 +70,11 @@ def test_the_seed_fixes_the_rooms_and_a_group_shares_it():
     assert play(env, fixed, ["x"] * 5, seed=1)[2].layout == play(env, fixed, ["x"] * 5, seed=2)[2].layout
 
 
+@pytest.mark.parametrize("rule", ["named", "larger"])
 @pytest.mark.parametrize("policy", ["first", "second", "left-word", "alternate", "red"])
-def test_policies_that_do_not_read_the_room_succeed_at_chance(policy):
+def test_policies_that_do_not_read_the_room_succeed_at_chance(policy, rule):
     """Over 4,000 episodes of 3 rooms: 1/8 each, within 4 standard errors (0.021)."""
-    env = DoorsEnv(rooms=3)
+    env = DoorsEnv(rooms=3, rule=rule, digits=1)
     wins = 0
     for n in range(4000):
         episode = env.spawn()
@@ -108,7 +109,51 @@ def test_the_task_splits_and_the_ood_rooms_and_names():
         DoorsTask(rooms=0)
     with pytest.raises(ValueError, match="names"):
         DoorsEnv(names=["red"])
-    with pytest.raises(ValueError, match="no {key}"):
+    with pytest.raises(ValueError, match="of the rule 'named' needs {key}"):
         DoorsEnv(room="Room {room}: {a} or {b}?")
+    with pytest.raises(ValueError, match="of the rule 'larger' needs {x} and {y}"):
+        DoorsEnv(rule="larger", room="The key is behind the {key} door.")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        DoorsEnv(rule="smaller")
+    with pytest.raises(ValueError, match="digits"):
+        DoorsTask(rule="larger", digits=0)
     with pytest.raises(ValueError, match="shots"):
         DoorsEnv(shots=-1)
+
+
+def test_the_rule_larger_puts_the_key_behind_the_larger_number_of_the_room_and_of_each_worked_room():
+    task = DoorsTask(rule="larger", rooms=3, digits=1, shots=2, num_eval=64, num_ood=8)
+    env = task.default_environment()
+    for row in task.rows("id")[:64]:
+        first, results, episode = play(env, row, right_reply)
+        assert results[-1].reward == 1.0 and len(episode.numbers) == 5  # 2 worked rooms, then 3 rooms
+        assert all(1 <= n <= 9 for pair in episode.numbers for n in pair)
+        for (x, y), (a, b, key) in zip(episode.numbers[2:], episode.layout):
+            assert x != y and key == int(y > x)
+        a, b = episode.doors
+        for k, turn in enumerate(first[0:4:2]):  # the worked rooms: the larger number's door is the reply
+            x, y = episode.numbers[k]
+            assert f"The {a} door shows {x} and the {b} door shows {y}." in turn["content"]
+            assert first[2 * k + 1]["content"] == (a, b)[int(y > x)]
+        x, y = episode.numbers[2]
+        assert first[-1]["content"].startswith(f"The {a} door shows {x} and the {b} door shows {y}.")
+        assert "{" not in first[-1]["content"] and results[0].info["numbers"] == [x, y]
+    # the key's side is drawn per room, not fixed by the rule
+    keys = [key for row in task.rows("id")[:64] for _, _, key in play(env, row, right_reply)[2].layout]
+    assert 0.35 < sum(keys) / len(keys) < 0.65
+    ood = task.rows("ood")[0]
+    assert ood["answer"]["digits"] == 2 and ood["answer"]["rooms"] == 6
+    _, results, episode = play(env, ood, right_reply)
+    assert len(results) == 6 and results[-1].reward == 1.0
+    assert all(10 <= n <= 99 for pair in episode.numbers for n in pair)  # a digit more
+
+
+def test_the_rule_named_draws_the_rooms_it_drew_before_the_rule_larger_existed():
+    """The committed runs' episodes (benchmarks/results/credit/runs) stay what they were: the worked rooms' keys
+    first, then the rooms', one draw each."""
+    row = {"id": "r", "question": "doors", "answer": {"seed": 11, "rooms": 4}}
+    episode = play(DoorsEnv(shots=2), row, [])[2]
+    rng = random.Random(11)
+    a, b = rng.sample(list(dict.fromkeys(DoorsEnv().names)), 2)
+    keys = [rng.randrange(2) for _ in range(6)]
+    assert episode.layout == [(a, b, key) for key in keys[2:]] and episode.numbers == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -55,6 +55,17 @@ class PromptStream(IterableDataset):
             k += 1
 
 
+class AtTheEnd(IterableDataset):
+    """An evaluation split's batches (``loader``'s) when ``when()`` says so, else none: a final split
+    (``PromptDataModule.final_splits``)."""
+
+    def __init__(self, loader: DataLoader, when: Callable[[], bool]) -> None:
+        self.loader, self.when = loader, when
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        return iter(self.loader) if self.when() else iter(())
+
+
 class PromptDataModule(LightningDataModule):
     """Streams prompts for training and serves evaluation splits.
 
@@ -64,6 +75,9 @@ class PromptDataModule(LightningDataModule):
         batch_size: prompts per training step and rank (each is sampled ``num_generations`` times).
         eval_batch_size: prompts per evaluation batch.
         eval_splits: which of the source's evaluation splits to run (default: all of them).
+        final_splits: evaluation splits run at the fit's last evaluation only (at ``trainer.max_steps``), and by
+            ``scgrpo validate`` and ``test`` (e.g. an OOD split: measured at the end, not on the way). A split
+            named in both lists is a final one.
         max_eval_prompts: cap on prompts per evaluation split (None = all).
         seed: fixes the order of training prompts.
         buffer_size_per_prompt: K, verified completions kept per prompt for the self-teacher (0 = none).
@@ -81,6 +95,7 @@ class PromptDataModule(LightningDataModule):
         batch_size: int = 8,
         eval_batch_size: int = 64,
         eval_splits: Optional[list[str]] = None,
+        final_splits: Optional[list[str]] = None,
         max_eval_prompts: Optional[int] = None,
         seed: int = 0,
         buffer_size_per_prompt: int = 4,
@@ -101,6 +116,11 @@ class PromptDataModule(LightningDataModule):
         unknown = [s for s in self.eval_splits if s not in available]
         if unknown:
             raise ValueError(f"eval_splits {unknown} not offered by {type(self.source).__name__}; it has {available}")
+        self.final_splits = list(final_splits or [])
+        unknown = [s for s in self.final_splits if s not in available]
+        if unknown:
+            raise ValueError(f"final_splits {unknown} not offered by {type(self.source).__name__}; it has {available}")
+        self.eval_splits += [s for s in self.final_splits if s not in self.eval_splits]
         self.max_eval_prompts, self.seed = max_eval_prompts, seed
         self.batches_consumed = 0  # per rank; saved in checkpoints so a resumed run continues the stream
         self.extra_consumed = 0
@@ -110,6 +130,14 @@ class PromptDataModule(LightningDataModule):
         """``fit`` needs the source's train split (one clear error before the model loads); ``validate`` and ``test``
         read its evaluation splits only, so a source without a train split evaluates."""
         splits = self.source.splits()
+        trainer = self.trainer
+        interval = getattr(trainer, "val_check_interval", None)
+        if stage == "fit" and self.final_splits and isinstance(interval, int) and trainer.max_steps > 0 \
+                and trainer.max_steps % interval:
+            raise InputError(f"data.final_splits {self.final_splits} are evaluated at the fit's last step, but "
+                             f"trainer.max_steps={trainer.max_steps} is no multiple of trainer.val_check_interval="
+                             f"{interval}: no evaluation falls there (set max_steps to "
+                             f"{-(-trainer.max_steps // interval) * interval})")
         if stage == "fit" and "train" not in splits:
             raise InputError(f"data.source ({type(self.source).__name__}) has no train split, only {splits}: scgrpo "
                              "fit trains on one (FileSource: files: {train: ..., test: ...}); scgrpo validate and "
@@ -158,11 +186,19 @@ class PromptDataModule(LightningDataModule):
             rows = self.eval_rows(split)
             if not rows:
                 raise ValueError(f"evaluation split {split!r} is empty")
-            loaders.append(
-                DataLoader(rows, batch_size=self.eval_batch_size, shuffle=False, collate_fn=lambda b, s=split: _batch(b, s),
-                           generator=torch.Generator().manual_seed(self.seed))
-            )
+            loader = DataLoader(rows, batch_size=self.eval_batch_size, shuffle=False,
+                                collate_fn=lambda b, s=split: _batch(b, s), generator=torch.Generator().manual_seed(self.seed))
+            loaders.append(DataLoader(AtTheEnd(loader, self.final_evaluation), batch_size=None)
+                           if split in self.final_splits else loader)
         return loaders
+
+    def final_evaluation(self) -> bool:
+        """Whether the evaluation being run is the fit's last (at ``max_steps``), or one outside a fit: the
+        evaluations that run ``final_splits``."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return True
+        return not trainer.sanity_checking and 0 < trainer.max_steps <= trainer.global_step
 
     def test_dataloader(self) -> list[DataLoader]:
         return self.val_dataloader()

@@ -1,7 +1,8 @@
 """A task with known pivots: rooms in a row, one door to choose in each (ours, DESIGN §4.2).
 
-An episode's two doors are named by two words drawn from a pool (both named in the first message); each room
-says which of them holds the key, drawn per room. The model's turn is one move: the first of the two door names
+An episode's two doors are named by two words drawn from a pool (both named in the first message); in each room
+the key is behind one of them, drawn per room, and the room says which (rule ``named``) or shows a number on each
+door, the key behind the larger (rule ``larger``: the move cannot be copied from the room). The model's turn is one move: the first of the two door names
 in its reply (whole word, any case). No feedback until the end: the next room follows whatever the move; after the
 last room the episode scores 1 only if every move was right. So a policy that does not read the room (always the
 first-named door, always one word, alternating) succeeds with probability 2^-rooms. The first message holds
@@ -30,6 +31,13 @@ OOD_NAMES = ("purple", "orange", "pink", "brown", "grey", "golden")
 
 INTRO = "Every room has a {a} door and a {b} door. Open the door with the key.\n\n"
 ROOM = "The key is behind the {key} door. Which door do you open?"
+"""The room of the rule ``named``: the room names the key's door (a move the reply can copy)"""
+LARGER_ROOM = ("The {a} door shows {x} and the {b} door shows {y}. The key is behind the door with the larger "
+               "number. Which door do you open?")
+"""The room of the rule ``larger``: each door shows a number and the key is behind the larger (nothing to copy:
+the move needs the comparison)"""
+RULES = {"named": ROOM, "larger": LARGER_ROOM}
+"""Each rule's room text"""
 
 
 class DoorsEnv(Environment):
@@ -46,29 +54,45 @@ class DoorsEnv(Environment):
             and ``{b}``.
         shots: worked rooms before the first room, as user and assistant turns of the first message (0: the
             first message is the intro and the first room, as text).
+        rule: what puts the key behind a door: ``named`` (the room says which door: ``{key}``) or ``larger``
+            (each door shows a number, ``{x}`` on the first-named and ``{y}`` on the other, two different numbers
+            of ``digits`` digits; the key is behind the larger).
+        digits: the numbers' digits (rule ``larger``; 1: 1 to 9).
     """
 
-    def __init__(self, rooms: int = 4, names: Sequence[str] = NAMES, intro: str = INTRO, room: str = ROOM,
-                 shots: int = 2) -> None:
-        check_settings(rooms, names)
-        if "{key}" not in room:
-            raise ValueError(f"room {room!r} has no {{key}}")
+    def __init__(self, rooms: int = 4, names: Sequence[str] = NAMES, intro: str = INTRO, room: Optional[str] = None,
+                 shots: int = 2, rule: str = "named", digits: int = 2) -> None:
+        check_settings(rooms, names, digits)
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {sorted(RULES)}, got {rule!r}")
+        room = RULES[rule] if room is None else room
+        needs = ("{key}",) if rule == "named" else ("{x}", "{y}")
+        if not all(field in room for field in needs):
+            raise ValueError(f"room {room!r} of the rule {rule!r} needs {' and '.join(needs)}")
         if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
             raise ValueError(f"shots must be an int >= 0, got {shots!r}")
         self.rooms, self.names, self.intro, self.room, self.shots = rooms, list(names), intro, room, shots
+        self.rule, self.digits = rule, digits
         self.doors: tuple[str, str] = ("", "")
         self.layout: list[tuple[str, str, int]] = []  # (first name, second name, index of the key's door)
+        self.numbers: list[tuple[int, int]] = []  # the doors' numbers per room, worked rooms first (rule larger)
         self.moves: list[Optional[int]] = []
 
     def reset(self, row: dict[str, Any], seed: int) -> Union[str, list[dict[str, str]]]:
         answer = row.get("answer") if isinstance(row.get("answer"), dict) else {}
         rooms, names = int(answer.get("rooms", self.rooms)), list(answer.get("names", self.names))
-        check_settings(rooms, names)
+        digits = int(answer.get("digits", self.digits))
+        check_settings(rooms, names, digits)
         rng = random.Random(int(answer.get("seed", seed)))
         a, b = rng.sample(list(dict.fromkeys(names)), 2)
         self.doors = (a, b)
-        worked = [rng.randrange(2) for _ in range(self.shots)]
-        self.layout = [(a, b, rng.randrange(2)) for _ in range(rooms)]
+        low = 1 if digits == 1 else 10 ** (digits - 1)
+        self.numbers = [tuple(rng.sample(range(low, 10 ** digits), 2)) for _ in range(self.shots + rooms)] \
+            if self.rule == "larger" else []
+        keys = [int(y > x) for x, y in self.numbers] if self.numbers else \
+            [rng.randrange(2) for _ in range(self.shots + rooms)]
+        worked = keys[:self.shots]
+        self.layout = [(a, b, key) for key in keys[self.shots:]]
         self.moves = []
         intro = self.intro.replace("{a}", a).replace("{b}", b).replace("{rooms}", str(rooms))
         if not self.shots:
@@ -85,8 +109,11 @@ class DoorsEnv(Environment):
         return self._text(a, b, key, self.shots + k)
 
     def _text(self, a: str, b: str, key: int, k: int) -> str:
-        return (self.room.replace("{room}", str(k + 1)).replace("{a}", a).replace("{b}", b)
-                .replace("{key}", (a, b)[key]))
+        text = self.room.replace("{room}", str(k + 1)).replace("{a}", a).replace("{b}", b)
+        if self.numbers:
+            x, y = self.numbers[k]
+            text = text.replace("{x}", str(x)).replace("{y}", str(y))
+        return text.replace("{key}", (a, b)[key])
 
     def step(self, action: Action) -> StepResult:
         k = len(self.moves)
@@ -96,6 +123,8 @@ class DoorsEnv(Environment):
         move, span = first_name(action.text, (a, b))
         self.moves.append(move)
         info: dict[str, Any] = {"room": k + 1, "doors": [a, b], "move": None if move is None else (a, b)[move]}
+        if self.numbers:
+            info["numbers"] = list(self.numbers[self.shots + k])
         if span is not None:
             info["decisions"] = [{"span": list(span), "correct": move == key}]
         if k + 1 < len(self.layout):
@@ -105,9 +134,11 @@ class DoorsEnv(Environment):
         return StepResult("", 1.0 if right == len(self.layout) else 0.0, True, info)
 
 
-def check_settings(rooms: int, names: Sequence[str]) -> None:
+def check_settings(rooms: int, names: Sequence[str], digits: int = 1) -> None:
     if isinstance(rooms, bool) or not isinstance(rooms, int) or rooms < 1:
         raise ValueError(f"rooms must be an int >= 1, got {rooms!r}")
+    if isinstance(digits, bool) or not isinstance(digits, int) or digits < 1:
+        raise ValueError(f"digits must be an int >= 1, got {digits!r}")
     if isinstance(names, str) or len(set(names)) < 2 or not all(isinstance(n, str) and n.strip() for n in names):
         raise ValueError(f"names must be at least 2 distinct words, got {names!r}")
 
