@@ -13,7 +13,7 @@ range's middle); none if none qualifies.
     PYTHONPATH=src python scripts/calibrate_doors.py --out benchmarks/results/credit/calibration
     PYTHONPATH=src python scripts/calibrate_doors.py --candidates shots2-3,larger1-shots3-2 --rows 32 --samples 4
     PYTHONPATH=src python scripts/calibrate_doors.py --candidates larger --splits id \
-        --write-config configs/replication/doors_larger.yaml      # the rule larger's candidates; set the chosen
+        --write-config configs/replication/doors_mixed.yaml      # the rule larger's candidates; set the chosen
 
 ``--write-config`` sets the chosen candidate's ``rooms``, ``ood_rooms`` (2 more), ``digits`` and ``shots`` in a
 task config whose data source is a DoorsTask of the same rule (a command that chooses none leaves it as it is).
@@ -41,7 +41,9 @@ WORDINGS = {f"shots{k}": {"shots": k} for k in (0, 1, 2, 3)}
 """The rule ``named`` (scgrpo.envs.doors INTRO and ROOM) with 0 to 3 worked rooms before the first"""
 WORDINGS.update({f"larger{d}-shots{k}": {"rule": "larger", "digits": d, "shots": k} for d in (1, 2) for k in (2, 3, 4)})
 """The rule ``larger`` (LARGER_ROOM): numbers of 1 or 2 digits, 2 to 4 worked rooms"""
-CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in ((2, 3) if w.startswith("larger") else (3, 4, 5))]
+WORDINGS.update({f"mixed{d}-shots{k}": {"rule": "mixed", "digits": d, "shots": k} for d in (1, 2) for k in (2, 4)})
+"""The rule ``mixed``: named and larger rooms in turn (named first), 2 or 4 worked rooms"""
+CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in ((3, 4, 5) if w.startswith("shots") else (2, 3))]
 """The rule named's wordings with 3, 4 and 5 rooms, the rule larger's with 2 and 3 (the ood split: 2 rooms more,
 unseen door names; rule ``larger``: a digit more); ``--candidates named`` or ``larger``: those of one rule"""
 SUCCESS_RANGE = (0.25, 0.40)
@@ -119,9 +121,20 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     parser.add_argument("--write-config", default=None, help="set the chosen candidate in this task config")
+    parser.add_argument("--set-from", default=None, help="measure nothing: set the candidate a calibration's .json "
+                        "chose in --write-config")
     args = parser.parse_args(argv)
+    if args.set_from:
+        with open(args.set_from) as f:
+            chosen = json.load(f)["chosen"]
+        if not chosen or not args.write_config:
+            raise SystemExit(f"{args.set_from} chose {chosen!r}; --write-config: {args.write_config!r}")
+        set_candidate(args.write_config, chosen)
+        print(f"set {chosen} in {args.write_config}")
+        return
     names = {"named": [c for c in CANDIDATES if c.startswith("shots")],
-             "larger": [c for c in CANDIDATES if c.startswith("larger")]}
+             "larger": [c for c in CANDIDATES if c.startswith("larger")],
+             "mixed": [c for c in CANDIDATES if c.startswith("mixed")]}
     candidates = [c for name in args.candidates.split(",") for c in names.get(name, [name])]
     for name in candidates:
         task_of(name)  # (an unknown one stops here, before the model loads)

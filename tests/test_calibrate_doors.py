@@ -28,12 +28,12 @@ def test_the_rule_larger_candidates_and_setting_the_chosen_one_in_the_task_confi
     task = calibrate.task_of("larger2-shots4-3")
     assert (task.rule, task.digits, task.ood_digits, task.shots, task.rooms, task.ood_rooms) == \
         ("larger", 2, 3, 4, 3, 5)
-    config = tmp_path / "doors_larger.yaml"
-    shutil.copy("configs/replication/doors_larger.yaml", config)
+    config = tmp_path / "doors_mixed.yaml"
+    shutil.copy("configs/replication/doors_mixed.yaml", config)
     before = config.read_text()
-    calibrate.set_candidate(str(config), "larger2-shots4-3")
+    calibrate.set_candidate(str(config), "mixed2-shots2-3")
     after = yaml.safe_load(config.read_text())["data"]["source"]["init_args"]
-    assert after == {"rule": "larger", "rooms": 3, "digits": 2, "shots": 4, "ood_rooms": 5}
+    assert after == {"rule": "mixed", "rooms": 3, "digits": 2, "shots": 2, "ood_rooms": 5}
     assert [line for line in config.read_text().splitlines() if line.startswith("#")] == \
         [line for line in before.splitlines() if line.startswith("#")]  # the comments kept
     import pytest

@@ -306,7 +306,7 @@ def test_the_credit_task_config_evaluates_id_on_the_way_and_ood_at_the_end(tiny_
 
     monkeypatch.chdir(tmp_path)
     root = os.path.join(os.path.dirname(__file__), "..", "configs")
-    main(["fit", f"--config={root}/replication/doors_larger.yaml", f"--config={root}/replication/scgrpo.yaml",
+    main(["fit", f"--config={root}/replication/doors_mixed.yaml", f"--config={root}/replication/scgrpo.yaml",
           *_tiny_args(tiny_model_dir), "--trainer.val_check_interval=1", "--model.episodes.max_episode_tokens=64",
           "--model.eval_samples=2", "--data.eval_batch_size=4", "--checkpoint.every_n_train_steps=1",
           "--data.source.init_args.shots=0"])  # (the tiny tokenizer spends a token a byte)

@@ -51,7 +51,7 @@ def test_the_plan_is_the_whole_gpu_configs_and_the_documented_layer_combinations
     checks, others = _plan()
     replicate = sys.modules["replicate"]
     combinations = {f"replication/{task} + {os.path.splitext(layer)[0]}"
-                    for task in ("arith", "countdown", "tool_calc", "chain_sum", "lcm", "blackjack", "doors", "doors_larger")
+                    for task in ("arith", "countdown", "tool_calc", "chain_sum", "lcm", "blackjack", "doors", "doors_mixed")
                     for layer in replicate.METHODS.values()}
     assert set(checks) == WHOLE_GPU_CONFIGS | combinations | {"grpo_arith_gpu + replication/scgrpo"}
     assert "grpo_arith_gpu + replication/scgrpo" in checks and not checks["grpo_arith_gpu + replication/scgrpo"].skip

@@ -63,7 +63,7 @@ class DoorsTask(PromptSource):
                 ood = name == "ood"
                 answer: dict[str, Any] = {"rooms": self.ood_rooms if ood else self.rooms,
                                           "names": self.ood_names if ood else self.names}
-                if self.rule == "larger":
+                if self.rule != "named":
                     answer["digits"] = self.ood_digits if ood else self.digits
                 self._cache[name] = [{"id": f"{name}-{k}", "question": "doors",
                                       "answer": {"seed": seeds[start + k], **answer}} for k in range(count)]

@@ -2,7 +2,8 @@
 
 An episode's two doors are named by two words drawn from a pool (both named in the first message); in each room
 the key is behind one of them, drawn per room, and the room says which (rule ``named``) or shows a number on each
-door, the key behind the larger (rule ``larger``: the move cannot be copied from the room). The model's turn is one move: the first of the two door names
+door, the key behind the larger (rule ``larger``: the move cannot be copied from the room), or the two alternate
+(rule ``mixed``). The model's turn is one move: the first of the two door names
 in its reply (whole word, any case). No feedback until the end: the next room follows whatever the move; after the
 last room the episode scores 1 only if every move was right. So a policy that does not read the room (always the
 first-named door, always one word, alternating) succeeds with probability 2^-rooms. The first message holds
@@ -36,8 +37,8 @@ LARGER_ROOM = ("The {a} door shows {x} and the {b} door shows {y}. The key is be
                "number. Which door do you open?")
 """The room of the rule ``larger``: each door shows a number and the key is behind the larger (nothing to copy:
 the move needs the comparison)"""
-RULES = {"named": ROOM, "larger": LARGER_ROOM}
-"""Each rule's room text"""
+RULES = {"named": ROOM, "larger": LARGER_ROOM, "mixed": None}
+"""Each rule's room text (``mixed``: the rooms alternate, ``named`` first, each kind with its own text)"""
 
 
 class DoorsEnv(Environment):
@@ -54,9 +55,10 @@ class DoorsEnv(Environment):
             and ``{b}``.
         shots: worked rooms before the first room, as user and assistant turns of the first message (0: the
             first message is the intro and the first room, as text).
-        rule: what puts the key behind a door: ``named`` (the room says which door: ``{key}``) or ``larger``
+        rule: what puts the key behind a door: ``named`` (the room says which door: ``{key}``), ``larger``
             (each door shows a number, ``{x}`` on the first-named and ``{y}`` on the other, two different numbers
-            of ``digits`` digits; the key is behind the larger).
+            of ``digits`` digits; the key is behind the larger) or ``mixed`` (the worked rooms, then the rooms,
+            alternate between the two, ``named`` first; each kind's room is ROOM or LARGER_ROOM, ``room`` unset).
         digits: the numbers' digits (rule ``larger``; 1: 1 to 9).
     """
 
@@ -65,9 +67,11 @@ class DoorsEnv(Environment):
         check_settings(rooms, names, digits)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {sorted(RULES)}, got {rule!r}")
+        if rule == "mixed" and room is not None:
+            raise ValueError("the rule 'mixed' takes no room text (its rooms are ROOM and LARGER_ROOM)")
         room = RULES[rule] if room is None else room
         needs = ("{key}",) if rule == "named" else ("{x}", "{y}")
-        if not all(field in room for field in needs):
+        if room is not None and not all(field in room for field in needs):
             raise ValueError(f"room {room!r} of the rule {rule!r} needs {' and '.join(needs)}")
         if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
             raise ValueError(f"shots must be an int >= 0, got {shots!r}")
@@ -75,7 +79,8 @@ class DoorsEnv(Environment):
         self.rule, self.digits = rule, digits
         self.doors: tuple[str, str] = ("", "")
         self.layout: list[tuple[str, str, int]] = []  # (first name, second name, index of the key's door)
-        self.numbers: list[tuple[int, int]] = []  # the doors' numbers per room, worked rooms first (rule larger)
+        self.numbers: list[Optional[tuple[int, int]]] = []  # per room, worked rooms first: the doors' numbers
+        # (None: a named room)
         self.moves: list[Optional[int]] = []
 
     def reset(self, row: dict[str, Any], seed: int) -> Union[str, list[dict[str, str]]]:
@@ -87,10 +92,17 @@ class DoorsEnv(Environment):
         a, b = rng.sample(list(dict.fromkeys(names)), 2)
         self.doors = (a, b)
         low = 1 if digits == 1 else 10 ** (digits - 1)
-        self.numbers = [tuple(rng.sample(range(low, 10 ** digits), 2)) for _ in range(self.shots + rooms)] \
-            if self.rule == "larger" else []
-        keys = [int(y > x) for x, y in self.numbers] if self.numbers else \
-            [rng.randrange(2) for _ in range(self.shots + rooms)]
+        self.numbers, keys = [], []
+        for k in range(self.shots + rooms):
+            if self.rule == "named" or (self.rule == "mixed" and k % 2 == 0):
+                keys.append(rng.randrange(2))
+                self.numbers.append(None)
+            else:
+                x, y = rng.sample(range(low, 10 ** digits), 2)
+                keys.append(int(y > x))
+                self.numbers.append((x, y))
+        if self.rule == "named":
+            self.numbers = []
         worked = keys[:self.shots]
         self.layout = [(a, b, key) for key in keys[self.shots:]]
         self.moves = []
@@ -109,10 +121,11 @@ class DoorsEnv(Environment):
         return self._text(a, b, key, self.shots + k)
 
     def _text(self, a: str, b: str, key: int, k: int) -> str:
-        text = self.room.replace("{room}", str(k + 1)).replace("{a}", a).replace("{b}", b)
-        if self.numbers:
-            x, y = self.numbers[k]
-            text = text.replace("{x}", str(x)).replace("{y}", str(y))
+        numbers = self.numbers[k] if self.numbers else None
+        room = self.room if self.room is not None else (ROOM if numbers is None else LARGER_ROOM)
+        text = room.replace("{room}", str(k + 1)).replace("{a}", a).replace("{b}", b)
+        if numbers is not None:
+            text = text.replace("{x}", str(numbers[0])).replace("{y}", str(numbers[1]))
         return text.replace("{key}", (a, b)[key])
 
     def step(self, action: Action) -> StepResult:
@@ -123,7 +136,7 @@ class DoorsEnv(Environment):
         move, span = first_name(action.text, (a, b))
         self.moves.append(move)
         info: dict[str, Any] = {"room": k + 1, "doors": [a, b], "move": None if move is None else (a, b)[move]}
-        if self.numbers:
+        if self.numbers and self.numbers[self.shots + k] is not None:
             info["numbers"] = list(self.numbers[self.shots + k])
         if span is not None:
             info["decisions"] = [{"span": list(span), "correct": move == key}]
