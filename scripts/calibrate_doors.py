@@ -41,8 +41,8 @@ WORDINGS = {f"shots{k}": {"shots": k} for k in (0, 1, 2, 3)}
 """The rule ``named`` (scgrpo.envs.doors INTRO and ROOM) with 0 to 3 worked rooms before the first"""
 WORDINGS.update({f"larger{d}-shots{k}": {"rule": "larger", "digits": d, "shots": k} for d in (1, 2) for k in (2, 3, 4)})
 """The rule ``larger`` (LARGER_ROOM): numbers of 1 or 2 digits, 2 to 4 worked rooms"""
-WORDINGS.update({f"mixed{d}-shots{k}": {"rule": "mixed", "digits": d, "shots": k} for d in (1, 2) for k in (2, 4)})
-"""The rule ``mixed``: named and larger rooms in turn (named first), 2 or 4 worked rooms"""
+WORDINGS.update({f"mixed{d}-shots{k}": {"rule": "mixed", "digits": d, "shots": k} for d in (1, 2) for k in (2, 4, 6, 8)})
+"""The rule ``mixed``: named and larger rooms in turn (named first), 2 to 8 worked rooms"""
 CANDIDATES = [f"{w}-{r}" for w in WORDINGS for r in ((3, 4, 5) if w.startswith("shots") else (2, 3))]
 """The rule named's wordings with 3, 4 and 5 rooms, the rule larger's with 2 and 3 (the ood split: 2 rooms more,
 unseen door names; rule ``larger``: a digit more); ``--candidates named`` or ``larger``: those of one rule"""

@@ -70,7 +70,7 @@ def test_the_seed_fixes_the_rooms_and_a_group_shares_it():
     assert play(env, fixed, ["x"] * 5, seed=1)[2].layout == play(env, fixed, ["x"] * 5, seed=2)[2].layout
 
 
-@pytest.mark.parametrize("rule", ["named", "larger"])
+@pytest.mark.parametrize("rule", ["named", "larger", "mixed"])
 @pytest.mark.parametrize("policy", ["first", "second", "left-word", "alternate", "red"])
 def test_policies_that_do_not_read_the_room_succeed_at_chance(policy, rule):
     """Over 4,000 episodes of 3 rooms: 1/8 each, within 4 standard errors (0.021)."""
@@ -157,3 +157,24 @@ def test_the_rule_named_draws_the_rooms_it_drew_before_the_rule_larger_existed()
     a, b = rng.sample(list(dict.fromkeys(DoorsEnv().names)), 2)
     keys = [rng.randrange(2) for _ in range(6)]
     assert episode.layout == [(a, b, key) for key in keys[2:]] and episode.numbers == []
+
+
+def test_the_rule_mixed_alternates_named_and_numbered_rooms_worked_rooms_first():
+    task = DoorsTask(rule="mixed", rooms=3, digits=1, shots=4, num_eval=16, num_ood=4)
+    env = task.default_environment()
+    for row in task.rows("id"):
+        first, results, episode = play(env, row, right_reply)
+        assert results[-1].reward == 1.0
+        kinds = ["larger" if n else "named" for n in episode.numbers]
+        assert kinds == ["named", "larger"] * 3 + ["named"]  # 4 worked rooms, then 3 rooms
+        a, b = episode.doors
+        for k, ((x_y), (_, _, key)) in enumerate(zip(episode.numbers[4:], episode.layout)):
+            text = results[k - 1].observation if k else first[-1]["content"]
+            if x_y is None:
+                assert text == f"The key is behind the {(a, b)[key]} door. Which door do you open?"
+                assert "numbers" not in results[k].info
+            else:
+                assert text.startswith(f"The {a} door shows {x_y[0]} and the {b} door shows {x_y[1]}.")
+                assert key == int(x_y[1] > x_y[0]) and results[k].info["numbers"] == list(x_y)
+    with pytest.raises(ValueError, match="takes no room text"):
+        DoorsEnv(rule="mixed", room="The key is behind the {key} door.")
