@@ -550,7 +550,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", default="main", help="comma-separated: lr, main, ablations, extra, credit")
     parser.add_argument("--tasks", default="arith", help="comma-separated: arith, countdown, tool_calc, chain_sum, lcm, "
-                        "blackjack, doors (configs/replication/<task>.yaml)")
+                        "blackjack, doors, doors_mixed (configs/replication/<task>.yaml)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=None, help="only these methods of the plan (comma-separated)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 0 = CPU)")
