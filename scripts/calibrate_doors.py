@@ -12,8 +12,8 @@ range's middle); none if none qualifies.
 
     PYTHONPATH=src python scripts/calibrate_doors.py --out benchmarks/results/credit/calibration
     PYTHONPATH=src python scripts/calibrate_doors.py --candidates shots2-3,larger1-shots3-2 --rows 32 --samples 4
-    PYTHONPATH=src python scripts/calibrate_doors.py --candidates larger --splits id \
-        --write-config configs/replication/doors_mixed.yaml      # the rule larger's candidates; set the chosen
+    PYTHONPATH=src python scripts/calibrate_doors.py --candidates mixed --splits id \
+        --write-config configs/replication/doors_mixed.yaml      # the rule mixed's candidates; set the chosen
 
 ``--write-config`` sets the chosen candidate's ``rooms``, ``ood_rooms`` (2 more), ``digits`` and ``shots`` in a
 task config whose data source is a DoorsTask of the same rule (a command that chooses none leaves it as it is).
@@ -138,6 +138,8 @@ def main(argv=None) -> None:
     candidates = [c for name in args.candidates.split(",") for c in names.get(name, [name])]
     for name in candidates:
         task_of(name)  # (an unknown one stops here, before the model loads)
+        if args.write_config:
+            config_rule(args.write_config, name)  # (and one the config cannot take)
     torch.manual_seed(args.seed)
     generation = GenerationSettings(num_generations=args.samples, max_new_tokens=args.max_new_tokens, temperature=1.0)
     policy = build_policy(args.model, args.dtype, None, None, torch.device(args.device), generation)
@@ -168,14 +170,20 @@ def candidate_settings(candidate: str) -> dict[str, int]:
     return {"rooms": task.rooms, "ood_rooms": task.ood_rooms, "digits": task.digits, "shots": task.shots}
 
 
-def set_candidate(path: str, candidate: str) -> None:
-    """Sets ``candidate``'s settings (:func:`candidate_settings`) in the task config at ``path``: its DoorsTask's
-    ``init_args`` lines (comments kept), whose ``rule`` must be the candidate's."""
+def config_rule(path: str, candidate: str) -> str:
+    """The task config at ``path``, whose DoorsTask rule must be ``candidate``'s (else SystemExit)."""
     with open(path) as f:
         text = f.read()
     rule = task_of(candidate).rule
     if not re.search(rf"^\s+rule: {rule}\s*$", text, re.MULTILINE):
         raise SystemExit(f"{path} sets no DoorsTask rule {rule!r} (the candidate {candidate!r}'s)")
+    return text
+
+
+def set_candidate(path: str, candidate: str) -> None:
+    """Sets ``candidate``'s settings (:func:`candidate_settings`) in the task config at ``path``: its DoorsTask's
+    ``init_args`` lines (comments kept), whose ``rule`` must be the candidate's."""
+    text = config_rule(path, candidate)
     for key, value in candidate_settings(candidate).items():
         text, n = re.subn(rf"^(\s+{key}): \d+\s*$", rf"\g<1>: {value}", text, count=1, flags=re.MULTILINE)
         if not n:

@@ -72,21 +72,26 @@ def paired_t(diffs: list[float], level: float = 0.95) -> dict:
 
 
 def holm(p_values: list[float], alpha: float = 0.05) -> tuple[list[float], list[float]]:
-    """Holm's step-down correction: the adjusted p-values, and each test's own level (alpha / (m - rank), rank 0
-    for the smallest p), in the order given."""
+    """Holm's step-down correction: the adjusted p-values, and each test's level, in the order given. The test
+    of rank r (0: the smallest p) is at alpha / (m - r) only when every test before it was rejected at its own
+    level; from the first one not rejected on, every test stays at that one's level (the step-down stops)."""
     m = len(p_values)
     order = sorted(range(m), key=lambda k: p_values[k])
-    adjusted, levels, running = [0.0] * m, [0.0] * m, 0.0
+    adjusted, levels, running, stopped = [0.0] * m, [0.0] * m, 0.0, None
     for rank, k in enumerate(order):
         running = max(running, min(1.0, (m - rank) * p_values[k]))
-        adjusted[k], levels[k] = running, alpha / (m - rank)
+        level = alpha / (m - rank) if stopped is None else stopped
+        if stopped is None and p_values[k] > level:
+            stopped = level
+        adjusted[k], levels[k] = running, level
     return adjusted, levels
 
 
 def wilcoxon_exact(diffs: list[float]) -> Optional[float]:
     """The exact two-sided p of Wilcoxon's signed-rank test: zeros dropped, tied magnitudes given their mean rank,
     every sign assignment enumerated (n <= 20); None without a nonzero difference."""
-    values = [d for d in diffs if d != 0]
+    values = [round(d, 12) for d in diffs]  # (means of the same evaluations: equal differences may differ in the
+    values = [d for d in values if d != 0]  # last bits of a float, and would be ranked apart)
     n = len(values)
     if not n:
         return None
@@ -110,8 +115,38 @@ def wilcoxon_exact(diffs: list[float]) -> Optional[float]:
     return hits / 2 ** n
 
 
+def normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def paired_t_power(effect: float, n: int, alpha: float, points: int = 2000) -> float:
+    """The power of a two-sided paired t test at ``alpha`` over ``n`` pairs when the true mean difference is
+    ``effect`` standard deviations of the differences: P(|T| > t_crit) for T noncentral t with n - 1 degrees of
+    freedom and noncentrality effect * sqrt(n), integrated over the chi-square of the variance (Simpson's rule)."""
+    df, delta = n - 1, effect * math.sqrt(n)
+    crit = t_ppf(1.0 - alpha / 2.0, df)
+    top = df + 40.0 * math.sqrt(2.0 * df) + 40.0
+    h = top / points
+    log_norm = -(df / 2.0) * math.log(2.0) - math.lgamma(df / 2.0)
+
+    def integrand(v: float) -> float:
+        if v <= 0.0:
+            return 0.0
+        density = math.exp(log_norm + (df / 2.0 - 1.0) * math.log(v) - v / 2.0)
+        s = math.sqrt(v / df)
+        return density * (1.0 - normal_cdf(crit * s - delta) + normal_cdf(-crit * s - delta))
+
+    total = integrand(0.0) + integrand(top)
+    total += sum((4.0 if k % 2 else 2.0) * integrand(k * h) for k in range(1, points))
+    return total * h / 3.0
+
+
 def detectable_effect(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
     """The paired mean difference a two-sided paired t test at ``alpha`` detects with ``power`` over ``n`` pairs
-    whose differences spread by ``sd``: (t_{1-alpha/2} + t_{power}) * sd / sqrt(n), both at n - 1 degrees of
-    freedom (the usual approximation to the noncentral t)."""
-    return (t_ppf(1.0 - alpha / 2.0, n - 1) + t_ppf(power, n - 1)) * sd / math.sqrt(n)
+    whose differences spread by ``sd``: the effect whose noncentral-t power (:func:`paired_t_power`) is
+    ``power``, found by bisection, times ``sd``."""
+    lo, hi = 0.0, 50.0
+    for _ in range(60):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if paired_t_power(mid, n, alpha) < power else (lo, mid)
+    return (lo + hi) / 2.0 * sd

@@ -316,3 +316,15 @@ def test_the_credit_task_config_evaluates_id_on_the_way_and_ood_at_the_end(tiny_
     steps = {split: [int(float(r["val/global_step"])) for r in rows if r.get(f"val/{split}/avg@2")]
              for split in ("id", "ood")}
     assert steps == {"id": [0, 1, 2], "ood": [2]}
+
+
+def test_a_checkpoint_monitor_on_a_final_split_is_one_line_before_training(tiny_model_dir, tmp_path, monkeypatch,
+                                                                            capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir), "--model.eval_samples=2",
+              "--data.eval_splits=[id]", "--data.final_splits=[ood]", "--checkpoint.monitor=val/ood/avg@2"])
+    assert info.value.code == 2
+    line = _the_error_line(capsys.readouterr().err)
+    assert line == ("scgrpo: error: checkpoint.monitor='val/ood/avg@2' is on a split of data.final_splits ['ood'], "
+                    "evaluated at the fit's last step only: monitor a split evaluated on the way")

@@ -38,7 +38,13 @@ def test_the_primary_outcome_and_its_tests_by_hand(tmp_path):
     line = next(l for l in page.splitlines() if l.startswith("| grpo | 3 | +0.2000 |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[3] == "0.1000" and cells[6] == "0.074" and cells[7] == "0.223" and cells[8] == "0.250"
-    assert cells[5] == "0.9833"  # the first of the tied p-values gets Holm's strictest level, 1 - 0.05/3
+    # the first test is kept (0.074 > 0.05/3), so all three are at Holm's strictest level, 1 - 0.05/3; the
+    # interval's t_{1 - 0.05/6} at df 2 in closed form: (2p - 1) / sqrt(2p(1 - p)) = 7.649
+    half = 7.649 * 0.1 / 3 ** 0.5
+    assert cells[5] == "0.9833" and cells[4] == f"[{0.2 - half:+.4f}, {0.2 + half:+.4f}]"
+    stats = load_script("paired_stats")
+    assert cells[9] == f"{stats.detectable_effect(0.1, 3, 0.05 / 3):.4f}"
+    assert all(l.split("|")[6].strip() == "0.9833" for l in page.splitlines() if l.startswith("| grpo") and "+0.2000" in l)
     # SC-GRPO's AUROC 0.7, 0.8, 0.9 against 0.5: mean 0.8; minus the permuted arm's 0.5: +0.300
     assert "| SC-GRPO's AUROC (against 0.5) | 3 | 0.800 |" in page
     assert "| SC-GRPO minus permuted f | 3 | +0.300 |" in page

@@ -72,3 +72,20 @@ def test_a_final_split_is_evaluated_at_the_fits_last_step_only_and_by_validate(t
     with pytest.raises(InputError, match=r"max_steps=5 is no multiple of trainer.val_check_interval=2: no "
                                          r"evaluation falls there \(set max_steps to 6\)"):
         off.fit(tiny_module(tiny_model_dir), datamodule=data)
+
+
+def test_a_final_split_deals_its_rows_to_the_ranks():
+    """Its loader is an iterable Lightning gives no distributed sampler: each rank gets every world-th row."""
+
+    class Ranked:
+        global_rank, world_size, lightning_module, sanity_checking, max_steps, global_step = 1, 2, None, False, 4, 4
+
+        class state:
+            fn = "fit"
+
+    data = PromptDataModule(source=ArithmeticTask(num_eval=4, num_ood=5), eval_batch_size=8, eval_splits=["id"],
+                            final_splits=["ood"])
+    data.trainer = Ranked()
+    _, final = data.val_dataloader()
+    (batch,) = list(final)
+    assert batch.ids == [r["id"] for r in data.source.rows("ood")[1::2]]

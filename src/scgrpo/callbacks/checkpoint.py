@@ -100,6 +100,10 @@ class StepCheckpoint(ModelCheckpoint):
         if monitor is None or not monitor.startswith("val/"):
             return
         keys = self.validation_metrics(pl_module, datamodule)
+        final = list(getattr(datamodule, "final_splits", None) or [])
+        if monitor.split("/")[1:2] and monitor.split("/")[1] in final:
+            raise InputError(f"checkpoint.monitor={monitor!r} is on a split of data.final_splits {final}, evaluated "
+                             "at the fit's last step only: monitor a split evaluated on the way")
         if keys is None or monitor in keys:
             return
         logged = f"its validation metrics are {', '.join(keys)}" if keys else \

@@ -186,6 +186,9 @@ class PromptDataModule(LightningDataModule):
             rows = self.eval_rows(split)
             if not rows:
                 raise ValueError(f"evaluation split {split!r} is empty")
+            if split in self.final_splits:  # (Lightning gives the wrapper below no distributed sampler: the
+                rank, world = self._rank_world()  # rows are dealt to the ranks here; each evaluates its share)
+                rows = rows[rank::world]
             loader = DataLoader(rows, batch_size=self.eval_batch_size, shuffle=False,
                                 collate_fn=lambda b, s=split: _batch(b, s), generator=torch.Generator().manual_seed(self.seed))
             loaders.append(DataLoader(AtTheEnd(loader, self.final_evaluation), batch_size=None)
