@@ -3,6 +3,8 @@ runs are the ones worked out by hand."""
 
 import json
 
+import pytest
+
 from tests.helpers import load_script
 
 report = load_script("credit_report")
@@ -48,3 +50,20 @@ def test_the_primary_outcome_and_its_tests_by_hand(tmp_path):
     # SC-GRPO's AUROC 0.7, 0.8, 0.9 against 0.5: mean 0.8; minus the permuted arm's 0.5: +0.300
     assert "| SC-GRPO's AUROC (against 0.5) | 3 | 0.800 |" in page
     assert "| SC-GRPO minus permuted f | 3 | +0.300 |" in page
+
+
+def test_the_reanalysis_weights_steps_by_decision_tokens_and_resamples_seeds_then_steps():
+    import math
+    import random
+
+    seeds = [[(math.log(2.0), 1), (math.log(8.0), 3)]]  # (1 x log 2 + 3 x 3 log 2) / 4 = 2.5 log 2
+    assert math.exp(report.weighted(seeds)) == pytest.approx(2 ** 2.5)
+    low, high = report.cluster_bootstrap(seeds, random.Random(0))
+    assert math.exp(low) == pytest.approx(2.0) and math.exp(high) == pytest.approx(8.0)  # one seed: its steps drawn alone, both ends reached
+    same = [[(0.5, 2)], [(0.5, 7)]]  # every seed and step alike: a point interval
+    assert report.cluster_bootstrap(same, random.Random(1)) == (0.5, 0.5)
+    run = {"weight_shares": {"by_step": {
+        "1": {"partial": {"tokens": 500, "decision_tokens": 50, "concentration": 3.0}},  # the base step: not read
+        "6": {"partial": {"tokens": 99, "decision_tokens": 9, "concentration": 3.0}},  # under 100 tokens
+        "11": {"partial": {"tokens": 300, "decision_tokens": 30, "concentration": 2.0}}}}}
+    assert report.route_steps(run, "partial") == [(math.log(2.0), 30)]
