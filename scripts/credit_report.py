@@ -26,6 +26,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paired_stats as ps  # noqa: E402
 from replicate import CREDIT  # noqa: E402  (the arms)
+from replication_report import load  # noqa: E402  (the result files of a folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CREDIT_DIR = os.path.join(ROOT, "benchmarks", "results", "credit")
@@ -36,14 +37,6 @@ SEEDS = 10
 ALPHA = 0.05
 REFERENCE = "scgrpo"
 OTHERS = [m for m in CREDIT if m != REFERENCE]
-
-
-def load(results_dir: str) -> list[dict]:
-    runs = []
-    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
-        with open(path) as f:
-            runs.append(json.load(f))
-    return runs
 
 
 def area(run: dict) -> Optional[float]:
