@@ -231,6 +231,8 @@ def report(results_dir: str, replication_dir: str = REPLICATION) -> str:
         lines += [f"**Not yet run in full: {done} of {len(CREDIT) * SEEDS} runs** ({len(CREDIT)} arms x {SEEDS} seeds) "
                   "have results. No conclusion is drawn from this section until every run has one.", ""]
     if done:
+        lines += ["GRPO has no teacher (no pivot keys); scaled GRPO weighs every token of a row alike (AUROC 0.5, "
+                  "share 1 by construction).", ""]
         lines += analysis(main)
     lines += ["", f"## The pilot (`{PILOT}`: every room names the key's door)", "",
               "The same analysis over the pilot's seeds (120 steps, evaluated every 25: its last evaluation is step 100's). Its id Avg@8 reached its ceiling by step 25 in every arm, so "
@@ -251,7 +253,8 @@ def report(results_dir: str, replication_dir: str = REPLICATION) -> str:
               "same relative position) and the row level of the bootstrap need each token's f, and the runs' "
               "credit_tokens.jsonl files were not kept; only per-step sums by route were.", "",
               "## Not yet here", "",
-              "- The comparison's runs (above) and the OOD split's results at step 125."]
+              f"- {len(CREDIT) * SEEDS - done} of the comparison's {len(CREDIT) * SEEDS} runs (above)." if done < len(CREDIT) * SEEDS
+              else "- Nothing of the comparison: every run has its result."]
     return "\n".join(lines) + "\n"
 
 
