@@ -67,3 +67,48 @@ def test_the_reanalysis_weights_steps_by_decision_tokens_and_resamples_seeds_the
         "6": {"partial": {"tokens": 99, "decision_tokens": 9, "concentration": 3.0}},  # under 100 tokens
         "11": {"partial": {"tokens": 300, "decision_tokens": 30, "concentration": 2.0}}}}}
     assert report.route_steps(run, "partial") == [(math.log(2.0), 30)]
+
+
+def test_token_auroc_and_concentration_by_hand():
+    import numpy as np
+
+    # wrong f 0.9, 0.5 against right 0.5, 0.1: pairs 1 + 1 + 1/2 + 1 of 4
+    F = np.array([[0.9, 0.5, 0.5, 0.1]])
+    assert report.auroc_draws(F, np.array([2, 2, 1, 1]))[0] == pytest.approx(0.875)
+    assert report.auroc_draws(F, np.array([2, 2, 0, 0])) is None  # no right decision
+    # decisions hold f 0.8 + 0.4 = 1.2 of 2.0 on 2 of 4 tokens: (0.6) / (0.5) = 1.2
+    rows = [{"f": [0.8, 0.2], "decision": [2, 0]}, {"f": [0.4, 0.6], "decision": [1, 0]}]
+    value, decisions = report.step_concentration(rows)
+    assert value == pytest.approx(np.log(1.2)) and decisions == 2
+    f, labels, bins = report._step_arrays(rows)
+    log_c, n = report.concentration_draws(f[None, :], labels)
+    assert log_c[0] == pytest.approx(np.log(1.2)) and n == 2
+    assert report.position_bins(2) == [0, 2] and report.position_bins(5) == [0, 0, 1, 2, 3]
+
+
+def test_the_position_null_shuffles_within_positions_only():
+    import numpy as np
+
+    f = np.array([0.1, 0.2, 0.3, 0.7, 0.8, 0.9])
+    bins = np.array([0, 0, 0, 2, 2, 2])
+    out = report.position_permuted(f, bins, 50, np.random.default_rng(0))
+    assert all(sorted(row[:3]) == [0.1, 0.2, 0.3] and sorted(row[3:]) == [0.7, 0.8, 0.9] for row in out.tolist())
+    assert len({tuple(row) for row in out.tolist()}) > 1  # the draws differ
+
+
+def test_a_weight_set_by_position_alone_is_the_null():
+    # every wrong move is a row's second token and f is high there: AUROC 1, all of it position
+    rows = [{"f": [0.2, 0.8], "decision": [1, 2]} for _ in range(4)]
+    observed, null, p = report.position_null([[rows]], "auroc", __import__("numpy").random.default_rng(0))
+    assert observed == 1.0 and null == 1.0 and p == 1.0
+
+
+def test_a_weight_that_tells_moves_apart_at_one_position_beats_the_null():
+    import numpy as np
+
+    # one-token rows (one position): wrong moves f 0.9, right ones 0.1; a shuffle separates them 1 time in C(10,5)
+    rows = [{"f": [0.9], "decision": [2]} for _ in range(5)] + [{"f": [0.1], "decision": [1]} for _ in range(5)]
+    observed, null, p = report.position_null([[rows]], "auroc", np.random.default_rng(0))
+    assert observed == 1.0
+    assert 0.45 < null < 0.55
+    assert p < 0.02
