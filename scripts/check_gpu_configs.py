@@ -292,6 +292,7 @@ def fit_overrides(run: Run, steps: int, root_dir: str, model: Optional[str]) -> 
         f"--trainer.max_steps={steps}",
         "--trainer.limit_val_batches=0",  # no validation during the steps
         "--model.validate_before_training=false",  # nor before them
+        "--data.final_splits=[]",  # nor after the last (a run's final evaluation wants max_steps at an evaluation)
         f"--trainer.default_root_dir={root_dir}",
         "--trainer.enable_progress_bar=false",  # the output's last lines hold messages, not bars
     ]

@@ -145,7 +145,8 @@ def _at(config: dict, dotted: str):
 
 @pytest.mark.parametrize("name, devices", [("grpo_arith_gpu + replication/scgrpo", None),
                                            ("fsdp_scgrpo_arith", 1),
-                                           ("replication/tool_calc + ablations/buffer_references", None)])
+                                           ("replication/tool_calc + ablations/buffer_references", None),
+                                           ("replication/doors_mixed + replication/scgrpo", None)])
 def test_the_added_arguments_are_keys_the_cli_takes(name, devices, monkeypatch, tmp_path, capsys):
     from scgrpo.cli import main
 
@@ -384,3 +385,28 @@ def test_a_run_end_to_end_on_the_cpu(tiny_model_dir, tmp_path, monkeypatch):
     saved = yaml.safe_load(open(next((tmp_path / "work" / "runs").glob("*/version_*/config.yaml"))))
     assert saved["model"]["objective"]["class_path"] == "scgrpo.objectives.SCGRPO"
     assert saved["model"]["validate_before_training"] is False and saved["trainer"]["limit_val_batches"] == 0
+
+
+def test_the_added_arguments_leave_a_run_with_final_splits_a_data_module_that_sets_up(monkeypatch, tmp_path, capsys):
+    """A config that evaluates splits at its last step (``data.final_splits``) fits only at a ``max_steps`` on an
+    evaluation: the check's 3 steps must not end in that refusal (it did, for the four doors_mixed runs)."""
+    from types import SimpleNamespace
+
+    from jsonargparse import ArgumentParser
+
+    from scgrpo.cli import main
+    from scgrpo.data import PromptDataModule
+
+    _uncached_hub(monkeypatch)
+    run = _plan()[0]["replication/doors_mixed + replication/scgrpo"]
+    assert yaml.safe_load(open(os.path.join(ROOT, run.configs[0])))["data"].get("final_splits")  # (what is tested)
+    overrides = check.fit_overrides(run, 3, str(tmp_path / "runs"), None)
+    with pytest.raises(SystemExit):
+        main(["fit", *(f"--config={os.path.join(ROOT, c)}" for c in run.configs), *overrides, "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    parser = ArgumentParser()
+    parser.add_class_arguments(PromptDataModule, "data")
+    datamodule = parser.instantiate_classes(parser.parse_object({"data": printed["data"]})).data
+    trainer = printed["trainer"]
+    datamodule.trainer = SimpleNamespace(max_steps=trainer["max_steps"], val_check_interval=trainer["val_check_interval"])
+    datamodule.setup("fit")  # (raises InputError on the refusal)
