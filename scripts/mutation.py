@@ -7,6 +7,8 @@ under ``build/mutation/<pass>/`` (mutmut writes its mutated tree, ``mutants/``, 
   ``verifiers/numeric.py``, each mutant against the fast unit tests that reach it;
 - ``update``: ``update.py`` and ``guard.py`` (the step's update and divergence guard), each mutant against their
   unit tests and the module tests that reach it (tiny models trained for a step);
+- ``sandbox``: the host side of the code sandbox's bounds (``verifiers/cgroup.py``, ``verifiers/sandbox.py``) against
+  ``tests/verifiers/test_kernel_bounds.py`` and ``tests/verifiers/test_cgroup.py``;
 - ``module``: the same code where it lived before it had files of its own, the update and guard methods of
   ``RLVRModule`` (``MODULE_METHODS``), for measuring an older tree.
 
@@ -59,6 +61,8 @@ TARGETS = {  # target name -> (pass, module prefix of its mutant names)
     "verifiers/numeric.py": ("fast", "scgrpo.verifiers.numeric."),
     "module.py (update/guard methods)": ("module", "scgrpo.module."),
     "update.py": ("update", "scgrpo.update."),
+    "verifiers/cgroup.py": ("sandbox", "scgrpo.verifiers.cgroup."),
+    "verifiers/sandbox.py": ("sandbox", "scgrpo.verifiers.sandbox."),
     "guard.py": ("update", "scgrpo.guard."),
 }
 
@@ -214,7 +218,7 @@ def survivors_report(scratch: Path, names: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--passes", nargs="+", default=["fast", "update"], choices=["fast", "update", "module"])
+    parser.add_argument("--passes", nargs="+", default=["fast", "update"], choices=["fast", "update", "module", "sandbox"])
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--out", type=Path, help="results JSON (per target: counts and score)")
     parser.add_argument("--survivors", type=Path, help="write the surviving mutants' diffs here")

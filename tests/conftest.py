@@ -65,6 +65,15 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SCGRPO_CACHE", str(tmp_path / "cache"))
 
 
+def pytest_configure(config):
+    """Ctrl-C as Python sets it up in a terminal: a shell that starts the suite in the background (``cmd &``, no job
+    control) hands it SIGINT ignored, where Python installs no handler and the interrupt tests would see none."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_finish(session):
     """The Triton-interpreter run of the kernel tests takes its own process and most of a minute: started now,
     it runs beside the other tests (``tests/rollout/test_kernels.py``)."""

@@ -15,10 +15,12 @@ def load_script(name: str):
     """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
     import importlib.util
     import os
+    import sys
 
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", f"{name}.py")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 

@@ -256,7 +256,7 @@ def test_the_sandbox_starts_an_interpreter_that_lives_under_tmp(mode, tmp_path):
     done = subprocess.run([str(folder / "bin" / "python"), "-c", script, mode], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [mode, str(folder), "[{'value':", "2}]", "None"]
+    assert done.stdout.split() == [mode, str(folder), "[{'value_json':", "'2'}]", "None"]
 
 
 @pytest.mark.parametrize("required", [False, True])

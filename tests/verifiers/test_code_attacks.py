@@ -270,9 +270,10 @@ def attacked(request, tmp_path_factory):
         "squares_cpu": ("import time\nclass Solution:\n    def sq(self, x):\n        t = time.process_time()\n"
                         "        while time.process_time() - t < 0.35:\n            pass\n        return x * x\n", SQUARES),
         # socket pairs themselves still work (multiprocessing's duplex pipes are socket pairs), at the default size
+        # (socket() is refused; a socket pair and its other options still work)
         "socket_pair": ("import socket\ndef solve():\n    a, b = socket.socketpair()\n    a.sendall(b'x' * 1000)\n"
-                        "    t = socket.socket()\n    t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-                        "    t.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+                        "    a.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                        "    b.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)\n"
                         "    return len(b.recv(2000))\n", _call(1000)),
         "map_square": ("def square(x):\n    return x * x\n", ["assert list(map(square, [1, 2])) == [1, 4]"]),
         "pairs": (PAIRS_PROGRAM, PAIRS),

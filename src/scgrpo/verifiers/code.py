@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
-from scgrpo.verifiers.sandbox import MODES, Limits, Sandbox
-from scgrpo.verifiers.sandbox_harness import decode, encode
+from scgrpo.verifiers.sandbox import MODES, Limits, Sandbox, result_value
+from scgrpo.verifiers.sandbox_harness import encode
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
@@ -351,7 +351,7 @@ class PythonTests(Verifier):
             ``LOCAL_WORLD_SIZE``, SLURM's tasks per node).
         timeout_s: wall-clock seconds for one program and all its tests.
         test_timeout_s: wall-clock seconds for one test.
-        cpu_s / memory_mb / processes / file_mb / disk_mb / open_files / output_kb: see
+        cpu_s / memory_mb / processes / file_mb / disk_mb / disk_files / open_files / output_kb: see
             :class:`scgrpo.verifiers.sandbox.Limits`.
     """
 
@@ -367,6 +367,7 @@ class PythonTests(Verifier):
         processes: int = 32,
         file_mb: int = 16,
         disk_mb: int = 64,
+        disk_files: int = 4096,
         open_files: int = 64,
         output_kb: int = 1024,
     ) -> None:
@@ -374,8 +375,8 @@ class PythonTests(Verifier):
             raise ValueError(f"isolation={isolation!r}: expected one of auto, {', '.join(MODES)}")
         self.all_or_nothing = all_or_nothing
         self.limits = Limits(timeout_s=timeout_s, test_timeout_s=test_timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                             processes=processes, file_mb=file_mb, disk_mb=disk_mb, open_files=open_files,
-                             output_kb=output_kb)
+                             processes=processes, file_mb=file_mb, disk_mb=disk_mb, disk_files=disk_files,
+                             open_files=open_files, output_kb=output_kb)
         self.isolation = isolation
         self.workers = workers or max((os.cpu_count() or 1) // processes_per_node(), 1)
         self.timeout_s = None  # the sandbox enforces its own limits; the runner's alarm would not kill programs
@@ -449,7 +450,7 @@ class PythonTests(Verifier):
             return "timeout" if result["error"] == "timeout" else f"error: {result['error']}"[:120]
         if test["type"] == "call":
             try:
-                return "pass" if values_equal(decode(result["value"]), test["expected"]) else "wrong"
+                return "pass" if values_equal(result_value(result), test["expected"]) else "wrong"
             except (KeyError, TypeError, ValueError, RecursionError):
                 return "error: unreadable value"
         if result.get("truncated"):

@@ -19,6 +19,10 @@ all of them are killed by uid at the end, even a daemon that left the session, a
 trainer nor read or write root's files). As root, a program never runs as uid 0: where no mode can give it a
 uid of its own, no mode works. In the ``process`` mode as another user, the trainer is made non-dumpable, so
 that the program (same uid) can read neither its memory nor its file descriptors.
+
+Where the host offers a memory cgroup (:mod:`scgrpo.verifiers.cgroup`), each program runs in one of its own: the
+kernel holds everything the program's processes and its judge hold, kernel memory included, to ``memory_mb`` +
+``JUDGE_MB``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence, Union
 
 from scgrpo.verifiers.base import VerifierSetupError
+from scgrpo.verifiers.cgroup import CgroupBase, ProgramCgroup, find_base
+from scgrpo.verifiers.sandbox_harness import decode
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,8 @@ UID_BASE, UID_SPAN = 1_600_000_000, 1 << 24
 SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 PR_SET_DUMPABLE = 4
 JUDGE_GRACE_S = 1.0
+JUDGE_MB = 256
+"""What the judge and the sandbox's own processes may hold beside the program, inside the program's memory cgroup"""
 """Seconds past ``timeout_s`` the host waits for the judge's results (the judge stops before ``timeout_s``)."""
 
 
@@ -71,13 +79,18 @@ class Limits:
     """CPU seconds per process and test (the program's process is replaced once it has used some)."""
     memory_mb: int = 1024
     """Address space per process, and the anonymous and shared memory of all the program's processes together (the
-    judge's watch, where they can be told apart: a pid namespace or a uid of its own)."""
+    judge's watch, where they can be told apart: a pid namespace or a uid of its own); where the host offers a
+    memory cgroup, also everything the kernel charges to the sandbox, kernel memory and the judge included, within
+    ``memory_mb`` + ``JUDGE_MB``."""
     processes: int = 32
     """Processes and threads (needs a uid of its own, i.e. a root host, or bubblewrap's user namespace)."""
     file_mb: int = 16
     """Largest file it may write."""
     disk_mb: int = 64
     """Size of its writable /tmp (namespaced modes)."""
+    disk_files: int = 4096
+    """Files and folders it may make in its /tmp (the tmpfs's inodes: each is kernel memory; namespaced modes, and
+    bubblewrap as root)."""
     open_files: int = 64
     """Open file descriptors per process."""
     output_kb: int = 1024
@@ -91,6 +104,12 @@ class Outcome:
 
     results: Optional[list[dict[str, Any]]]
     failure: Optional[str] = None
+
+
+def result_value(result: dict[str, Any]) -> Any:
+    """The value a call test's program returned, from the judge's result (``value_json``: its tagged JSON, kept as
+    text until the host reads it)."""
+    return decode(json.loads(result["value_json"]))
 
 
 def _python_folders() -> list[str]:
@@ -124,6 +143,23 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
+def _parent_modes(binds: list[str]) -> dict[str, int]:
+    """The folders the new root makes to hold the binds (their parents that are not bound themselves), each with
+    its host mode less any write bit, plus the search bits that reach what is bound below it: no more open than on
+    the host (a ``/root`` of mode 0700 is 0711 inside: the bound Python under it is reachable, nothing else there
+    is listed)."""
+    modes = {}
+    for path in binds:
+        for parent in _ancestors(path):
+            if parent not in binds and parent != "/tmp":
+                try:
+                    host = os.stat(parent).st_mode & 0o755
+                except OSError:
+                    host = 0o755
+                modes[parent] = host | 0o111
+    return modes
+
+
 class Sandbox:
     """Runs programs against tests, one sandbox each. Thread-safe: call :meth:`run` from many threads.
 
@@ -135,6 +171,7 @@ class Sandbox:
 
     _probed: dict[tuple[str, bool], Optional[str]] = {}
     _warned_seccomp = False  # (said once a process: the filter could not be installed)
+    _cgroups: Optional[tuple[Optional[CgroupBase], str]] = None  # where programs' memory cgroups go, or why none
     _lock = threading.Lock()
 
     def __init__(self, mode: str = "auto", limits: Optional[Limits] = None) -> None:
@@ -147,6 +184,10 @@ class Sandbox:
         self.is_root = os.geteuid() == 0
         self._uids: set[int] = set()
         self._uid_lock = threading.Lock()
+        with Sandbox._lock:
+            if Sandbox._cgroups is None:
+                Sandbox._cgroups = find_base()
+        self.cgroup_base, self._no_cgroup = Sandbox._cgroups
         self.mode, self.separate_uid = self._choose(mode)
         if self.mode == "process" and not self.separate_uid:
             _make_undumpable()
@@ -187,7 +228,8 @@ class Sandbox:
                     try:
                         out = self._run(mode, separate_uid, "def f(x):\n    return x + 1\n",
                                         [{"type": "call", "fn": "f", "args": [1]}], "")
-                        ok = out.results is not None and out.results[0].get("value") == 2
+                        ok = out.results is not None and "value_json" in out.results[0] \
+                            and result_value(out.results[0]) == 2
                         Sandbox._probed[key] = None if ok else f"probe program failed: {out.failure or out.results}"
                     except SandboxError as err:
                         Sandbox._probed[key] = str(err)
@@ -199,6 +241,14 @@ class Sandbox:
                   f"{lim.open_files} open files, {lim.test_timeout_s} s a test, {lim.timeout_s} s a program; own "
                   "session killed whole, empty folder, scrubbed environment, no stdin, capped output")
         uid = f"; a uid of its own, at most {lim.processes} processes" if separate_uid else ""
+        if self.cgroup_base is not None:
+            common += (f"; a memory cgroup (v{self.cgroup_base.version}) per program: at most {lim.memory_mb} + "
+                       f"{JUDGE_MB} MiB, kernel memory and the judge's included")
+        else:
+            log.warning("code sandbox: no memory cgroup (%s): a program's memory is bounded by the address-space limit "
+                        "of each process and the judge's watch over its processes' pages (every 20 ms); its kernel "
+                        "memory (IPC objects, tmpfs inodes, socket buffers) only by the refusals listed in "
+                        "docs/verifiers.md", self._no_cgroup)
         if mode == "process":
             log.warning(
                 "code sandbox: process limits only (%s%s). It CANNOT ISOLATE THE NETWORK: programs under test can "
@@ -242,9 +292,13 @@ class Sandbox:
         lim = self.limits
         uid = self._new_uid() if separate_uid else None
         folder = tempfile.mkdtemp(prefix="scgrpo-sandbox-")
-        workdir = "/tmp" if mode != "process" else folder
-        if mode == "process" and uid is not None:
-            os.chown(folder, uid, uid)
+        workdir = "/tmp"
+        if mode == "process":  # its own folder inside one it cannot write: it can neither rename nor leave it
+            workdir = os.path.join(folder, "work")
+            os.mkdir(workdir, 0o700)
+            os.chmod(folder, 0o711)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         token = secrets.token_hex(16)
@@ -253,15 +307,19 @@ class Sandbox:
             "token": token, "code": code, "tests": tests, "setup": setup, "entry_points": list(entry_points),
             "harness": self.harness, "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
             "layout": {"mode": mode, "uid": uid, "root": folder, "workdir": workdir, "binds": self.binds,
-                       "symlinks": self.links, "disk_mb": lim.disk_mb,
+                       "symlinks": self.links, "parents": _parent_modes(self.binds), "disk_mb": lim.disk_mb,
+                       "disk_files": lim.disk_files, "remount_tmp": mode == "bwrap" and self.is_root,
                        "nproc": uid is not None or (mode == "bwrap" and _nproc_per_user_namespace())},
         }
         job_read, job_write = os.pipe()
         result_read, result_write = os.pipe()
         python = [sys.executable, "-I", "-S", "-B", "-c", self.harness, "judge", str(job_read), str(result_write)]
         command = self._bwrap(env) + python if mode == "bwrap" else python
-        process = None
+        process = group = None
         try:
+            group = self._cgroup(token)
+            if group is not None:
+                command = group.command(command)
             process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 env=env, start_new_session=True, close_fds=True, pass_fds=(job_read, result_write),
@@ -277,7 +335,16 @@ class Sandbox:
                 if fd >= 0:
                     os.close(fd)
             os.close(result_read)
-            self._clean(process, uid, folder)
+            self._clean(process, uid, folder, group, shared=mode == "process")
+
+    def _cgroup(self, token: str) -> Optional[ProgramCgroup]:
+        """The program's memory cgroup, or None where the host gives none (said once, at the start)."""
+        if self.cgroup_base is None:
+            return None
+        try:
+            return self.cgroup_base.make(f"scgrpo-{token[:16]}", (self.limits.memory_mb + JUDGE_MB) << 20)
+        except OSError as err:
+            raise SandboxError(f"cannot make the program's memory cgroup under {self.cgroup_base.path}: {err}") from err
 
     def _bwrap(self, env: dict[str, str]) -> list[str]:
         lim = self.limits
@@ -285,18 +352,18 @@ class Sandbox:
         # stopped judge would stop its memory watch and timeouts until the host's deadline)
         command = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                    "--die-with-parent", "--new-session", "--as-pid-1"]
-        if self.is_root:
-            command += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        if self.is_root:  # (the judge caps /tmp's inodes, then drops every capability with its uid)
+            command += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SYS_ADMIN"]
         else:
             command += ["--unshare-user"]
         # the writable /tmp first: an interpreter that lives under /tmp (a venv there) is bound on top of it, not hidden
         command += ["--size", str(lim.disk_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
-        made = {"/tmp"}
+        made, parents = {"/tmp"}, _parent_modes(self.binds)
         for path in self.binds:
             for parent in _ancestors(path):
-                if parent not in made and not any(parent == b for b in self.binds):
+                if parent not in made and parent in parents:
                     made.add(parent)
-                    command += ["--perms", "0755", "--dir", parent]
+                    command += ["--perms", f"{parents[parent]:04o}", "--dir", parent]
             command += ["--ro-bind", path, path]
         for link, target in self.links:
             command += ["--symlink", target, link]
@@ -307,7 +374,7 @@ class Sandbox:
         return command
 
     def _collect(self, process, fd: int, token: str, count: int, deadline: float) -> Outcome:
-        buffer, messages, confined = b"", [], False
+        buffer, messages, confined = bytearray(), [], False
         while True:
             wait = deadline - time.monotonic()
             if wait <= 0:
@@ -318,21 +385,22 @@ class Sandbox:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 break
-            buffer += chunk
+            buffer += chunk  # (a bytearray: in place)
             if len(buffer) > 64 << 20:
                 return Outcome(None, "the judge's answer is too long")
             while len(buffer) >= 4:
                 (size,) = struct.unpack(">I", buffer[:4])
                 if len(buffer) < 4 + size:
                     break
-                messages.append(json.loads(buffer[4 : 4 + size]))
-                buffer = buffer[4 + size :]
+                messages.append(json.loads(bytes(buffer[4 : 4 + size])))
+                del buffer[: 4 + size]
             for message in messages:
                 confined = confined or message.get("confined", False)
                 if message.get("seccomp") is False and not Sandbox._warned_seccomp:
                     Sandbox._warned_seccomp = True
                     log.warning("the code sandbox could not install its seccomp filter here: new user namespaces, "
-                                "SysV shared memory and memory files are not refused (see docs/verifiers.md)")
+                                "SysV IPC objects, memory files, sockets, larger socket buffers and io_uring are not "
+                                "refused (see docs/verifiers.md)")
                 if "results" in message:
                     if message.get("token") != token or len(message["results"]) != count:
                         return Outcome(None, "a verdict without the run's token")
@@ -344,8 +412,11 @@ class Sandbox:
             raise SandboxError(f"the sandbox did not start (exit {process.returncode}): {stderr[-800:]}")
         return Outcome(None, "no verdict: the judge ended before the last test")
 
-    def _clean(self, process, uid: Optional[int], folder: str) -> None:
-        """Kills the session, then (with a uid of its own) every process of that uid, then removes the folder."""
+    def _clean(self, process, uid: Optional[int], folder: str, group: Optional[ProgramCgroup] = None,
+               shared: bool = False) -> None:
+        """Kills the session, then (with a uid of its own) every process of that uid, then every process left in the
+        program's cgroup (removing it), then removes the folder; ``shared``: the program ran in the host's file
+        system and IPC namespace, where what its uid left is removed too."""
         if process is not None:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
@@ -364,10 +435,57 @@ class Sandbox:
                 log.warning("code sandbox: process %d did not end after SIGKILL", process.pid)
             if process.stderr:
                 process.stderr.close()
+        if group is not None:
+            try:
+                group.remove()
+            except OSError as err:
+                log.warning("code sandbox: cgroup %s not removed: %s", group.path, err)
+        if uid is not None and shared:  # (the namespaced modes' IPC objects and /tmp die with them)
+            _remove_leftovers(uid)
         shutil.rmtree(folder, ignore_errors=True)
         if uid is not None:
             with self._uid_lock:
                 self._uids.discard(uid)
+
+
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")
+"""Folders every user may write to: where a program of the ``process`` mode could leave files outside its own"""
+_IPC_TABLES = {"msg": 7, "sem": 4, "shm": 7}  # /proc/sysvipc table -> its owner's uid column
+
+
+def _remove_leftovers(uid: int) -> None:
+    """What a program of the ``process`` mode, running as ``uid``, left outside its folder: its SysV IPC objects
+    (where no seccomp filter refused them) and its files and folders in the folders every user can write to
+    (:data:`SHARED_FOLDERS`: at their top, where a program without other rights can make them)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    remove = {"msg": lambda i: libc.msgctl(i, 0, None), "sem": lambda i: libc.semctl(i, 0, 0),  # (IPC_RMID = 0)
+              "shm": lambda i: libc.shmctl(i, 0, None)}
+    for table, column in _IPC_TABLES.items():
+        try:
+            with open(f"/proc/sysvipc/{table}") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            if len(row) > column and row[column] == str(uid):
+                remove[table](int(row[1]))
+    for shared in SHARED_FOLDERS:
+        try:
+            entries = list(os.scandir(shared))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
 
 
 def _nproc_per_user_namespace() -> bool:

@@ -34,7 +34,12 @@ import time
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
-MAX_MESSAGE = 8 << 20
+MAX_MESSAGE = 8 << 20  # (the host's job and the judge's questions)
+REPLY_BYTES = 1 << 20
+"""The largest reply of the program's process other than a stdio test's output (a value, an error, its names):
+parsed, JSON of containers takes tens of times its size (8 MiB of a set of short strings held 562 MiB in the judge)"""
+VERDICT_BYTES = 32 << 20
+"""The most observations (values, outputs) the judge keeps for the host in all; past it a test fails"""
 FRESH_CPU_S = 0.2  # a worker that has used more CPU time than this is replaced before the next test
 
 
@@ -146,10 +151,14 @@ def _read_exact(fd, n, deadline):
     return b"".join(chunks)
 
 
-def receive(fd, deadline=None):
+class TooLarge(ValueError):
+    """A message past the size its reader takes."""
+
+
+def receive(fd, deadline=None, limit=MAX_MESSAGE):
     (size,) = struct.unpack(">I", _read_exact(fd, 4, deadline))
-    if size > MAX_MESSAGE:
-        raise ValueError(f"a message of {size} bytes")
+    if size > limit:
+        raise TooLarge(f"a reply of {size} bytes, at most {limit} taken")
     return json.loads(_read_exact(fd, size, deadline))
 
 
@@ -195,19 +204,31 @@ def _mounts_under(folder):
     return found
 
 
+SHM_OPTIONS = "size=1m,nr_inodes=64,mode=1777"
+
+
+def _tmp_options(layout):
+    """The sandbox's /tmp: ``disk_mb`` of pages and ``disk_files`` inodes (each inode is kernel memory that no size
+    counts: a million empty files held over 1 GiB of slab in a 16 MiB /tmp)."""
+    return f"size={layout['disk_mb']}m,nr_inodes={layout['disk_files']},mode=1777"
+
+
 def _build_root(libc, root, layout):
     """A new root in the private mount namespace: the system and Python folders bound read-only, a sized tmpfs
     on /tmp (the only writable place), a few device nodes, /proc; everything else (home folders, the run's
     folder, data files) is absent."""
-    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=256,mode=755")
     for link, target in layout["symlinks"]:
         os.symlink(target, root + link)
     # the writable /tmp first: an interpreter that lives under /tmp (a venv there) is bound on top of it, not hidden
     os.makedirs(root + "/tmp", mode=0o755, exist_ok=True)
-    _mount(libc, "tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={layout['disk_mb']}m,mode=1777")
+    _mount(libc, "tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, _tmp_options(layout))
     for path in layout["binds"]:
         target = root + path
         os.makedirs(target, mode=0o755, exist_ok=True)
+        for parent, mode in layout["parents"].items():  # (the host's modes, not more open: see _parent_modes)
+            if path.startswith(parent + "/"):
+                os.chmod(root + parent, mode)
         _mount(libc, path, target, None, MS_BIND | MS_REC)
         # read-only with every mount under it (a writable one there would stay writable: remounting the top
         # changes that mount alone)
@@ -223,7 +244,7 @@ def _build_root(libc, root, layout):
         open(root + "/dev/" + name, "w").close()
         _mount(libc, "/dev/" + name, root + "/dev/" + name, None, MS_BIND)
     os.makedirs(root + "/dev/shm", mode=0o755)
-    _mount(libc, "tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777")
+    _mount(libc, "tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, SHM_OPTIONS)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, root + "/dev/" + name)
@@ -252,6 +273,9 @@ def _confine(job, result_fd):
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
         _build_root(libc, layout["root"], layout)
     else:
+        if layout.get("remount_tmp"):  # bubblewrap sizes its tmpfs mounts but does not cap their inodes
+            _mount(libc, None, "/tmp", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, _tmp_options(layout))
+            _mount(libc, None, "/dev/shm", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, SHM_OPTIONS)
         os.chdir(layout["workdir"])
     uid = layout.get("uid")
     if uid is not None:
@@ -286,10 +310,11 @@ def _limit_worker(limits, nproc):
 # (seccomp: syscall numbers per audit architecture, x86_64 and aarch64)
 _SYSCALLS = {
     0xC000003E: {"unshare": 272, "clone": 56, "clone3": 435, "shmget": 29, "shmat": 30, "memfd_create": 319,
-                 "setsid": 112, "setsockopt": 54},
+                 "setsid": 112, "setsockopt": 54, "msgget": 68, "semget": 64, "socket": 41, "io_uring_setup": 425},
     0xC00000B7: {"unshare": 97, "clone": 220, "clone3": 435, "shmget": 194, "shmat": 196, "memfd_create": 279,
-                 "setsid": 157, "setsockopt": 208},
+                 "setsid": 157, "setsockopt": 208, "msgget": 186, "semget": 190, "socket": 198, "io_uring_setup": 425},
 }
+_AF_UNIX, _AF_INET, _AF_INET6 = 1, 2, 10
 _CLONE_NEWUSER = 0x10000000
 _SOL_SOCKET, _SO_SNDBUF, _SO_RCVBUF, _SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 1, 7, 8, 32, 33
 _ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -352,7 +377,12 @@ def _refuse_unbounded_memory():
     - a user namespace of its own (where a tmpfs could be mounted and filled): ``unshare`` and ``clone`` with
       ``CLONE_NEWUSER`` fail with EPERM, and ``clone3`` with ENOSYS (its flags sit in memory a filter cannot
       read; the C library falls back to ``clone``);
-    - SysV shared memory (``shmget``, ``shmat``) and memory file descriptors (``memfd_create``): EPERM;
+    - SysV IPC objects (``shmget``, ``shmat``, ``msgget``, ``semget``: message queues and semaphore sets are
+      kernel memory no limit of the process counts) and memory file descriptors (``memfd_create``): EPERM;
+    - sockets other than socket pairs (``socket`` of ``AF_UNIX``, ``AF_INET``, ``AF_INET6``): EPERM. A TCP
+      connection on the namespace's loopback grows its buffers by itself (autotuning), and a Unix socket file
+      under a bound folder would reach a server of the host; ``socketpair`` (asyncio's self-pipe) still works;
+    - ``io_uring_setup``: ENOSYS (its requests run setsockopt and the rest without passing this filter);
     - larger socket buffers (``setsockopt`` of ``SO_SNDBUF``, ``SO_RCVBUF`` and their ``FORCE`` forms): EPERM. Data
       queued in a socket pair is kernel memory no process's count includes (up to twice ``net.core.wmem_max`` a
       socket: 437 MiB in one process of 28 pairs on a machine with 4 MiB); at the default size (``wmem_default``,
@@ -374,8 +404,18 @@ def _refuse_unbounded_memory():
         (_JGE, 0, 1, 0x40000000),  # (x32's numbers)
         (_RET, 0, 0, _ENOSYS),
     ]
-    for name, errno in (("clone3", _ENOSYS), ("shmget", _EPERM), ("shmat", _EPERM), ("memfd_create", _EPERM)):
+    for name, errno in (("clone3", _ENOSYS), ("shmget", _EPERM), ("shmat", _EPERM), ("memfd_create", _EPERM),
+                        ("msgget", _EPERM), ("semget", _EPERM), ("io_uring_setup", _ENOSYS)):
         program += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, errno)]
+    program += [  # socket(AF_UNIX / AF_INET / AF_INET6): EPERM (socketpair still works)
+        (_JEQ, 0, 6, nr["socket"]),
+        (_LOAD, 0, 0, 16),  # the domain (the first argument's low half)
+        (_JEQ, 2, 0, _AF_UNIX),
+        (_JEQ, 1, 0, _AF_INET),
+        (_JEQ, 0, 1, _AF_INET6),
+        (_RET, 0, 0, _EPERM),
+        (_RET, 0, 0, _ALLOW),
+    ]
     program += [  # setsockopt(SOL_SOCKET, SO_SNDBUF / SO_RCVBUF / their FORCE forms): EPERM
         (_JEQ, 0, 9, nr["setsockopt"]),
         (_LOAD, 0, 0, 24),  # the level (the second argument's low half)
@@ -593,12 +633,18 @@ class Worker:
     def ask(self, message, deadline):
         if self.process is None:  # stopped during this test (its pipes are closed)
             raise self.fault or self.gone("the program's process ended")
+        limit = REPLY_BYTES
+        if message["op"] == "stdio":  # its output, up to output_kb, as JSON text (up to 12 bytes a character)
+            limit += 12 * self.job["limits"]["output_kb"] * 1024
         try:
             send(self.send_fd, message)
-            return receive(self.recv_fd, deadline)
+            return receive(self.recv_fd, deadline, limit)
         except TimeoutError:
             self.stop()
             raise self.timed_out() from None
+        except TooLarge as err:
+            self.stop()
+            raise self.gone(f"the program's reply is too large ({err})") from None
         except (EOFError, OSError, ValueError, struct.error) as err:
             status = self.stop()
             if self.memory.exceeded is not None:
@@ -815,7 +861,8 @@ def _run_test(worker, test, job, namespace_box):
     if kind == "call":
         reply = worker.ask({"op": "call", "fn": test["fn"], "args": test["args"], "kwargs": test.get("kwargs", {"dict": []})},
                            worker.until(timeout))
-        return {"value": reply["value"]} if "value" in reply else {"error": reply.get("error", "no value")}
+        # kept as its JSON text: the host parses one test's value at a time (see REPLY_BYTES)
+        return {"value_json": json.dumps(reply["value"])} if "value" in reply else {"error": reply.get("error", "no value")}
     needed = namespace_box["needed"]
     if needed and not set(needed) & set(worker.names):  # else a builtin (or the set-up) would stand in for it
         return {"passed": False, "error": "NameError: the program defines no "
@@ -877,9 +924,13 @@ def judge(job_fd, result_fd):
         box = {"referenced": referenced, "needed": needed}
     except SyntaxError as err:
         box = {"referenced": set(), "broken": f"the tests do not parse: {err}"}
+    kept = 0  # bytes of the observations kept (VERDICT_BYTES)
     for test in job["tests"]:
         if time.monotonic() >= worker.deadline:
             results.append({"error": "timeout"})
+            continue
+        if kept > VERDICT_BYTES:
+            results.append({"error": f"the program's replies exceed {VERDICT_BYTES >> 20} MiB in all"})
             continue
         try:
             if "broken" in box:
@@ -894,6 +945,7 @@ def judge(job_fd, result_fd):
             results.append({"error": f"judge: {err}"[:300]})
         except Exception as err:  # the tests' set-up failed
             results.append({"passed": False, "error": f"{type(err).__name__}: {err}"[:300]})
+        kept += sum(len(v) for v in results[-1].values() if isinstance(v, str))
     worker.stop()
     worker.memory.close()
     send(result_fd, {"token": token, "results": results})

@@ -1,0 +1,178 @@
+"""The sandbox's host side: where programs' memory cgroups are made (v1 and v2, from the files the kernel shows), a
+cgroup's limit, joining it and emptying it, the folders made to hold the binds, and the clean-up of what a
+``process``-mode program's uid leaves in the shared folders."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scgrpo.verifiers import cgroup, sandbox
+
+V1_CGROUP = "9:name=systemd:/\n4:memory:/jobs/trainer\n3:cpuset:/\n0::/\n"
+V1_MOUNTS = ("30 25 0:27 / /sys/fs/cgroup/cpu rw,relatime shared:8 - cgroup cgroup rw,cpu\n"
+             "33 25 0:30 / /sys/fs/cgroup/memory rw,relatime shared:11 - cgroup cgroup rw,memory\n")
+V2_CGROUP = "0::/user.slice/trainer.scope\n"
+V2_MOUNTS = "25 20 0:23 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def test_the_v1_memory_hierarchy_is_found_from_the_processes_cgroup_and_the_mounts(monkeypatch, tmp_path):
+    made = []
+    monkeypatch.setattr(cgroup, "_probe", lambda base: made.append(base) or None)
+    mounts = V1_MOUNTS.replace("/sys/fs/cgroup/memory", str(tmp_path))
+    base, why = cgroup.find_base(V1_CGROUP, mounts, root=str(tmp_path / "none"))
+    assert why == "" and base == cgroup.CgroupBase(str(tmp_path / "jobs" / "trainer"), 1) and made == [base]
+
+
+def test_the_v2_hierarchy_is_the_processes_own_cgroup_under_the_root(monkeypatch, tmp_path):
+    monkeypatch.setattr(cgroup, "_probe", lambda base: None)
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    base, why = cgroup.find_base(V2_CGROUP, V2_MOUNTS, root=str(tmp_path))
+    assert base == cgroup.CgroupBase(str(tmp_path / "user.slice" / "trainer.scope"), 2) and why == ""
+
+
+def test_where_no_hierarchy_works_each_ones_reason_is_said(monkeypatch, tmp_path):
+    monkeypatch.setattr(cgroup, "_probe", lambda base: f"refused v{base.version}")
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    mounts = V1_MOUNTS.replace("/sys/fs/cgroup/memory", str(tmp_path / "v1"))
+    base, why = cgroup.find_base(V1_CGROUP.replace("0::/\n", "0::/x\n"), mounts, root=str(tmp_path))
+    assert base is None and "cgroup v1 at" in why and "refused v1" in why and "refused v2" in why
+    assert cgroup.find_base("0::/\n", "", root=str(tmp_path / "none")) == (None, "no memory cgroup is mounted here")
+
+
+def test_a_v2_base_whose_memory_controller_is_not_delegated_is_refused_with_the_reason(tmp_path, monkeypatch):
+    (tmp_path / "cgroup.subtree_control").write_text("cpu\n")
+
+    def write(folder, name, value, missing_ok=False):  # the kernel's answer where processes live in the base
+        raise OSError(16, "Device or resource busy")
+
+    monkeypatch.setattr(cgroup, "_write", write)
+    why = cgroup._probe(cgroup.CgroupBase(str(tmp_path), 2))
+    assert why == "the memory controller is not delegated to it (Device or resource busy)"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("scgrpo-probe")]
+
+
+@pytest.mark.parametrize("version, files", [(1, {"memory.limit_in_bytes", "memory.memsw.limit_in_bytes",
+                                                 "memory.kmem.tcp.limit_in_bytes"}),
+                                            (2, {"memory.max", "memory.swap.max"})])
+def test_a_programs_cgroup_holds_memory_and_swap_to_the_limit(version, files, tmp_path):
+    folder = tmp_path / "g"
+    base = cgroup.CgroupBase(str(tmp_path), version)
+    original = os.mkdir
+
+    def mkdir_with_files(path, *args):
+        original(path, *args)
+        for name in files | {"cgroup.procs"}:
+            open(os.path.join(path, name), "w").close()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cgroup.os, "mkdir", mkdir_with_files)
+        group = base.make("g", 123 << 20)
+    written = {name: (folder / name).read_text() for name in files}
+    expected = {name: str(123 << 20) for name in files}
+    if version == 2:
+        expected["memory.swap.max"] = "0"
+    assert written == expected and group.path == str(folder) and group.version == version
+
+
+def test_a_limit_the_kernel_refuses_removes_the_half_made_cgroup(tmp_path, monkeypatch):
+    def write(folder, name, value, missing_ok=False):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(cgroup, "_write", write)
+    with pytest.raises(OSError, match="Invalid argument"):
+        cgroup.CgroupBase(str(tmp_path), 1).make("g", 1 << 20)
+    assert not (tmp_path / "g").exists()
+
+
+def test_the_command_joins_the_cgroup_before_it_becomes_the_program(tmp_path):
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    group = cgroup.ProgramCgroup(str(tmp_path), 1)
+    done = subprocess.run(group.command([sys.executable, "-c", "import os; print(os.getpid())"]),
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and procs.read_text().strip() == done.stdout.strip()  # the same process: exec
+
+
+def test_peak_and_out_of_memory_kills_are_read_from_the_kernels_files(tmp_path):
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    v1.mkdir()
+    v2.mkdir()
+    (v1 / "memory.max_usage_in_bytes").write_text("4096\n")
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    (v2 / "memory.peak").write_text("8192\n")
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 1\noom_kill 1\n")
+    one, two = cgroup.ProgramCgroup(str(v1), 1), cgroup.ProgramCgroup(str(v2), 2)
+    assert (one.peak_bytes(), one.out_of_memory_kills()) == (4096, 2)
+    assert (two.peak_bytes(), two.out_of_memory_kills()) == (8192, 1)
+    gone = cgroup.ProgramCgroup(str(tmp_path / "none"), 2)
+    assert (gone.peak_bytes(), gone.out_of_memory_kills(), gone.pids()) == (None, 0, [])
+
+
+def test_removing_kills_what_is_left_inside(tmp_path):
+    folder = tmp_path / "g"
+    folder.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (folder / "cgroup.procs").write_text(f"{child.pid}\n")
+    removed, real_rmdir = [], os.rmdir
+
+    def rmdir(path):  # (a cgroup's folder goes once it is empty; a plain one needs its files gone first)
+        if child.poll() is None:
+            raise OSError(16, "busy")
+        os.unlink(os.path.join(path, "cgroup.procs"))
+        real_rmdir(path)
+        removed.append(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cgroup.os, "rmdir", rmdir)
+        cgroup.ProgramCgroup(str(folder), 1).remove(timeout_s=10)
+    assert child.wait(timeout=10) == -9 and removed == [str(folder)] and not folder.exists()
+
+
+@pytest.mark.skipif(cgroup.find_base()[0] is None, reason="no memory cgroup can be made here")
+def test_a_real_cgroup_stops_a_process_at_its_limit_and_is_removed():
+    base, _ = cgroup.find_base()
+    group = base.make(f"scgrpo-test-{os.getpid()}", 64 << 20)
+    try:
+        done = subprocess.run(group.command([sys.executable, "-c", "x = bytearray(256 << 20); print('held')"]),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "held" not in done.stdout  # (killed, or MemoryError under the limit)
+        assert group.peak_bytes() is None or group.peak_bytes() <= 64 << 20
+    finally:
+        group.remove()
+    assert not os.path.exists(group.path)
+
+
+def test_the_folders_holding_the_binds_are_no_more_open_than_on_the_host(tmp_path):
+    closed = tmp_path / "closed"
+    (closed / "py").mkdir(parents=True)
+    os.chmod(closed, 0o700)
+    (tmp_path / "open").mkdir(0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    (tmp_path / "open" / "lib").mkdir()
+    modes = sandbox._parent_modes([str(closed / "py"), str(tmp_path / "open" / "lib")])
+    assert modes[str(closed)] == 0o711  # search bits to reach the bind, nothing to list
+    assert modes[str(tmp_path / "open")] == 0o755  # no write bit
+    assert str(closed / "py") not in modes and "/tmp" not in modes
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files of another uid)")
+def test_the_clean_up_removes_what_the_uid_left_and_nothing_else(tmp_path, monkeypatch):
+    uid = sandbox.UID_BASE + 12345
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    mine, theirs, folder = shared / "left.txt", shared / "root.txt", shared / "made"
+    for path in (mine, theirs):
+        path.write_text("x")
+    folder.mkdir()
+    (folder / "inner").write_text("x")
+    outside = tmp_path / "outside"
+    outside.write_text("keep")
+    (shared / "link").symlink_to(outside)
+    for path in (mine, folder, folder / "inner"):
+        os.chown(path, uid, uid)
+    os.lchown(shared / "link", uid, uid)
+    monkeypatch.setattr(sandbox, "SHARED_FOLDERS", (str(shared),))
+    sandbox._remove_leftovers(uid)
+    assert sorted(os.listdir(shared)) == ["root.txt"] and outside.read_text() == "keep"
