@@ -27,9 +27,20 @@ def test_the_v1_memory_hierarchy_is_found_from_the_processes_cgroup_and_the_moun
 
 def test_the_v2_hierarchy_is_the_processes_own_cgroup_under_the_root(monkeypatch, tmp_path):
     monkeypatch.setattr(cgroup, "_probe", lambda base: None)
-    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
-    base, why = cgroup.find_base(V2_CGROUP, V2_MOUNTS, root=str(tmp_path))
+    base, why = cgroup.find_base(V2_CGROUP, V2_MOUNTS.replace("/sys/fs/cgroup", str(tmp_path)), root="/none")
     assert base == cgroup.CgroupBase(str(tmp_path / "user.slice" / "trainer.scope"), 2) and why == ""
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")  # no cgroup2 line: the usual mount point
+    base, _ = cgroup.find_base(V2_CGROUP, "", root=str(tmp_path))
+    assert base == cgroup.CgroupBase(str(tmp_path / "user.slice" / "trainer.scope"), 2)
+
+
+def test_a_containers_mount_shows_its_own_cgroup_at_the_mount_point(monkeypatch, tmp_path):
+    monkeypatch.setattr(cgroup, "_probe", lambda base: None)
+    mounts = f"33 25 0:30 /docker/abc {tmp_path} rw,relatime - cgroup cgroup rw,memory\n"
+    base, _ = cgroup.find_base("4:memory:/docker/abc/job\n", mounts, root="/none")
+    assert base == cgroup.CgroupBase(str(tmp_path / "job"), 1)
+    base, _ = cgroup.find_base("4:memory:/docker/abc\n", mounts, root="/none")
+    assert base.version == 1 and base.path.rstrip("/") == str(tmp_path)
 
 
 def test_where_no_hierarchy_works_each_ones_reason_is_said(monkeypatch, tmp_path):
@@ -49,7 +60,7 @@ def test_a_v2_base_whose_memory_controller_is_not_delegated_is_refused_with_the_
 
     monkeypatch.setattr(cgroup, "_write", write)
     why = cgroup._probe(cgroup.CgroupBase(str(tmp_path), 2))
-    assert why == "the memory controller is not delegated to it (Device or resource busy)"
+    assert why.startswith("the memory controller is not delegated to it (Device or resource busy; cgroup v2")
     assert not [p for p in os.listdir(tmp_path) if p.startswith("scgrpo-probe")]
 
 
@@ -152,8 +163,8 @@ def test_the_folders_holding_the_binds_are_no_more_open_than_on_the_host(tmp_pat
     os.chmod(tmp_path / "open", 0o777)
     (tmp_path / "open" / "lib").mkdir()
     modes = sandbox._parent_modes([str(closed / "py"), str(tmp_path / "open" / "lib")])
-    assert modes[str(closed)] == 0o711  # search bits to reach the bind, nothing to list
-    assert modes[str(tmp_path / "open")] == 0o755  # no write bit
+    assert modes[str(closed)] == 0o511  # search bits to reach the bind, nothing to list, nothing to write
+    assert modes[str(tmp_path / "open")] == 0o555  # no write bit
     assert str(closed / "py") not in modes and "/tmp" not in modes
 
 

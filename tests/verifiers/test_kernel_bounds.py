@@ -481,23 +481,32 @@ def test_loopback_tcp_is_refused_or_bounded():
 # ---------------------------------------------------------------- 5. replies expensive for the judge to decode
 
 JUDGE = """import os, struct, sys
-# the worker's replies, forged: the right value, {"ab"}, written as a set of 1.7 million equal strings (5 bytes of
-# JSON each, a string object of 56 bytes and its pointer once decoded), just under the judge's 8 MiB a message
+# the worker's replies, forged: {forged} (5 bytes of JSON an item, a string or list object of 56 bytes and its
+# pointer once decoded), {size} MiB a message
 harness = sys.modules["__main__"]
-items = (8 << 20) // 5 - 64
-reply = b'{"value": {"set": [' + b'"ab",' * items + b'"ab"]}}'
+items = ({size} << 20) // 5 - 64
+reply = {reply}
 frame = struct.pack(">I", len(reply)) + reply
 real_send = harness.send
 def forged(fd, message):
-    if "value" not in message:
+    if {key!r} not in message:
         return real_send(fd, message)
     view = memoryview(frame)
     while view:
         view = view[os.write(fd, view):]
 harness.send = forged
 def solve():
-    return {"ab"}
+    return {{"ab"}}
+print("ab")
 """
+FORGED = {  # what the forged reply is, the key of the replies it replaces, its JSON, and the tests it answers
+    "value": ("the right value, {'ab'}, as a set of 1.7 million equal strings", "value",
+              """b'{"value": {"set": [' + b'"ab",' * items + b'"ab"]}}'""", "call"),
+    "error": ("a call's error as a list of a million empty lists", "value",
+              """b'{"error": [' + b'[],' * items + b'[]]}'""", "call"),
+    "stdout": ("a stdio test's output as a list of a million empty lists", "stdout_bytes",
+               """b'{"stdout": [' + b'[],' * items + b'[]], "stdout_bytes": 0}'""", "stdio"),
+}
 JUDGE_PEAK_MB = 256
 """What the judge may hold at its peak: the interpreter, a few replies of a capped size, its results"""
 
@@ -514,10 +523,15 @@ def _judge_peak():
     return peak
 
 
+@pytest.mark.parametrize("size", [1, 8])
+@pytest.mark.parametrize("forged", list(FORGED))
 @pytest.mark.parametrize("mode", NAMESPACED)
-def test_replies_that_are_expensive_to_decode_cost_the_judge_and_the_trainer_little(mode):
-    """The worker's replies are the program's to write (it replaces the harness's ``send``): this one answers each of
-    4 call tests with the right value, {"ab"}, spelt as 8 MiB of JSON (a set of 1.7 million equal strings), some
+def test_replies_that_are_expensive_to_decode_cost_the_judge_and_the_trainer_little(mode, forged, size):
+    """The worker's replies are the program's to write (it replaces the harness's ``send``). Each forged reply
+    (:data:`FORGED`: a value, a call's error, a stdio output spelt as lists) is parametrized at 1 MiB (under the
+    judge's cap on a reply: it is read, and must cost the judge and the trainer little, whatever it scores) and at
+    8 MiB (past it). At first: 4 call tests answered with the right value, {"ab"}, spelt as 8 MiB of JSON (a set of
+    1.7 million equal strings), some
     100 MiB of objects once decoded. The judge keeps every reply's value until the last test, then sends them all to
     the host (40 MiB, under its 64 MiB cap), which decodes them whole. The program must score 0 with a reason (a reply
     over a size cap, say: not "pass" or "wrong"), the judge's peak resident memory stay under :data:`JUDGE_PEAK_MB`,
@@ -529,12 +543,16 @@ def test_replies_that_are_expensive_to_decode_cost_the_judge_and_the_trainer_lit
     with open("/proc/self/clear_refs", "w") as f:  # (5: the high-water mark of resident memory, reset)
         f.write("5")
     rss_before = _status_bytes("self", "VmRSS")
+    what, key, reply, kind = FORGED[forged]
+    program = JUDGE.format(forged=what, size=size, reply=reply, key=key)
+    tests = [_call({"ab"}) if kind == "call" else {"type": "stdio", "input": "", "output": "ab\n"}] * 4
     with Watch(judge=_judge_peak) as watch:
-        result = _score(mode, JUDGE, [_call({"ab"})] * 4, memory_mb=256, test_timeout_s=5.0, timeout_s=30.0, cpu_s=5)
+        result = _score(mode, program, tests, memory_mb=256, test_timeout_s=5.0, timeout_s=30.0, cpu_s=5)
     grown = _status_bytes("self", "VmHWM") - rss_before
     seen = (f"score {result.score}, {result.info['tests']}; the judge peaked at {_mib(watch.peak['judge'])} "
             f"(bound {JUDGE_PEAK_MB} MiB), this process grew by {_mib(grown)} (bound 100 MiB)")
-    assert result.score == 0.0 and not {"pass", "wrong"} & set(result.info["tests"]), seen
+    if size > 1:  # past the judge's cap on a reply: no verdict from it (under the cap it is read, and costs little)
+        assert result.score == 0.0 and not {"pass", "wrong"} & set(result.info["tests"]), seen
     assert watch.peak["judge"] <= JUDGE_PEAK_MB * MiB, seen
     assert grown <= 100 * MiB, seen
 
@@ -741,3 +759,47 @@ def test_the_process_mode_leaves_nothing_behind():
         assert (ipc, sorted(entries)) == ([], []), f"left: IPC objects {ipc}, in the shared folders {sorted(entries)}"
     finally:
         _remove(*left())
+
+
+# ---------------------------------------------------------------- 9. what the program finds refused inside
+
+PROBES = """import ctypes, errno, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def refused(call):
+    try:
+        call()
+    except OSError as err:
+        return errno.errorcode.get(err.errno, err.errno)
+    return "allowed"
+def key():
+    if libc.syscall(248 if os.uname().machine == "x86_64" else 217, b"user", b"k", b"v", 1, -4) < 0:  # add_key
+        raise OSError(ctypes.get_errno(), "add_key")
+def mq():
+    if libc.mq_open(b"/q", os.O_CREAT | os.O_RDWR, 0o600, None) < 0:
+        raise OSError(ctypes.get_errno(), "mq_open")
+def probe():
+    return [os.statvfs("/tmp").f_files, refused(lambda: open("/x", "w")), refused(lambda: open("/dev/x", "w")),
+            refused(key), refused(mq), refused(lambda: socket.socket(40, socket.SOCK_STREAM)),  # AF_VSOCK
+            refused(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)), len(socket.socketpair())]
+"""
+
+
+def _key_users():
+    with open("/proc/key-users") as f:
+        return {int(line.split(":")[0]) for line in f if line.strip()}
+
+
+@pytest.mark.parametrize("mode", NAMESPACED)
+def test_inodes_capped_root_read_only_and_keys_queues_and_other_sockets_refused(mode):
+    """Inside: /tmp holds ``disk_files`` inodes, the new root and /dev are not writable, kernel keys (a uid's
+    keyring outlives its processes: unreclaimable slab for every fresh uid) and POSIX message queues are refused, and
+    so is a socket of any family (vsock, netlink), while a socket pair still works; afterwards no key of a sandbox
+    uid is left."""
+    _skip_unless(mode)
+    before = _key_users()
+    result = _score(mode, PROBES, [{"type": "call", "fn": "probe", "args": [],
+                                    "expected": [1000, "EROFS", "EROFS", "EPERM", "EPERM", "EPERM", "EPERM", 2]}],
+                    disk_files=1000)
+    assert result.score == 1.0, result.info
+    left = {uid for uid in _key_users() - before if UID_BASE <= uid < UID_BASE + UID_SPAN}
+    assert not left, left

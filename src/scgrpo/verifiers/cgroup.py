@@ -129,13 +129,24 @@ def _own_paths(proc_cgroup: str) -> dict[str, str]:
     return paths
 
 
-def _v1_memory_mount(mountinfo: str) -> Optional[str]:
+def _mount(mountinfo: str, v2: bool) -> Optional[tuple[str, str]]:
+    """(the cgroup path the mount shows at its root, its mount point) of the v1 memory hierarchy or of cgroup v2."""
     for line in mountinfo.splitlines():
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
-        if len(tail) >= 3 and tail[0] == "cgroup" and "memory" in tail[2].split(","):
-            return fields[4]
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        if (v2 and tail[0] == "cgroup2") or (not v2 and tail[0] == "cgroup" and "memory" in tail[2].split(",")):
+            return fields[3], fields[4]
     return None
+
+
+def _under(mount: tuple[str, str], own: str) -> str:
+    """The folder of cgroup ``own`` under a mount whose root is cgroup ``mount[0]`` (a container's mount shows its
+    own cgroup at the mount point: ``/docker/<id>`` mounted at ``/sys/fs/cgroup/memory``)."""
+    root, point = mount
+    relative = own[len(root):] if root != "/" and (own == root or own.startswith(root.rstrip("/") + "/")) else own
+    return os.path.join(point, relative.lstrip("/"))
 
 
 def _read(path: str) -> str:
@@ -154,10 +165,11 @@ def find_base(proc_cgroup: Optional[str] = None, mountinfo: Optional[str] = None
         return None, f"cannot read this process's cgroups ({err})"
     own = _own_paths(proc_cgroup)
     candidates = []
-    if "memory" in own and (mount := _v1_memory_mount(mountinfo)):
-        candidates.append(CgroupBase(os.path.join(mount, own["memory"].lstrip("/")), 1))
-    if "" in own and os.path.exists(os.path.join(root, "cgroup.controllers")):
-        candidates.append(CgroupBase(os.path.join(root, own[""].lstrip("/")), 2))
+    if "memory" in own and (mount := _mount(mountinfo, v2=False)):
+        candidates.append(CgroupBase(_under(mount, own["memory"]), 1))
+    if "" in own and (mount := _mount(mountinfo, v2=True) or (("/", root) if os.path.exists(
+            os.path.join(root, "cgroup.controllers")) else None)):
+        candidates.append(CgroupBase(_under(mount, own[""]), 2))
     if not candidates:
         return None, "no memory cgroup is mounted here"
     reasons = []
@@ -179,7 +191,9 @@ def _probe(base: CgroupBase) -> Optional[str]:
             try:  # (refused where this cgroup holds processes itself and is not the root: v2 keeps them in leaves)
                 _write(base.path, "cgroup.subtree_control", "+memory")
             except OSError as err:
-                return f"the memory controller is not delegated to it ({err.strerror})"
+                return (f"the memory controller is not delegated to it ({err.strerror}; cgroup v2 enables it only for a "
+                        "cgroup that holds no processes itself, and this one holds the trainer: start the trainer in a "
+                        "child of a delegated cgroup)")
     try:
         group = base.make(f"scgrpo-probe-{os.getpid()}-{time.monotonic_ns()}", 64 << 20)
     except OSError as err:

@@ -58,9 +58,9 @@ UID_BASE, UID_SPAN = 1_600_000_000, 1 << 24
 SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 PR_SET_DUMPABLE = 4
 JUDGE_GRACE_S = 1.0
+"""Seconds past ``timeout_s`` the host waits for the judge's results (the judge stops before ``timeout_s``)."""
 JUDGE_MB = 256
 """What the judge and the sandbox's own processes may hold beside the program, inside the program's memory cgroup"""
-"""Seconds past ``timeout_s`` the host waits for the judge's results (the judge stops before ``timeout_s``)."""
 
 
 class SandboxError(VerifierSetupError):
@@ -145,17 +145,17 @@ def _ancestors(path: str) -> list[str]:
 
 def _parent_modes(binds: list[str]) -> dict[str, int]:
     """The folders the new root makes to hold the binds (their parents that are not bound themselves), each with
-    its host mode less any write bit, plus the search bits that reach what is bound below it: no more open than on
-    the host (a ``/root`` of mode 0700 is 0711 inside: the bound Python under it is reachable, nothing else there
+    its host mode less every write bit, plus the search bits that reach what is bound below it: no more open than on
+    the host (a ``/root`` of mode 0700 is 0511 inside: the bound Python under it is reachable, nothing else there
     is listed)."""
     modes = {}
     for path in binds:
         for parent in _ancestors(path):
             if parent not in binds and parent != "/tmp":
                 try:
-                    host = os.stat(parent).st_mode & 0o755
+                    host = os.stat(parent).st_mode & 0o555
                 except OSError:
-                    host = 0o755
+                    host = 0o555
                 modes[parent] = host | 0o111
     return modes
 
@@ -172,6 +172,7 @@ class Sandbox:
     _probed: dict[tuple[str, bool], Optional[str]] = {}
     _warned_seccomp = False  # (said once a process: the filter could not be installed)
     _cgroups: Optional[tuple[Optional[CgroupBase], str]] = None  # where programs' memory cgroups go, or why none
+    _said_no_cgroup = False
     _lock = threading.Lock()
 
     def __init__(self, mode: str = "auto", limits: Optional[Limits] = None) -> None:
@@ -244,11 +245,13 @@ class Sandbox:
         if self.cgroup_base is not None:
             common += (f"; a memory cgroup (v{self.cgroup_base.version}) per program: at most {lim.memory_mb} + "
                        f"{JUDGE_MB} MiB, kernel memory and the judge's included")
-        else:
+        elif not Sandbox._said_no_cgroup:
+            Sandbox._said_no_cgroup = True
             log.warning("code sandbox: no memory cgroup (%s): a program's memory is bounded by the address-space limit "
                         "of each process and the judge's watch over its processes' pages (every 20 ms); its kernel "
                         "memory (IPC objects, tmpfs inodes, socket buffers) only by the refusals listed in "
-                        "docs/verifiers.md", self._no_cgroup)
+                        "docs/verifiers.md, and the judge's own memory by its caps on what it keeps",
+                        self._no_cgroup)
         if mode == "process":
             log.warning(
                 "code sandbox: process limits only (%s%s). It CANNOT ISOLATE THE NETWORK: programs under test can "
@@ -295,10 +298,14 @@ class Sandbox:
         workdir = "/tmp"
         if mode == "process":  # its own folder inside one it cannot write: it can neither rename nor leave it
             workdir = os.path.join(folder, "work")
-            os.mkdir(workdir, 0o700)
-            os.chmod(folder, 0o711)
-            if uid is not None:
-                os.chown(workdir, uid, uid)
+            try:
+                os.mkdir(workdir, 0o700)
+                os.chmod(folder, 0o711)
+                if uid is not None:
+                    os.chown(workdir, uid, uid)
+            except OSError:
+                self._clean(None, uid, folder)
+                raise
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         token = secrets.token_hex(16)
@@ -317,7 +324,7 @@ class Sandbox:
         command = self._bwrap(env) + python if mode == "bwrap" else python
         process = group = None
         try:
-            group = self._cgroup(token)
+            group = self._cgroup()
             if group is not None:
                 command = group.command(command)
             process = subprocess.Popen(
@@ -329,7 +336,11 @@ class Sandbox:
             job_read = result_write = -1
             threading.Thread(target=_write_all, args=(job_write, json.dumps(job).encode()), daemon=True).start()
             job_write = -1
-            return self._collect(process, result_read, token, len(tests), deadline + JUDGE_GRACE_S)
+            outcome = self._collect(process, result_read, token, len(tests), deadline + JUDGE_GRACE_S)
+            if group is not None and outcome.results is None and group.out_of_memory_kills():
+                outcome = Outcome(None, f"memory limit: the sandbox held {lim.memory_mb} + {JUDGE_MB} MiB (its memory "
+                                        f"cgroup), and the kernel ended its processes")
+            return outcome
         finally:
             for fd in (job_read, result_write, job_write):
                 if fd >= 0:
@@ -337,12 +348,13 @@ class Sandbox:
             os.close(result_read)
             self._clean(process, uid, folder, group, shared=mode == "process")
 
-    def _cgroup(self, token: str) -> Optional[ProgramCgroup]:
-        """The program's memory cgroup, or None where the host gives none (said once, at the start)."""
+    def _cgroup(self) -> Optional[ProgramCgroup]:
+        """The program's memory cgroup, or None where the host gives none (said once, at the start). Its name is
+        drawn apart from the verdict's token (the program can read its cgroup's name)."""
         if self.cgroup_base is None:
             return None
         try:
-            return self.cgroup_base.make(f"scgrpo-{token[:16]}", (self.limits.memory_mb + JUDGE_MB) << 20)
+            return self.cgroup_base.make(f"scgrpo-{secrets.token_hex(8)}", (self.limits.memory_mb + JUDGE_MB) << 20)
         except OSError as err:
             raise SandboxError(f"cannot make the program's memory cgroup under {self.cgroup_base.path}: {err}") from err
 
@@ -368,7 +380,8 @@ class Sandbox:
         for link, target in self.links:
             command += ["--symlink", target, link]
         command += ["--dev", "/dev", "--size", str(1 << 20), "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
-                    "--chdir", "/tmp", "--clearenv"]
+                    # the new root and /dev read-only (without root they would belong to the sandbox's user)
+                    "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", "/tmp", "--clearenv"]
         for key, value in env.items():
             command += ["--setenv", key, value]
         return command
@@ -448,9 +461,9 @@ class Sandbox:
                 self._uids.discard(uid)
 
 
-SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock")
 """Folders every user may write to: where a program of the ``process`` mode could leave files outside its own"""
-_IPC_TABLES = {"msg": 7, "sem": 4, "shm": 7}  # /proc/sysvipc table -> its owner's uid column
+_IPC_TABLES = {"msg": (7, 9), "sem": (4, 6), "shm": (7, 9)}  # /proc/sysvipc table -> its owner's and creator's uid
 
 
 def _remove_leftovers(uid: int) -> None:
@@ -462,14 +475,14 @@ def _remove_leftovers(uid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     remove = {"msg": lambda i: libc.msgctl(i, 0, None), "sem": lambda i: libc.semctl(i, 0, 0),  # (IPC_RMID = 0)
               "shm": lambda i: libc.shmctl(i, 0, None)}
-    for table, column in _IPC_TABLES.items():
+    for table, columns in _IPC_TABLES.items():
         try:
             with open(f"/proc/sysvipc/{table}") as f:
                 rows = [line.split() for line in f.readlines()[1:]]
         except OSError:
             continue
         for row in rows:
-            if len(row) > column and row[column] == str(uid):
+            if len(row) > max(columns) and str(uid) in (row[columns[0]], row[columns[1]]):
                 remove[table](int(row[1]))
     for shared in SHARED_FOLDERS:
         try:
