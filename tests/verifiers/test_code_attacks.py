@@ -24,6 +24,7 @@ import pytest
 
 from scgrpo.verifiers import PythonTests
 from scgrpo.verifiers.sandbox import HARNESS, UID_BASE, UID_SPAN, Sandbox, SandboxError
+from tests.verifiers.servers import answering
 
 MARK = "The two processes inside the code sandbox"  # in every judge's and worker's command line
 TOKEN = "hf_FAKEtokenForTheSandboxTest0123456789"
@@ -147,20 +148,8 @@ def attacked(request, tmp_path_factory):
     server.bind(("127.0.0.1", 0))
     server.listen(8)
     server.settimeout(0.2)
-    port, connections, stop = server.getsockname()[1], [], threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            connections.append(1)
-            conn.sendall(b"net-secret")
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    port, listener = server.getsockname()[1], answering(server, b"net-secret")
+    connections = listener.__enter__()  # (left in the finally below)
     saved = {k: os.environ.get(k) for k in ("HF_TOKEN", "HOME")}
     os.environ.update(HF_TOKEN=TOKEN, HOME=home)
     me = os.getpid()
@@ -319,9 +308,7 @@ def attacked(request, tmp_path_factory):
         elapsed = time.monotonic() - start
         left_running = sandbox_processes(before)
     finally:
-        stop.set()
-        thread.join()
-        server.close()
+        listener.__exit__(None, None, None)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -39,6 +39,7 @@ import pytest
 
 from scgrpo.verifiers import PythonTests
 from scgrpo.verifiers.sandbox import UID_BASE, UID_SPAN, Sandbox, SandboxError, result_value
+from tests.verifiers.servers import answering
 
 
 MiB = 1 << 20
@@ -584,26 +585,10 @@ def test_a_unix_socket_under_a_bound_folder_is_out_of_reach(mode):
     os.chmod(path, 0o777)
     server.listen(4)
     server.settimeout(0.1)
-    connections, stop = [], threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            connections.append(1)
-            conn.sendall(b"socket-secret")
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     try:
-        result = _score(mode, UNIX_SOCKET.format(path=path), [_call("socket-secret")], binds=[folder])
+        with answering(server, b"socket-secret") as connections:
+            result = _score(mode, UNIX_SOCKET.format(path=path), [_call("socket-secret")], binds=[folder])
     finally:
-        stop.set()
-        thread.join()
-        server.close()
         shutil.rmtree(folder, ignore_errors=True)
     assert (result.score, len(connections)) == (0.0, 0), f"{result.info}; {len(connections)} connection(s) to it"
 
