@@ -161,7 +161,8 @@ def test_the_added_arguments_are_keys_the_cli_takes(name, devices, monkeypatch, 
     printed = yaml.safe_load(capsys.readouterr().out)
     for arg in overrides:  # each key, spelled in full, holds the value given (argparse also takes a key's prefix)
         key, value = arg.removeprefix("--").split("=", 1)
-        assert str(_at(printed, key)).lower() == value.lower(), key
+        held = _at(printed, key)  # as a value (jsonargparse prints 0 as 0 or 0.0) or as text (devices: "1")
+        assert held == yaml.safe_load(value) or str(held).lower() == value.lower(), key
     assert _at(printed, "model.objective.class_path") == yaml.safe_load(open(os.path.join(ROOT, run.configs[-1])))[
         "model"]["objective"]["class_path"]
 
