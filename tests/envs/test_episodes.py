@@ -232,10 +232,8 @@ def test_call_all_runs_at_most_max_workers_calls_at_once_and_uses_them():
         with lock:
             now[0] -= 1
 
-    start = time.monotonic()
     out = call_all([call] * 9, timeout_s=5.0, max_workers=3)
-    assert out == [("ok", None)] * 9 and peak[0] == 3
-    assert time.monotonic() - start < 0.9  # in parallel: about 3 x 0.1 s
+    assert out == [("ok", None)] * 9 and peak[0] == 3  # three at once (a time bound would be the machine's load's)
 
 
 def test_workers_take_no_more_calls_once_their_caller_has_left(monkeypatch):
