@@ -308,20 +308,20 @@ class Sandbox:
                 raise
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-        token = secrets.token_hex(16)
+        token, parents = secrets.token_hex(16), _parent_modes(self.binds)
         deadline = time.monotonic() + lim.timeout_s
         job = {
             "token": token, "code": code, "tests": tests, "setup": setup, "entry_points": list(entry_points),
             "harness": self.harness, "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
             "layout": {"mode": mode, "uid": uid, "root": folder, "workdir": workdir, "binds": self.binds,
-                       "symlinks": self.links, "parents": _parent_modes(self.binds), "disk_mb": lim.disk_mb,
+                       "symlinks": self.links, "parents": parents, "disk_mb": lim.disk_mb,
                        "disk_files": lim.disk_files, "remount_tmp": mode == "bwrap" and self.is_root,
                        "nproc": uid is not None or (mode == "bwrap" and _nproc_per_user_namespace())},
         }
         job_read, job_write = os.pipe()
         result_read, result_write = os.pipe()
         python = [sys.executable, "-I", "-S", "-B", "-c", self.harness, "judge", str(job_read), str(result_write)]
-        command = self._bwrap(env) + python if mode == "bwrap" else python
+        command = self._bwrap(env, parents) + python if mode == "bwrap" else python
         process = group = None
         try:
             group = self._cgroup()
@@ -358,7 +358,7 @@ class Sandbox:
         except OSError as err:
             raise SandboxError(f"cannot make the program's memory cgroup under {self.cgroup_base.path}: {err}") from err
 
-    def _bwrap(self, env: dict[str, str]) -> list[str]:
+    def _bwrap(self, env: dict[str, str], parents: dict[str, int]) -> list[str]:
         lim = self.limits
         # --as-pid-1: the judge is its pid namespace's init, which the program's SIGSTOP and SIGKILL do not reach (a
         # stopped judge would stop its memory watch and timeouts until the host's deadline)
@@ -370,7 +370,7 @@ class Sandbox:
             command += ["--unshare-user"]
         # the writable /tmp first: an interpreter that lives under /tmp (a venv there) is bound on top of it, not hidden
         command += ["--size", str(lim.disk_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
-        made, parents = {"/tmp"}, _parent_modes(self.binds)
+        made = {"/tmp"}
         for path in self.binds:
             for parent in _ancestors(path):
                 if parent not in made and parent in parents:

@@ -128,11 +128,15 @@ def decode(data, objects=None):
 # ---------------------------------------------------------------- framing
 
 
-def send(fd, message):
-    data = json.dumps(message).encode()
-    view = memoryview(struct.pack(">I", len(data)) + data)
+def _write_all(fd, data):
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def send(fd, message):
+    data = json.dumps(message).encode()
+    _write_all(fd, struct.pack(">I", len(data)) + data)
 
 
 def _read_exact(fd, n, deadline):
@@ -982,7 +986,7 @@ def worker(recv_fd, send_fd):
             request = receive(recv_fd)
         except EOFError:
             os._exit(0)
-        op = request["op"]
+        op, raw = request["op"], None  # raw: a stdio test's output, sent after its reply as bytes (never parsed)
         try:
             if op == "load":
                 output_cap = request.get("output_cap", output_cap)
@@ -1030,14 +1034,11 @@ def worker(recv_fd, send_fd):
             # the nearest builtin class: a subclass of ValueError is a ValueError to the test (a program's own class
             # named ValueError is not)
             kind = next((k.__name__ for k in type(err).__mro__ if getattr(builtins, k.__name__, None) is k), "")
-            reply = {"error": f"{type(err).__name__}: {err}"[:300], "type": kind[:100], "message": str(err)[:300]}
-            raw = None
+            reply, raw = {"error": f"{type(err).__name__}: {err}"[:300], "type": kind[:100],
+                          "message": str(err)[:300]}, None
         send(send_fd, reply)
-        if reply.get("stdout_bytes") is not None:  # the output, never parsed as JSON by the judge
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(send_fd, view):]
-        raw = None
+        if raw is not None:
+            _write_all(send_fd, raw)
 
 
 SPECIAL = {"bool": lambda o: bool(o) is True, "len": len, "iter": iter, "getitem": lambda o, k: o[k],
