@@ -218,6 +218,21 @@ def test_4bit_runs_are_bitsandbytes_own_dequantization_on_the_gpu(storage):
     assert torch.equal(out, expected)
 
 
+def _divergence_gaps(policy, enc, first: torch.Tensor, second: torch.Tensor) -> list[float]:
+    """For each row where two greedy decodes differ: at the first differing position, the gap between the two
+    chosen tokens' logits under ``policy`` (prompt and the common prefix, padding dropped), over the largest
+    logit's magnitude there."""
+    gaps = []
+    differ = first != second  # [N, C]
+    for i in differ.any(1).nonzero().flatten().tolist():
+        p = int(differ[i].nonzero()[0])
+        ids = torch.cat([enc["input_ids"][i][enc["attention_mask"][i].bool()], first[i, :p]])[None]
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, -1].float()
+        gaps.append(float((logits[first[i, p]] - logits[second[i, p]]).abs() / logits.abs().max()))
+    return gaps
+
+
 def test_4bit_resident_and_streamed_decoding_in_graphs(tmp_path):
     """A QLoRA policy (nf4, bf16 compute, LoRA with non-zero B's) on the GPU: the resident copy is bitsandbytes'
     dequantization, and the streamed runs (block kernels, CUDA graphs) decode the same model: greedy tokens agree
@@ -253,8 +268,13 @@ def test_4bit_resident_and_streamed_decoding_in_graphs(tmp_path):
         tokens[name] = sampler(enc["input_ids"], enc["attention_mask"])[0]
         assert sampler.stats["rollout/graphs_recorded"] >= 1
     agree = (tokens["resident"] == tokens["streamed"]).float().mean().item()
+    gaps = _divergence_gaps(policy, enc, tokens["resident"], tokens["streamed"])
     _report("qlora_tiny_streamed_vs_resident_greedy_agreement", agree)
-    assert agree > 0.8  # bf16: the same weights in other matmul orders
+    _report("qlora_tiny_streamed_vs_resident_divergence_gaps", gaps)
+    # bf16: the same weights in other matmul orders. A greedy decode that differs once differs at every later
+    # position, so the positions' agreement says little; what must hold is that each row's first difference is a
+    # near tie: the two tokens' logits (the HF forward's, a third matmul order) within bf16's rounding of the scale.
+    assert max(gaps, default=0.0) < 0.05, gaps
 
 
 def test_4bit_streamed_eager_step_with_the_attention_kernel_qwen3(tmp_path):

@@ -29,7 +29,8 @@ if AVAILABLE:
     @triton.jit
     def _nf4_matmul_kernel(codes_ptr, scales_ptr, table_ptr, x_ptr, out_ptr, m, n, stride_xm, stride_os, stride_on,
                            K: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+                           BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                           PRECISION: tl.constexpr):
         """out[s, rn, rm] = sum over the ``s``-th of ``SPLIT`` runs of ``K`` of W[rn, k] x[rm, k] (``K`` a constant:
         one compilation a row length). ``W`` comes from its packed codes (two a byte, the high nibble first,
         row-major over the flat weight) and one fp32 scale a flat block of ``BLOCKSIZE`` weights; ``ROW_BLOCKS``:
@@ -59,7 +60,7 @@ if AVAILABLE:
                 scales = tl.load(scales_ptr + (row[:, None] * K + k0 + kk[None, :]) // BLOCKSIZE)  # [BN, BK]
             w = (values * scales).to(x_ptr.dtype.element_ty)  # rounded once, as bitsandbytes rounds
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + (k0 + kk)[:, None], mask=m_ok, other=0.0)  # [BK, BM]
-            acc += tl.dot(w, xt)
+            acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # (fp32 operands: full fp32 products, not TF32)
         out = out_ptr + pid_k * stride_os + rn[:, None] * stride_on + rm[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rn[:, None] < n) & m_ok)
 
@@ -151,7 +152,7 @@ def nf4_matmul_t(x: Tensor, dequantizer, out_t: Optional[Tensor] = None, block_m
     _nf4_matmul_kernel[grid](dequantizer.packed, dequantizer.scales, nf4_table(x.device), x, target, m, n,
                              x.stride(0), stride_s, stride_n, K=k, BLOCKSIZE=size, BLOCK_M=block_m,
                              BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT=split, ROW_BLOCKS=row_blocks,
-                             num_warps=num_warps, num_stages=num_stages)
+                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         total, block = n * m, 1024
         _sum_splits_kernel[(triton.cdiv(total, block),)](target, out_t, total, m, out_t.stride(0), SPLIT=split,
