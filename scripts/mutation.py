@@ -7,6 +7,8 @@ under ``build/mutation/<pass>/`` (mutmut writes its mutated tree, ``mutants/``, 
   ``verifiers/numeric.py``, each mutant against the fast unit tests that reach it;
 - ``update``: ``update.py`` and ``guard.py`` (the step's update and divergence guard), each mutant against their
   unit tests and the module tests that reach it (tiny models trained for a step);
+- ``buffer``: every mutant of ``data/buffer.py`` (the verified-trajectory buffer) against its tests and the data
+  module's;
 - ``sandbox``: the host side of the code sandbox's bounds (``verifiers/cgroup.py``, ``verifiers/sandbox.py``) against
   ``tests/verifiers/test_kernel_bounds.py`` and ``tests/verifiers/test_cgroup.py``;
 - ``module``: the same code where it lived before it had files of its own, the update and guard methods of
@@ -218,7 +220,7 @@ def survivors_report(scratch: Path, names: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--passes", nargs="+", default=["fast", "update"], choices=["fast", "update", "module", "sandbox"])
+    parser.add_argument("--passes", nargs="+", default=["fast", "update"], choices=["fast", "update", "module", "sandbox", "buffer"])
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--out", type=Path, help="results JSON (per target: counts and score)")
     parser.add_argument("--survivors", type=Path, help="write the surviving mutants' diffs here")

@@ -272,23 +272,6 @@ def test_buffer_deduplicates_caps_and_round_trips():
     assert restored.state_dict() == buffer.state_dict() and len(restored) == 3
 
 
-def test_merging_rank_buffers_keeps_each_completion_once_in_step_order_under_the_caps():
-    a, b = VerifiedBuffer(size_per_prompt=2), VerifiedBuffer(size_per_prompt=2)
-    a.add("p", [1], "one", 1.0, step=1)
-    a.add("p", [2], "two", 1.0, step=3)
-    b.add("q", [5], "five", 1.0, step=2)
-    b.add("p", [1], "one", 1.0, step=1)  # the same completion seen by both (after a resume, say)
-    b.add("p", [3], "three", 1.0, step=2)
-    state = VerifiedBuffer.merge_states([a.state_dict(), b.state_dict()])
-    assert state["size_per_prompt"] == 2
-    merged = VerifiedBuffer()
-    merged.load_state_dict(state)
-    # p gets [1] (step 1), [3] (step 2), [2] (step 3); the cap of 2 drops the oldest, [1]
-    assert [e.token_ids for e in merged.get("p")] == [[3], [2]]
-    assert [e.text for e in merged.get("q")] == ["five"]
-    assert len(merged) == 3
-
-
 def test_heatmap_draws_rows_of_every_route_present():
     from scgrpo.callbacks.credit import CreditLogging
     from tests.objectives.test_scgrpo import _signal

@@ -114,7 +114,7 @@ def test_a_function_past_its_time_limit_gives_none_and_is_counted():
         time.sleep(3)
         return [1.0] * len(completions)
 
-    runner = VerifierRunner(RewardFunctions([slow, rf.even_length], timeout_s=0.2))
+    runner = VerifierRunner(RewardFunctions([slow, rf.even_length], timeout_s=1.0))  # (3 s against 1: a loaded machine still tells them apart)
     results = runner(["ab", "abc"], [None] * 2, ["q"] * 2, ["p0", "p1"])
     assert [r.score for r in results] == [1.0, 0.0] and results[0].info["rewards"]["slow"] is None
     assert runner.timeouts == 1 and runner.errors == 0

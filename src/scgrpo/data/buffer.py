@@ -23,7 +23,7 @@ class VerifiedBuffer:
     Duplicates (same token ids) are stored once; adding one again makes it the most recent. Past a cap the
     oldest entry goes first: the oldest completion of a prompt past ``size_per_prompt``, and past
     ``max_total`` the oldest completion of the prompt updated longest ago. ``state_dict`` /
-    ``load_state_dict`` make it part of a checkpoint.
+    ``load_state_dict`` make it part of a checkpoint (loaded under this buffer's caps).
     """
 
     def __init__(self, size_per_prompt: int = 4, max_total: Optional[int] = 100_000) -> None:
@@ -58,6 +58,10 @@ class VerifiedBuffer:
         while len(entries) > self.size_per_prompt:
             entries.pop(0)
             self._count -= 1
+        self._evict()
+
+    def _evict(self) -> None:
+        """Past ``max_total``: the oldest completion of the prompt updated longest ago, until within it."""
         while self.max_total is not None and self._count > self.max_total:
             oldest_id = next(iter(self._entries))
             oldest = self._entries[oldest_id]
@@ -92,5 +96,12 @@ class VerifiedBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._entries = OrderedDict((pid, [VerifiedTrajectory(**e) for e in entries]) for pid, entries in state["entries"])
+        """The state's completions, in its recency order, under this buffer's caps (a resumed run's settings): past
+        them the oldest go, as they would have gone when added."""
+        self._entries = OrderedDict()
+        for pid, entries in state["entries"]:
+            kept = [VerifiedTrajectory(**e) for e in entries][-self.size_per_prompt:] if self.size_per_prompt else []
+            if kept:
+                self._entries[pid] = kept
         self._count = sum(len(v) for v in self._entries.values())
+        self._evict()
