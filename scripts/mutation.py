@@ -166,8 +166,14 @@ def sampled(key: str, k: int) -> bool:
     return k <= 1 or int(hashlib.sha1(key.encode()).hexdigest(), 16) % k == 0
 
 
-def mutmut(scratch: Path, max_children: int, names: list[str]) -> None:
+PASS_ENV = {"sandbox": {"SCGRPO_REQUIRE_SANDBOX": "bwrap,namespaces"}}
+"""A pass's environment: the sandbox tests skip a mode that does not start, which would let every mutant that breaks
+the mode survive; in the sandbox pass they fail instead (run it where both modes work)"""
+
+
+def mutmut(scratch: Path, max_children: int, names: list[str], name: str = "") -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts mutants/src first itself
+    env.update(PASS_ENV.get(name, {}))
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *names]
     shown = " ".join(cmd[:6]) + (f" <{len(names)} mutant names>" if len(names) > 20 else " " + " ".join(names))
     print("$", shown, f"(in {scratch.relative_to(ROOT)})", flush=True)
@@ -185,7 +191,7 @@ def run_pass(name: str, max_children: int, sample: int, caught: set[str], resume
         done = {k: s for statuses in collect(scratch).values() for k, s in statuses.items() if s != "not_checked"}
     else:
         prepare(name)
-        mutmut(scratch, max_children, ["no-such-mutant-*"])  # mutants and stats only: the filter matches nothing
+        mutmut(scratch, max_children, ["no-such-mutant-*"], name)  # mutants and stats only: the filter matches nothing
     stats = json.loads((scratch / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
     chosen = {t: {k: s for k, s in statuses.items() if sampled(k, sample)} for t, statuses in collect(scratch).items()}
     to_run = []
@@ -200,7 +206,7 @@ def run_pass(name: str, max_children: int, sample: int, caught: set[str], resume
             else:
                 to_run.append(key)
     if to_run:
-        mutmut(scratch, max_children, sorted(to_run))
+        mutmut(scratch, max_children, sorted(to_run), name)
     measured = collect(scratch)
     for target, statuses in chosen.items():
         for key in statuses:

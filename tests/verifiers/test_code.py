@@ -241,10 +241,9 @@ def test_the_sandbox_starts_an_interpreter_that_lives_under_tmp(mode, tmp_path):
     import sys
     import venv
 
-    from tests.verifiers.test_code_attacks import mode_unavailable
+    from tests.verifiers.test_code_attacks import skip_unless
 
-    if mode_unavailable(mode):
-        pytest.skip(mode_unavailable(mode))
+    skip_unless(mode)
     assert str(tmp_path).startswith("/tmp/") or pytest.skip("the test's folder is not under /tmp here")
     folder = tmp_path / "venv"
     venv.create(folder, with_pip=False)

@@ -8,7 +8,6 @@ bubblewrap is installed, ``namespaces`` where this runs as root. The ``process``
 SCGRPO_SLOW_TESTS=1, skips the attacks that only namespaces (or a uid of its own) stop.
 """
 
-import functools
 import json
 import os
 import shutil
@@ -23,7 +22,8 @@ import time
 import pytest
 
 from scgrpo.verifiers import PythonTests
-from scgrpo.verifiers.sandbox import HARNESS, UID_BASE, UID_SPAN, Sandbox, SandboxError
+from scgrpo.verifiers.sandbox import HARNESS, UID_BASE, UID_SPAN
+from tests.verifiers import modes
 from tests.verifiers.servers import answering
 
 MARK = "The two processes inside the code sandbox"  # in every judge's and worker's command line
@@ -86,16 +86,17 @@ STACK_BUSY = ("s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert bu
               "assert s.pop() == 1\n")
 
 
-@functools.lru_cache(maxsize=None)
 def mode_unavailable(mode):
-    """Why ``mode`` does not work here (None when it does); probed once, when a test first needs it."""
+    """Why ``mode`` does not work here, or is not run (None when it runs)."""
     if mode == "process" and not os.environ.get("SCGRPO_SLOW_TESTS"):
         return "set SCGRPO_SLOW_TESTS=1"
-    try:
-        Sandbox(mode)
-        return None
-    except SandboxError as err:
-        return f"{mode} sandbox unavailable here: {err}"
+    return modes.mode_unavailable(mode)
+
+
+def skip_unless(mode):
+    if mode == "process" and not os.environ.get("SCGRPO_SLOW_TESTS"):
+        pytest.skip("set SCGRPO_SLOW_TESTS=1")
+    modes.skip_unless(mode)
 
 
 def sandbox_processes(before=()):
@@ -127,8 +128,7 @@ def _call(expected, fn="solve"):
 def attacked(request, tmp_path_factory):
     """Runs every attack and control once in the mode; returns what the tests check."""
     mode = request.param
-    if mode_unavailable(mode):
-        pytest.skip(mode_unavailable(mode))
+    skip_unless(mode)
     run_dir = tmp_path_factory.mktemp("run")
     home = tempfile.mkdtemp(prefix="scgrpo-attack-home-")  # this process's $HOME for the batch
     os.chmod(home, 0o755)  # readable by all, like a home or a data folder
@@ -443,8 +443,7 @@ print(json.dumps({"score": result.score, "written": os.path.exists(os.path.join(
 def test_a_writable_mount_under_a_read_only_folder_is_read_only_inside(mode, tmp_path):
     """A folder bound read-only with a writable mount below it (a tmpfs, made in a mount namespace of the test's
     own): the program cannot write there (namespaces mode remounted only the top of each bind)."""
-    if mode_unavailable(mode):
-        pytest.skip(mode_unavailable(mode))
+    skip_unless(mode)
     if os.geteuid() != 0:
         pytest.skip("needs root: the writable mount is made in a mount namespace of the test's own")
     os.chmod(tmp_path, 0o755)
@@ -485,8 +484,7 @@ def test_a_program_that_forks_busy_sessions_leaves_its_neighbour_its_share(mode)
     an equal share of the CPU: 12 sessions would take 12 shares). Beside it, a correct program needs 0.3 s of CPU
     in each of its 3 tests, within 1 s each (at 1.5 s it passes without the defence too). The sandbox refuses new sessions inside a program, so the busy loops
     share their program's one session: the neighbour keeps its share and scores 1 (it scored 0 or 1/3 before)."""
-    if mode_unavailable(mode):
-        pytest.skip(mode_unavailable(mode))
+    skip_unless(mode)
     if _autogroups_schedule():
         pytest.skip(_autogroups_schedule())
     verifier = PythonTests(isolation=mode, workers=2, timeout_s=4.0, test_timeout_s=1.0, cpu_s=2, memory_mb=256,
@@ -552,8 +550,7 @@ def test_forked_children_are_held_to_the_memory_limit_together(mode, variant):
     808 MiB until the host's deadline), and when each fork's first thread exits while another holds the memory
     (a zombie leader shows no memory fields: about 987 MiB went uncounted), and when its processes' name is not
     UTF-8."""
-    if mode_unavailable(mode):
-        pytest.skip(mode_unavailable(mode))
+    skip_unless(mode)
     program = {"forks": FORK_MEMORY, "stop_the_judge": "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n"
                + FORK_MEMORY, "zombie_leaders": FORK_MEMORY_ZOMBIE_LEADER,
                # a name that is not UTF-8 in /proc/<pid>/status (it ended a watch that decoded it strictly)

@@ -24,7 +24,6 @@ needs a uid of its own).
 """
 
 import ctypes
-import functools
 import json
 import os
 import shutil
@@ -38,7 +37,8 @@ import time
 import pytest
 
 from scgrpo.verifiers import PythonTests
-from scgrpo.verifiers.sandbox import UID_BASE, UID_SPAN, Sandbox, SandboxError, result_value
+from scgrpo.verifiers.sandbox import UID_BASE, UID_SPAN, result_value
+from tests.verifiers.modes import skip_unless
 from tests.verifiers.servers import answering
 
 
@@ -50,21 +50,6 @@ a few MiB each) and the noise of other work on the machine (within +-35 MiB over
 MARK = b"The two processes inside the code sandbox"  # on the judge's and the worker's command lines
 NAMESPACED = ["bwrap", "namespaces"]
 SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
-
-
-@functools.lru_cache(maxsize=None)
-def mode_unavailable(mode):
-    """Why ``mode`` does not work here (None when it does)."""
-    try:
-        Sandbox(mode)
-        return None
-    except SandboxError as err:
-        return f"{mode} sandbox unavailable here: {err}"
-
-
-def _skip_unless(mode):
-    if mode_unavailable(mode):
-        pytest.skip(mode_unavailable(mode))
 
 
 def _call(expected, fn="solve"):
@@ -247,7 +232,7 @@ def test_sysv_message_queues_and_semaphores_are_bounded_and_gone_after_scoring(m
     within ``memory_mb`` (128) + :data:`SLACK_MB`, and nothing may remain once it is scored. Written against a
     sandbox where the kernel's memory grew 1.5 GiB (1546 MiB, both modes, all 6 tests passed), freed only when the
     namespace died."""
-    _skip_unless(mode)
+    skip_unless(mode)
     with Watch() as watch:
         result = _score(mode, IPC, [_call(1)] * 6, memory_mb=128, test_timeout_s=5.0, timeout_s=30.0, cpu_s=5)
     bound = (128 + SLACK_MB) * MiB
@@ -296,7 +281,7 @@ def test_tmpfs_inodes_are_bounded(mode):
     inodes in use: the sandbox's /tmp, read through a sandbox process's ``/proc/<pid>/root``), or their kernel memory
     stay within ``memory_mb`` (128) + :data:`SLACK_MB`. Written against a sandbox where all 1,000,000 were made (of a
     tmpfs default of 3,085,448 inodes) and the kernel held 1.0 GiB more (997 to 999 MiB, both modes)."""
-    _skip_unless(mode)
+    skip_unless(mode)
     with Watch(inodes=_sandbox_tmp_inodes) as watch:
         result = _score(mode, INODES, [_call(1)], memory_mb=128, disk_mb=16, test_timeout_s=15.0, timeout_s=20.0,
                         cpu_s=15)
@@ -384,7 +369,7 @@ def test_socket_buffers_enlarged_through_io_uring_are_bounded(mode):
     1.8 GiB more (1827 to 1835 MiB, both modes: 8 MiB a socket; in one process of the default 64 open files,
     408 MiB). Other paths measured in one process of 64 files: pipes enlarged with F_SETPIPE_SZ 28 MiB (1 MiB a pipe,
     64 MiB a uid), default socket pairs 12 MiB, Unix datagram pairs 4 MiB; TCP on loopback: see the next test."""
-    _skip_unless(mode)
+    skip_unless(mode)
     with Watch() as watch:
         result = _score(mode, IO_URING, [_call(1)], memory_mb=128, open_files=256, processes=4, test_timeout_s=10.0,
                         timeout_s=15.0, cpu_s=10)
@@ -467,7 +452,7 @@ def test_loopback_tcp_is_refused_or_bounded():
     (128 x 4 x net.core.wmem_default). Written against a sandbox where TCP's count grew 1.0 to 1.1 GiB (1039 to
     1131 MiB in 5 runs: the program's 1 GiB cap) and the kernel memory as much (1037 to 1084 MiB); 28 connections of
     the default 64 open files queued 706 to 890 MiB."""
-    _skip_unless("bwrap")
+    skip_unless("bwrap")
     base = _tcp_bytes() or 0
     with Watch(tcp=_tcp_bytes) as watch:
         result = _score("bwrap", TCP_LOOPBACK, [_call(1)], memory_mb=128, open_files=128, processes=4,
@@ -540,7 +525,7 @@ def test_replies_that_are_expensive_to_decode_cost_the_judge_and_the_trainer_lit
     passed), the judge peaked at 562 MiB and this process grew by 499 to 540 MiB (both modes; a dict of repeated pairs
     instead, ``[0, []]``, took the judge to 1.1 GiB and this process up 1.05 GiB in 5 tests, but some 30 s: the host
     reads the answer 64 KiB at a time into a growing ``bytes``, 15 s of CPU for a 60 MiB answer)."""
-    _skip_unless(mode)
+    skip_unless(mode)
     with open("/proc/self/clear_refs", "w") as f:  # (5: the high-water mark of resident memory, reset)
         f.write("5")
     rss_before = _status_bytes("self", "VmRSS")
@@ -576,7 +561,7 @@ def test_a_unix_socket_under_a_bound_folder_is_out_of_reach(mode):
     network namespace does not cover file-system sockets: a program that reads the server's secret through it would
     score 1. It must score 0, and the server see no connection. Written against a sandbox where it scored 1.0 and
     the server was connected to (both modes)."""
-    _skip_unless(mode)
+    skip_unless(mode)
     folder = tempfile.mkdtemp(prefix="scgrpo-socket-")
     os.chmod(folder, 0o755)
     path = os.path.join(folder, "service.sock")
@@ -609,7 +594,7 @@ def test_recreated_parent_folders_are_no_more_open_than_on_the_host(mode):
     mode 0700 holding a bound folder. Written against a sandbox that recreated every parent 0755: here ``/root``
     (0700 on the host, which holds this Python) and the test's folder (0700) were 0755 inside, listable by the
     program's uid, which on the host may not even look into them (both modes)."""
-    _skip_unless(mode)
+    skip_unless(mode)
     closed = tempfile.mkdtemp(prefix="scgrpo-closed-")  # (mode 0700)
     inner = os.path.join(closed, "bound")
     os.mkdir(inner, 0o755)
@@ -780,7 +765,7 @@ def test_inodes_capped_root_read_only_and_keys_queues_and_other_sockets_refused(
     keyring outlives its processes: unreclaimable slab for every fresh uid) and POSIX message queues are refused, and
     so is a socket of any family (vsock, netlink), while a socket pair still works; afterwards no key of a sandbox
     uid is left."""
-    _skip_unless(mode)
+    skip_unless(mode)
     before = _key_users()
     result = _score(mode, PROBES, [{"type": "call", "fn": "probe", "args": [],
                                     "expected": [1000, "EROFS", "EROFS", "EPERM", "EPERM", "EPERM", "EPERM", 2]}],
