@@ -161,3 +161,19 @@ def test_the_merge_takes_the_first_states_caps():
     assert state["entries"] == [["q", [{"token_ids": [3], "text": "q3", "reward": 1.0, "step": 2}]],
                                 ["r", [{"token_ids": [4], "text": "r4", "reward": 1.0, "step": 3}]]]
     assert VerifiedBuffer.merge_states([b.state_dict(), a.state_dict()])["size_per_prompt"] == 3
+
+
+def test_a_completion_two_ranks_hold_is_merged_as_of_its_latest_step():
+    """After a resume every rank holds the merged buffer; one rank then verifies a kept completion again. The merge
+    keeps it once, as the most recent: what one buffer that saw all the adds would hold."""
+    a, b = VerifiedBuffer(size_per_prompt=3), VerifiedBuffer(size_per_prompt=3)
+    a.add("p", [1], "one", 1.0, step=1)
+    b.add("p", [1], "one", 1.0, step=1)
+    b.add("p", [2], "two", 1.0, step=3)
+    b.add("p", [1], "one again", 0.5, step=5)
+    alone = VerifiedBuffer(size_per_prompt=3)
+    for step, token, text, reward in [(1, 1, "one", 1.0), (3, 2, "two", 1.0), (5, 1, "one again", 0.5)]:
+        alone.add("p", [token], text, reward, step)
+    for states in ([a.state_dict(), b.state_dict()], [b.state_dict(), a.state_dict()]):
+        assert VerifiedBuffer.merge_states(states) == alone.state_dict()
+    assert [(e.token_ids, e.step) for e in alone.get("p")] == [([2], 3), ([1], 5)]

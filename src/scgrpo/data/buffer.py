@@ -72,17 +72,11 @@ class VerifiedBuffer:
 
     @classmethod
     def merge_states(cls, states: list[dict[str, Any]]) -> dict[str, Any]:
-        """One state from several buffers' states (one per rank): every distinct (prompt, completion) once,
-        added in the order of the steps that verified them, under the first state's caps."""
+        """One state from several buffers' states (one per rank), under the first state's caps: every completion
+        added again in the order of the steps that verified them, so that the merged buffer holds what one buffer
+        that saw every rank's adds would (a completion two ranks hold is kept once, as of its latest step)."""
         first = states[0]
-        seen, items = set(), []
-        for state in states:
-            for prompt_id, entries in state["entries"]:
-                for entry in entries:
-                    key = (prompt_id, tuple(entry["token_ids"]))
-                    if key not in seen:
-                        seen.add(key)
-                        items.append((prompt_id, entry))
+        items = [(prompt_id, entry) for state in states for prompt_id, entries in state["entries"] for entry in entries]
         merged = cls(first["size_per_prompt"], first["max_total"])
         for prompt_id, entry in sorted(items, key=lambda item: item[1]["step"]):  # stable: rank order within a step
             merged.add(prompt_id, entry["token_ids"], entry["text"], entry["reward"], entry["step"])
