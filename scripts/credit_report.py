@@ -89,8 +89,9 @@ def mean_sd(values: list[float]) -> str:
     return fmt(values[0]) if len(values) == 1 else f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
-def analysis(arms: dict[str, dict[int, dict]]) -> list[str]:
-    """The design's tables over the seeds every arm has."""
+def analysis(arms: dict[str, dict[int, dict]], found: Optional[dict] = None) -> list[str]:
+    """The design's tables over the seeds every arm has; ``found`` (a dict) receives the primary outcome's tests
+    for :func:`conclusions`."""
     lines = ["| arm | seeds | learning-curve area (mean ± sd) | ood Avg@8, last evaluation | pivot AUROC | pivot share | "
              "pivot rows |", "|---|---|---|---|---|---|---|"]
     for arm, runs in arms.items():
@@ -119,6 +120,9 @@ def analysis(arms: dict[str, dict[int, dict]]) -> list[str]:
         at = ps.paired_t(diffs, 1 - level)
         wilcoxon = ps.wilcoxon_exact(diffs)
         mde = ps.detectable_effect(t["sd"], t["n"], ALPHA / len(OTHERS)) if t["sd"] > 0 else 0.0
+        if found is not None:
+            found.setdefault("primary", []).append({"other": other, "mean": t["mean"], "low": at["low"],
+                                                    "high": at["high"], "holm_p": p_holm, "mde": mde, "n": t["n"]})
         lines.append(f"| {other} | {t['n']} | {t['mean']:+.4f} | {t['sd']:.4f} | [{at['low']:+.4f}, {at['high']:+.4f}] | "
                      f"{1 - level:.4f} | {fmt(t['p'])} | {fmt(p_holm)} | {fmt(wilcoxon)} | {mde:.4f} |")
     lines += ["", "**Mechanism: the pivot AUROC per seed** (the failed rows of partial-solve groups with a teacher; "
@@ -338,6 +342,129 @@ def row_bootstrap(seeds: list[list[list[dict]]], rng) -> tuple[float, float]:
     return draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
 
 
+def row_turns(row: dict, rooms: Optional[int]) -> Optional[list[int]]:
+    """Each model token's turn: the row's stored ``turn``, or, in files written before it was stored, the order of
+    the decision a token belongs to (each doors turn marks one move) where the row holds ``rooms`` runs of
+    decision tokens; None where that does not say (two moves' tokens adjacent once the observations between
+    them are dropped, or a turn without a move)."""
+    if row.get("turn") is not None:
+        return row["turn"]
+    turns, k, previous = [], -1, 0
+    for d in row["decision"]:
+        k += bool(d and not previous)
+        turns.append(k)
+        previous = d
+    return turns if k + 1 == rooms else None
+
+
+def decision_runs(row: dict) -> int:
+    return sum(1 for k, d in enumerate(row["decision"]) if d and (k == 0 or not row["decision"][k - 1]))
+
+
+def step_auroc(rows: list[dict], strata: Optional[list[Optional[list[int]]]] = None) -> Optional[float]:
+    """The AUROC of f at a step's wrong-decision tokens against its right ones, pooled over ``strata`` (per row, a
+    stratum per token, or None: the row left out) when given: each stratum's pairs alone."""
+    import numpy as np
+
+    wins = pairs = 0.0
+    keys = strata if strata is not None else [[0] * len(r["f"]) for r in rows]
+    groups: dict = {}
+    for r, key in zip(rows, keys):
+        if key is None:
+            continue
+        for f, d, k in zip(r["f"], r["decision"], key):
+            if d in (WRONG, RIGHT):
+                groups.setdefault(k, ([], []))[d == RIGHT].append(f)
+    for wrong, right in groups.values():
+        if wrong and right:
+            diff = np.array(wrong)[:, None] - np.array(right)[None, :]
+            wins += float(((diff > 0) + 0.5 * (diff == 0)).sum())
+            pairs += diff.size
+    return wins / pairs if pairs else None
+
+
+AUROC_KINDS = {"pooled": "pooled", "turn": "within turns", "row": "within rows"}
+
+
+def run_aurocs(steps: list[list[dict]]) -> dict[str, Optional[float]]:
+    """The run's mean step AUROC of each kind (pooled; within turns; within rows), over the steps with pairs."""
+    counts = [decision_runs(r) for rows in steps for r in rows]
+    rooms = max(set(counts), key=counts.count) if counts else None  # (the rooms: every turn marks one move)
+    out = {}
+    for kind in AUROC_KINDS:
+        values = []
+        for rows in steps:
+            strata = {"pooled": None, "turn": [row_turns(r, rooms) for r in rows],
+                      "row": [[i] * len(r["f"]) for i, r in enumerate(rows)]}[kind]
+            value = step_auroc(rows, strata)
+            if value is not None:
+                values.append(value)
+        out[kind] = statistics.fmean(values) if values else None
+    return out
+
+
+def stratified_table(arms: dict[str, dict[int, dict]], found: Optional[dict] = None) -> list[str]:
+    """Per arm and kind the seeds' mean step AUROC with its t interval, and SC-GRPO minus the permuted arm, paired
+    by seed."""
+    per = {arm: {seed: run_aurocs(pivot_steps(run)) for seed, run in sorted(arms.get(arm, {}).items())}
+           for arm in TOKEN_ARMS}
+    lines = ["| AUROC | arm | seeds | mean | 95% interval | p (against 0.5) | Wilcoxon p |", "|---|---|---|---|---|---|---|"]
+    for kind, name in AUROC_KINDS.items():
+        for arm in TOKEN_ARMS:
+            values = [v[kind] for v in per[arm].values() if v[kind] is not None]
+            if len(values) < 2:
+                lines.append(f"| {name} | {arm} | {len(values)} | {fmt(values[0] if values else None)} | - | - | - |")
+                continue
+            t = ps.paired_t([v - 0.5 for v in values])
+            lines.append(f"| {name} | {arm} | {t['n']} | {t['mean'] + 0.5:.3f} | [{t['low'] + 0.5:.3f}, "
+                         f"{t['high'] + 0.5:.3f}] | {ps_fmt(t['p'])} | {ps_fmt(ps.wilcoxon_exact([v - 0.5 for v in values]))} |")
+            if found is not None:
+                found.setdefault("auroc", {})[(kind, arm)] = {**t, "mean": t["mean"] + 0.5, "low": t["low"] + 0.5,
+                                                               "high": t["high"] + 0.5}
+        seeds = [s for s in per[REFERENCE] if per[REFERENCE][s][kind] is not None
+                 and per["scgrpo-permuted"].get(s, {}).get(kind) is not None]
+        if len(seeds) >= 2:
+            diffs = [per[REFERENCE][s][kind] - per["scgrpo-permuted"][s][kind] for s in seeds]
+            t = ps.paired_t(diffs)
+            lines.append(f"| {name} | SC-GRPO minus permuted | {t['n']} | {t['mean']:+.3f} | [{t['low']:+.3f}, "
+                         f"{t['high']:+.3f}] | {ps_fmt(t['p'])} (against 0) | {ps_fmt(ps.wilcoxon_exact(diffs))} |")
+            if found is not None:
+                found.setdefault("auroc", {})[(kind, "minus permuted")] = t
+    return lines
+
+
+def ps_fmt(p: Optional[float]) -> str:
+    """A p-value: three decimals, or "<0.001"."""
+    return "-" if p is None or p != p else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def conclusions(found: dict) -> list[str]:
+    """What the runs say, in sentences made from the tests: the primary outcome per arm, then the mechanism."""
+    lines = []
+    for t in found.get("primary", []):
+        shown = t["holm_p"] < ALPHA
+        lines.append(f"- **SC-GRPO against {t['other']}** ({t['n']} paired seeds): learning-curve area "
+                     f"{t['mean']:+.4f} [{t['low']:+.4f}, {t['high']:+.4f}] (Holm p {ps_fmt(t['holm_p'])}): "
+                     + ("a difference at the family level 0.05." if shown else
+                        "no difference shown at the family level 0.05; ")
+                     + ("" if shown else f"these runs would have found one of {t['mde']:.4f} or more with 80% power"
+                        + (", so a gain of the paper's size (about +0.04) could have gone unseen." if t["mde"] > 0.04
+                           else ", which a gain of the paper's size (about +0.04) exceeds.")))
+    auroc = found.get("auroc", {})
+    for kind, name in AUROC_KINDS.items():
+        ref, diff = auroc.get((kind, REFERENCE)), auroc.get((kind, "minus permuted"))
+        if ref is None:
+            continue
+        text = (f"- **Pivot AUROC, {name}**: SC-GRPO {ref['mean']:.3f} [{ref['low']:.3f}, {ref['high']:.3f}]"
+                f" ({'above' if ref['low'] > 0.5 else 'below' if ref['high'] < 0.5 else 'not distinguished from'} 0.5)")
+        if diff is not None:
+            text += (f"; minus the permuted arm {diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]: the "
+                     "permuted-f arm " + ("differs from SC-GRPO." if diff["low"] > 0 or diff["high"] < 0 else
+                                          "is not distinguished from SC-GRPO."))
+        lines.append(text)
+    return lines
+
+
 def token_analysis(arms: dict[str, dict[int, dict]]) -> list[str]:
     """Item 6 on the comparison's own pivot rows: the AUROC and the concentration against a position-matched
     permutation null, and the concentration's seed -> step -> row bootstrap (steps weighted by decision tokens)."""
@@ -371,6 +498,7 @@ def report(results_dir: str, replication_dir: str = REPLICATION) -> str:
         design = f.read().strip()
     main = by_arm(runs, TASK)
     done = sum(len(r) for r in main.values())
+    found: dict = {}
     lines = ["# Does the weight land on the decisions? The credit comparison", "",
              "Generated by `python scripts/credit_report.py` from `benchmarks/results/credit/` (the design, the "
              "calibrations and the runs of `python scripts/replicate.py --plan credit`); do not edit by hand.", "",
@@ -380,8 +508,14 @@ def report(results_dir: str, replication_dir: str = REPLICATION) -> str:
                   "have results. No conclusion is drawn from this section until every run has one.", ""]
     if done:
         lines += ["GRPO has no teacher (no pivot keys); scaled GRPO weighs every token of a row alike (AUROC 0.5, "
-                  "share 1 by construction).", ""]
-        lines += analysis(main)
+                  "share 1 by construction).", "",
+                  "What a policy gets without the one comparison: the first of the two rooms names the key's door, "
+                  "so a reply that copies the room's door name is always right there, and one that copies the "
+                  "second room's first door name is right half the time: 0.5 an episode "
+                  "(`tests/envs/test_doors.py::test_echoing_the_room_text_solves_what_can_be_copied_and_no_more`), "
+                  "against 0.25 for a constant door. The task's one decision that cannot be copied is its numbered "
+                  "room, and an area above 0.5 needs that comparison.", ""]
+        lines += analysis(main, found)
         lines += ["", "**Where the weight goes, token by token** (the stored pivot rows of each run: failed rows of "
                   "partial-solve groups with a teacher, the credit-logging steps; rank 0's rows). Against a "
                   f"position-matched null: f shuffled among a step's tokens in the same of {POSITION_BINS} "
@@ -390,8 +524,23 @@ def report(results_dir: str, replication_dir: str = REPLICATION) -> str:
                   "seeds; the concentration (the decision tokens' share of the f mass over their share of the "
                   "tokens) as logs weighted by each step's decision tokens, with a seed -> step -> row bootstrap "
                   f"({BOOTSTRAP:,} draws, seeded). Where the decisions always sit at the same positions (here the "
-                  "first token of each turn), the position null holds the concentration near its observed value: the AUROC "
-                  "then says whether f tells wrong moves from right ones.", "", *token_analysis(main)]
+                  "first token of each turn), the position null holds the concentration near its observed value. "
+                  "It does not free the AUROC from position: the named room comes first and the numbered one, "
+                  "the one a failed episode gets wrong, second, so wrong moves are mostly late tokens and right ones "
+                  "early; a weight that grows along the episode separates them without telling a wrong move from a "
+                  "right one. The table after it holds the comparison within each turn, and within each row.", "",
+                  *token_analysis(main), "",
+                  "**The AUROC with position and row level held** (the same stored rows): within turns, a wrong "
+                  "move's tokens against right moves' tokens of the same turn (any row); within rows, a row's wrong "
+                  "moves against its own right ones; each a step's pairs pooled over its strata, averaged over a "
+                  "run's steps, then over seeds (95% t intervals over seeds). Files written before each token's "
+                  "turn was stored give it by the order of its row's moves (each turn marks one), where the row "
+                  "holds one run of move tokens a room; the other rows are left out of the within-turn AUROC. On this task "
+                  "the within-turn AUROC is the one that holds position: within a row the wrong move is mostly the "
+                  "later one, so the within-row AUROC takes out each row's level of f but keeps the position.", "",
+                  *stratified_table(main, found)]
+        if done >= len(CREDIT) * SEEDS:
+            lines += ["", "## What the runs say", "", *conclusions(found)]
     lines += ["", f"## The pilot (`{PILOT}`: every room names the key's door)", "",
               "The same analysis over the pilot's seeds (120 steps, evaluated every 25: its last evaluation is step 100's). Its id Avg@8 reached its ceiling by step 25 in every arm, so "
               "its primary outcome cannot tell the arms apart, and its pivot rows come from the first steps only. "

@@ -311,7 +311,8 @@ def weight_shares_of(task: str, tokens: str) -> Optional[dict]:
 def pivot_tokens_of(tokens: str) -> list[dict]:
     """The rows the pivot metrics read (failed rollouts of partial-solve groups with a teacher that mark a
     decision), compactly, from a run's ``credit_tokens.jsonl``: per row its step, group, and at its model tokens
-    in order the weight f and the decision label (``scgrpo.pivots``: 0 none, 1 right, 2 wrong, 3 both). The
+    in order the weight f, the decision label (``scgrpo.pivots``: 0 none, 1 right, 2 wrong, 3 both) and the
+    model turn (0-based) the token belongs to. The
     offline analyses of docs/credit.md (a position-matched null, a row bootstrap) read these. A step logged twice
     (a resumed run) keeps its last block of rows. Failed means a reward below 1 (the replication configs'
     ``success_threshold``); on several GPUs the file holds rank 0's rows only, the live keys every rank's."""
@@ -326,10 +327,15 @@ def pivot_tokens_of(tokens: str) -> list[dict]:
             if (row["route"] != "partial" or not row["has_teacher"] or row["reward"] >= 1.0
                     or not any(row.get("decision") or [])):
                 continue
-            model = [k for k, m in enumerate(row["model"]) if m]
+            model, turns, turn = [], [], -1
+            for k, m in enumerate(row["model"]):
+                if m:
+                    turn += k == 0 or not row["model"][k - 1]  # a run of model tokens: the next turn
+                    model.append(k)
+                    turns.append(turn)
             by_step.setdefault(row["step"], []).append({
                 "step": row["step"], "group": row["group"], "f": [row["f"][k] for k in model],
-                "decision": [row["decision"][k] for k in model]})
+                "decision": [row["decision"][k] for k in model], "turn": turns})
     return [r for step in sorted(by_step) for r in by_step[step]]
 
 

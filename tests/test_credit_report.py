@@ -112,3 +112,39 @@ def test_a_weight_that_tells_moves_apart_at_one_position_beats_the_null():
     assert observed == 1.0
     assert 0.45 < null < 0.55
     assert p < 0.02
+
+
+def test_the_turn_and_row_aurocs_of_the_stored_rows_by_hand():
+    """One step, three two-turn rows (the right move first), as in tests/test_pivots.py: pooled 5 of 9 pairs,
+    within turns 1 of 4, within rows 2 of 3; the same with each token's turn stored or read from the order of its
+    row's moves (two runs of move tokens a row)."""
+    stored = [{"step": 1, "f": [0.3, 0.9], "decision": [1, 2], "turn": [0, 1]},
+              {"step": 1, "f": [0.2, 0.8], "decision": [1, 2], "turn": [0, 1]},
+              {"step": 1, "f": [0.1, 0.85], "decision": [2, 1], "turn": [0, 1]}]
+    want = {"pooled": 5 / 9, "turn": 1 / 4, "row": 2 / 3}
+    got = report.run_aurocs([stored])
+    assert got == pytest.approx(want)
+    # older files: no turn; a separating non-move token keeps the two moves apart
+    older = [{"step": 1, "f": [r["f"][0], 0.5, r["f"][1]], "decision": [r["decision"][0], 0, r["decision"][1]]}
+             for r in stored]
+    assert report.run_aurocs([older]) == pytest.approx(want)
+    # a row whose moves touch (one run) says nothing of its turns: left out of the within-turn AUROC only
+    touching = older + [{"step": 1, "f": [0.0, 0.99], "decision": [1, 2]}]
+    got = report.run_aurocs([touching])
+    assert got["turn"] == pytest.approx(1 / 4) and got["row"] == pytest.approx(3 / 4)
+
+
+def test_the_conclusions_follow_the_tests():
+    found = {"primary": [{"other": "grpo", "mean": 0.01, "low": -0.02, "high": 0.04, "holm_p": 0.4, "mde": 0.06,
+                          "n": 10},
+                         {"other": "grpo-scaled", "mean": 0.05, "low": 0.01, "high": 0.09, "holm_p": 0.01, "mde": 0.03,
+                          "n": 10}],
+             "auroc": {("turn", "scgrpo"): {"mean": 0.67, "low": 0.59, "high": 0.75},
+                       ("turn", "minus permuted"): {"mean": 0.17, "low": 0.05, "high": 0.29},
+                       ("row", "scgrpo"): {"mean": 0.52, "low": 0.45, "high": 0.6},
+                       ("row", "minus permuted"): {"mean": 0.01, "low": -0.05, "high": 0.07}}}
+    lines = report.conclusions(found)
+    assert "no difference shown" in lines[0] and "0.0600 or more" in lines[0] and "could have gone unseen" in lines[0]
+    assert "a difference at the family level" in lines[1]
+    assert "(above 0.5)" in lines[2] and "differs from SC-GRPO" in lines[2]
+    assert "(not distinguished from 0.5)" in lines[3] and "is not distinguished from SC-GRPO" in lines[3]

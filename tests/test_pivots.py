@@ -117,6 +117,10 @@ def test_pivot_metrics_by_hand():
     assert metrics["credit/pivot_auroc"] == pytest.approx(3.5 / 6)
     assert metrics["credit/pivot_share"] == pytest.approx((2.8 / 2.9) / (6 / 7))
     assert metrics["credit/pivot_rows"] == 2
+    # one turn a row: within turns it is the pooled AUROC; within rows, row 0 (wrong {0.8, 0.6} against right
+    # {0.2}: 2 of 2) and row 1 (wrong {0.2} against right {0.7}: 0 of 1), 2 of 3 pairs
+    assert metrics["credit/pivot_auroc_turn"] == pytest.approx(3.5 / 6)
+    assert metrics["credit/pivot_auroc_row"] == pytest.approx(2 / 3)
     # uniform weights put no more weight on decisions than on the rest, and tell right from wrong not at all
     uniform = pivot_metrics(torch.where(mask.bool(), 0.4, 0.0), labels, mask, rows)
     assert uniform["credit/pivot_share"] == pytest.approx(1.0) and uniform["credit/pivot_auroc"] == 0.5
@@ -124,6 +128,27 @@ def test_pivot_metrics_by_hand():
     none = pivot_metrics(weights, labels, mask, torch.zeros(4, dtype=torch.bool))
     assert none["credit/pivot_rows"] == 0 and math.isnan(none["credit/pivot_auroc"])
     assert math.isnan(none["credit/pivot_share"])
+
+
+def test_the_turn_and_row_aurocs_take_position_and_row_level_out_by_hand():
+    """Two-turn episodes (an observation token between the turns, mask 0), where the right move comes first and the
+    weights grow with the turn: the pooled AUROC reads the position, the turn-stratified one does not.
+
+    row 0: turn 0 right {0.3}, turn 1 wrong {0.9}; row 1: turn 0 right {0.2}, turn 1 wrong {0.8};
+    row 2: turn 0 wrong {0.1}, turn 1 right {0.85}.
+    Pooled: wrong {0.9, 0.8, 0.1} against right {0.3, 0.2, 0.85}: 0.9 beats 3, 0.8 beats 2, 0.1 none: 5 of 9.
+    Turn 0: wrong {0.1} against right {0.3, 0.2}: 0 of 2; turn 1: wrong {0.9, 0.8} against right {0.85}: 1 of 2;
+    pooled within turns 1 of 4. Rows: row 0 1 of 1, row 1 1 of 1, row 2 0 of 1: 2 of 3."""
+    weights = torch.tensor([[0.3, 0.0, 0.9], [0.2, 0.0, 0.8], [0.1, 0.0, 0.85]])
+    labels = torch.tensor([[RIGHT, NONE, WRONG], [RIGHT, NONE, WRONG], [WRONG, NONE, RIGHT]], dtype=torch.int8)
+    mask = torch.tensor([[1, 0, 1]] * 3)
+    metrics = pivot_metrics(weights, labels, mask, torch.ones(3, dtype=torch.bool))
+    assert metrics["credit/pivot_auroc"] == pytest.approx(5 / 9)
+    assert metrics["credit/pivot_auroc_turn"] == pytest.approx(1 / 4)
+    assert metrics["credit/pivot_auroc_row"] == pytest.approx(2 / 3)
+    # a turn holding one class only has no pairs; none at all: NaN
+    one_class = pivot_metrics(weights[:2], labels[:2], mask[:2], torch.ones(2, dtype=torch.bool))
+    assert math.isnan(one_class["credit/pivot_auroc_turn"]) and one_class["credit/pivot_auroc"] == 1.0
 
 
 def test_numpy_integers_and_booleans_are_read_as_plain_ones():

@@ -256,3 +256,23 @@ def test_runs_that_share_a_card_split_its_memory():
         assert replicate.shared_gpu_budget(given, 4, 8, free_gib=140.0) == given
     assert replicate.shared_gpu_budget([], gpus=1, per_gpu=1, free_gib=140.0) == []  # a run alone sizes itself
     assert replicate.shared_gpu_budget([], gpus=0, per_gpu=8) == []  # on the CPU: no card
+
+
+def test_the_pivot_rows_kept_from_a_credit_tokens_file_by_hand(tmp_path):
+    """Only failed rows of partial-solve groups with a teacher that mark a decision; their model tokens' f, label
+    and turn (environment tokens dropped); a step logged again (a resumed run) keeps its last block."""
+
+    def row(step, index, route="partial", teacher=True, reward=0.0, decision=(2, 0, 0, 1), model=(1, 0, 1, 1)):
+        return {"step": step, "row": index, "group": index // 2, "route": route, "has_teacher": teacher,
+                "reward": reward, "f": [0.9, 1.0, 0.2, 0.4], "model": list(model), "decision": list(decision)}
+
+    lines = [row(1, 0), row(1, 1, reward=1.0), row(1, 2, route="solve_none"), row(1, 3, teacher=False),
+             row(1, 4, decision=(0, 0, 0, 0)),
+             row(2, 0, decision=(1, 0, 0, 0)),  # step 2, logged twice: the first block is dropped
+             row(2, 0, decision=(0, 0, 2, 2), model=(1, 1, 0, 1))]
+    path = tmp_path / "credit_tokens.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert replicate.pivot_tokens_of(str(path)) == [
+        {"step": 1, "group": 0, "f": [0.9, 0.2, 0.4], "decision": [2, 0, 1], "turn": [0, 1, 1]},
+        {"step": 2, "group": 0, "f": [0.9, 1.0, 0.4], "decision": [0, 0, 2], "turn": [0, 0, 1]}]
+    assert replicate.pivot_tokens_of(str(tmp_path / "missing.jsonl")) == []

@@ -19,7 +19,13 @@ partial-solve groups that had a teacher and mark at least one decision (their re
   the weights do not tell them apart, 1 that every wrong decision outweighs every right one;
 - ``credit/pivot_share``: the decisions' share of the f mass over their share of the tokens (1: no more weight
   on decisions than uniform weights would put there);
-- ``credit/pivot_rows``: the rows counted.
+- ``credit/pivot_rows``: the rows counted;
+- ``credit/pivot_auroc_turn``: the same AUROC within each model turn, pooled over turns (each turn's pairs: a wrong
+  decision's token against a right one's of the same turn index, in any row). Where a task puts its hard decision
+  at a fixed turn, wrong and right decisions also differ by position, and the pooled AUROC reads the weights'
+  position as much as their targeting; this one compares tokens at the same turn only;
+- ``credit/pivot_auroc_row``: within each row, pooled over rows (a row's wrong-decision tokens against its own
+  right ones): a row whose weights are all higher moves it not at all, as it moves the pooled AUROC.
 
 A task whose only decision decides the reward (a numeric answer: right exactly when it scores 1) has no right
 decision in a failed rollout: its AUROC is undefined (NaN) and only the share speaks. The offsets decode each
@@ -45,7 +51,8 @@ NONE, RIGHT, WRONG, BOTH = 0, 1, 2, 3
 """A token's label: in no decision, in right decisions only, in wrong ones only, in both (one token that two
 decisions of either kind split: counted as a decision token, left out of the AUROC's two classes)"""
 
-PIVOT_KEYS = ("credit/pivot_auroc", "credit/pivot_share", "credit/pivot_rows")
+PIVOT_KEYS = ("credit/pivot_auroc", "credit/pivot_share", "credit/pivot_rows", "credit/pivot_auroc_turn",
+              "credit/pivot_auroc_row")
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,27 @@ def auroc(positive: Tensor, negative: Tensor) -> float:
     return u / (n_pos * n_neg)
 
 
+def stratified_auroc(positive: Tensor, positive_strata: Tensor, negative: Tensor, negative_strata: Tensor) -> float:
+    """The AUROC of ``positive`` against ``negative`` within strata, pooled: the sum over strata of each one's
+    Mann-Whitney count over the sum of its pairs (a stratum holding one class only has none); NaN without pairs."""
+    pairs, wins = 0.0, 0.0
+    for stratum in torch.unique(positive_strata).tolist():
+        pos, neg = positive[positive_strata == stratum], negative[negative_strata == stratum]
+        n = pos.numel() * neg.numel()
+        if n:
+            pairs, wins = pairs + n, wins + auroc(pos, neg) * n
+    return wins / pairs if pairs else math.nan
+
+
+def _turn_index(mask: Tensor) -> Tensor:
+    """``[N, C]`` each model token's turn (0-based run of model tokens in its row); -1 elsewhere."""
+    index = torch.full(mask.shape, -1, dtype=torch.long)
+    for row, mask_row in enumerate(mask.int().tolist()):
+        for k, (start, end) in enumerate(model_turns(mask_row)):
+            index[row, start:end] = k
+    return index
+
+
 def pivot_metrics(weights: Tensor, labels: Tensor, completion_mask: Tensor, rows: Tensor,
                   device: Optional[torch.device] = None) -> dict[str, float]:
     """The ``credit/pivot_*`` keys over ``rows`` (``[N]`` bool: failed partial-solve rollouts with a teacher),
@@ -245,11 +273,23 @@ def pivot_metrics(weights: Tensor, labels: Tensor, completion_mask: Tensor, rows
     rows = rows.cpu().bool() & ((labels != NONE) & mask).any(1)
     model = mask & rows.unsqueeze(1)
     decision = model & (labels != NONE)
-    wrong = gather_values(weights[model & (labels == WRONG)].to(device or "cpu"))
-    right = gather_values(weights[model & (labels == RIGHT)].to(device or "cpu"))
+    on = device or "cpu"
+    turn = _turn_index(mask)
+    row_id = torch.arange(mask.shape[0]).unsqueeze(1).expand_as(turn) + _rank() * mask.shape[0]  # unique over ranks
+    is_wrong, is_right = model & (labels == WRONG), model & (labels == RIGHT)
+    wrong, right = gather_values(weights[is_wrong].to(on)).cpu(), gather_values(weights[is_right].to(on)).cpu()
+    wrong_turn, right_turn = gather_values(turn[is_wrong].to(on)).cpu(), gather_values(turn[is_right].to(on)).cpu()
+    wrong_row, right_row = gather_values(row_id[is_wrong].to(on)).cpu(), gather_values(row_id[is_right].to(on)).cpu()
     f_all, f_decision, n_all, n_decision, n_rows = all_reduce(
         [float(weights[model].sum()), float(weights[decision].sum()), float(model.sum()), float(decision.sum()),
          float(rows.sum())], "sum", device)
     share = (f_decision / f_all) / (n_decision / n_all) if f_all > 0 and n_decision > 0 else math.nan
-    return {"credit/pivot_auroc": auroc(wrong.cpu(), right.cpu()), "credit/pivot_share": share,
-            "credit/pivot_rows": n_rows}
+    return {"credit/pivot_auroc": auroc(wrong, right), "credit/pivot_share": share, "credit/pivot_rows": n_rows,
+            "credit/pivot_auroc_turn": stratified_auroc(wrong, wrong_turn, right, right_turn),
+            "credit/pivot_auroc_row": stratified_auroc(wrong, wrong_row, right, right_row)}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -36,6 +36,40 @@ def test_the_tasks_own_scorer_on_the_last_answer_block():
         verifier.verify("<answer>1</answer>", 1)
 
 
+def test_the_answer_read_is_marked_as_the_completions_decision():
+    """The span of the text scored (the last block's, stripped as reasoning_gym strips it; without a block and with
+    tag_or_number, the last number), right only at full credit; nothing read, nothing marked."""
+    row = ReasoningGymTask("chain_sum", num_train=1, num_eval=4, seed=0).rows("id")[0]
+    right = str(row["answer"]["entry"]["answer"])
+    completion = f"first <answer>0</answer> then <answer>  {right} </answer>"
+    result = ReasoningGymVerifier().verify(completion, row["answer"])
+    (decision,) = result.info["decisions"]
+    start, end = decision["span"]
+    assert completion[start:end] == right and completion.index(right, completion.rindex("<answer>")) == start
+    assert decision["correct"] is True and result.score == 1.0
+    wrong = f"<answer>{int(right) + 1}</answer>"
+    assert ReasoningGymVerifier().verify(wrong, row["answer"]).info["decisions"] == [
+        {"span": [8, 8 + len(str(int(right) + 1))], "correct": False}]
+    prose = f"I think {int(right) + 2}, no: {right}."
+    (decision,) = ReasoningGymVerifier("tag_or_number").verify(prose, row["answer"]).info["decisions"]
+    assert prose[decision["span"][0]:decision["span"][1]] == right and decision["correct"] is True
+    assert "decisions" not in ReasoningGymVerifier().verify(prose, row["answer"]).info  # no block read
+    assert "decisions" not in ReasoningGymVerifier().verify("<answer></answer>", row["answer"]).info  # empty
+
+
+@pytest.mark.parametrize("completion", ["<answer>7</answer>", "a <answer> 7 </answer> b <answer>\n 8\t\n</answer>",
+                                        "<answer></answer>", "<answer>  </answer>", "no block 12", "<answer>x\ny</answer>",
+                                        "<answer>1</answer><answer>2", "<answer> <answer>3</answer></answer>"])
+def test_the_text_read_is_reasoning_gyms_own_reading(completion):
+    from reasoning_gym.utils import extract_answer
+
+    from scgrpo.data.reasoning import extract
+
+    text, tagged, span = extract(completion)
+    assert text == extract_answer(completion) and tagged == (text is not None)
+    assert span is None or completion[span[0]:span[1]] == text
+
+
 def test_tag_or_number_reads_the_last_number_only_without_a_block():
     row = ReasoningGymTask("chain_sum", num_train=1, num_eval=4, seed=0).rows("id")[0]
     right = int(row["answer"]["entry"]["answer"])

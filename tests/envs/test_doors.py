@@ -91,6 +91,26 @@ def test_policies_that_do_not_read_the_room_succeed_at_chance(policy, rule):
     assert abs(wins / 4000 - expected) < 0.021
 
 
+@pytest.mark.parametrize("rule,expected", [("named", 1.0), ("larger", 1 / 8), ("mixed", 1 / 2)])
+def test_echoing_the_room_text_solves_what_can_be_copied_and_no_more(rule, expected):
+    """A policy that replies with the room's own text (its first door name is the move): a named room names the
+    key's door, so it is always right there; a numbered room names the first door first, right half the time.
+    Over 3 rooms: named 1, larger 1/8, mixed (named, numbered, named) 1/2: the mixed task's only decision that
+    cannot be copied is its numbered room. Within 4 standard errors of 4,000 episodes (at most 0.032)."""
+    env = DoorsEnv(rooms=3, rule=rule, digits=1)
+    wins = 0
+    for n in range(4000):
+        episode = env.spawn()
+        text = episode.reset({"id": str(n), "answer": {}}, n)
+        reward = 0.0
+        for k in range(3):
+            room = text[-1]["content"] if isinstance(text, list) else text.split("\n\n")[-1]
+            result = episode.step(Action(room))
+            reward, text = result.reward, result.observation
+        wins += reward
+    assert abs(wins / 4000 - expected) < 0.032
+
+
 def test_first_name_is_the_earliest_whole_word_in_any_case():
     assert first_name("Blue, then red", ("red", "blue")) == (1, (0, 4))
     assert first_name("reddish bluebird", ("red", "blue")) == (None, None)

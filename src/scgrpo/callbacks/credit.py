@@ -66,7 +66,7 @@ class CreditLogging(Callback):
     uncoloured.
 
     Where the task marks its decisions (:mod:`scgrpo.pivots`), the same steps log ``credit/pivot_auroc``,
-    ``credit/pivot_share`` and ``credit/pivot_rows`` over the failed rollouts of partial-solve groups that had a
+    ``credit/pivot_share``, ``credit/pivot_rows`` and the turn- and row-stratified AUROCs over the failed rollouts of partial-solve groups that had a
     teacher, outline the decision tokens on the page (green right, red wrong) and add each token's label to
     ``credit_tokens.jsonl`` (``decision``: 0 none, 1 right, 2 wrong, 3 both). A step on which no rollout marks a
     decision logs none of these keys; the first such step says so once."""
@@ -115,8 +115,7 @@ class CreditLogging(Callback):
             if not self._said_unmarked and pl_module.global_rank == 0:
                 self._said_unmarked = True
                 log.info("the task marks no decisions (StepResult.info['decisions'] or VerificationResult."
-                         "info['decisions']): credit/pivot_auroc, credit/pivot_share and credit/pivot_rows are not "
-                         "logged")
+                         "info['decisions']): the credit/pivot_* keys are not logged")
             if self._pivots_logged:  # marked on an earlier step: not this step's values
                 pl_module.log_dict({key: float("nan") for key in PIVOT_KEYS}, on_step=True, on_epoch=False,
                                    prog_bar=False, batch_size=1)

@@ -11,11 +11,12 @@ Offline: every problem is generated from a seed. ``pip install "scgrpo[reasoning
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Optional
 
 from scgrpo.data.sources import PromptSource, Row
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
-from scgrpo.verifiers.numeric import extract_number, parse_number
+from scgrpo.verifiers.numeric import number_span, parse_number
 
 DEFAULT_INSTRUCTION = "Think it through, then give only the final answer inside <answer></answer>."
 
@@ -45,22 +46,32 @@ def create(task: str, config: dict[str, Any]):
 EXTRACTIONS = ("tag", "tag_or_number")
 
 
-def extract(completion: str, extraction: str = "tag") -> tuple[Optional[str], bool]:
-    """The answer text the scorer reads and whether it came from a block: the last ``<answer>...</answer>`` block;
-    with ``tag_or_number``, a completion without a block gives its last number instead (small models that answer
-    in prose)."""
-    from reasoning_gym.utils import extract_answer
+ANSWER_BLOCK = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+"""reasoning_gym's answer block (``reasoning_gym.utils.extract_answer``: the last one counts, its text stripped)"""
 
-    found = extract_answer(completion)
-    if found is None and extraction == "tag_or_number":
-        return extract_number(completion), False
-    return found, found is not None
+
+def extract(completion: str, extraction: str = "tag") -> tuple[Optional[str], bool, Optional[tuple[int, int]]]:
+    """The answer text the scorer reads, whether it came from a block, and its characters in the completion: the
+    last ``<answer>...</answer>`` block, stripped as reasoning_gym strips it; with ``tag_or_number``, a completion
+    without a block gives its last number instead (small models that answer in prose)."""
+    blocks = list(ANSWER_BLOCK.finditer(completion))
+    if blocks:
+        start, end = blocks[-1].span(1)
+        text = completion[start:end]
+        start += len(text) - len(text.lstrip())
+        end -= len(text) - len(text.rstrip())
+        return completion[start:end], True, (start, max(start, end))
+    if extraction == "tag_or_number":
+        span = number_span(completion)
+        return (completion[span[0]:span[1]] if span else None), False, span
+    return None, False, None
 
 
 class ReasoningGymVerifier(Verifier):
     """Scores with the task's own scorer: reasoning_gym's ``score_answer`` on the text of the completion's last
     ``<answer>...</answer>`` block (no block: 0, unless ``extraction`` reads the last number). Rewards are in
-    [0, 1]; some tasks give partial credit.
+    [0, 1]; some tasks give partial credit. The answer read is the completion's one decision (``info["decisions"]``,
+    :mod:`scgrpo.pivots`): its span, right when it scores 1.
 
     Args:
         extraction: ``tag`` (reasoning_gym's convention: only the block counts) or ``tag_or_number`` (ours: a
@@ -83,7 +94,7 @@ class ReasoningGymVerifier(Verifier):
         key = json.dumps([answer["task"], answer["config"]], sort_keys=True, default=str)
         if key not in self._datasets:
             self._datasets[key] = create(answer["task"], {**answer["config"], "size": 1})
-        extracted, tagged = extract(completion, self.extraction)
+        extracted, tagged, span = extract(completion, self.extraction)
         if extracted is None:
             score = 0.0
         elif tagged:
@@ -94,7 +105,10 @@ class ReasoningGymVerifier(Verifier):
                 raise VerifierSetupError(f"extraction 'tag_or_number' needs numeric answers; task {answer['task']!r} "
                                          f"has the answer {answer['entry']['answer']!r}: use extraction 'tag'")
             score = float(parse_number(extracted) == reference)
-        return VerificationResult(score, info={"extracted": extracted, "from_block": tagged})
+        info: dict[str, Any] = {"extracted": extracted, "from_block": tagged}
+        if span is not None and span[1] > span[0]:  # the answer read is the completion's decision (scgrpo.pivots), right at full credit
+            info["decisions"] = [{"span": list(span), "correct": score == 1.0}]
+        return VerificationResult(score, info=info)
 
 
 class ReasoningGymTask(PromptSource):
