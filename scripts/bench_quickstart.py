@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CREDIT_KEYS = ("credit/c", "credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all",
                "credit/teacher_rows", "credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95",
                "credit/f_mean", "credit/f_above_half", "credit/div_adv_std", "policy/entropy", "train/mixed_groups",
-               "time/teacher_s")
+               "time/teacher_s", "credit/pivot_auroc", "credit/pivot_share", "credit/pivot_rows",
+               "credit/pivot_auroc_turn", "credit/pivot_auroc_row")
 
 
 def gpu_name(extra: list[str]):

@@ -56,9 +56,13 @@ def _call(expected, fn="solve"):
     return {"type": "call", "fn": fn, "args": [], "expected": expected}
 
 
-def _score(mode, program, tests, binds=(), **limits):
+def _score(mode, program, tests, binds=(), cgroup=True, **limits):
+    """The program's result in ``mode``; ``cgroup`` False: without a memory cgroup, as on a host that gives none,
+    so that the refusals and the other bounds alone must hold."""
     verifier = PythonTests(isolation=mode, workers=1, **limits)
     verifier.sandbox.binds.extend(binds)
+    if not cgroup:
+        verifier.sandbox.cgroup_base = None
     result = verifier.verify_batch([f"```python\n{program}```"], [tests], ["q"])[0]
     assert not isinstance(result, Exception), result
     return result
@@ -224,8 +228,9 @@ def _ipc_objects():
     return found
 
 
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "no_cgroup"])
 @pytest.mark.parametrize("mode", NAMESPACED)
-def test_sysv_message_queues_and_semaphores_are_bounded_and_gone_after_scoring(mode):
+def test_sysv_message_queues_and_semaphores_are_bounded_and_gone_after_scoring(mode, cgroup):
     """A program whose every start makes 96 semaphore sets of 32000 (``semget``) and 4096 message queues of 16 KiB
     (``msgget`` and ``msgsnd``), its process replaced before each of 6 tests: the objects outlive each process in the
     sandbox's IPC namespace, and no limit counts them (only shared memory is refused). Kernel memory must stay
@@ -234,7 +239,8 @@ def test_sysv_message_queues_and_semaphores_are_bounded_and_gone_after_scoring(m
     namespace died."""
     skip_unless(mode)
     with Watch() as watch:
-        result = _score(mode, IPC, [_call(1)] * 6, memory_mb=128, test_timeout_s=5.0, timeout_s=30.0, cpu_s=5)
+        result = _score(mode, IPC, [_call(1)] * 6, cgroup=cgroup, memory_mb=128, test_timeout_s=5.0, timeout_s=30.0,
+                        cpu_s=5)
     bound = (128 + SLACK_MB) * MiB
     assert watch.peak["kernel"] <= bound, (
         f"the kernel held {_mib(watch.peak['kernel'])} more for the program's IPC objects (bound {_mib(bound)}); "
@@ -358,8 +364,9 @@ def _sysctl(name):
         return int(f.read().split()[0])
 
 
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "no_cgroup"])
 @pytest.mark.parametrize("mode", NAMESPACED)
-def test_socket_buffers_enlarged_through_io_uring_are_bounded(mode):
+def test_socket_buffers_enlarged_through_io_uring_are_bounded(mode, cgroup):
     """``setsockopt`` of SO_SNDBUF (and SO_RCVBUF and their FORCE forms) is refused by seccomp, but the same request
     sent through io_uring (``IORING_OP_URING_CMD`` with ``SOCKET_URING_OP_SETSOCKOPT``, Linux 6.7+) is run by the
     kernel without a syscall the filter sees. One process (``open_files`` 256) enlarges both ends of up to 120 socket
@@ -371,8 +378,8 @@ def test_socket_buffers_enlarged_through_io_uring_are_bounded(mode):
     64 MiB a uid), default socket pairs 12 MiB, Unix datagram pairs 4 MiB; TCP on loopback: see the next test."""
     skip_unless(mode)
     with Watch() as watch:
-        result = _score(mode, IO_URING, [_call(1)], memory_mb=128, open_files=256, processes=4, test_timeout_s=10.0,
-                        timeout_s=15.0, cpu_s=10)
+        result = _score(mode, IO_URING, [_call(1)], cgroup=cgroup, memory_mb=128, open_files=256, processes=4,
+                        test_timeout_s=10.0, timeout_s=15.0, cpu_s=10)
     allowance = 256 * 4 * _sysctl("net.core.wmem_default")
     bound = (128 + SLACK_MB) * MiB + allowance
     assert watch.peak["kernel"] <= bound, (
@@ -578,6 +585,84 @@ def test_a_unix_socket_under_a_bound_folder_is_out_of_reach(mode):
     assert (result.score, len(connections)) == (0.0, 0), f"{result.info}; {len(connections)} connection(s) to it"
 
 
+UNIX_DATAGRAM = """import socket
+def solve():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    b.settimeout(2)
+    a.sendmsg([b"hello"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, __import__("array").array("i", [a.fileno()]))], 0,
+              {path!r})
+    return b.recv(100).decode()
+"""
+
+
+@pytest.mark.parametrize("mode", NAMESPACED)
+def test_a_datagram_socket_pair_cannot_send_to_a_socket_under_a_bound_folder(mode):
+    """The same server as a datagram socket: ``socket()`` is refused, but a datagram socket pair can still
+    ``sendmsg`` to a path, passing one of its ends; the server writes its secret into it. The program must score 0
+    and the server receive nothing. Written against a sandbox where it scored 1.0 (both modes)."""
+    skip_unless(mode)
+    folder = tempfile.mkdtemp(prefix="scgrpo-socket-")
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "service.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.settimeout(0.1)
+    received, stop = [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                _, fds, _, _ = socket.recv_fds(server, 100, 4)
+            except OSError:
+                continue
+            received.append(1)
+            for fd in fds:
+                with socket.socket(fileno=fd) as passed:
+                    passed.send(b"socket-secret")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        result = _score(mode, UNIX_DATAGRAM.format(path=path), [_call("socket-secret")], binds=[folder])
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert (result.score, len(received)) == (0.0, 0), f"{result.info}; {len(received)} message(s) to it"
+
+
+# ---------------------------------------------------------------- 6b. memory no process maps
+
+UNMAPPED = """import ctypes, mmap, os
+libc = ctypes.CDLL(None, use_errno=True)
+def secret():
+    # memfd_secret (447 on x86_64 and aarch64): a file of secret memory, mapped by no process once unmapped
+    return int(libc.syscall(447, 0) >= 0)
+def spliced():
+    # vmsplice: a page of this process's memory into a pipe, where it stays pinned after the process unmaps it
+    r, w = os.pipe()
+    page = mmap.mmap(-1, 4096)
+    page[:5] = b"hello"
+    iov = (ctypes.c_void_p * 2)(ctypes.addressof(ctypes.c_char.from_buffer(page)), 4096)
+    number = 278 if os.uname().machine == "x86_64" else 75
+    return int(libc.syscall(number, w, iov, 1, 0) > 0)
+"""
+
+
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "no_cgroup"])
+@pytest.mark.parametrize("mode", NAMESPACED)
+def test_memory_no_process_maps_cannot_be_made(mode, cgroup):
+    """Secret memory (``memfd_secret``) and pages spliced into a pipe (``vmsplice``) are held by no process's
+    mapping, so where no cgroup counts them no watch sees them either: 768 MiB of secret memory and 896 MiB of huge
+    pages pinned through pipes were held at ``memory_mb`` 128 without a cgroup. Both calls must fail. Written against
+    a sandbox where both succeeded (both modes)."""
+    skip_unless(mode)
+    result = _score(mode, UNMAPPED, [_call(0, "secret"), _call(0, "spliced")], cgroup=cgroup)
+    assert result.info["tests"] == ["pass", "pass"], result.info
+
+
 # ---------------------------------------------------------------- 7. recreated parent folders
 
 MODES_PROGRAM = """import os
@@ -773,3 +858,24 @@ def test_inodes_capped_root_read_only_and_keys_queues_and_other_sockets_refused(
     assert result.score == 1.0, result.info
     left = {uid for uid in _key_users() - before if UID_BASE <= uid < UID_BASE + UID_SPAN}
     assert not left, left
+
+
+@pytest.mark.parametrize("mode", NAMESPACED)
+def test_a_cgroup_the_kernel_will_not_make_leaves_the_program_to_the_watch_said_once(mode, caplog):
+    """Out of cgroup ids (ENOSPC), say: the program still runs, under the address-space limit and the judge's watch,
+    and the first such program says so once; a training run does not end on it."""
+    skip_unless(mode)
+    verifier = PythonTests(isolation=mode, workers=1)
+    base = verifier.sandbox.cgroup_base
+    if base is None:
+        pytest.skip("no memory cgroup here")
+
+    def refuse(name, limit):
+        raise OSError(28, "No space left on device")
+
+    verifier.sandbox.cgroup_base = type("Refusing", (), {"make": staticmethod(refuse), "path": base.path})()
+    with caplog.at_level("WARNING", logger="scgrpo.verifiers.sandbox"):
+        results = verifier.verify_batch(["```python\ndef solve():\n    return 1\n```"] * 2, [[_call(1)]] * 2, ["q"] * 2)
+    assert [r.score for r in results] == [1.0, 1.0]
+    said = [r.getMessage() for r in caplog.records if "cannot make a program's memory cgroup" in r.getMessage()]
+    assert len(said) == 1 and "No space left on device" in said[0]

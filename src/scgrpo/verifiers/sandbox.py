@@ -36,6 +36,7 @@ import select
 import shutil
 import site
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -185,6 +186,8 @@ class Sandbox:
         self.is_root = os.geteuid() == 0
         self._uids: set[int] = set()
         self._uid_lock = threading.Lock()
+        self._said_no_group = False  # (a cgroup that could not be made was logged)
+        self._writable: Optional[list[str]] = None  # (process mode: where a program's uid may leave files)
         with Sandbox._lock:
             if Sandbox._cgroups is None:
                 Sandbox._cgroups = find_base()
@@ -355,8 +358,13 @@ class Sandbox:
             return None
         try:
             return self.cgroup_base.make(f"scgrpo-{secrets.token_hex(8)}", (self.limits.memory_mb + JUDGE_MB) << 20)
-        except OSError as err:
-            raise SandboxError(f"cannot make the program's memory cgroup under {self.cgroup_base.path}: {err}") from err
+        except OSError as err:  # (out of cgroup ids, say): this program runs under the watch's bound alone
+            with self._uid_lock:
+                said, self._said_no_group = self._said_no_group, True
+            if not said:
+                log.warning("cannot make a program's memory cgroup under %s (%s): programs that meet this run under "
+                            "the address-space limit and the judge's memory watch only", self.cgroup_base.path, err)
+            return None
 
     def _bwrap(self, env: dict[str, str], parents: dict[str, int]) -> list[str]:
         lim = self.limits
@@ -454,7 +462,9 @@ class Sandbox:
             except OSError as err:
                 log.warning("code sandbox: cgroup %s not removed: %s", group.path, err)
         if uid is not None and shared:  # (the namespaced modes' IPC objects and /tmp die with them)
-            _remove_leftovers(uid)
+            if self._writable is None:  # (once a sandbox: the folders other users may write to)
+                self._writable = writable_folders()
+            _remove_leftovers(uid, self._writable)
         shutil.rmtree(folder, ignore_errors=True)
         if uid is not None:
             with self._uid_lock:
@@ -463,13 +473,43 @@ class Sandbox:
 
 SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock")
 """Folders every user may write to: where a program of the ``process`` mode could leave files outside its own"""
+WRITABLE_DEPTH = 4
+"""How deep :func:`writable_folders` looks below each of :data:`SHARED_FOLDERS` and ``/var``"""
+
+
+def writable_folders(tops: Sequence[str] = (*SHARED_FOLDERS, "/var"), depth: int = WRITABLE_DEPTH) -> list[str]:
+    """:data:`SHARED_FOLDERS` and every folder other users may write to below them and below ``/var`` (``/tmp/.X11-unix``,
+    ``/var/crash``: mode o+w), up to ``depth`` levels down, on the same file system, symbolic links not followed."""
+    found = []
+    for top in tops:
+        try:
+            device = os.lstat(top).st_dev
+        except OSError:
+            continue
+        stack = [(top, 0)]
+        while stack:
+            path, level = stack.pop()
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(info.st_mode) or info.st_dev != device:
+                continue
+            if path in SHARED_FOLDERS or info.st_mode & stat.S_IWOTH:
+                found.append(path)
+            if level < depth:
+                try:
+                    stack += [(e.path, level + 1) for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+                except OSError:
+                    pass
+    return sorted(set(found))
 _IPC_TABLES = {"msg": (7, 9), "sem": (4, 6), "shm": (7, 9)}  # /proc/sysvipc table -> its owner's and creator's uid
 
 
-def _remove_leftovers(uid: int) -> None:
+def _remove_leftovers(uid: int, folders: Sequence[str] = SHARED_FOLDERS) -> None:
     """What a program of the ``process`` mode, running as ``uid``, left outside its folder: its SysV IPC objects
-    (where no seccomp filter refused them) and its files and folders in the folders every user can write to
-    (:data:`SHARED_FOLDERS`: at their top, where a program without other rights can make them)."""
+    (where no seccomp filter refused them) and its files and folders in the ``folders`` every user can write to
+    (:func:`writable_folders`: in each, at its top, where a program without other rights can make them)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -484,7 +524,7 @@ def _remove_leftovers(uid: int) -> None:
         for row in rows:
             if len(row) > max(columns) and str(uid) in (row[columns[0]], row[columns[1]]):
                 remove[table](int(row[1]))
-    for shared in SHARED_FOLDERS:
+    for shared in folders:
         try:
             entries = list(os.scandir(shared))
         except OSError:

@@ -317,16 +317,20 @@ def _limit_worker(limits, nproc):
 _SYSCALLS = {
     0xC000003E: {"unshare": 272, "clone": 56, "clone3": 435, "shmget": 29, "shmat": 30, "memfd_create": 319,
                  "setsid": 112, "setsockopt": 54, "msgget": 68, "semget": 64, "socket": 41, "io_uring_setup": 425,
-                 "add_key": 248, "request_key": 249, "keyctl": 250, "mq_open": 240},
+                 "add_key": 248, "request_key": 249, "keyctl": 250, "mq_open": 240, "memfd_secret": 447,
+                 "vmsplice": 278, "socketpair": 53},
     0xC00000B7: {"unshare": 97, "clone": 220, "clone3": 435, "shmget": 194, "shmat": 196, "memfd_create": 279,
                  "setsid": 157, "setsockopt": 208, "msgget": 186, "semget": 190, "socket": 198, "io_uring_setup": 425,
-                 "add_key": 217, "request_key": 218, "keyctl": 219, "mq_open": 180},
+                 "add_key": 217, "request_key": 218, "keyctl": 219, "mq_open": 180, "memfd_secret": 447,
+                 "vmsplice": 75, "socketpair": 199},
 }
 _CLONE_NEWUSER = 0x10000000
 _SOL_SOCKET, _SO_SNDBUF, _SO_RCVBUF, _SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 1, 7, 8, 32, 33
 _ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _ALLOW, _EPERM, _ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_ALLOW, _ERRNO | errno
 _LOAD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+_AND = 0x54  # BPF_ALU|BPF_AND|BPF_K
+_SOCK_STREAM, _SOCK_TYPE_MASK = 1, 0xF
 
 
 def _seccomp_program(program):
@@ -387,10 +391,14 @@ def _refuse_unbounded_memory():
     - SysV IPC objects (``shmget``, ``shmat``, ``msgget``, ``semget``: message queues and semaphore sets are
       kernel memory no limit of the process counts), POSIX message queues (``mq_open``), kernel keys
       (``add_key``, ``request_key``, ``keyctl``: a uid's keyring outlives its processes) and memory file
-      descriptors (``memfd_create``): EPERM;
-    - sockets other than socket pairs (``socket``, of every family): EPERM. A TCP connection on the namespace's
-      loopback grows its buffers by itself (autotuning), a Unix socket file under a bound folder would reach a
-      server of the host, vsock may reach the machine's host; ``socketpair`` (asyncio's self-pipe) still works;
+      descriptors (``memfd_create``, ``memfd_secret``: secret memory is mapped by no process once unmapped, so no
+      watch sees it): EPERM;
+    - ``vmsplice``: EPERM (a page spliced into a pipe stays pinned after the process unmaps it: one 4 KiB slice
+      pins a whole huge page);
+    - sockets other than stream socket pairs (``socket``, of every family, and ``socketpair`` of another type):
+      EPERM. A TCP connection on the namespace's loopback grows its buffers by itself (autotuning), a Unix socket
+      file under a bound folder would reach a server of the host (a datagram pair's ``sendmsg`` takes a path too),
+      vsock may reach the machine's host; a stream ``socketpair`` (asyncio's self-pipe) still works;
     - ``io_uring_setup``: ENOSYS (its requests run setsockopt and the rest without passing this filter);
     - larger socket buffers (``setsockopt`` of ``SO_SNDBUF``, ``SO_RCVBUF`` and their ``FORCE`` forms): EPERM. Data
       queued in a socket pair is kernel memory no process's count includes (up to twice ``net.core.wmem_max`` a
@@ -414,9 +422,18 @@ def _refuse_unbounded_memory():
         (_RET, 0, 0, _ENOSYS),
     ]
     for name, errno in (("clone3", _ENOSYS), ("shmget", _EPERM), ("shmat", _EPERM), ("memfd_create", _EPERM),
-                        ("msgget", _EPERM), ("semget", _EPERM), ("mq_open", _EPERM), ("io_uring_setup", _ENOSYS),
-                        ("socket", _EPERM), ("add_key", _EPERM), ("request_key", _EPERM), ("keyctl", _EPERM)):
+                        ("memfd_secret", _EPERM), ("msgget", _EPERM), ("semget", _EPERM), ("mq_open", _EPERM),
+                        ("io_uring_setup", _ENOSYS), ("socket", _EPERM), ("add_key", _EPERM),
+                        ("request_key", _EPERM), ("keyctl", _EPERM), ("vmsplice", _EPERM)):
         program += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, errno)]
+    program += [  # socketpair of a type other than SOCK_STREAM (a datagram pair can send to a path): EPERM
+        (_JEQ, 0, 5, nr["socketpair"]),
+        (_LOAD, 0, 0, 24),  # the type (the second argument's low half; its flags above the low 4 bits)
+        (_AND, 0, 0, _SOCK_TYPE_MASK),
+        (_JEQ, 1, 0, _SOCK_STREAM),
+        (_RET, 0, 0, _EPERM),
+        (_RET, 0, 0, _ALLOW),
+    ]
     program += [  # setsockopt(SOL_SOCKET, SO_SNDBUF / SO_RCVBUF / their FORCE forms): EPERM
         (_JEQ, 0, 9, nr["setsockopt"]),
         (_LOAD, 0, 0, 24),  # the level (the second argument's low half)
