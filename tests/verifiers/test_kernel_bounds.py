@@ -37,6 +37,7 @@ import time
 import pytest
 
 from scgrpo.verifiers import PythonTests
+from scgrpo.verifiers import sandbox as sandbox_module
 from scgrpo.verifiers.sandbox import UID_BASE, UID_SPAN, result_value
 from tests.verifiers.modes import skip_unless
 from tests.verifiers.servers import answering
@@ -879,3 +880,50 @@ def test_a_cgroup_the_kernel_will_not_make_leaves_the_program_to_the_watch_said_
     assert [r.score for r in results] == [1.0, 1.0]
     said = [r.getMessage() for r in caplog.records if "cannot make a program's memory cgroup" in r.getMessage()]
     assert len(said) == 1 and "No space left on device" in said[0]
+
+
+NON_ROOT_PROBE = """import sys
+from scgrpo.verifiers.sandbox import Sandbox
+box = Sandbox("bwrap")
+code = ('import os\\ndef f(x):\\n    return [os.statvfs("/tmp").f_files, os.statvfs("/dev/shm").f_files, '
+        'open("/proc/self/status").read().split("CapEff:")[1].split()[0]]\\n')
+out = box.run(code, [{"type": "call", "fn": "f", "args": [1]}])
+print(box.describe(), out.results, out.failure)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("bwrap"),
+                    reason="needs root, setpriv and bubblewrap (to run the sandbox as another user)")
+def test_bubblewrap_without_root_caps_the_inodes_and_leaves_no_capability():
+    """As a user without root (``nobody``), bubblewrap's tmpfs mounts take the inode caps too (the judge remounts
+    them in bubblewrap's user namespace, then drops that capability): the program sees ``disk_files`` (4096) inodes
+    on /tmp, 64 on /dev/shm, and no capability. Written against a sandbox where without root both had the tmpfs
+    default (3,085,448 here) and a million files could be made. The sandbox's modules run from a copy others may
+    read, under a Python others may run."""
+    python = next((p for p in ("/usr/bin/python3", sys.executable) if subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", p, "-c", "pass"], cwd="/",
+        capture_output=True).returncode == 0), None)
+    if python is None:
+        pytest.skip("no Python another user may run")
+    copy = tempfile.mkdtemp(prefix="scgrpo-nonroot-")
+    try:
+        package = os.path.join(copy, "scgrpo", "verifiers")
+        os.makedirs(package)
+        here = os.path.dirname(sandbox_module.__file__)
+        for name in ("base.py", "cgroup.py", "sandbox.py", "sandbox_harness.py"):
+            shutil.copy(os.path.join(here, name), package)
+        for init in (os.path.join(copy, "scgrpo", "__init__.py"), os.path.join(package, "__init__.py")):
+            open(init, "w").close()
+        for folder, _, files in os.walk(copy):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c",
+                               NON_ROOT_PROBE], cwd="/", capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": copy})
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    if ("bwrap sandbox" in done.stderr and "unavailable" in done.stderr) or "no sandbox" in done.stderr:
+        pytest.skip(f"bubblewrap does not start without root here: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split(maxsplit=1) == ["bwrap", "[{'value_json': '[4096, 64, \"0000000000000000\"]'}] None\n"]

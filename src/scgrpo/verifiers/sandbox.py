@@ -318,7 +318,7 @@ class Sandbox:
             "harness": self.harness, "python": sys.executable, "env": env, "limits": asdict(lim), "deadline": deadline,
             "layout": {"mode": mode, "uid": uid, "root": folder, "workdir": workdir, "binds": self.binds,
                        "symlinks": self.links, "parents": parents, "disk_mb": lim.disk_mb,
-                       "disk_files": lim.disk_files, "remount_tmp": mode == "bwrap" and self.is_root,
+                       "disk_files": lim.disk_files, "remount_tmp": mode == "bwrap",
                        "nproc": uid is not None or (mode == "bwrap" and _nproc_per_user_namespace())},
         }
         job_read, job_write = os.pipe()
@@ -374,8 +374,8 @@ class Sandbox:
                    "--die-with-parent", "--new-session", "--as-pid-1"]
         if self.is_root:  # (the judge caps /tmp's inodes, then drops every capability with its uid)
             command += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SYS_ADMIN"]
-        else:
-            command += ["--unshare-user"]
+        else:  # (in its own user namespace: the judge caps the inodes, then drops the capability)
+            command += ["--unshare-user", "--cap-add", "CAP_SYS_ADMIN"]
         # the writable /tmp first: an interpreter that lives under /tmp (a venv there) is bound on top of it, not hidden
         command += ["--size", str(lim.disk_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
         made = {"/tmp"}
@@ -387,7 +387,16 @@ class Sandbox:
             command += ["--ro-bind", path, path]
         for link, target in self.links:
             command += ["--symlink", target, link]
-        command += ["--dev", "/dev", "--size", str(1 << 20), "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
+        if self.is_root:
+            command += ["--dev", "/dev"]
+        else:  # the device nodes one by one: after bubblewrap's --dev the judge may not remount /tmp (EPERM)
+            command += ["--tmpfs", "/dev"]
+            for name in ("null", "zero", "full", "random", "urandom"):
+                command += ["--dev-bind", f"/dev/{name}", f"/dev/{name}"]
+            for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                                 ("stderr", "/proc/self/fd/2")):
+                command += ["--symlink", target, f"/dev/{name}"]
+        command += ["--size", str(1 << 20), "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
                     # the new root and /dev read-only (without root they would belong to the sandbox's user)
                     "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", "/tmp", "--clearenv"]
         for key, value in env.items():

@@ -35,6 +35,8 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0
 CLONE_NEWCGROUP = 0x02000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MAX_MESSAGE = 8 << 20  # (the host's job and the judge's questions)
 REPLY_BYTES = 1 << 20
 """The largest reply of the program's process other than a stdio test's output (a value, an error, its names):
@@ -212,10 +214,10 @@ def _mounts_under(folder):
 SHM_OPTIONS = "size=1m,nr_inodes=64,mode=1777"
 
 
-def _tmp_options(layout):
+def _tmp_options(layout, mode=True):
     """The sandbox's /tmp: ``disk_mb`` of pages and ``disk_files`` inodes (each inode is kernel memory that no size
     counts: a million empty files held over 1 GiB of slab in a 16 MiB /tmp)."""
-    return f"size={layout['disk_mb']}m,nr_inodes={layout['disk_files']},mode=1777"
+    return f"size={layout['disk_mb']}m,nr_inodes={layout['disk_files']}" + (",mode=1777" if mode else "")
 
 
 def _build_root(libc, root, layout):
@@ -260,6 +262,20 @@ def _build_root(libc, root, layout):
     os.chdir("/tmp")
 
 
+def _drop_capabilities(libc):
+    """No capability left, effective, permitted, inheritable or ambient (``capset`` may always drop them). With no
+    new privileges and no file capabilities, no later ``execve`` gives any back."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    _check(libc.capset(ctypes.byref(Header(_LINUX_CAPABILITY_VERSION_3, 0)), (Data * 2)()), "capset")
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+
+
 def _confine(job, result_fd):
     """Everything that happens before the worker starts, in this order: namespaces, a fork (the judge becomes
     pid 1 of the new pid namespace, so that the namespace lives as long as the judge, not as long as its first
@@ -280,8 +296,11 @@ def _confine(job, result_fd):
         _build_root(libc, layout["root"], layout)
     else:
         if layout.get("remount_tmp"):  # bubblewrap sizes its tmpfs mounts but does not cap their inodes
-            _mount(libc, None, "/tmp", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, _tmp_options(layout))
-            _mount(libc, None, "/dev/shm", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, SHM_OPTIONS)
+            # (without mode=: bubblewrap made them 1777, and a user namespace's remount may not set it)
+            _mount(libc, None, "/tmp", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, _tmp_options(layout, mode=False))
+            _mount(libc, None, "/dev/shm", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, SHM_OPTIONS.replace(",mode=1777", ""))
+            if layout.get("uid") is None:  # (bubblewrap's user namespace, for the remount alone: given up here)
+                _drop_capabilities(libc)
         os.chdir(layout["workdir"])
     uid = layout.get("uid")
     if uid is not None:
