@@ -252,8 +252,9 @@ class Sandbox:
             Sandbox._said_no_cgroup = True
             log.warning("code sandbox: no memory cgroup (%s): a program's memory is bounded by the address-space limit "
                         "of each process and the judge's watch over its processes' pages (every 20 ms); its kernel "
-                        "memory (IPC objects, tmpfs inodes, socket buffers) only by the refusals listed in "
-                        "docs/verifiers.md, and the judge's own memory by its caps on what it keeps",
+                        "memory (IPC objects, socket buffers, memory no process maps: secret memory, spliced pages) "
+                        "only by the refusals listed in docs/verifiers.md, its tmpfs inodes by the mounts' caps, and "
+                        "the judge's own memory by its caps on what it keeps",
                         self._no_cgroup)
         if mode == "process":
             log.warning(
