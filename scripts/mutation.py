@@ -239,6 +239,10 @@ def main() -> None:
     if args.caught_in:
         earlier = json.loads(args.caught_in.read_text())
         caught = {k for k, s in earlier["mutants"].items() if s in (KILLED, TIMEOUT)}
+    # the tree measured: its commit when the pass copies it (a later commit during a long run would misname it)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "src", "tests"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
     results, survivors, seconds, everything = {}, [], {}, {}
     for name in args.passes:
         per_target, elapsed = run_pass(name, args.max_children, args.sample, caught, args.resume)
@@ -249,7 +253,7 @@ def main() -> None:
             survivors += [(name, k) for k, s in sorted(statuses.items()) if s not in (KILLED, TIMEOUT, SKIPPED)]
     report = {
         "label": args.label,
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "commit": commit + ("+changes" if dirty else ""),
         "command": "python3 scripts/mutation.py " + " ".join(sys.argv[1:]),
         "tool": "mutmut " + subprocess.run([sys.executable, "-m", "pip", "show", "mutmut"], capture_output=True,
                                            text=True).stdout.split("Version: ")[-1].split("\n")[0],
