@@ -466,6 +466,10 @@ def machine() -> dict:
 
 
 def commit() -> Optional[str]:
+    """This tree's commit (``+changes`` with uncommitted changes); ``SCGRPO_COMMIT`` where set (a copy of the tree
+    whose git folder is not the tree's own, as on a machine the tree is sent to)."""
+    if os.environ.get("SCGRPO_COMMIT"):
+        return os.environ["SCGRPO_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,

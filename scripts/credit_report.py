@@ -458,9 +458,10 @@ def conclusions(found: dict) -> list[str]:
         text = (f"- **Pivot AUROC, {name}**: SC-GRPO {ref['mean']:.3f} [{ref['low']:.3f}, {ref['high']:.3f}]"
                 f" ({'above' if ref['low'] > 0.5 else 'below' if ref['high'] < 0.5 else 'not distinguished from'} 0.5)")
         if diff is not None:
-            text += (f"; minus the permuted arm {diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]: the "
-                     "permuted-f arm " + ("differs from SC-GRPO." if diff["low"] > 0 or diff["high"] < 0 else
-                                          "is not distinguished from SC-GRPO."))
+            text += (f"; minus the permuted arm {diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]: where "
+                     "the permuted-f arm's weight lands " + (
+                         "differs from SC-GRPO's." if diff["low"] > 0 or diff["high"] < 0 else
+                         "is not distinguished from SC-GRPO's."))
         lines.append(text)
     return lines
 

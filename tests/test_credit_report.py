@@ -146,5 +146,5 @@ def test_the_conclusions_follow_the_tests():
     lines = report.conclusions(found)
     assert "no difference shown" in lines[0] and "0.0600 or more" in lines[0] and "could have gone unseen" in lines[0]
     assert "a difference at the family level" in lines[1]
-    assert "(above 0.5)" in lines[2] and "differs from SC-GRPO" in lines[2]
-    assert "(not distinguished from 0.5)" in lines[3] and "is not distinguished from SC-GRPO" in lines[3]
+    assert "(above 0.5)" in lines[2] and "lands differs from SC-GRPO's" in lines[2]
+    assert "(not distinguished from 0.5)" in lines[3] and "is not distinguished from SC-GRPO's" in lines[3]

@@ -61,3 +61,10 @@ def test_an_empty_junit_file_writes_no_page(tmp_path):
     junit.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="0"/></testsuites>')
     assert report.main([str(junit), "--out", str(tmp_path / "page.md")]) == 1
     assert not (tmp_path / "page.md").exists()
+
+
+def test_the_commit_named_by_the_environment_wins(monkeypatch):
+    monkeypatch.setenv("SCGRPO_COMMIT", "abc1234")
+    assert report.commit() == "abc1234"
+    monkeypatch.delenv("SCGRPO_COMMIT")
+    assert report.commit() != "abc1234" and report.commit()
