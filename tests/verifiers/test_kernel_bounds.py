@@ -910,6 +910,9 @@ def test_bubblewrap_without_root_caps_the_inodes_and_leaves_no_capability():
         package = os.path.join(copy, "scgrpo", "verifiers")
         os.makedirs(package)
         here = os.path.dirname(sandbox_module.__file__)
+        with open(os.path.join(here, "sandbox.py")) as f:
+            if "mutmut" in f.read():  # (mutation testing's rewritten copy: it imports mutmut, which nobody's Python lacks)
+                pytest.skip("the sandbox's modules are mutation testing's rewritten copy")
         for name in ("base.py", "cgroup.py", "sandbox.py", "sandbox_harness.py"):
             shutil.copy(os.path.join(here, name), package)
         for init in (os.path.join(copy, "scgrpo", "__init__.py"), os.path.join(package, "__init__.py")):
