@@ -133,14 +133,15 @@ def analysis(arms: dict[str, dict[int, dict]], found: Optional[dict] = None) -> 
     if len(ref) >= 2:
         t = ps.paired_t([v - 0.5 for v in ref.values()])
         rows.append(f"| SC-GRPO's AUROC (against 0.5) | {t['n']} | {t['mean'] + 0.5:.3f} | [{t['low'] + 0.5:.3f}, "
-                    f"{t['high'] + 0.5:.3f}] | {fmt(t['p'])} | {fmt(ps.wilcoxon_exact([v - 0.5 for v in ref.values()]))} |")
+                    f"{t['high'] + 0.5:.3f}] | {ps_fmt(t['p'])} | "
+                    f"{ps_fmt(ps.wilcoxon_exact([v - 0.5 for v in ref.values()]))} |")
     permuted = per_seed.get("scgrpo-permuted", {})
     seeds = sorted(s for s in ref if permuted.get(s) is not None)
     if len(seeds) >= 2:
         diffs = [ref[s] - permuted[s] for s in seeds]
         t = ps.paired_t(diffs)
         rows.append(f"| SC-GRPO minus permuted f | {t['n']} | {t['mean']:+.3f} | [{t['low']:+.3f}, {t['high']:+.3f}] | "
-                    f"{fmt(t['p'])} | {fmt(ps.wilcoxon_exact(diffs))} |")
+                    f"{ps_fmt(t['p'])} | {ps_fmt(ps.wilcoxon_exact(diffs))} |")
     lines += rows if len(rows) > 2 else ["Fewer than two seeds with pivot rows."]
     lines += ["", "| arm | " + " | ".join(f"seed {s}" for s in sorted({s for r in per_seed.values() for s in r})) + " |"]
     all_seeds = sorted({s for r in per_seed.values() for s in r})
