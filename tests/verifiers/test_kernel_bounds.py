@@ -562,6 +562,18 @@ def solve():
 """
 
 
+def _host_socket(kind):
+    """(folder, path, socket): a Unix socket of ``kind`` bound at mode 0777 in a fresh folder of mode 0755."""
+    folder = tempfile.mkdtemp(prefix="scgrpo-socket-")
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "service.sock")
+    server = socket.socket(socket.AF_UNIX, kind)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.settimeout(0.1)
+    return folder, path, server
+
+
 @pytest.mark.parametrize("mode", NAMESPACED)
 def test_a_unix_socket_under_a_bound_folder_is_out_of_reach(mode):
     """A server of the host listens on a Unix socket (mode 0777, as services' sockets often are) in a folder the
@@ -570,14 +582,8 @@ def test_a_unix_socket_under_a_bound_folder_is_out_of_reach(mode):
     score 1. It must score 0, and the server see no connection. Written against a sandbox where it scored 1.0 and
     the server was connected to (both modes)."""
     skip_unless(mode)
-    folder = tempfile.mkdtemp(prefix="scgrpo-socket-")
-    os.chmod(folder, 0o755)
-    path = os.path.join(folder, "service.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    os.chmod(path, 0o777)
+    folder, path, server = _host_socket(socket.SOCK_STREAM)
     server.listen(4)
-    server.settimeout(0.1)
     try:
         with answering(server, b"socket-secret") as connections:
             result = _score(mode, UNIX_SOCKET.format(path=path), [_call("socket-secret")], binds=[folder])
@@ -602,13 +608,7 @@ def test_a_datagram_socket_pair_cannot_send_to_a_socket_under_a_bound_folder(mod
     ``sendmsg`` to a path, passing one of its ends; the server writes its secret into it. The program must score 0
     and the server receive nothing. Written against a sandbox where it scored 1.0 (both modes)."""
     skip_unless(mode)
-    folder = tempfile.mkdtemp(prefix="scgrpo-socket-")
-    os.chmod(folder, 0o755)
-    path = os.path.join(folder, "service.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    server.bind(path)
-    os.chmod(path, 0o777)
-    server.settimeout(0.1)
+    folder, path, server = _host_socket(socket.SOCK_DGRAM)
     received, stop = [], threading.Event()
 
     def serve():
