@@ -99,9 +99,24 @@ def skip_unless(mode):
     modes.skip_unless(mode)
 
 
-def sandbox_processes(before=()):
+def _descends_from_here(pid):
+    me = os.getpid()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # (the parent's pid)
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == me:
+            return True
+    return False
+
+
+def sandbox_processes(before=(), uids=None):
     """Live processes (zombies aside, and those in ``before``) that belong to a sandbox: run under a sandbox
-    uid (whatever binary they became) or with the harness on their command line."""
+    uid (whatever binary they became) or with the harness on their command line. With ``uids``, only this
+    process's sandboxes: those uids, or a harness this process started (another process's sandboxes on the
+    machine are not this test's)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if int(pid) in before:
@@ -113,8 +128,11 @@ def sandbox_processes(before=()):
                 cmdline = f.read()
         except OSError:
             continue
-        uids = [int(u) for u in status["Uid"].split()]
-        ours = any(UID_BASE <= u < UID_BASE + UID_SPAN for u in uids) or MARK.encode() in cmdline
+        ids = [int(u) for u in status["Uid"].split()]
+        if uids is None:
+            ours = any(UID_BASE <= u < UID_BASE + UID_SPAN for u in ids) or MARK.encode() in cmdline
+        else:
+            ours = any(u in uids for u in ids) or (MARK.encode() in cmdline and _descends_from_here(int(pid)))
         if ours and not status["State"].strip().startswith("Z"):
             found.append((int(pid), cmdline[:80]))
     return found
@@ -302,7 +320,15 @@ def attacked(request, tmp_path_factory):
     names = list(programs)
     before = {pid for pid, _ in sandbox_processes()}
     folders_before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("scgrpo-sandbox-")}  # (others')
-    run, walls = verifier.sandbox.run, []
+    run, walls, issued = verifier.sandbox.run, [], set()
+    new_uid = verifier.sandbox._new_uid
+
+    def recorded_uid():  # (the uids this batch's programs ran as)
+        uid = new_uid()
+        issued.add(uid)
+        return uid
+
+    verifier.sandbox._new_uid = recorded_uid
 
     def timed(*args, **kwargs):  # each program's wall time, from the host's call to its verdict
         start = time.monotonic()
@@ -316,7 +342,7 @@ def attacked(request, tmp_path_factory):
         scored = verifier.verify_batch([f"```python\n{programs[n][0]}```" for n in names],
                                        [programs[n][1] for n in names], ["q"] * len(names))
         elapsed = max(walls)
-        left_running = sandbox_processes(before)
+        left_running = sandbox_processes(before, issued)
     finally:
         listener.__exit__(None, None, None)
         for key, value in saved.items():
