@@ -930,3 +930,24 @@ def test_bubblewrap_without_root_caps_the_inodes_and_leaves_no_capability():
         pytest.skip(f"bubblewrap does not start without root here: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split(maxsplit=1) == ["bwrap", "[{'value_json': '[4096, 64, \"0000000000000000\"]'}] None\n"]
+
+
+@pytest.mark.parametrize("mode", NAMESPACED)
+def test_each_program_leaves_no_cgroup_behind(mode):
+    """Every program's cgroup is removed once it is scored: a normal end, a timeout and a program the judge ends for
+    its memory leave nothing under the base (the sandbox's cgroups are named ``scgrpo-<hex>``)."""
+    skip_unless(mode)
+    verifier = PythonTests(isolation=mode, workers=1, timeout_s=3.0, test_timeout_s=1.0, memory_mb=128)
+    base = verifier.sandbox.cgroup_base
+    if base is None:
+        pytest.skip("no memory cgroup here")
+
+    def ours():
+        return {n for n in os.listdir(base.path) if n.startswith("scgrpo-") and len(n) == len("scgrpo-") + 16}
+
+    before = ours()
+    programs = ["def solve():\n    return 1\n", "def solve():\n    while True:\n        pass\n",
+                "def solve():\n    held = [bytearray(1 << 20) for _ in range(400)]\n    return 1\n"]
+    results = verifier.verify_batch([f"```python\n{p}```" for p in programs], [_call(1)] * 3, ["q"] * 3)
+    assert [r.score for r in results] == [1.0, 0.0, 0.0]
+    assert ours() - before == set()
