@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from scgrpo.data.chat import Prompt, render, system_prompt_layout
+from scgrpo.chat import Prompt, render, system_prompt_layout
 from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, run_passes, span_rows, whole_rows
 from scgrpo.distributed import (PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, on_every_rank,
                                 shard_policy)
@@ -125,7 +125,7 @@ class Policy:
 
     # ---------------------------------------------------------------------------------------- prompts
     def format_prompts(self, questions: list[Prompt]) -> list[str]:
-        """Each prompt (a question, or a list of chat messages: :mod:`scgrpo.data.chat`) as the model reads it: through
+        """Each prompt (a question, or a list of chat messages: :mod:`scgrpo.chat`) as the model reads it: through
         the chat template with the assistant's header, ``system_prompt`` as the system message unless the prompt has
         its own (for a template that renders no system message, the system text opens the first turn, as in the
         self-teacher's view); without a chat template, the texts between blank lines."""

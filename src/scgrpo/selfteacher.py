@@ -31,7 +31,7 @@ from torch.profiler import record_function
 
 from scgrpo.budget import MemoryBudget, Span, active, measuring, pack, row_extents, run_passes, span_rows
 from scgrpo.data.buffer import VerifiedBuffer
-from scgrpo.data.chat import Prompt, prompt_key, prompt_text, render, split_system, system_prompt_layout  # noqa: F401
+from scgrpo.chat import Prompt, prompt_key, prompt_text, render, split_system, system_prompt_layout  # noqa: F401
 from scgrpo.distributed import full_parameters
 from scgrpo.models import max_sequence_length
 from scgrpo.objectives.functional import chunked_divergence

@@ -15,7 +15,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from scgrpo.callbacks.logging import run_dir
-from scgrpo.data.chat import prompt_text
+from scgrpo.chat import prompt_text
 from scgrpo.distributed import all_reduce
 from scgrpo.pivots import BOTH, NONE, PIVOT_KEYS, RIGHT, WRONG, decision_labels, pivot_metrics
 from scgrpo.rollout.types import PARTIAL, ROUTES

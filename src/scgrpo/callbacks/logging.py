@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from scgrpo.atomic_io import write_folder_atomically
 from scgrpo.callbacks.validation import run_validation
-from scgrpo.data.chat import prompt_text
+from scgrpo.chat import prompt_text
 from scgrpo.model_card import model_card, name_base_model, run_config
 from scgrpo.models import ADAPTER_CONFIG, portable_model_name
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 from scgrpo.errors import InputError
 from scgrpo.models import max_sequence_length
-from scgrpo.data.chat import Prompt, is_chat, prompt_text
+from scgrpo.chat import Prompt, is_chat, prompt_text
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import random
 from abc import ABC, abstractmethod
 from typing import Any, Optional, Union
 
-from scgrpo.data.chat import as_prompt, prompt_fault
+from scgrpo.chat import as_prompt, prompt_fault
 from scgrpo.errors import InputError, json_fault, one_line
 from scgrpo.verifiers import CountdownVerifier, NumericVerifier, Verifier
 
@@ -337,7 +337,7 @@ def _table_rows(table: Any, columns: dict[str, str], where: str) -> tuple[list[R
     answers, :meth:`PromptSource.answer_fault`).
 
     Each row keeps every column of the table under "columns" (TRL passes them to reward functions by name) but the
-    prompt's and :data:`NOT_PASSED`. A prompt is text or a list of chat messages (:mod:`scgrpo.data.chat`); a row whose prompt is
+    prompt's and :data:`NOT_PASSED`. A prompt is text or a list of chat messages (:mod:`scgrpo.chat`); a row whose prompt is
     malformed, or whose answer is missing where the table has answers, is skipped, and the skips are counted in one
     warning with the first reason."""
     names = list(getattr(table, "column_names", []))

@@ -123,7 +123,7 @@ class Environment(ABC):
     def reset(self, row: dict[str, Any], seed: int) -> Union[str, list[dict[str, str]]]:
         """Starts an episode for the data ``row`` (``{"id", "question", "answer", "columns"}``) and returns the first
         observation: the text of the first user message (task, rules, tools), or the opening messages in TRL's
-        conversational format (:mod:`scgrpo.data.chat`; a system message there replaces the run's). ``seed`` seeds the environment's own
+        conversational format (:mod:`scgrpo.chat`; a system message there replaces the run's). ``seed`` seeds the environment's own
         randomness: the episodes of one group get the same one (they start from one state), and it is fixed by the
         row's id and the run's seed (in evaluation by the row's id alone)."""
 

@@ -16,7 +16,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from scgrpo.data.chat import prompt_text
+from scgrpo.chat import prompt_text
 from scgrpo.envs.base import Action, Environment, StepResult
 from scgrpo.verifiers import NumericVerifier
 from scgrpo.verifiers.numeric import _NUMBER_RE

@@ -14,7 +14,7 @@ import importlib
 import re
 from typing import Any, Callable, Optional
 
-from scgrpo.data.chat import prompt_text
+from scgrpo.chat import prompt_text
 from scgrpo.envs.base import Action, Environment, StepResult
 
 GYM_INSTALL = "pip install 'scgrpo[gym]'"

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from scgrpo.data.chat import prompt_fault, prompt_key
+from scgrpo.chat import prompt_fault, prompt_key
 from scgrpo.distributed import all_reduce
 from scgrpo.errors import InputError
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult

@@ -111,7 +111,8 @@ class Dequantizer:
         packed = weight.data.reshape(-1)  # the packed bytes, whatever word type stores them (a view, made once)
         packed = packed if packed.dtype == torch.uint8 else packed.view(torch.uint8)
         # (a weight that bitsandbytes repacked for its CPU gemm: its flat bytes, a copy, on the CPU only)
-        self.packed = unpack_cpu_layout(packed, self.rows, self.cols) if cpu_packed(state) else packed
+        self.cpu_layout = cpu_packed(state)  # (its scales are laid out for that gemm too)
+        self.packed = unpack_cpu_layout(packed, self.rows, self.cols) if self.cpu_layout else packed
         self.scales: Optional[Tensor] = None
 
     def row_aligned(self, rows: int) -> bool:

@@ -102,9 +102,7 @@ def splits(n: int, k: int, m_blocks: int = 1, block_n: int = BLOCK_N) -> int:
 def supported(dequantizer, device: torch.device) -> bool:
     """Whether the kernel takes ``dequantizer``'s weight (a :class:`~scgrpo.rollout.four_bit.Dequantizer`): nf4,
     bitsandbytes' flat layout, rows a multiple of :data:`BLOCK_K` long, on a GPU with Triton (or its interpreter)."""
-    from scgrpo.rollout.four_bit import cpu_packed
-
-    return (usable(device) and dequantizer.quant_type == "nf4" and not cpu_packed(dequantizer.state)
+    return (usable(device) and dequantizer.quant_type == "nf4" and not dequantizer.cpu_layout
             and dequantizer.cols % BLOCK_K == 0 and dequantizer.cols % 2 == 0)
 
 

@@ -19,7 +19,7 @@ class PromptBatch:
     """A batch of prompts as the data module yields it; the rollout callback fills ``rollouts``."""
 
     ids: list[str]
-    questions: list[Any]  # text, or a list of chat messages (scgrpo.data.chat)
+    questions: list[Any]  # text, or a list of chat messages (scgrpo.chat)
     answers: list[Any]
     split: str = "train"
     rollouts: Optional["RolloutBatch"] = None

@@ -24,7 +24,7 @@ import logging
 import math
 from typing import Any, Callable, Optional, Sequence
 
-from scgrpo.data.chat import is_chat
+from scgrpo.chat import is_chat
 from scgrpo.errors import InputError
 from scgrpo.verifiers.base import VerificationResult, Verifier
 from scgrpo.verifiers.runner import VerifierTimeout, _time_limit

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from scgrpo.data.chat import prompt_text
+from scgrpo.chat import prompt_text
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 
 log = logging.getLogger(__name__)

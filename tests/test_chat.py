@@ -5,7 +5,7 @@ import json
 import pytest
 
 from scgrpo.data import FileSource
-from scgrpo.data.chat import as_prompt, messages, prompt_fault, prompt_key, prompt_text, render
+from scgrpo.chat import as_prompt, messages, prompt_fault, prompt_key, prompt_text, render
 from scgrpo.data.lengths import _token_counts
 from scgrpo.selfteacher import SelfTeacher
 from scgrpo.rollout.types import TeacherSpec
