@@ -273,13 +273,13 @@ def pivot_metrics(weights: Tensor, labels: Tensor, completion_mask: Tensor, rows
     rows = rows.cpu().bool() & ((labels != NONE) & mask).any(1)
     model = mask & rows.unsqueeze(1)
     decision = model & (labels != NONE)
-    on = device or "cpu"
     turn = _turn_index(mask)
-    row_id = torch.arange(mask.shape[0]).unsqueeze(1).expand_as(turn) + _rank() * mask.shape[0]  # unique over ranks
-    is_wrong, is_right = model & (labels == WRONG), model & (labels == RIGHT)
-    wrong, right = gather_values(weights[is_wrong].to(on)).cpu(), gather_values(weights[is_right].to(on)).cpu()
-    wrong_turn, right_turn = gather_values(turn[is_wrong].to(on)).cpu(), gather_values(turn[is_right].to(on)).cpu()
-    wrong_row, right_row = gather_values(row_id[is_wrong].to(on)).cpu(), gather_values(row_id[is_right].to(on)).cpu()
+    row_id = torch.arange(mask.shape[0]).unsqueeze(1).expand_as(turn) + (_rank() << 32)  # (unique over ranks)
+    # per class, each token's (f, turn, row), gathered over ranks in one collective
+    (wrong, wrong_turn, wrong_row), (right, right_turn, right_row) = (
+        gather_values(torch.stack([weights[where].double(), turn[where].double(), row_id[where].double()], 1)
+                      .to(device or "cpu")).reshape(-1, 3).cpu().unbind(1)
+        for where in (model & (labels == WRONG), model & (labels == RIGHT)))
     f_all, f_decision, n_all, n_decision, n_rows = all_reduce(
         [float(weights[model].sum()), float(weights[decision].sum()), float(model.sum()), float(decision.sum()),
          float(rows.sum())], "sum", device)

@@ -38,7 +38,7 @@ import pytest
 
 from scgrpo.verifiers import PythonTests
 from scgrpo.verifiers import sandbox as sandbox_module
-from scgrpo.verifiers.sandbox import UID_BASE, UID_SPAN, result_value
+from scgrpo.verifiers.sandbox import UID_BASE, UID_SPAN, result_value, sysv_objects
 from tests.verifiers.modes import skip_unless
 from tests.verifiers.servers import answering
 
@@ -210,23 +210,10 @@ def solve():
         pass
     return 1
 """
-IPC_TABLES = {"msg": (7, 9), "sem": (4, 6), "shm": (7, 9)}  # /proc/sysvipc table -> its uid and cuid columns
-
-
 def _ipc_objects():
     """``(table, id, uid)`` of the host IPC namespace's SysV objects whose owner or creator is a sandbox uid."""
-    found = []
-    for table, columns in IPC_TABLES.items():
-        try:
-            with open(f"/proc/sysvipc/{table}") as f:
-                rows = [line.split() for line in f.readlines()[1:]]
-        except OSError:
-            continue
-        for row in rows:
-            uids = [int(row[c]) for c in columns if len(row) > c]
-            if any(UID_BASE <= u < UID_BASE + UID_SPAN for u in uids):
-                found.append((table, int(row[1]), uids[0]))
-    return found
+    return [(table, key, owners[0]) for table, key, owners in sysv_objects()
+            if any(UID_BASE <= u < UID_BASE + UID_SPAN for u in owners)]
 
 
 @pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "no_cgroup"])

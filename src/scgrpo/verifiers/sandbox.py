@@ -516,6 +516,20 @@ def writable_folders(tops: Sequence[str] = (*SHARED_FOLDERS, "/var"), depth: int
 _IPC_TABLES = {"msg": (7, 9), "sem": (4, 6), "shm": (7, 9)}  # /proc/sysvipc table -> its owner's and creator's uid
 
 
+def sysv_objects() -> list[tuple[str, int, tuple[int, ...]]]:
+    """``(table, id, (owner uid, creator uid))`` of every SysV IPC object this IPC namespace shows
+    (``/proc/sysvipc/msg``, ``sem`` and ``shm``; a table that cannot be read gives none)."""
+    found = []
+    for table, columns in _IPC_TABLES.items():
+        try:
+            with open(f"/proc/sysvipc/{table}") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        found += [(table, int(row[1]), tuple(int(row[c]) for c in columns)) for row in rows if len(row) > max(columns)]
+    return found
+
+
 def _remove_leftovers(uid: int, folders: Sequence[str] = SHARED_FOLDERS) -> None:
     """What a program of the ``process`` mode, running as ``uid``, left outside its folder: its SysV IPC objects
     (where no seccomp filter refused them) and its files and folders in the ``folders`` every user can write to
@@ -525,15 +539,9 @@ def _remove_leftovers(uid: int, folders: Sequence[str] = SHARED_FOLDERS) -> None
     libc = ctypes.CDLL(None, use_errno=True)
     remove = {"msg": lambda i: libc.msgctl(i, 0, None), "sem": lambda i: libc.semctl(i, 0, 0),  # (IPC_RMID = 0)
               "shm": lambda i: libc.shmctl(i, 0, None)}
-    for table, columns in _IPC_TABLES.items():
-        try:
-            with open(f"/proc/sysvipc/{table}") as f:
-                rows = [line.split() for line in f.readlines()[1:]]
-        except OSError:
-            continue
-        for row in rows:
-            if len(row) > max(columns) and str(uid) in (row[columns[0]], row[columns[1]]):
-                remove[table](int(row[1]))
+    for table, key, owners in sysv_objects():
+        if uid in owners:
+            remove[table](key)
     for shared in folders:
         try:
             entries = list(os.scandir(shared))
