@@ -426,7 +426,7 @@ def run_multiturn_case(name: str, spec: dict, repeats: int, engines: list[str], 
     from scgrpo.envs import EpisodeSettings
     from scgrpo.envs.runner import EpisodeRunner
     from scgrpo.policy import Policy
-    from scgrpo.rollout.engine import GenerationSettings, generate_ids, release_rollout_workspaces
+    from scgrpo.rollout.engine import GenerationSettings, generate_ids
 
     model = build_model(spec["shape"], spec["family"], device, dtype)
     n, new, turns, obs = spec["seqs"], spec["max_new"], spec["turns"], spec["observation"]
@@ -458,7 +458,8 @@ def run_multiturn_case(name: str, spec: dict, repeats: int, engines: list[str], 
     def turn_by_turn():
         history, recorded = ids, []
         for turn in range(turns):
-            out = generate_ids(model, tokenizer, history, torch.ones_like(history), settings, reserve=reserve)
+            out = generate_ids(model, tokenizer, history, torch.ones_like(history), settings, reserve=reserve,
+                               sampler=policy.sampler)  # (the runner's backend: one workspace for all)
             recorded.append(out.stats.get("rollout/graphs_recorded", 0.0))
             history = torch.cat([history, out.completion_ids], 1)
             if turn + 1 < turns:
@@ -468,7 +469,7 @@ def run_multiturn_case(name: str, spec: dict, repeats: int, engines: list[str], 
         return history
 
     def single_turn():
-        out = generate_ids(model, tokenizer, ids, mask, single)
+        out = generate_ids(model, tokenizer, ids, mask, single, sampler=policy.sampler)
         graphs.setdefault("compact_single_turn", []).append([out.stats.get("rollout/graphs_recorded", 0.0)])
         return out
 
@@ -551,7 +552,7 @@ def run_multiturn_case(name: str, spec: dict, repeats: int, engines: list[str], 
         result["multiturn_over_hf_static"] = (e["hf_static_turns"]["median_s"]
                                               / e["compact_episodes"]["median_s"])
         result["turns_over_hf_static"] = e["hf_static_turns"]["median_s"] / e["compact_turns"]["median_s"]
-    release_rollout_workspaces()
+    policy.release_rollout_workspaces()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result

@@ -144,18 +144,21 @@ class StepRecorder(Callback):
     def watch(self, module, case: str) -> None:
         """Prints a line as each phase of a step ends (elapsed time, peak reserved so far): a long step cut by a
         time limit still tells how far it got."""
-        for method, phase in (("sample", "sampling"), ("run_self_teacher", "teacher pass")):
-            inner = getattr(module, method)
+        step, teacher = module.training_step, module.run_self_teacher
 
-            def timed(*args, _inner=inner, _phase=phase, **kwargs):
-                out = _inner(*args, **kwargs)
-                if out is not None:  # (an objective without a self-teacher has no teacher pass)
-                    self.progress(case, _phase)
-                if _phase == "sampling" and self._armed:  # the profiled step: from here to its end
-                    self._start_profiler()
-                return out
+        def stepped(*args, **kwargs):  # (the rollout stage has run: the batch holds its rollouts)
+            self.progress(case, "sampling")
+            if self._armed:  # the profiled step: from here to its end
+                self._start_profiler()
+            return step(*args, **kwargs)
 
-            setattr(module, method, timed)
+        def taught(*args, **kwargs):
+            out = teacher(*args, **kwargs)
+            if out is not None:  # (an objective without a self-teacher has no teacher pass)
+                self.progress(case, "teacher pass")
+            return out
+
+        module.training_step, module.run_self_teacher = stepped, taught
         self._case, self._watching = case, True
 
     def _start_profiler(self) -> None:
@@ -298,9 +301,10 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              student_states: str = "auto") -> dict[str, Any]:
     import lightning.pytorch as pl
 
+    from lightning.pytorch import Callback
+
     from scgrpo import packing as packing_module
-    from scgrpo import policy as policy_module
-    from scgrpo import selfteacher as selfteacher_module
+    from scgrpo.policy import PassOptions
     from scgrpo.rollout import four_bit as four_bit_module
 
     from scgrpo.data import PromptDataModule
@@ -331,6 +335,14 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
     )
     data = PromptDataModule(source="arithmetic", batch_size=prompts, eval_splits=[])
     recorder = StepRecorder(memory_snapshot, warmup + steps - 1, profile)
+
+    class Passes(Callback):  # the case's pass options, on the policy once it is loaded
+        def on_fit_start(self, trainer, pl_module) -> None:
+            pl_module.actor.passes = PassOptions(packing=packed, packed_training=packed_update,
+                                                 cudnn_attention=cudnn_attention,
+                                                 shared_teacher_passes=shared_teacher_passes)
+
+    passes = Passes()
     recorder.watch(module, name)
     root = tempfile.mkdtemp(prefix="scgrpo-bench-")
     trainer = pl.Trainer(
@@ -345,7 +357,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         default_root_dir=root,
-        callbacks=[recorder],
+        callbacks=[recorder, passes],
     )
     limited = memory_fraction_gib is not None and torch.cuda.is_available()
     if limited:  # the allocator may not reserve more than this: a step that needs more fails here
@@ -353,11 +365,9 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         torch.cuda.set_per_process_memory_fraction(memory_fraction_gib * 2**30 / torch.cuda.mem_get_info()[1])
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    defaults = (policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL,
-                packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH, packing_module.SHARED_PREFIXES)
+    defaults = (four_bit_module.STREAM_KERNEL, packing_module.PACK_WIDTH, packing_module.SHARED_PREFIXES)
     packing_module.SHARED_PREFIXES = shared_prefixes
-    policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES = cudnn_attention, shared_teacher_passes
-    four_bit_module.STREAM_KERNEL, packing_module.ENABLED, packing_module.TRAINING = stream_kernel, packed, packed_update
+    four_bit_module.STREAM_KERNEL = stream_kernel
     packing_module.PACK_WIDTH = pack_width or packing_module.PACK_WIDTH
     error = None
     try:
@@ -366,8 +376,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         error = f"{type(err).__name__}: {' '.join(str(err).split())}"
         print(f"[{name}] failed after {len(recorder.steps)} step(s): {error}", flush=True)
     finally:
-        (policy_module.CUDNN_ATTENTION, selfteacher_module.SHARED_PASSES, four_bit_module.STREAM_KERNEL,
-         packing_module.ENABLED, packing_module.TRAINING, packing_module.PACK_WIDTH, packing_module.SHARED_PREFIXES) = defaults
+        four_bit_module.STREAM_KERNEL, packing_module.PACK_WIDTH, packing_module.SHARED_PREFIXES = defaults
         if limited:
             process_peak = torch.cuda.max_memory_reserved() / 2**30
             torch.cuda.set_per_process_memory_fraction(1.0)
@@ -381,7 +390,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
         "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
         "stream_kernel": stream_kernel, "packed": packed, "packed_update": packed_update,
-        "pack_width": pack_width or defaults[5], "shared_prefixes": shared_prefixes, "student_states": student_states,
+        "pack_width": pack_width or defaults[1], "shared_prefixes": shared_prefixes, "student_states": student_states,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start,
         # (a failed case: every step it finished, warm-up included, and the error)
@@ -394,12 +403,10 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         result["process_peak_reserved_gib"] = process_peak
     if result.get("wall_s"):
         result["completions_per_s_per_gpu"] = prompts * group / result["wall_s"]
+    module.actor.release_rollout_workspaces()  # the next case's peak must not include this one's KV caches or graphs
     del module, trainer, data
     import gc
 
-    from scgrpo.rollout.engine import release_rollout_workspaces
-
-    release_rollout_workspaces()  # the next case's peak must not include this one's KV caches or graphs
     gc.collect()
     torch.cuda.empty_cache()
     return result
@@ -416,7 +423,8 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
     from sampling_probe import qlora_policy_and_prompts
 
     from scgrpo.rollout import four_bit as four_bit_module
-    from scgrpo.rollout.engine import GenerationSettings, generate, release_rollout_workspaces
+    from scgrpo.rollout.backends import CompactSampler
+    from scgrpo.rollout.engine import GenerationSettings, generate
 
     device = torch.device("cuda", torch.cuda.current_device())
     policy, tokenizer, prompts = qlora_policy_and_prompts(model, rows, group, device)
@@ -429,8 +437,9 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
         settings = GenerationSettings(num_generations=group, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                       four_bit=spec["four_bit"], keep_workspace=True)
         torch.manual_seed(0)
+        backend = CompactSampler()  # (this case's workspaces)
         first = time.perf_counter()
-        generate(policy, tokenizer, prompts, group, settings, device)  # records graphs, compiles
+        generate(policy, tokenizer, prompts, group, settings, device, sampler=backend)  # records graphs, compiles
         torch.cuda.synchronize()
         first = time.perf_counter() - first
         times = []
@@ -438,14 +447,14 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
         for _ in range(repeats):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            out = generate(policy, tokenizer, prompts, group, settings, device)
+            out = generate(policy, tokenizer, prompts, group, settings, device, sampler=backend)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         gap = sampler_vs_trainer(policy, out, rows=8)
         seconds = statistics.median(times)
         if profile:
             with new_profiler() as prof:
-                generate(policy, tokenizer, prompts, group, settings, device)
+                generate(policy, tokenizer, prompts, group, settings, device, sampler=backend)
                 torch.cuda.synchronize()
             write_profile(prof, f"{profile}.{name}.txt")
         result = {"case": name, "model": model, "quantization": "nf4", "lora": "r=16 alpha=32 all-linear",
@@ -455,12 +464,12 @@ def run_sampling_cases(cases: dict[str, dict[str, Any]], *, model: str, rows: in
                   "ms_per_decode_step": 1000 * seconds / new_tokens, "new_tok_s": rows * new_tokens / seconds,
                   "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                   "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-                  "decode_modes": sorted({p.mode for e in _decoders(policy) for p in e}),
+                  "decode_modes": sorted({p.mode for e in _decoders(backend, policy) for p in e}),
                   "stats": {k: float(v) for k, v in out.stats.items()}, **gap}
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()
                           if k not in ("seconds", "stats")}), flush=True)
         results.append(result)
-        release_rollout_workspaces()
+        backend.release()
         torch.cuda.empty_cache()
     four_bit_module.STREAM_CHUNK, four_bit_module.STREAM_KERNEL = default_chunk, default_kernel
     del policy
@@ -500,10 +509,8 @@ def run_before(source: str, model: str, *, rows: int, group: int, new_tokens: in
     return result
 
 
-def _decoders(policy) -> list[list]:
-    from scgrpo.rollout.engine import _DECODERS
-
-    entry = _DECODERS.get(policy) or {}
+def _decoders(backend, policy) -> list[list]:
+    entry = backend.decoders.get(policy) or {}
     decoder = entry.get("decoder")
     return [decoder._projections] if decoder is not None else []
 
@@ -582,8 +589,8 @@ def main() -> None:
                                                            gradient_checkpointing=True, **common)
         # the same step before the adapter terms of the bf16 layers were fused (peft's fp32 branch)
         cases["smollm2_scgrpo_peft_lora"] = dict(objective="scgrpo", fused_16bit=False, **common)
-        # the step's passes free to use cuDNN's attention (before policy.CUDNN_ATTENTION), and the self-teacher's
-        # student and teacher rows in passes of their own (selfteacher.SHARED_PASSES off)
+        # the step's passes free to use cuDNN's attention (PassOptions.cudnn_attention), and the self-teacher's
+        # student and teacher rows in passes of their own (PassOptions.shared_teacher_passes off)
         for objective in ("grpo", "scgrpo"):
             cases[f"smollm2_{objective}_cudnn_attention"] = dict(objective=objective, cudnn_attention=True, **common)
         cases["smollm2_scgrpo_separate_teacher_passes"] = dict(objective="scgrpo", shared_teacher_passes=False, **common)
@@ -657,7 +664,7 @@ def main() -> None:
         auto = dict(common, gradient_checkpointing=None, memory_fraction_gib=20.0, max_new=1024, min_new=1024)
         cases["qwen8b_scgrpo_1k_20gib_auto"] = dict(auto)
         cases["qwen8b_grpo_1k_20gib_auto"] = dict(auto, objective="grpo")
-        # ... the self-teacher's student and teacher rows in passes of their own (selfteacher.SHARED_PASSES off)
+        # ... the self-teacher's student and teacher rows in passes of their own (PassOptions.shared_teacher_passes off)
         cases["qwen8b_scgrpo_1k_20gib_auto_separate_teacher_passes"] = dict(auto, shared_teacher_passes=False)
         # ... the student's side by a forward pass in the teacher pass (generation.student_states "forward"), not
         # the sampler's kept states ("auto" at this length on a GPU)

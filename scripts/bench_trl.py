@@ -46,7 +46,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from scgrpo.data.sources import ArithmeticTask
+    from scgrpo.data.tasks import ArithmeticTask
     from scgrpo.models import load_tokenizer, resolve_model
     from scgrpo.verifiers import NumericVerifier
 

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from scgrpo.data.sources import TASKS, PromptSource
+from scgrpo.data.sources import PromptSource
+from scgrpo.data.tasks import TASKS
 from scgrpo.envs import Environment, EpisodeSettings
 from scgrpo.envs.runner import EpisodeRunner
 from scgrpo.policy import build_policy

@@ -29,7 +29,7 @@ from scgrpo.data import ReasoningGymTask  # noqa: E402
 from scgrpo.data.reasoning import DEFAULT_INSTRUCTION, EXTRACTIONS  # noqa: E402
 
 
-def calibrate(module: RLVRModule, task: str, config: dict, rows: int, samples: int, batch_rows: int = 16,
+def calibrate(policy, task: str, config: dict, rows: int, samples: int, batch_rows: int = 16,
               extraction: str = "tag", instruction: str = DEFAULT_INSTRUCTION) -> dict:
     """Pass@k, Avg@k and completion lengths of the base model on one candidate's first ``rows`` id rows."""
     source = ReasoningGymTask(task, config, num_train=1, num_eval=rows, extraction=extraction, instruction=instruction)
@@ -38,7 +38,7 @@ def calibrate(module: RLVRModule, task: str, config: dict, rows: int, samples: i
     items = source.rows("id")
     for b in range(0, len(items), batch_rows):
         chunk = items[b : b + batch_rows]
-        out = module.sample(module.format_prompts([r["question"] for r in chunk]), samples)
+        out = policy.sample(policy.format_prompts([r["question"] for r in chunk]), samples)
         for i, completion in enumerate(out.completions):
             scores.append(verifier.verify(completion, chunk[i // samples]["answer"]).score)
             if example is None and scores[-1] >= 1.0:
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
                         generation=GenerationSettings(num_generations=args.samples, max_new_tokens=args.max_new_tokens))
     module.configure_model()
     module.to(torch.device(args.device))
-    results = [calibrate(module, task, config, args.rows, args.samples, extraction=args.extraction,
+    results = [calibrate(module.actor, task, config, args.rows, args.samples, extraction=args.extraction,
                          instruction=args.instruction) for task, config in json.loads(args.candidates)]
     k = args.samples
     lines = [f"| task | settings | Pass@{k} | Avg@{k} | mean length | mean correct length | truncated | suits |",

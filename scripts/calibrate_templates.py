@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from calibrate_env import measure  # noqa: E402
 
-from scgrpo.data.sources import ToolCalcTask  # noqa: E402
+from scgrpo.data.tasks import ToolCalcTask  # noqa: E402
 from scgrpo.envs import CalculatorEnv, EpisodeSettings  # noqa: E402
 from scgrpo.envs.runner import EpisodeRunner  # noqa: E402
 from scgrpo.policy import build_policy  # noqa: E402

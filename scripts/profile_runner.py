@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 from bench_rollout import CASES, EOS, RandomAnswers, word_tokenizer  # noqa: E402
 
 from scgrpo.envs import EpisodeSettings  # noqa: E402
-from scgrpo.envs.runner import ChatTurns, EpisodeRunner, call_all  # noqa: E402
+from scgrpo.envs.runner import CallPool, ChatTurns, EpisodeRunner  # noqa: E402
 from scgrpo.rollout.engine import Generated  # noqa: E402
 
 
@@ -83,6 +83,9 @@ class InstantPolicy:
     @contextlib.contextmanager
     def eval_mode(self):
         yield
+
+    def one_model_state(self):
+        return contextlib.nullcontext()
 
     def sample_ids(self, prompt_ids, prompt_mask, greedy=False, temperature=None, reserve=None) -> Generated:
         turn = self.turns[self.calls % len(self.turns)]
@@ -139,10 +142,11 @@ def digest(out) -> str:
 def time_call_all(calls: int, max_workers: int) -> float:
     """Microseconds per instant call of ``call_all``, in batches of 64 calls (a turn's) on ``max_workers`` threads."""
     batch = [int] * 64
-    call_all(batch, 10.0, max_workers)  # the threads started
+    pool = CallPool()
+    pool.call_all(batch, 10.0, max_workers)  # the threads started
     start = time.perf_counter()
     for _ in range(calls // len(batch)):
-        call_all(batch, 10.0, max_workers)
+        pool.call_all(batch, 10.0, max_workers)
     return 1e6 * (time.perf_counter() - start) / (calls // len(batch) * len(batch))
 
 

@@ -28,7 +28,7 @@ def qlora_policy_and_prompts(model: str, rows: int, group: int, device: torch.de
     """The sampling cases' policy (nf4 base, LoRA r=16 whose B's are drawn from N(0, 0.01) under seed 1: adapters
     that change the outputs) in eval mode, its tokenizer (left padding) and ``rows / group`` arithmetic prompts;
     ``bench_step.run_sampling_cases`` uses it too."""
-    from scgrpo.data.sources import ArithmeticTask
+    from scgrpo.data.tasks import ArithmeticTask
     from scgrpo.models import LoraSettings, load_policy
 
     policy, tokenizer = load_policy(model, torch.bfloat16, LoraSettings(r=16, alpha=32), "nf4", device)

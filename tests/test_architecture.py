@@ -26,8 +26,8 @@ LAYERS = [
     {"data"},
     # 5: the step's parts: forward passes, the self-teacher, the update
     {"policy", "selfteacher", "update"},
-    # 6: the step's bookkeeping: the divergence guard and the step's metrics
-    {"guard", "step_log"},
+    # 6: the step's stages and bookkeeping: the rollout stage, the divergence guard and the step's metrics
+    {"stage", "guard", "step_log"},
     # 7: Lightning callbacks
     {"callbacks"},
     # 8: the LightningModule
@@ -168,3 +168,197 @@ def test_the_checks_see_an_upward_import_and_a_circle(tmp_path, monkeypatch):
     assert edges["scgrpo.rollout.b"] == {"scgrpo.rollout.a"} and edges["scgrpo.rollout.a"] == {"scgrpo.rollout.b"}
     assert circles(edges) == [["scgrpo.rollout.a", "scgrpo.rollout.b"]]
     assert layer_of(room("scgrpo.module")) > layer_of(room("scgrpo.errors"))
+
+
+# ------------------------------------------------------------------------------------------------------ sizes
+MAX_FILE_LINES = 600
+"""No file of the package is longer, but those in :data:`OVERSIZE`"""
+OVERSIZE = {
+    "scgrpo.verifiers.sandbox_harness": "the sandbox runs the file's text alone (python -c, in a new root where the "
+                                        "package is not importable): the judge, the worker and their codec are one file",
+}
+MAX_MODULE_LINES = 400
+"""``module.py``, the LightningModule's file"""
+MAX_CLASS_LINES = 350
+"""The ``RLVRModule`` class, from ``class`` to its last line"""
+MAX_METHOD_LINES = 40
+"""An ``RLVRModule`` method's body, from its first statement after the docstring to its last line (the signature,
+which lists the YAML options, and the docstring are not counted)"""
+
+
+def body_lines(function: ast.FunctionDef) -> int:
+    """Lines of ``function``'s body after its docstring."""
+    body = function.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return function.end_lineno - body[0].lineno + 1
+
+
+def file_lines(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return len(f.read().splitlines())
+
+
+def size_faults(mods: dict[str, str]) -> list[str]:
+    faults = [f"{name}: {file_lines(path)} lines (at most {MAX_FILE_LINES})" for name, path in sorted(mods.items())
+              if name not in OVERSIZE and file_lines(path) > MAX_FILE_LINES]
+    if "scgrpo.module" in mods:
+        path = mods["scgrpo.module"]
+        if file_lines(path) > MAX_MODULE_LINES:
+            faults.append(f"scgrpo.module: {file_lines(path)} lines (at most {MAX_MODULE_LINES})")
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == "RLVRModule":
+                if node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                    faults.append(f"RLVRModule: {node.end_lineno - node.lineno + 1} lines (at most {MAX_CLASS_LINES})")
+                faults += [f"RLVRModule.{f.name}: {body_lines(f)} lines (at most {MAX_METHOD_LINES})"
+                           for f in node.body if isinstance(f, ast.FunctionDef) and body_lines(f) > MAX_METHOD_LINES]
+    return faults
+
+
+def test_no_file_class_or_method_outgrows_its_limit():
+    assert size_faults(modules()) == []
+
+
+def test_the_files_over_the_limit_say_why():
+    mods = modules()
+    for name, why in OVERSIZE.items():
+        with open(mods[name], encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        assert "Why one file of this length" in doc, f"{name}'s docstring must say why it is one long file ({why})"
+
+
+# ------------------------------------------------------------------------------------------ module-level state
+CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray"}
+"""Calls that make a mutable container"""
+STATEFUL = {"Lock", "RLock", "Condition", "Event", "Semaphore", "Queue", "SimpleQueue", "ContextVar",
+            "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "local"}
+"""Calls that make an object whose whole point is state shared between callers"""
+MUTATORS = {"append", "extend", "insert", "add", "update", "pop", "popitem", "clear", "remove", "discard",
+            "setdefault", "put", "put_nowait", "get_nowait", "appendleft", "extendleft", "sort", "reverse"}
+NOT_IMPORTED = {"scgrpo.verifiers.sandbox_harness"}
+"""Modules the package never imports: the harness is a program of its own, run inside the sandbox (its globals are
+the sandboxed process's)"""
+
+
+def _call_name(node: ast.AST) -> str:
+    func = node.func if isinstance(node, ast.Call) else None
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+def _mutable(value: ast.AST) -> str:
+    """"state" for an object made to be shared state, "container" for a mutable container, else ""."""
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+        return "container"
+    name = _call_name(value)
+    return "state" if name in STATEFUL else "container" if name in CONTAINERS else ""
+
+
+def _bindings(body: list[ast.stmt]) -> list[tuple[str, ast.AST, int]]:
+    found = []
+    for node in body:
+        if isinstance(node, ast.Assign):
+            found += [(t.id, node.value, node.lineno) for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and node.value is not None and isinstance(node.target, ast.Name):
+            found.append((node.target.id, node.value, node.lineno))
+    return found
+
+
+def _is_constant_name(name: str) -> bool:
+    return name.strip("_").isupper() or name == "__all__"
+
+
+def state_faults(mods: dict[str, str]) -> list[str]:
+    """Module-level and class-level mutable state anywhere in the package: a ``global`` statement; a name bound at
+    module or class level to a lock, queue, context variable or weak mapping; a container bound there to a name that
+    is not a constant's (UPPER_CASE); a constant container mutated (subscript assigned or deleted, a mutating method
+    called on it) anywhere in the package; a module attribute of the package assigned from another module, or a class
+    attribute assigned through its class (state every instance shares). A memo of
+    a function of its arguments (``functools.cache``) is not state: it never changes what the function returns."""
+    trees = {}
+    for name, path in mods.items():
+        if name not in NOT_IMPORTED:
+            with open(path, encoding="utf-8") as f:
+                trees[name] = ast.parse(f.read(), path)
+    faults, constants = [], set()
+    for name, tree in trees.items():
+        scopes = [("", tree.body)] + [(f"{n.name}.", n.body) for n in tree.body if isinstance(n, ast.ClassDef)]
+        for prefix, body in scopes:
+            for target, value, line in _bindings(body):
+                kind = _mutable(value)
+                if kind == "state":
+                    faults.append(f"{name}:{line}: {prefix}{target} is shared state ({_call_name(value)})")
+                elif kind == "container" and not _is_constant_name(target):
+                    faults.append(f"{name}:{line}: {prefix}{target} is a mutable {type(value).__name__.lower()} "
+                                  "at module or class level")
+                elif kind == "container":
+                    constants.add(target)
+        modules_imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                            for a in n.names if a.name.startswith("scgrpo")}
+        modules_imported |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                             and (n.module or "").startswith("scgrpo") for a in n.names
+                             if f"{n.module}.{a.name}" in mods}
+        classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                faults.append(f"{name}:{node.lineno}: global {', '.join(node.names)}")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                        and target.value.id in modules_imported | classes:
+                    faults.append(f"{name}:{node.lineno}: assigns {target.value.id}.{target.attr}")
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            subject = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for target in node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]:
+                    if isinstance(target, ast.Subscript):
+                        subject = target.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                subject = node.func.value
+            label = subject.id if isinstance(subject, ast.Name) else subject.attr if isinstance(
+                subject, ast.Attribute) else None
+            if label in constants:
+                faults.append(f"{name}:{node.lineno}: mutates the constant {label}")
+    return faults
+
+
+def test_no_module_level_mutable_state():
+    assert state_faults(modules()) == []
+
+
+def test_the_state_check_sees_each_kind(tmp_path, monkeypatch):
+    """The reading itself, on a planted package: a module-level cache, a lock, a class-level list, a constant table
+    written to, a switch flipped from another module, a class attribute set through its class and a ``global`` are
+    each found; a constant table only read and a memo are not."""
+    package = tmp_path / "scgrpo"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text(
+        "import functools\nimport threading\n\n_cache = {}\n_lock = threading.Lock()\nTABLE = {'x': 1}\nREAD = (1, 2)\n"
+        "SWITCH = True\n\n\nclass C:\n    seen = []\n    NAMES = {'a'}\n\n\ndef f(k):\n    global SWITCH\n"
+        "    TABLE[k] = 2\n    C.warned = True\n    return READ[0]\n\n\n@functools.cache\ndef memo(k):\n    return k\n")
+    (package / "b.py").write_text("from scgrpo import a\n\n\ndef g():\n    a.SWITCH = False\n    return a.C.NAMES\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["SRC"]), "SRC", str(tmp_path))
+    faults = state_faults(modules())
+    expected = ["scgrpo.a:4: _cache", "scgrpo.a:5: _lock is shared state", "scgrpo.a:12: C.seen",
+                "scgrpo.a:18: mutates the constant TABLE", "scgrpo.b:5: assigns a.SWITCH", "scgrpo.a:17: global SWITCH",
+                "scgrpo.a:19: assigns C.warned"]
+    assert len(faults) == len(expected), faults
+    for want in expected:
+        assert any(f.startswith(want) for f in faults), (want, faults)
+
+
+def test_the_size_check_counts_a_method_past_its_docstring(tmp_path, monkeypatch):
+    package = tmp_path / "scgrpo"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_METHOD_LINES + 1))
+    (package / "module.py").write_text(f'class RLVRModule:\n    def step(self):\n        """Doc."""\n{body}\n\n'
+                                       f'    def short(self):\n        """Doc.\n\n        More."""\n        return 1\n')
+    monkeypatch.setattr(__import__(__name__, fromlist=["SRC"]), "SRC", str(tmp_path))
+    assert size_faults(modules()) == [f"RLVRModule.step: {MAX_METHOD_LINES + 1} lines (at most {MAX_METHOD_LINES})"]

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from scgrpo.policy import PassOptions
 from scgrpo.objectives import GRPO, SCGRPO
 from scgrpo.budget import GIB, MIN_MARGIN, TENSOR_SHARE, MemoryBudget, pack, row_extents, shape_costs
 from scgrpo.update import StepSums
@@ -174,6 +175,7 @@ def test_budgeted_update_micro_batches_give_the_unbudgeted_loss_and_gradient(for
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=GRPO(aggregation="seq-mean-token-mean"))
     module.configure_model()
+    module.actor.passes = PassOptions(packing=forced)
     module.manual_backward = lambda loss: loss.backward()
     rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], QUESTIONS)
     params = [p for p in module.policy.parameters() if p.requires_grad]
@@ -259,9 +261,7 @@ def _packings(monkeypatch, forced: bool) -> list:
     if forced:
         monkeypatch.setattr(packing, "PACK_WIDTH", 8)
         monkeypatch.setattr(packing, "PACK_GAIN", 2.0)
-    else:
-        monkeypatch.setattr(packing, "ENABLED", False)
-    return plans
+    return plans  # (not forced: the callers' policies run with PassOptions(packing=False))
 
 
 @pytest.mark.parametrize("forced", [False, True])
@@ -270,6 +270,7 @@ def test_budgeted_teacher_and_scoring_passes_give_the_unbudgeted_values(forced, 
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=SCGRPO())
     module.configure_model()
+    module.actor.passes = PassOptions(packing=forced)
     rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], QUESTIONS)  # a partial and a solve-none group
     whole = module.run_self_teacher(rollouts).divergence
     module.actor.score(rollouts, old=True, reference=True)
@@ -333,7 +334,7 @@ def test_micro_batch_size_caps_the_rows_of_every_budgeted_pass(tiny_model_dir, b
     budget = budgeted(module, total=1e12, bytes_per_token=1.0)
     budget.begin_step()
     signal = module.run_self_teacher(rollouts)
-    module.score_rollouts(rollouts)  # (GRPO defaults: nothing to score) ...
+    module.actor.score(rollouts, module.objective.needs.old_logprobs, module.objective.needs.ref_logprobs)  # (GRPO defaults: nothing to score) ...
     module.actor.score(rollouts, old=True, reference=False, micro_batch_size=3)  # ... so the pass is run by hand
     plan = module.policy_update().plan(rollouts, signal)
     teacher_rows = int(signal.has_teacher.sum())
@@ -343,20 +344,18 @@ def test_micro_batch_size_caps_the_rows_of_every_budgeted_pass(tiny_model_dir, b
 
 
 def test_a_pass_measured_inside_a_phase_does_not_hide_the_phases_peak(monkeypatch):
-    """measure() resets the allocator's peak for its pass; the phase's peak (phase_peak_bytes) still holds what the
+    """measure() resets the allocator's peak for its pass; the phase's peak (PeakTracker.phase_peak) still holds what the
     phase reached before it."""
-    from scgrpo.budget import phase_peak_bytes
-
     card = FakeCard(monkeypatch, allocated=1 * GIB)
     budget = _budget(10.0)
     device = torch.device("cuda", 0)
-    phase_peak_bytes(device)  # a new phase
+    budget.peaks.phase_peak(device)  # a new phase
     card.use(5 * GIB)  # the phase's peak so far: 6 GiB
     with budget.measure("forward", tokens=1000):
         card.use(2 * GIB)  # the pass's own: 3 GiB
-    assert phase_peak_bytes(device) == 6 * GIB
+    assert budget.peaks.phase_peak(device) == 6 * GIB
     card.use(1 * GIB)
-    assert phase_peak_bytes(device) == 2 * GIB  # (the next phase starts afresh)
+    assert budget.peaks.phase_peak(device) == 2 * GIB  # (the next phase starts afresh)
 
 
 def test_metrics_and_the_log_line_name_the_budget_the_costs_and_the_choices(monkeypatch, caplog):
@@ -468,12 +467,12 @@ def _out_of_memory_over(monkeypatch, policy, limit: int) -> list[int]:
 @pytest.mark.parametrize("shared", [True, False])
 def test_teacher_and_scoring_passes_that_run_out_of_memory_give_the_values_of_passes_that_fit(
         shared, tiny_model_dir, budgeted, monkeypatch):
-    from scgrpo import selfteacher
+    from scgrpo.policy import PassOptions
 
-    monkeypatch.setattr(selfteacher, "SHARED_PASSES", shared)
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=SCGRPO())
     module.configure_model()
+    module.actor.passes = PassOptions(shared_teacher_passes=shared)
     rollouts = _sampled(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], QUESTIONS)
     whole = module.run_self_teacher(rollouts).divergence
     module.actor.score(rollouts, old=True, reference=False)

@@ -158,14 +158,14 @@ def test_ctrl_c_inside_a_step_saves_no_half_step(tiny_model_dir, tmp_path, monke
     from scgrpo.callbacks import StepCheckpoint
     from scgrpo.module import RLVRModule
 
-    logged = RLVRModule._log_step
+    logged = RLVRModule.log_step
 
     def interrupted(self, *args, **kwargs):
         if self.trainer.global_step == 2:  # step 2's update is done, its bookkeeping not
             raise KeyboardInterrupt
         return logged(self, *args, **kwargs)
 
-    monkeypatch.setattr(RLVRModule, "_log_step", interrupted)
+    monkeypatch.setattr(RLVRModule, "log_step", interrupted)
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir)
     folder = tmp_path / "ckpt"

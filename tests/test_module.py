@@ -48,7 +48,7 @@ def test_full_finetuning_changes_base_weights(tiny_model_dir, tmp_path):
 
 
 def _rollouts(module, rewards):
-    prompts = module.format_prompts(["What is 1 + 1?", "What is 2 + 3?"])
+    prompts = module.actor.format_prompts(["What is 1 + 1?", "What is 2 + 3?"])
     g = generate(module.policy, module.tokenizer, prompts, 4, GenerationSettings(max_new_tokens=6), module.device)
     n = g.completion_ids.shape[0]
     return RolloutBatch(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.truncated, 4,
@@ -178,7 +178,7 @@ def test_reference_logprobs_come_from_the_base_model(tiny_model_dir):
     module = tiny_module(tiny_model_dir, objective=GRPO(beta=0.1, num_iterations=2))
     module.configure_model()
     rollouts = _rollouts(module, [1.0, 0.0] * 4)
-    module.score_rollouts(rollouts)
+    module.actor.score(rollouts, module.objective.needs.old_logprobs, module.objective.needs.ref_logprobs)
     c = rollouts.completion_ids.shape[1]
     with torch.no_grad():
         with module.policy.disable_adapter():
@@ -296,7 +296,7 @@ def test_absurd_learning_rate_stops_the_run_and_keeps_a_finite_adapter(objective
     checkpoints = StepCheckpoint(every_n_train_steps=1, dirpath=tmp_path / "ckpt")
     trainer = tiny_trainer(tmp_path, max_steps=20, enable_checkpointing=True, callbacks=[checkpoints])
     trainer.fit(module, datamodule=tiny_data())
-    assert trainer.global_step == 4 and module.diverged  # one update, then three skipped steps
+    assert trainer.global_step == 4 and module.guard.diverged  # one update, then three skipped steps
     assert not os.path.exists(tmp_path / "ckpt" / "last.ckpt")  # the only candidate, after step 1, gives NaN
     assert caplog.text.count("training diverged") == 1 and "sampling log-probs" in caplog.text
     skips = [float(r["train/nonfinite_skips"]) for r in _metrics(trainer) if r.get("train/nonfinite_skips")]
@@ -305,4 +305,4 @@ def test_absurd_learning_rate_stops_the_run_and_keeps_a_finite_adapter(objective
     assert set(saved) == set(before)
     for name, value in saved.items():
         assert torch.equal(value, before[name]), name
-    assert module.policy_is_finite()  # and its log-probs on a probe are finite
+    assert module.actor.is_finite()  # and its log-probs on a probe are finite

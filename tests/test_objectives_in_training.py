@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from scgrpo.callbacks.rollout import DynamicSamplingCallback, concat_rollouts, mixed_groups
+from scgrpo.rollout.types import RolloutStats
+from scgrpo.stage import DynamicSampling, RolloutStage, concat_rollouts, mixed_groups
 from scgrpo.objectives import DAPO, GRPO, OPSD, SCGRPO, HighEntropyGRPO, REINFORCEPlusPlus, SelfDistillation
 from scgrpo.objectives.dapo import overlong_penalty
 from scgrpo.rollout.engine import GenerationSettings, generate
@@ -16,7 +17,7 @@ from tests.helpers import load_script, tiny_data, tiny_module, tiny_trainer
 
 
 def _rollouts(module, rewards, group_size=4):
-    prompts = module.format_prompts(["What is 1 + 1?", "What is 2 + 3?"])
+    prompts = module.actor.format_prompts(["What is 1 + 1?", "What is 2 + 3?"])
     g = generate(module.policy, module.tokenizer, prompts, group_size, GenerationSettings(max_new_tokens=6), module.device)
     return RolloutBatch(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.truncated, group_size,
                         ["a"] * 4 + ["b"] * 4, ["What is 1 + 1?"] * 4 + ["What is 2 + 3?"] * 4, [2] * 4 + [5] * 4,
@@ -95,12 +96,12 @@ def test_one_step_equals_the_hand_written_weighted_surrogate(tiny_model_dir):
 
 
 def test_batch_scope_c_does_not_change_with_micro_batch_size(tiny_model_dir, monkeypatch):
-    from scgrpo import packing
+    from scgrpo.policy import PassOptions
 
-    monkeypatch.setattr(packing, "ENABLED", False)  # (packed rows differ with the micro-batches, and so does rounding)
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=SCGRPO())
     module.configure_model()
+    module.actor.passes = PassOptions(packing=False)  # (packed rows differ with the micro-batches, and so rounding)
     rollouts = _rollouts(module, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     whole_loss, whole, _ = _gradients(module, rollouts)
     module.micro_batch_size = 3
@@ -184,34 +185,32 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_stops_at_its_cap(tiny_mode
     torch.manual_seed(0)
     module = tiny_module(tiny_model_dir, objective=DAPO(max_sampling_rounds=2))
     module.configure_model()
-    module.verifier_runner = None
-    batch = PromptBatch(ids=["a", "b"], questions=["q"] * 2, answers=[0, 0])
-    batch.rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # group b is uniform
-    batch.rollouts.stats["rollout/sampled"] = 8.0
+    stage = RolloutStage(module.actor, 4, None, dynamic_sampling=DynamicSampling(max_rounds=2))
+    rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # group b is uniform
+    rollouts.stats = RolloutStats(sampled=8.0)
     calls = []
 
-    def fake_verify(pl_module, rollouts):  # extra groups are always uniform: the loop must stop at its cap
+    def fake_score(rollouts):  # extra groups are always uniform: the loop must stop at its cap
         calls.append(1)
         rollouts.rewards = torch.ones(len(rollouts.completions))
 
-    monkeypatch.setattr("scgrpo.callbacks.rollout.verify_rollouts", fake_verify)
-    trainer = type("T", (), {"datamodule": _ScriptedData()})()
-    DynamicSamplingCallback().on_train_batch_start(trainer, module, batch, 0)
-    assert batch.rollouts.num_groups == 1 and batch.rollouts.sample_ids == ["a"] * 4
-    assert batch.rollouts.stats["dapo/extra_rounds"] == 2 and len(calls) == 2
-    assert batch.rollouts.stats["rollout/sampled"] == 8 + 2 * 4  # every drawn rollout counts, kept or dropped
+    monkeypatch.setattr(stage, "score", fake_score)
+    kept = stage.resample_equal_groups(rollouts, _ScriptedData().extra_batch)
+    assert kept.num_groups == 1 and kept.sample_ids == ["a"] * 4
+    assert kept.stats.extra_rounds == 2 and len(calls) == 2
+    assert kept.stats.sampled == 8 + 2 * 4  # every drawn rollout counts, kept or dropped
 
-    batch.rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    batch.rollouts.stats["rollout/sampled"] = 8.0
+    rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    rollouts.stats = RolloutStats(sampled=8.0)
 
-    def mixed_verify(pl_module, rollouts):
+    def mixed_score(rollouts):
         rollouts.rewards = torch.tensor([float(i % 2) for i in range(len(rollouts.completions))])
 
-    monkeypatch.setattr("scgrpo.callbacks.rollout.verify_rollouts", mixed_verify)
-    DynamicSamplingCallback().on_train_batch_start(trainer, module, batch, 0)
-    assert batch.rollouts.num_groups == 2 and batch.rollouts.stats["dapo/extra_rounds"] == 1
-    assert batch.rollouts.stats["rollout/sampled"] == 12
-    assert len(mixed_groups(batch.rollouts)) == 8  # every kept group has mixed rewards
+    monkeypatch.setattr(stage, "score", mixed_score)
+    kept = stage.resample_equal_groups(rollouts, _ScriptedData().extra_batch)
+    assert kept.num_groups == 2 and kept.stats.extra_rounds == 1 and kept.stats.kept_groups == 2
+    assert kept.stats.sampled == 12
+    assert len(mixed_groups(kept)) == 8  # every kept group has mixed rewards
 
 
 def test_concat_rollouts_repads_prompts_left_and_completions_right(tiny_model_dir):
@@ -257,7 +256,7 @@ def _check_token_log(log_dir, module):
     steps = sorted({line["step"] for line in lines})
     assert len(steps) == 3 and len(lines) == 3 * 16  # 4 prompts x G = 4, every step
     last = [line for line in lines if line["step"] == steps[-1]]
-    weights = module.last_credit["credit"].token_weights
+    weights = module.last_plan.credit.token_weights
     for line in last:
         n = len(line["tokens"])
         assert line["f"] == [round(w, 4) for w in weights[line["row"]][:n].tolist()]
@@ -281,7 +280,7 @@ def test_reinforce_pp_step_equals_the_hand_written_kl_shaped_return(tiny_model_d
             if "lora_B" in name:
                 p.normal_(0.0, 0.05)
     rollouts = _rollouts(module, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
-    module.score_rollouts(rollouts)
+    module.actor.score(rollouts, module.objective.needs.old_logprobs, module.objective.needs.ref_logprobs)
     assert rollouts.ref_logprobs is not None and rollouts.old_logprobs is not None
     loss, grads, plan = _gradients(module, rollouts)
     mask = rollouts.completion_mask

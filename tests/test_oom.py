@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import scgrpo.callbacks.rollout as rollout
+from scgrpo.policy import Policy
+from scgrpo.stage import RolloutStage
 from scgrpo.cli import main
 from scgrpo.errors import GPUOutOfMemory
 from scgrpo.evaluation import Evaluation
@@ -147,13 +148,21 @@ def _fail_in(phase: str, patch, after: int = FAILING_STEP) -> None:
         if global_step == after:
             raise torch.OutOfMemoryError(FAILED)
 
-    # the phases entered through a call of (module, batch or rollouts): that call fails first
-    entries = {"rollout": (rollout, "sample_rollouts"), "scoring": (RLVRModule, "score_rollouts"),
-               "teacher": (RLVRModule, "run_self_teacher")}
+    # the phases entered through a call made once a step: that call fails first (rollout, scoring: counted calls)
+    entries = {"rollout": (RolloutStage, "sample"), "scoring": (Policy, "score")}
     if phase in entries:
         owner, name = entries[phase]
-        original = getattr(owner, name)
-        patch.setattr(owner, name, lambda module, data: fails(module.global_step) or original(module, data))
+        original, calls = getattr(owner, name), []
+
+        def counted(self, *args, **kwargs):
+            calls.append(1)
+            fails(len(calls) - 1)
+            return original(self, *args, **kwargs)
+
+        patch.setattr(owner, name, counted)
+    elif phase == "teacher":
+        original = RLVRModule.run_self_teacher
+        patch.setattr(RLVRModule, "run_self_teacher", lambda module, data: fails(module.global_step) or original(module, data))
     elif phase == "update":
         accumulate = PolicyUpdate.accumulate
 
@@ -166,9 +175,14 @@ def _fail_in(phase: str, patch, after: int = FAILING_STEP) -> None:
 
         patch.setattr(PolicyUpdate, "accumulate", after_backward)
     else:
-        add = Evaluation.add
-        patch.setattr(Evaluation, "add",
-                      lambda self, batch, module, *args: fails(module.global_step) or add(self, batch, module, *args))
+        add, validation_step, now = Evaluation.add, RLVRModule.validation_step, {}
+
+        def validating(module, *args, **kwargs):  # (the evaluation is handed the policy: the step from here)
+            now["step"] = module.global_step
+            return validation_step(module, *args, **kwargs)
+
+        patch.setattr(RLVRModule, "validation_step", validating)
+        patch.setattr(Evaluation, "add", lambda self, batch, *args: fails(now["step"]) or add(self, batch, *args))
 
 
 SMALLER_ROLLOUT = "set model.memory_budget_gib below the card's free memory or lower model.generation.max_slots"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scgrpo.policy import PassOptions
 from scgrpo.packing import packed_inputs, plan_packing, unpack_columns
 from tests.helpers import tiny_module
 
@@ -239,5 +240,5 @@ def test_the_policys_packed_pass_shares_a_groups_prompt_and_packs_on_a_cpu(tiny_
         monkeypatch.setattr(packing, "SHARED_PREFIXES", False)
         policy.completion_hidden(ids, mask, 7, packed=True)
     assert plans[0].shared_tokens == 5 + 3 and plans[1].shared_tokens == 0
-    monkeypatch.setattr(packing, "ENABLED", False)
+    policy.passes = PassOptions(packing=False)
     assert not policy.packs

@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch import Callback, seed_everything
 from safetensors.torch import load_file
 
-import scgrpo.callbacks.rollout as rollout
+from scgrpo.callbacks.validation import EvaluationLogging
+from scgrpo.stage import RolloutStage
 from scgrpo.callbacks import ReleaseHeldInterrupt, StepCheckpoint
 from scgrpo.callbacks.interrupt import HeldInterrupt
 from scgrpo.module import RLVRModule
@@ -96,15 +97,16 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
     with monkeypatch.context() as patch, pytest.raises(SystemExit):  # Lightning's exit after a KeyboardInterrupt
         stop = []
         if where.startswith("rollout"):
-            sample = rollout.sample_rollouts
+            sample, calls = RolloutStage.sample, []
 
-            def stopped_in_rollout(pl_module, batch):
-                rollouts = sample(pl_module, batch)  # (what it drew from the RNG is drawn)
-                if pl_module.global_step == stopped_at:
+            def stopped_in_rollout(stage, batch):
+                rollouts = sample(stage, batch)  # (what it drew from the RNG is drawn)
+                calls.append(1)
+                if len(calls) == stopped_at + 1:  # (one rollout a step: the step after stopped_at whole ones)
                     raise KeyboardInterrupt
                 return rollouts
 
-            patch.setattr(rollout, "sample_rollouts", stopped_in_rollout)
+            patch.setattr(RolloutStage, "sample", stopped_in_rollout)
         elif where.startswith("end"):
             end = RLVRModule.on_train_batch_end
 
@@ -115,14 +117,14 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
 
             patch.setattr(RLVRModule, "on_train_batch_end", signalled_at_end)
         elif where.startswith("logging"):
-            validation_end = RLVRModule.on_validation_epoch_end
+            validation_end = EvaluationLogging.on_validation_epoch_end
 
-            def signalled_before_logging(self):
-                if self.global_step == stopped_at:
+            def signalled_before_logging(self, trainer, pl_module):
+                if pl_module.global_step == stopped_at:
                     os.kill(os.getpid(), signal.SIGINT)
-                validation_end(self)
+                validation_end(self, trainer, pl_module)
 
-            patch.setattr(RLVRModule, "on_validation_epoch_end", signalled_before_logging)
+            patch.setattr(EvaluationLogging, "on_validation_epoch_end", signalled_before_logging)
         elif where.startswith("checkpoint"):
             save = StepCheckpoint._save_last_checkpoint
 

@@ -115,7 +115,7 @@ def test_group_routes():
 def _sampled(module, rewards, questions, g=4):
     """Rollouts sampled from the tiny model: left-padded prompts of different lengths, EOS at different places."""
     torch.manual_seed(0)
-    prompts = module.format_prompts(questions)
+    prompts = module.actor.format_prompts(questions)
     out = generate(module.policy, module.tokenizer, prompts, g, GenerationSettings(max_new_tokens=10), module.device)
     n = len(questions) * g
     ids, mask = out.completion_ids.clone(), out.completion_mask.clone()
@@ -139,7 +139,7 @@ def _independent_divergence(module, rollouts, row, reference, system_text):
     teacher_prompt = tok.apply_chat_template(
         [{"role": "system", "content": f"{system_text}\n\n{block}" if system_text else block},
          {"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
-    student_prompt = module.format_prompts([question])[0]
+    student_prompt = module.actor.format_prompts([question])[0]
 
     def logprobs(prompt):
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
@@ -379,18 +379,17 @@ def test_the_samplers_kept_states_give_the_forwards_divergences_without_a_studen
     """``generation.student_states: rollout``: the rollouts carry the sampler's final states, the teacher pass runs
     the teacher's rows alone (no student forward) and D equals the forward's (fp32 on a CPU: to rounding); the
     states are dropped once read. States one column off give other divergences."""
-    from scgrpo.callbacks.rollout import sample_rollouts
     from scgrpo.rollout.types import PromptBatch
 
     module = tiny_module(tiny_model_dir, objective=SCGRPO(),
                          generation=GenerationSettings(num_generations=4, max_new_tokens=10, student_states="rollout"))
-    module.configure_model()
+    module.setup("fit")
     with torch.no_grad():  # sharper distributions (see the test above)
         module.policy.get_base_model().model.norm.weight.mul_(8.0)
-    assert module.rollout_states
+    assert module.rollout_stage.states
     questions = ["What is 1 + 1?", "What is 23 + 4 and then what is 5 times 6 exactly?"]
     torch.manual_seed(0)
-    rollouts = sample_rollouts(module, PromptBatch(ids=["q0", "q1"], questions=questions, answers=[2, 27]))
+    rollouts = module.rollout_stage.sample(PromptBatch(ids=["q0", "q1"], questions=questions, answers=[2, 27]))
     assert rollouts.student_states is not None and rollouts.student_states.device.type == "cpu"
     assert rollouts.student_states.shape == (*rollouts.completion_ids.shape, module.policy.config.hidden_size)
     rollouts.rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # partial-solve and solve-none
@@ -399,7 +398,8 @@ def test_the_samplers_kept_states_give_the_forwards_divergences_without_a_studen
     span_hidden = module.actor.span_hidden
     module.actor.span_hidden = lambda *args, **kwargs: (student_passes.append(1), span_hidden(*args, **kwargs))[1]
     kept = module.run_self_teacher(rollouts)
-    assert not student_passes and rollouts.student_states is None
+    assert not student_passes and rollouts.student_states is states  # (read, not dropped: the step drops them)
+    rollouts.student_states = None
     forward = module.run_self_teacher(rollouts)  # (no states now: the student's forward pass)
     assert student_passes
     assert kept.has_teacher.sum() == 7 and forward.divergence.abs().sum() > 1.0
@@ -412,23 +412,22 @@ def test_kept_states_past_a_rows_end_are_never_read(tiny_model_dir, monkeypatch)
     """The sampler leaves the states past each row's end unwritten (uninitialised host memory): here they hold NaN,
     rows end early (a token they drew made an end-of-sequence), and D is still finite and the forward's."""
     import scgrpo.rollout.slots as slots_module
-    from scgrpo.callbacks.rollout import sample_rollouts
     from scgrpo.rollout.types import PromptBatch
 
     monkeypatch.setattr(slots_module, "host_states", lambda rows, columns, hidden, dtype: torch.full(
         (rows, columns, hidden), float("nan"), dtype=dtype))
     module = tiny_module(tiny_model_dir, objective=SCGRPO(),
                          generation=GenerationSettings(num_generations=4, max_new_tokens=10, student_states="rollout"))
-    module.configure_model()
+    module.setup("fit")
     with torch.no_grad():  # sharper distributions (see the tests above)
         module.policy.get_base_model().model.norm.weight.mul_(8.0)
     batch = PromptBatch(ids=["q0", "q1"], questions=["What is 1 + 1?", "What is 23 + 4?"], answers=[2, 27])
     torch.manual_seed(0)
-    free = sample_rollouts(module, batch).completion_ids
+    free = module.rollout_stage.sample(batch).completion_ids
     config = module.policy.get_base_model().generation_config
     config.eos_token_id = sorted({int(free[i, 2 + i % 5]) for i in range(0, 8, 2)})  # rows end at different steps
     torch.manual_seed(0)
-    rollouts = sample_rollouts(module, batch)
+    rollouts = module.rollout_stage.sample(batch)
     mask = rollouts.completion_mask.bool()
     assert len(set(mask.sum(1).tolist())) > 2  # rows of several lengths
     assert rollouts.student_states[~mask].isnan().all() and not rollouts.student_states[mask].isnan().any()
@@ -438,7 +437,8 @@ def test_kept_states_past_a_rows_end_are_never_read(tiny_model_dir, monkeypatch)
     module.actor.span_hidden = lambda *args, **kwargs: (student_passes.append(1), span_hidden(*args, **kwargs))[1]
     kept = module.run_self_teacher(rollouts)
     assert not student_passes  # (the sampler's states, no student forward)
-    forward = module.run_self_teacher(rollouts)  # (the states were dropped: the student's forward pass)
+    rollouts.student_states = None  # (as the step drops them)
+    forward = module.run_self_teacher(rollouts)  # (the student's forward pass)
     assert student_passes and forward.divergence[mask].abs().sum() > 1.0
     assert kept.divergence.isfinite().all() and (kept.divergence[~mask] == 0).all()
     torch.testing.assert_close(kept.divergence, forward.divergence, atol=2e-5, rtol=1e-4)
@@ -448,20 +448,17 @@ def test_rollout_states_are_asked_for_where_they_serve(tiny_model_dir):
     """"auto" keeps the sampler's states on a GPU only (a CPU run keeps the forward's numerics); objectives
     without divergences, and episodes, never ask."""
     from scgrpo.objectives import GRPO
+    from scgrpo.selfteacher import keeps_sampler_states
 
-    def wants(objective, mode):
-        module = tiny_module(tiny_model_dir, objective=objective,
-                             generation=GenerationSettings(num_generations=4, student_states=mode))
-        return module.rollout_states
+    def wants(objective, mode, device=torch.device("cpu"), episodes=False, max_new_tokens=16):
+        generation = GenerationSettings(num_generations=4, student_states=mode, max_new_tokens=max_new_tokens)
+        return keeps_sampler_states(objective.teacher, generation, device, episodes)
 
     assert not wants(SCGRPO(), "auto") and wants(SCGRPO(), "rollout") and not wants(SCGRPO(), "forward")
-    assert not wants(GRPO(), "rollout")
+    assert not wants(GRPO(), "rollout") and not wants(SCGRPO(), "rollout", episodes=True)
 
-    def on_a_gpu(max_new_tokens, teacher="policy"):  # (only the device the module reports is a GPU's)
-        module = tiny_module(tiny_model_dir, objective=SCGRPO(teacher=teacher), generation=GenerationSettings(
-            num_generations=4, max_new_tokens=max_new_tokens))
-        module._device = torch.device("cuda", 0)
-        return module.rollout_states
+    def on_a_gpu(max_new_tokens, teacher="policy"):  # (only the device is a GPU's)
+        return wants(SCGRPO(teacher=teacher), "auto", torch.device("cuda", 0), max_new_tokens=max_new_tokens)
 
     # the student's forward a pass of its own (long rows; a base teacher), or riding in the teacher's forward
     assert on_a_gpu(1024) and on_a_gpu(128, teacher="base") and not on_a_gpu(128)
@@ -470,7 +467,7 @@ def test_rollout_states_are_asked_for_where_they_serve(tiny_model_dir):
 def test_dynamic_sampling_rounds_and_selected_rows_keep_their_states():
     """DAPO's rounds are concatenated (completions right-padded: the states too) and filtered rows keep theirs; a
     round without states (another engine) leaves the whole batch without, so the student's forward runs."""
-    from scgrpo.callbacks.rollout import concat_rollouts
+    from scgrpo.stage import concat_rollouts
 
     first, second = _rollouts([1.0, 0.0], [[5, 6], [7]], group_size=2), _rollouts([0.0, 1.0], [[8, 9, 10], [11]], group_size=2)
     first.student_states = torch.randn(2, first.completion_ids.shape[1], 4)

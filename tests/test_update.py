@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scgrpo.objectives import GRPO, Credit, HighEntropyGRPO, LossOutput
+from scgrpo.objectives import GRPO, Credit, HighEntropyGRPO, LossOutput, Needs
 from scgrpo.objectives.base import LossStats
-from scgrpo.policy import Policy
+from scgrpo.policy import PassOptions, Policy
 from scgrpo.rollout.engine import GenerationSettings
 from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 from scgrpo.update import NONFINITE, LossNorms, MismatchMeter, PolicyUpdate, StepPlan, StepSums, check_tis_cap, sampler_correction
@@ -110,7 +110,7 @@ def test_the_policys_device_follows_its_weights():
 class _Recording:
     """A stand-in objective: records what the update hands it and answers with values set by the test."""
 
-    needs_batch_entropy = False
+    needs = Needs()
 
     def __init__(self, advantages, in_loss=None, shaped=None):
         self.advantages, self.in_loss, self.shaped, self.calls = advantages, in_loss, shaped, {}
@@ -119,8 +119,9 @@ class _Recording:
         self.calls["shape"] = (rewards.clone(), lengths.clone(), max_len)
         return rewards if self.shaped is None else self.shaped
 
-    def credit(self, rewards, mask, group_size, signal, micro_batch_size):
-        self.calls["credit"] = (rewards.clone(), mask.clone(), group_size, signal, micro_batch_size)
+    def credit(self, inputs):
+        self.calls["credit"] = (inputs.rewards.clone(), inputs.mask.clone(), inputs.group_size, inputs.signal,
+                                inputs.micro_batch_size, inputs.old_logprobs)
         return Credit(advantages=self.advantages)
 
     def rows_in_loss(self, credit, signal):
@@ -152,9 +153,10 @@ def test_plan_hands_the_objective_the_lengths_the_budget_and_the_shaped_rewards(
     plan = update.plan(rollouts, signal)
     rewards, lengths, max_len = objective.calls["shape"]
     assert torch.equal(rewards, torch.tensor([1.0, 0.0, 0.5])) and lengths.tolist() == [2.0, 2.0, 3.0] and max_len == 3
-    rewards, mask, group_size, seen, micro = objective.calls["credit"]
+    rewards, mask, group_size, seen, micro, scored = objective.calls["credit"]
     assert torch.equal(rewards, torch.tensor([0.9, 0.1, 0.4])) and torch.equal(mask, rollouts.completion_mask)
     assert group_size == 3 and seen is signal and micro == 1 and objective.calls["rows_in_loss"][1] is signal
+    assert scored is None  # (no scored credit declared: the scoring pass's log-probs are not handed over)
     assert torch.equal(plan.rewards, torch.tensor([0.9, 0.1, 0.4])) and plan.signal is signal
     assert plan.rows.tolist() == [1, 2] and [c.tolist() for c in plan.chunks] == [[1], [2]] and plan.num_chunks == 2
     assert (plan.norms.num_tokens, plan.norms.num_rows, plan.norms.num_teacher_rows, plan.global_rows) == (7, 3, 1, 2)
@@ -171,7 +173,7 @@ def _policy(head, hidden_table, temperature=1.0, chunk=1024):
     policy = SimpleNamespace(generation=GenerationSettings(max_new_tokens=3), max_completion_tokens=3, device=torch.device("cpu"),
                              completion_hidden=completion_hidden, lm_head=lambda: head, temperature=temperature,
                              logprob_chunk_size=chunk, runner=lambda fn: fn(), calls=calls, budget=None,
-                             packs=False)
+                             packs=False, passes=PassOptions())
     policy.head_logprobs = lambda hidden, targets, entropy=True, mask=None: Policy.head_logprobs(
         policy, hidden, targets, entropy, mask)
     policy.chunk_size = lambda models=1: chunk
@@ -211,12 +213,13 @@ def test_the_micro_batch_loss_hands_the_objective_the_chosen_rows_of_everything(
     assert float(entropy) == pytest.approx(float((want_entropy * mask).sum() / 5), rel=1e-5)  # 3 + 2 response tokens
     for name, want in [("completion_mask", mask), ("advantages", torch.tensor([2.0, 0.5])),
                        ("old_logprobs", rollouts.old_logprobs[rows]), ("ref_logprobs", rollouts.ref_logprobs[rows]),
-                       ("token_weights", credit.token_weights[rows]), ("token_selection", plan.selection[rows]),
-                       ("teacher_hidden", signal.teacher_hidden[rows]), ("has_teacher", torch.tensor([True, False])),
-                       ("hidden", table[rows])]:
+                       ("token_weights", credit.token_weights[rows]), ("token_selection", plan.selection[rows])]:
         assert torch.equal(getattr(inputs, name), want), name
-    assert inputs.lm_head is head and inputs.step == 5
-    assert (inputs.num_teacher_rows, inputs.num_tokens, inputs.num_sequences) == (4.0, 11.0, 6.0)
+    for name, want in [("teacher_hidden", signal.teacher_hidden[rows]), ("has_teacher", torch.tensor([True, False])),
+                       ("hidden", table[rows])]:  # the distillation term's, with a teacher of hidden states
+        assert torch.equal(getattr(inputs.distill, name), want), name
+    assert inputs.distill.lm_head is head and inputs.step == 5 and inputs.distill.num_teacher_rows == 4.0
+    assert (inputs.num_tokens, inputs.num_sequences) == (11.0, 6.0)
     assert (inputs.max_len, inputs.temperature, inputs.chunk_size) == (3, 0.7, 2)
     assert update.mismatch.tokens == 0  # no sampler log-probs: nothing compared
 
@@ -237,7 +240,7 @@ def test_the_micro_batch_loss_without_stored_logprobs_or_signal_uses_its_own_and
     logprobs, inputs = objective.calls["loss"]
     assert torch.equal(inputs.old_logprobs, logprobs.detach()) and not inputs.old_logprobs.requires_grad
     assert inputs.ref_logprobs is None and inputs.token_selection is None
-    assert inputs.teacher_hidden is None and inputs.has_teacher is None
+    assert inputs.distill is None
     mask = rollouts.completion_mask[rows]
     want = torch.minimum(gap.exp(), torch.tensor(2.0)) * mask  # min(pi_trainer / pi_sampler, 2) on response tokens
     torch.testing.assert_close(inputs.token_weights.double(), want.double(), atol=1e-5, rtol=1e-5)
@@ -393,10 +396,8 @@ def test_a_steps_passes_on_a_gpu_leave_out_cudnn_attention_and_put_the_backends_
     assert (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled()) == before
     with policy_module.attention_backends(torch.device("cpu")):
         assert backends.cudnn_sdp_enabled()
-    monkeypatch.setattr(policy_module, "CUDNN_ATTENTION", True)
-    with policy_module.attention_backends(torch.device("cuda", 0)):
+    with policy_module.attention_backends(torch.device("cuda", 0), cudnn=True):  # (PassOptions.cudnn_attention)
         assert backends.cudnn_sdp_enabled()
-    monkeypatch.setattr(policy_module, "CUDNN_ATTENTION", False)
     backends.enable_flash_sdp(False)  # the process's own choice stands inside, less cuDNN
     try:
         with policy_module.attention_backends(torch.device("cuda", 0)):

@@ -215,6 +215,7 @@ class MemoryBudget:
         self.measured: set[str] = set()
         self.floor: dict[str, float] = {}  # a measured cost is never taken below this (a quarter of the estimate)
         self.chosen: dict[str, float] = {}  # what this step's plans chose (logged as memory/*)
+        self.peaks = PeakTracker()  # the phases' peaks, across the resets of the passes measured here
         self._logged = False
         self._warned_split = False
 
@@ -313,7 +314,7 @@ class MemoryBudget:
             yield
             return
         start = torch.cuda.memory_allocated(self.device)
-        reset_peak(self.device)
+        self.peaks.reset(self.device)
         yield
         peak = torch.cuda.max_memory_allocated(self.device) - start
         if tokens >= MIN_MEASURED_TOKENS:
@@ -349,20 +350,23 @@ class MemoryBudget:
 
 
 # --------------------------------------------------------------------------- peaks shared with the phase logging
-_carried: dict[int, int] = {}
+class PeakTracker:
+    """A step's phases' peaks of allocated GPU memory, across the allocator resets of the passes a budget measures
+    inside a phase (a pass measured inside a phase does not hide the phase's own peak). The budget holds one
+    (:attr:`MemoryBudget.peaks`); the step's phase logging reads it."""
 
+    def __init__(self) -> None:
+        self.carried: dict[int, int] = {}  # device index -> the phase's peak before the last reset
 
-def reset_peak(device: torch.device) -> None:
-    """Resets the allocator's peak, carrying the peak so far into :func:`phase_peak_bytes`' next answer (a pass
-    measured inside a phase does not hide the phase's own peak)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    _carried[index] = max(_carried.get(index, 0), torch.cuda.max_memory_allocated(device))
-    torch.cuda.reset_peak_memory_stats(device)
+    def reset(self, device: torch.device) -> None:
+        """Resets the allocator's peak, carrying the peak so far into :meth:`phase_peak`'s next answer."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.carried[index] = max(self.carried.get(index, 0), torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
 
-
-def phase_peak_bytes(device: torch.device) -> int:
-    """The peak allocated since the last call (across :func:`reset_peak` calls in between), and a new phase."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    peak = max(_carried.pop(index, 0), torch.cuda.max_memory_allocated(device))
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
+    def phase_peak(self, device: torch.device) -> int:
+        """The peak allocated since the last call (across :meth:`reset` calls in between), and a new phase."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        peak = max(self.carried.pop(index, 0), torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak

@@ -92,7 +92,9 @@ def check_output_folder(folder: str) -> None:
 
 
 class ScgrpoCLI(LightningCLI):
-    new_run_folders: list[str] = []  # the run folders this run makes (scgrpo.runs.new_run_folders), on rank 0
+    def __init__(self, *args, **kwargs) -> None:
+        self.new_run_folders: list[str] = []  # the run folders this run makes (scgrpo.runs.new_run_folders), rank 0
+        super().__init__(*args, **kwargs)  # (which runs the subcommand)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

@@ -175,6 +175,17 @@ SHARED_WAIT_S = 10.0
 """How long a rank looks for rank 0's marker (a network filesystem may show a new file to other hosts late)"""
 
 
+def check_run_shared(trainer, stage: str) -> None:
+    """Every rank sees the checkpoint it will read (``ckpt_path``) and, in a fit, the folders rank 0 writes
+    checkpoints and the adapter into (:func:`check_shared`)."""
+    folders = []
+    if stage == "fit":
+        folders = [trainer.log_dir or trainer.default_root_dir,
+                   *(getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks)]
+    path = trainer.ckpt_path
+    check_shared([f for f in folders if f], [path] if isinstance(path, str) else [])
+
+
 def check_shared(folders: Sequence[str], files: Sequence[str] = ()) -> None:
     """With several ranks: every rank must see ``files`` (checkpoints it will read: those that rank 0 finds) and what
     rank 0 writes into each of

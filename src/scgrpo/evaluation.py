@@ -53,6 +53,11 @@ class Evaluation:
     def start(self) -> None:
         self.sums, self.started = {}, time.perf_counter()
 
+    def metric_names(self, splits: list[str], stage: str = "val") -> list[str]:
+        """The keys :meth:`metrics` gives for ``splits``, in its order."""
+        names = [f"avg@{self.k}", f"pass@{self.k}", "completion_length", "truncated", *(["greedy"] if self.greedy else [])]
+        return [f"{stage}/{split}/{name}" for split in splits for name in [*names, "time_s"]]
+
     def add(self, batch: PromptBatch, policy: Sampler, verifier: VerifierRunner,
             episodes: Optional[EpisodePlayer] = None) -> None:
         """Samples, verifies and counts one batch of held-out prompts; with ``episodes``, plays k episodes of each
@@ -92,18 +97,11 @@ class Evaluation:
         """Per split, ``<stage>/<split>/avg@k``, ``pass@k``, ``completion_length``, ``truncated``, ``greedy`` and
         ``time_s`` over all ranks' prompts (each rank evaluated its share); ``stage``: "val" (validation) or "test".
         Every rank must call it."""
-        k, out = self.k, {}
+        out = {}
         for split, acc in sum_over_ranks(self.sums).items():
             n = max(acc["prompts"], 1.0)
-            metrics = {
-                f"{stage}/{split}/avg@{k}": acc["avg"] / n,
-                f"{stage}/{split}/pass@{k}": acc["pass"] / n,
-                f"{stage}/{split}/completion_length": acc["length"] / n,
-                f"{stage}/{split}/truncated": acc["truncated"] / n,
-            }
-            if self.greedy:
-                metrics[f"{stage}/{split}/greedy"] = acc["greedy"] / n
-            metrics[f"{stage}/{split}/time_s"] = time.perf_counter() - self.started
+            means = [acc[name] / n for name in ("avg", "pass", "length", "truncated", *(["greedy"] if self.greedy else []))]
+            metrics = dict(zip(self.metric_names([split], stage), [*means, time.perf_counter() - self.started]))
             if log_summary:
                 summary = ", ".join(f"{name.split('/')[-1]} {value:.3f}" for name, value in metrics.items())
                 log.info("step %d %s [%s] on %d prompts: %s", step, "test" if stage == "test" else "validation",

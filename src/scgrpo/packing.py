@@ -21,11 +21,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-ENABLED = True
-"""Whether the passes that may run packed do (the self-teacher's shared passes, every pass over a budget's micro-batches,
-and every pass on a CPU: :attr:`scgrpo.policy.Policy.packs`); False: every pass runs padded."""
-TRAINING = True
-"""Whether the update's passes (those with a gradient) pack too; False: only the passes without one."""
 PACK_WIDTH = 256
 """Columns of a packed row, at least (more where one sequence is longer): attention in a packed row computes
 ``width`` columns for each token, so wider rows pack tighter and attend to more masked columns (measured on an H200,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional
+from typing import ContextManager, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -20,25 +20,39 @@ from scgrpo.chat import Prompt, render, system_prompt_layout
 from scgrpo.budget import MemoryBudget, Span, active, measuring, row_extents, run_passes, span_rows, whole_rows
 from scgrpo.distributed import (PolicyRunner, all_reduce, data_parallel_mesh, full_parameters, is_sharded, on_every_rank,
                                 shard_policy)
+from scgrpo.errors import InputError, one_line
 from scgrpo.models import LoraSettings, load_policy, parse_dtype, warn_if_slow_cpu_dtype
 from scgrpo.objectives.functional import chunked_token_logprobs
 from scgrpo import packing
 from scgrpo.packing import packed_inputs, plan_packing, unpack_columns
+from scgrpo.rollout.backends import Sampler, make_sampler
 from scgrpo.rollout.engine import Generated, GenerationSettings, generate, generate_ids
 from scgrpo.rollout.types import RolloutBatch
 
-CUDNN_ATTENTION = False
-"""Whether the passes of a step (scoring, teacher, update, their backward) may use cuDNN's attention. Off: PyTorch
-picks among the other kernels the process allows (flash, memory-efficient, math). cuDNN's attention builds an execution plan for each new
-shape of a pass, tens of milliseconds of host time, and a step's passes change shape from step to step (their rows
-and widths follow the sampled lengths). The rollout engine's own passes are not affected."""
+@dataclasses.dataclass(frozen=True)
+class PassOptions:
+    """How a step's passes run (each policy holds its own; benchmarks measure one against another)."""
+
+    packing: bool = True
+    """The passes that may run packed do (the self-teacher's shared passes, every pass over a budget's micro-batches,
+    and every pass on a CPU: :attr:`Policy.packs`); False: every pass runs padded"""
+    packed_training: bool = True
+    """The update's passes (those with a gradient) pack too; False: only the passes without one"""
+    cudnn_attention: bool = False
+    """The passes of a step (scoring, teacher, update, their backward) may use cuDNN's attention. Off: PyTorch picks
+    among the other kernels the process allows (flash, memory-efficient, math). cuDNN's attention builds an execution
+    plan for each new shape of a pass, tens of milliseconds of host time, and a step's passes change shape from step to
+    step (their rows and widths follow the sampled lengths). The rollout engine's own passes are not affected"""
+    shared_teacher_passes: bool = True
+    """Under a memory budget, a micro-batch's teacher and student rows share one forward where the teacher's sequences
+    are short (:data:`scgrpo.selfteacher.SHARED_PASS_TOKENS`); False: always passes of their own"""
 
 
-def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+def attention_backends(device: torch.device, cudnn: bool = False) -> contextlib.AbstractContextManager:
     """The context of a step's forward and backward passes on ``device``: on a GPU, the attention kernels the process
-    allows less cuDNN's, unless :data:`CUDNN_ATTENTION` (a backward recomputing a checkpointed layer must pick the
-    kernel its forward did, so the update's backward runs inside it too); elsewhere nothing."""
-    if device.type != "cuda" or CUDNN_ATTENTION:
+    allows less cuDNN's, unless ``cudnn`` (:attr:`PassOptions.cudnn_attention`; a backward recomputing a checkpointed
+    layer must pick the kernel its forward did, so the update's backward runs inside it too); elsewhere nothing."""
+    if device.type != "cuda" or cudnn:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -78,6 +92,9 @@ class Policy:
         self.runner, self.tokenizer, self.generation = runner, tokenizer, generation
         self.system_prompt, self.logprob_chunk_size = system_prompt, logprob_chunk_size
         self._system_role: Optional[bool] = None  # the chat template renders a system message (read once)
+        self.passes = PassOptions()  # how the step's passes run
+        self._sampler: Optional[Sampler] = None  # the rollout backend (see sampler)
+        self._sampler_key: Optional[tuple[str, str]] = None
         self._loaded_on = device
         self.max_completion_tokens = generation.max_new_tokens  # an episode's token budget when rollouts are episodes
         self.budget: Optional[MemoryBudget] = None  # sizes the passes on a GPU (set by the module)
@@ -141,7 +158,7 @@ class Policy:
 
         return self._sampling(lambda settings: generate(self.model, self.tokenizer, prompts, num_samples, settings,
                                                         self.device, greedy=greedy, temperature=temperature,
-                                                        states=states))
+                                                        states=states, sampler=self.sampler))
 
     def sample_ids(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool = False,
                    temperature: Optional[float] = None, reserve: Optional[tuple[int, int]] = None) -> Generated:
@@ -149,7 +166,28 @@ class Policy:
         sampled), as ids only (``completions`` empty); ``reserve`` as :func:`~scgrpo.rollout.engine.generate_ids`."""
         return self._sampling(lambda settings: generate_ids(self.model, self.tokenizer, prompt_ids, prompt_mask,
                                                             settings, greedy, temperature, reserve=reserve,
-                                                            texts=False))
+                                                            texts=False, sampler=self.sampler))
+
+    @property
+    def sampler(self) -> Sampler:
+        """The rollout backend ``generation.engine`` names, kept for the run (with its caches); a new one, the old one
+        released, when the setting changes."""
+        key = (self.generation.engine, self.generation.decode_forward)
+        if self._sampler is None or self._sampler_key != key:
+            if self._sampler is not None:
+                self._sampler.release()
+            self._sampler, self._sampler_key = make_sampler(self.generation), key
+        return self._sampler
+
+    def one_model_state(self) -> ContextManager[None]:
+        """Inside the block the sampled weights do not change (the turns of one episode batch): the backend may
+        check and refresh its copies of them once (:meth:`~scgrpo.rollout.backends.Sampler.one_model_state`)."""
+        return self.sampler.one_model_state()
+
+    def release_rollout_workspaces(self) -> None:
+        """Frees what the rollout backend keeps between rollouts (KV caches, CUDA graphs, weight copies)."""
+        if self._sampler is not None:
+            self._sampler.release()
 
     def _sampling(self, sample) -> Generated:
         def run() -> Generated:
@@ -175,7 +213,7 @@ class Policy:
             if hidden is not None:
                 return hidden
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
-        with attention_backends(input_ids.device):
+        with attention_backends(input_ids.device, self.passes.cudnn_attention):
             hidden = backbone(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state  # [N, T, H]
@@ -186,7 +224,7 @@ class Policy:
         """:meth:`completion_hidden` over packed rows, or None where packing does not apply: attention other than
         PyTorch's or eager (flash's kernels take no mask), layers other than attention, a sliding window shorter than
         the rows, too little padding to save (:func:`~scgrpo.packing.plan_packing`)."""
-        if not packing.ENABLED:
+        if not self.passes.packing:
             return None
         config = backbone.config
         implementation = getattr(config, "_attn_implementation", None)
@@ -206,7 +244,7 @@ class Policy:
         dtype = backbone.get_input_embeddings().weight.dtype  # (the states' dtype: 4-bit layers hold bytes)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, positions, mask = packed_inputs(plan, input_ids, pad, None if implementation == "sdpa" else dtype)
-        with attention_backends(input_ids.device):
+        with attention_backends(input_ids.device, self.passes.cudnn_attention):
             hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions,
                               use_cache=False).last_hidden_state  # [R, W, H]
         t = input_ids.shape[1]
@@ -255,19 +293,19 @@ class Policy:
     def span_hidden(self, rollouts: RolloutBatch, span: Span, model: Optional[nn.Module] = None) -> Tensor:
         """``[n, width, H]`` final hidden states of the span's rows that predict their first ``width`` completion
         tokens, the span's columns only; packed (:mod:`scgrpo.packing`) where :attr:`packs` (with a gradient, where
-        :data:`scgrpo.packing.TRAINING`)."""
+        :attr:`PassOptions.packed_training`)."""
         rows = span.rows
         ids = torch.cat([rollouts.prompt_ids[rows, span.left :], rollouts.completion_ids[rows, : span.width]], 1)
         mask = torch.cat([rollouts.prompt_mask[rows, span.left :], rollouts.context_mask[rows, : span.width]], 1)
-        packed = self.packs and (packing.TRAINING or not torch.is_grad_enabled())
+        packed = self.packs and (self.passes.packed_training or not torch.is_grad_enabled())
         return self.completion_hidden(ids, mask, span.width, model, packed=packed)
 
     @property
     def packs(self) -> bool:
         """Whether the passes over rollouts run packed (:mod:`scgrpo.packing`): under an active memory budget, and on
         a CPU, where a pass's time is its tokens' arithmetic and packing drops the padding and the prompts that a
-        group's rows repeat (:data:`scgrpo.packing.ENABLED` off: never)."""
-        return packing.ENABLED and (active(self.budget) is not None or self.device.type == "cpu")
+        group's rows repeat (:attr:`PassOptions.packing` off: never)."""
+        return self.passes.packing and (active(self.budget) is not None or self.device.type == "cpu")
 
     def set_gradient_checkpointing(self, on: bool) -> None:
         """Switches gradient checkpointing (non-reentrant) on or off in the network."""
@@ -382,4 +420,33 @@ def build_policy(model: str, dtype: str, lora: Optional[LoraSettings], quantizat
         shard_policy(runner, data_parallel_mesh(mesh), compute_dtype)
     policy = Policy(runner, tokenizer, generation, device, system_prompt, logprob_chunk_size)
     policy.checkpointing, policy.has_lora = gradient_checkpointing, lora is not None
+    return policy
+
+
+def load_run_policy(model: str, adapter, lora: Optional[LoraSettings], dtype: str, quantization: Optional[str],
+                    device: torch.device, generation: GenerationSettings, budget: MemoryBudget,
+                    max_completion_tokens: int, system_prompt: Optional[str] = None, logprob_chunk_size: int = 1024,
+                    gradient_checkpointing: bool = False, mesh=None) -> Policy:
+    """The run's policy (:func:`build_policy`): ``model``, or with ``adapter`` (a
+    :class:`~scgrpo.models.AdapterFolder`) its base with LoRA layers shaped as the adapter's and then its weights;
+    ``budget`` resolved on ``device`` for it, and the rollout's settings as the budget sizes them."""
+    name = model
+    if adapter is not None:
+        name, lora = adapter.base, adapter.lora_settings(lora)
+    try:
+        policy = build_policy(name, dtype, lora, quantization, device, generation, system_prompt, logprob_chunk_size,
+                              gradient_checkpointing, mesh)
+    except (ValueError, TypeError) as err:
+        if adapter is None:
+            raise
+        # peft's word on a layout that does not fit the base (target modules it lacks, a bad setting)
+        raise InputError(f"adapter {adapter.folder} does not fit the base model {adapter.base}: "
+                         f"{one_line(err)}") from err
+    if adapter is not None:
+        adapter.load_weights(policy.model)
+    network = policy.model
+    budget.setup(device, getattr(network, "config", None), next(network.parameters()).dtype)
+    policy.budget = budget
+    policy.generation = budget.rollout_settings(policy.generation)
+    policy.max_completion_tokens = max_completion_tokens
     return policy

@@ -42,6 +42,11 @@ class RngBookmark:
     def mark(self) -> None:
         self.state = rng_state()
 
+    def saved(self, interrupted: bool) -> dict:
+        """The RNG state a checkpoint written now keeps: on an exception (``interrupted``), the marked one; else
+        the current one."""
+        return self.state if interrupted and self.state is not None else rng_state()
+
 
 def checkpoint_rng(rng: dict) -> dict[str, Any]:
     """What a checkpoint keeps of ``rng`` (this rank's state): with several ranks, every rank's state, since each

@@ -50,10 +50,6 @@ from scgrpo.rollout.types import (  # noqa: F401 - the signal's types, importabl
 
 log = logging.getLogger(__name__)
 
-SHARED_PASSES = True
-"""Under a memory budget, a micro-batch's teacher and student rows share one forward (:meth:`SelfTeacher._shared_passes`)
-where the teacher's sequences are at most :data:`SHARED_PASS_TOKENS` long; longer ones run in passes of their own,
-each packed by its own lengths. False: always passes of their own"""
 SHARED_PASS_TOKENS = 1024
 """The longest teacher sequence (prompt and completion columns) for which the shared forward is taken: short rows'
 passes are bound by their launches, which it halves (SmolLM2's step, sequences of about 300 tokens); in long rows the
@@ -163,6 +159,7 @@ class TeacherModel(Protocol):
     temperature: float
     logprob_chunk_size: int
     budget: Optional[MemoryBudget]  # sizes the passes on a GPU (None or inactive: blocks of rows in batch order)
+    passes: Any  # how the passes run (:class:`~scgrpo.policy.PassOptions`: shared_teacher_passes)
 
     def lm_head(self) -> nn.Module: ...
 
@@ -182,6 +179,21 @@ class TeacherModel(Protocol):
     def eval_mode(self) -> ContextManager[None]: ...
 
     def sync(self) -> None: ...
+
+
+def keeps_sampler_states(spec: Optional[TeacherSpec], generation, device: torch.device, episodes: bool,
+                         shared_passes: bool = True) -> bool:
+    """Whether training rollouts keep the sampler's final hidden states as the self-teacher's student side
+    (``generation.student_states``): single-turn rollouts of an objective whose teacher compares distributions;
+    "auto", on a GPU where the student's forward is a pass of its own (not shared with the teacher's, see
+    ``shared_passes``, :attr:`~scgrpo.policy.PassOptions.shared_teacher_passes`)."""
+    if spec is None or spec.output != "divergence" or episodes:
+        return False
+    mode = generation.student_states
+    if mode == "auto":
+        shared = shared_passes and spec.weights == "policy" and 2 * generation.max_new_tokens <= SHARED_PASS_TOKENS
+        return device.type == "cuda" and not shared
+    return mode == "rollout"
 
 
 class SelfTeacher:
@@ -310,10 +322,7 @@ class SelfTeacher:
             references=plan.references,
         )
         micro = micro_batch_size or max(len(rows), 1)
-        try:
-            cut, tokens = policy.runner(lambda: self._passes(policy, rollouts, rows, plan.references, signal, micro))
-        finally:
-            rollouts.student_states = None  # (read: the host memory goes)
+        cut, tokens = policy.runner(lambda: self._passes(policy, rollouts, rows, plan.references, signal, micro))
         policy.sync()
         groups = max(len(plan.route) // max(rollouts.group_size, 1), 1)
         group_route = signal.route.view(-1, rollouts.group_size)[:, 0] if n else signal.route
@@ -354,7 +363,7 @@ class SelfTeacher:
                 return cut, 0
             kept = rollouts.student_states if spec.output == "divergence" else None  # [N, C, H] on the host
             short = max(len(ids) for ids in prompt_ids) + rollouts.completion_ids.shape[1] <= SHARED_PASS_TOKENS
-            if (SHARED_PASSES and short and budget is not None and kept is None and spec.output == "divergence"
+            if (policy.passes.shared_teacher_passes and short and budget is not None and kept is None and spec.output == "divergence"
                     and spec.weights == "policy"):
                 return cut, self._shared_passes(policy, rollouts, rows, prompt_ids, signal, budget, chunk, fixed, micro)
             student = None
@@ -420,7 +429,7 @@ class SelfTeacher:
         teacher prompts and the student's own, left-padded to the longest, then the same ``w`` completion columns),
         which halves the passes' launches where they bind, at the price of padding the student's rows to the
         teacher's width (measured on an H200, SmolLM2's step: 0.37 s against 0.35 s in passes of their own,
-        :data:`SHARED_PASSES`). Rows are packed by their teacher sequences, each row costing twice, at most ``micro``
+        ``passes.shared_teacher_passes``). Rows are packed by their teacher sequences, each row costing twice, at most ``micro``
         rows (``2 x micro`` sequences) a pass. Returns the padded tokens of the teacher sequences."""
         device = rollouts.completion_ids.device
         tp = rollouts.prompt_ids.shape[1]

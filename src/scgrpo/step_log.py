@@ -7,25 +7,61 @@ a stale value.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from scgrpo.budget import phase_peak_bytes
+from scgrpo.budget import PeakTracker
 from scgrpo.distributed import all_reduce, mean_over_ranks
 from scgrpo.objectives.functional import masked_mean
-from scgrpo.rollout.types import RolloutBatch
+from scgrpo.rollout.types import RolloutBatch, RolloutStats
 from scgrpo.update import StepPlan, StepSums
 
 NAN = float("nan")
 
 
-def phase_peak(stats: dict, device: torch.device, name: str) -> None:
-    """On a GPU, records the peak memory allocated since the last call as ``memory/<name>_peak_gib`` and starts a
-    new phase (the peaks of sampling, teacher pass and update are logged apart)."""
+def phase_peak(peaks: dict[str, float], tracker: PeakTracker, device: torch.device, name: str) -> None:
+    """On a GPU, records the peak memory allocated since the last call (GiB, from ``tracker``) as ``peaks[name]``
+    (logged as ``memory/<name>_peak_gib``) and starts a new phase (the peaks of sampling, teacher pass and update are
+    logged apart)."""
     if device.type == "cuda":
-        key = f"memory/{name}_peak_gib"
-        stats[key] = max(stats.get(key, 0.0), phase_peak_bytes(device) / 2**30)
+        peaks[name] = max(peaks.get(name, 0.0), tracker.phase_peak(device) / 2**30)
+
+
+@dataclass
+class StepPhases:
+    """The phases of a training step after its rollout: the scoring pass's time and, on a GPU, each phase's peak
+    allocated memory and the memory budget's choices."""
+
+    device: torch.device
+    tracker: PeakTracker = field(default_factory=PeakTracker)
+    """The peaks across the passes a memory budget measured (the budget's own: :attr:`MemoryBudget.peaks`)"""
+    scoring_s: Optional[float] = None
+    """Seconds of the scoring pass (``time/scoring_s``; None: the objective needs none)"""
+    peaks: dict[str, float] = field(default_factory=dict)
+    """GiB at each phase's peak (``memory/<phase>_peak_gib``)"""
+    budget: dict[str, float] = field(default_factory=dict)
+    """The memory budget's choices this step (``memory/*``; empty without an active budget)"""
+
+    def peak(self, name: str) -> None:
+        phase_peak(self.peaks, self.tracker, self.device, name)
+
+    def note_budget(self, budget) -> None:
+        """With an active memory budget (a GPU), its choices this step; its description is logged once."""
+        if budget.active:
+            self.budget = budget.metrics()
+            budget.log_once()
+
+    def metrics(self, rollout: RolloutStats) -> dict[str, float]:
+        """The step's phase metrics, and with a budget the largest peak of every phase, ``rollout``'s included
+        (``memory/peak_allocated_gib``)."""
+        metrics = {} if self.scoring_s is None else {"time/scoring_s": self.scoring_s}
+        metrics.update({f"memory/{name}_peak_gib": gib for name, gib in self.peaks.items()})
+        if self.budget:
+            metrics.update(self.budget)
+            metrics["memory/peak_allocated_gib"] = max([*rollout.memory.values(), *self.peaks.values()], default=NAN)
+        return metrics
 
 
 def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passes: int, success_threshold: float,
@@ -59,7 +95,8 @@ def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passe
 
 def step_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, mismatch: dict[str, float], *,
                  passes: int, success_threshold: float, log_kl: bool, train_time: float, nonfinite_skips: int,
-                 lr: float, device: Optional[torch.device] = None) -> dict[str, float]:
+                 lr: float, phases: Optional[StepPhases] = None, device: Optional[torch.device] = None,
+                 ) -> dict[str, float]:
     """The step's metrics over the global batch: means over ranks, the largest rank's memory peaks, and
     ``mismatch`` (already global); ``train/kl`` every step when ``log_kl`` (the objective has a KL to the reference:
     NaN on a step whose loss reported none). Every rank must call it (it reduces over ranks)."""
@@ -70,7 +107,8 @@ def step_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, mismatc
     for stats in (plan.signal.stats if plan.signal is not None else None, plan.credit.stats):
         if stats is not None:  # typed (metrics()) or, from a custom objective, a dict of logged names
             metrics.update(stats.metrics() if hasattr(stats, "metrics") else stats)
-    metrics.update(rollouts.stats)
+    metrics.update(rollouts.stats.metrics())
+    metrics.update(phases.metrics(rollouts.stats) if phases is not None else {})
     metrics["tokens/completion"] = float(rollouts.completion_mask.sum())  # sampled tokens (without padding)
     metrics["tokens/train"] = float(len(plan.rows) * rollouts.input_ids.shape[1])  # rows in the loss x padded length
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
@@ -84,12 +122,14 @@ def step_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, mismatc
 
 
 def skipped_step_metrics(rollouts: RolloutBatch, last_keys: list[str], *, success_threshold: float,
-                         train_time: float, nonfinite_skips: int, lr: float) -> dict[str, float]:
+                         train_time: float, nonfinite_skips: int, lr: float,
+                         phases: Optional[StepPhases] = None) -> dict[str, float]:
     """The metrics of a step skipped before its loss (non-finite sampling): rewards, the rollouts' own
     statistics and the skip count, and every other key of the last logged step (``last_keys``) as NaN. Every
     rank must call it."""
     metrics = {k: NAN for k in last_keys}
-    metrics.update({k: float(v) for k, v in rollouts.stats.items()})
+    metrics.update(rollouts.stats.metrics())
+    metrics.update(phases.metrics(rollouts.stats) if phases is not None else {})
     metrics.update({
         "train/reward": float(rollouts.rewards.mean()),
         "train/accuracy": float((rollouts.rewards >= success_threshold).float().mean()),

@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 from scgrpo.budget import Span, active, measuring, row_extents, run_passes, whole_rows
 from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
-from scgrpo.objectives import Credit, LossInputs, LossOutput, Objective
+from scgrpo.objectives import Credit, CreditInputs, DistillInputs, LossInputs, LossOutput, Objective
 from scgrpo.objectives.functional import masked_mean
 from scgrpo.policy import Policy, attention_backends
 from scgrpo.rollout.types import RolloutBatch, TeacherSignal
@@ -99,6 +99,24 @@ class MismatchMeter:
             return {"rollout/logprob_mismatch_mean": nan, "rollout/logprob_mismatch_max": nan, "rollout/mismatch_kl": nan}
         return {"rollout/logprob_mismatch_mean": total_abs / tokens, "rollout/logprob_mismatch_max": largest,
                 "rollout/mismatch_kl": total_k3 / tokens}
+
+
+def optimizers(params: list, optimizer: Optional[Callable] = None, lr_scheduler: Optional[Callable] = None):
+    """What ``configure_optimizers`` returns: ``optimizer`` (a callable of the parameters; default AdamW(lr=1e-4,
+    weight_decay=0)) over the trainable ``params``, and ``lr_scheduler`` (a callable of the optimiser) stepped after
+    every optimiser step."""
+    if not params:
+        raise ValueError("the policy has no trainable parameters")
+    built = optimizer(params) if optimizer else torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+    if lr_scheduler is None:
+        return built
+    return {"optimizer": built, "lr_scheduler": {"scheduler": lr_scheduler(built), "interval": "step"}}
+
+
+def check_update_settings(micro_batch_size: Optional[int], tis_cap: float) -> None:
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+    check_tis_cap(tis_cap)
 
 
 def check_tis_cap(tis_cap: float) -> None:
@@ -181,12 +199,13 @@ class PolicyUpdate:
         max_len = self.policy.max_completion_tokens
         # lengths as the budget counts them: an episode's environment tokens share its token budget
         rewards = objective.shape_rewards(rollouts.rewards, rollouts.context_mask.sum(1).to(mask.dtype), max_len)  # [N]
-        scored = (dict(old_logprobs=rollouts.old_logprobs, ref_logprobs=rollouts.ref_logprobs)
-                  if getattr(objective, "scored_credit", False) else {})
-        credit = objective.credit(rewards, mask, rollouts.group_size, signal, self.micro_batch_size,
-                                  **scored)  # groups never span ranks
+        needs, scored = objective.needs, {}
+        if needs.scored_credit:
+            scored = dict(old_logprobs=rollouts.old_logprobs, ref_logprobs=rollouts.ref_logprobs)
+        credit = objective.credit(CreditInputs(rewards, mask, rollouts.group_size, signal, self.micro_batch_size,
+                                               **scored))  # groups never span ranks
         selection = None
-        if objective.needs_batch_entropy:
+        if needs.batch_entropy:
             selection = objective.token_mask(self.policy.batch_entropy(rollouts, self.micro_batch_size), mask)
         rows = torch.nonzero(objective.rows_in_loss(credit, signal)).squeeze(1)  # [n]
         spans, kind = self._micro_batches(rollouts, rows)
@@ -274,7 +293,7 @@ class PolicyUpdate:
                 if finite or world > 1:  # sharded backward passes must pair up across ranks, NaN or not
                     # FSDP averages gradients over ranks; each rank's loss is its share of the global one
                     backward_begun = True
-                    with record_function("scgrpo.update.backward"), attention_backends(self.device):
+                    with record_function("scgrpo.update.backward"), attention_backends(self.device, self.policy.passes.cudnn_attention):
                         self.backward(out.loss * (world if real else 0.0))
             if finite and real:
                 self._book(local, out, entropy, share=len(chunk) / max(len(plan.rows), 1))
@@ -322,7 +341,7 @@ class PolicyUpdate:
         c = rollouts.completion_ids.shape[1]
         span = span if span is not None else Span(rows, 0, c)
         width = span.width
-        credit, signal, policy = plan.credit, plan.signal, self.policy
+        credit, policy = plan.credit, self.policy
         hidden = policy.span_hidden(rollouts, span)  # [n, width, H]
         mask = rollouts.completion_mask[rows, :width]
         logprobs, entropy = policy.head_logprobs(hidden, rollouts.completion_ids[rows, :width], mask=mask)  # [n, width]
@@ -345,19 +364,49 @@ class PolicyUpdate:
             token_weights=token_weights,
             token_selection=pick(plan.selection),
             entropy=entropy,
-            hidden=hidden,
-            lm_head=policy.lm_head(),
-            teacher_hidden=pick(signal.teacher_hidden) if signal is not None else None,
-            has_teacher=signal.has_teacher[rows] if signal is not None else None,
-            num_teacher_rows=plan.norms.num_teacher_rows,
             num_tokens=plan.norms.num_tokens,
             num_sequences=plan.norms.num_rows,
             max_len=policy.max_completion_tokens,
             temperature=policy.temperature,
             chunk_size=policy.chunk_size(),
             step=step,
+            distill=self._distill_inputs(hidden, rows, width, plan),
         )
         return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)
+
+    def _distill_inputs(self, hidden: Tensor, rows: Tensor, width: int, plan: StepPlan) -> Optional[DistillInputs]:
+        """The distillation term's inputs of these rows, for an objective whose teacher gives hidden states."""
+        signal = plan.signal
+        if signal is None or signal.teacher_hidden is None:
+            return None
+        return DistillInputs(hidden=hidden, lm_head=self.policy.lm_head(),
+                             teacher_hidden=signal.teacher_hidden[rows, :width], has_teacher=signal.has_teacher[rows],
+                             num_teacher_rows=plan.norms.num_teacher_rows)
+
+    def optimise(self, rollouts: RolloutBatch, plan: Optional[StepPlan], sums: StepSums, reason: Optional[str],
+                 optimizer, scheduler, step: Callable[[], int], keep: Callable[[], None],
+                 stepping: Callable[[], None]) -> Optional[str]:
+        """``objective.num_iterations`` optimiser steps on the batch, each after a pass of :meth:`accumulate` and
+        :meth:`clip` (none where ``reason`` already says why not); returns why the update was skipped, or None. A
+        skipped step still steps the optimiser, without gradients: no weight moves, the step counts. ``step()``: the
+        optimiser step about to be taken (each pass's objective schedules read it). ``keep`` runs
+        once the first pass's gradients are finite (the divergence guard's copy of the weights), ``stepping`` before
+        each optimiser step."""
+        for iteration in range(self.objective.num_iterations):
+            self.first_pass = iteration == 0  # the sampler-trainer mismatch is booked on it only
+            if reason is None:
+                self.accumulate(rollouts, plan, sums, step())
+                reason = self.clip(plan, sums)
+                if reason is None and iteration == 0:
+                    keep()
+            if reason is not None:
+                optimizer.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights, on any rank
+            stepping()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+        return reason
 
     def clip(self, plan: StepPlan, sums: StepSums) -> Optional[str]:
         """Clips the gradients (``max_grad_norm``) and adds their norm before clipping to ``sums``; returns why

@@ -4,7 +4,8 @@ import pytest
 
 from scgrpo.cli import main
 from scgrpo.data import PromptDataModule
-from scgrpo.data.sources import ArithmeticTask, PromptSource
+from scgrpo.data.sources import PromptSource
+from scgrpo.data.tasks import ArithmeticTask
 from scgrpo.errors import InputError
 from tests.helpers import tiny_module, tiny_trainer
 

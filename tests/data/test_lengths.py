@@ -28,7 +28,7 @@ def modules(tiny_model_dir):
 
 
 def _exact(module, question: str) -> int:
-    return len(module.tokenizer(module.format_prompts([question]), add_special_tokens=False)["input_ids"][0])
+    return len(module.tokenizer(module.actor.format_prompts([question]), add_special_tokens=False)["input_ids"][0])
 
 
 def _teacher_exact(module, question: str) -> int:
@@ -37,19 +37,19 @@ def _teacher_exact(module, question: str) -> int:
 
 
 def test_limits_are_the_context_minus_the_completion_and_for_the_teacher_a_reference_too(modules):
-    grpo, scgrpo = prompt_limits(modules["grpo"], None), prompt_limits(modules["scgrpo"], None)
+    grpo, scgrpo = prompt_limits(modules["grpo"].prompt_fit(), None), prompt_limits(modules["scgrpo"].prompt_fit(), None)
     assert (grpo.prompt, grpo.teacher) == (512 - 8, None)
     assert (scgrpo.prompt, scgrpo.teacher) == (512 - 8, 512 - 8 - 8)
-    assert prompt_limits(modules["grpo"], 100).prompt == 100
-    assert prompt_limits(modules["grpo"], 100_000).prompt == 504  # capped by the context
+    assert prompt_limits(modules["grpo"].prompt_fit(), 100).prompt == 100
+    assert prompt_limits(modules["grpo"].prompt_fit(), 100_000).prompt == 504  # capped by the context
     scgrpo_module = modules["scgrpo"]
     try:
         scgrpo_module.generation.max_new_tokens = 300  # no room for a whole reference: the teacher's view fits empty
-        limits = prompt_limits(scgrpo_module, None)
+        limits = prompt_limits(scgrpo_module.prompt_fit(), None)
         assert (limits.prompt, limits.teacher, limits.reference) == (212, 212, 0)
         scgrpo_module.generation.max_new_tokens = 600
         with pytest.raises(InputError, match="max_new_tokens=600 leaves no room for a prompt"):
-            prompt_limits(scgrpo_module, None)
+            prompt_limits(scgrpo_module.prompt_fit(), None)
     finally:
         scgrpo_module.generation.max_new_tokens = 8
 
@@ -62,7 +62,7 @@ def test_rows_are_kept_exactly_when_their_prompt_fits(modules, caplog):
     rows = [{"id": str(k), "question": "x" * (limit - overhead + k), "answer": 1} for k in range(-9, 10)]
     rows.append({"id": "multibyte", "question": "é" * ((limit - overhead) // 2 + 1), "answer": 1})
     with caplog.at_level(logging.WARNING, logger="scgrpo.data.lengths"):
-        kept = drop_long_rows(module, rows, prompt_limits(module, limit), "rows.jsonl")
+        kept = drop_long_rows(module.prompt_fit(), rows, prompt_limits(module.prompt_fit(), limit), "rows.jsonl")
     assert [r["id"] for r in kept] == [r["id"] for r in rows if _exact(module, r["question"]) <= limit]
     assert len(kept) == 10
     (record,) = caplog.records
@@ -77,9 +77,9 @@ def test_a_row_whose_teacher_view_does_not_fit_is_skipped_only_with_a_self_teach
     question = "y" * (496 - teacher_overhead + 1)  # the teacher's view is one token over its 496
     assert _exact(scgrpo, question) <= 504  # while the student's prompt fits
     rows = [{"id": "a", "question": "short", "answer": 1}, {"id": "b", "question": question, "answer": 1}]
-    assert drop_long_rows(modules["grpo"], rows, prompt_limits(modules["grpo"], None), "t") == rows
+    assert drop_long_rows(modules["grpo"].prompt_fit(), rows, prompt_limits(modules["grpo"].prompt_fit(), None), "t") == rows
     with caplog.at_level(logging.WARNING, logger="scgrpo.data.lengths"):
-        assert drop_long_rows(scgrpo, rows, prompt_limits(scgrpo, None), "t") == rows[:1]
+        assert drop_long_rows(scgrpo.prompt_fit(), rows, prompt_limits(scgrpo.prompt_fit(), None), "t") == rows[:1]
     assert "skipped 1 of 2 rows" in caplog.text and "497 for the self-teacher's view" not in caplog.text
     assert f"self-teacher's view of it {_teacher_exact(scgrpo, question)}" in caplog.text
 
@@ -87,7 +87,7 @@ def test_a_row_whose_teacher_view_does_not_fit_is_skipped_only_with_a_self_teach
 def test_a_split_with_no_row_that_fits_is_one_error(modules):
     rows = [{"id": "0", "question": "z" * 1000, "answer": 1}]
     with pytest.raises(InputError, match="^long.jsonl: no row fits the model \\(1 too long\\): the longest"):
-        drop_long_rows(modules["grpo"], rows, prompt_limits(modules["grpo"], None), "long.jsonl")
+        drop_long_rows(modules["grpo"].prompt_fit(), rows, prompt_limits(modules["grpo"].prompt_fit(), None), "long.jsonl")
 
 
 def test_a_200kb_question_is_skipped_and_counted_when_the_run_starts(tiny_model_dir, tmp_path, monkeypatch, caplog):

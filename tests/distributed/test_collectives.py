@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scgrpo.distributed import gather_values
-from scgrpo.objectives import SCGRPO, HighEntropyGRPO
+from scgrpo.objectives import SCGRPO, CreditInputs, HighEntropyGRPO
 from scgrpo.selfteacher import PARTIAL, SOLVE_NONE, TeacherSignal
 
 
@@ -44,7 +44,7 @@ def _worker(rank: int, store: str, out: dict) -> None:
         signal, mask, rewards, entropy = _batch()
         rows = slice(4 * rank, 4 * rank + 4)
         gathered = gather_values(torch.arange(rank + 2, dtype=torch.float32) + 10 * rank)
-        credit = SCGRPO().credit(rewards[rows], mask[rows], 4, _select(signal, rows))
+        credit = SCGRPO().credit(CreditInputs(rewards[rows], mask[rows], 4, _select(signal, rows)))
         kept = HighEntropyGRPO(rho=0.3).token_mask(entropy[rows], mask[rows])
         out[rank] = {"gathered": gathered, "weights": credit.token_weights, "advantages": credit.advantages,
                      "c": credit.stats.c, "kept": kept}
@@ -59,7 +59,7 @@ def test_two_ranks_agree_with_one_process_on_the_whole_batch(tmp_path):
     # scgrpo afresh (seconds each)
     mp.start_processes(_worker, args=(str(tmp_path / "store"), out), nprocs=2, join=True, start_method="fork")
     signal, mask, rewards, entropy = _batch()
-    whole = SCGRPO().credit(rewards, mask, 4, signal)
+    whole = SCGRPO().credit(CreditInputs(rewards, mask, 4, signal))
     assert torch.equal(out[0]["gathered"], torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0]))
     assert out[0]["c"] == pytest.approx(whole.stats.c) and out[1]["c"] == out[0]["c"]
     torch.testing.assert_close(torch.cat([out[0]["weights"], out[1]["weights"]]), whole.token_weights)
@@ -69,6 +69,6 @@ def test_two_ranks_agree_with_one_process_on_the_whole_batch(tmp_path):
     # a per-rank threshold would have kept other tokens on this batch
     per_rank = torch.cat([HighEntropyGRPO(rho=0.3).token_mask(entropy[r], mask[r]) for r in (slice(0, 4), slice(4, 8))])
     assert not torch.equal(per_rank, kept)
-    per_rank_c = torch.cat([SCGRPO().credit(rewards[r], mask[r], 4, _select(signal, r)).token_weights
+    per_rank_c = torch.cat([SCGRPO().credit(CreditInputs(rewards[r], mask[r], 4, _select(signal, r))).token_weights
                             for r in (slice(0, 4), slice(4, 8))])
     assert not torch.allclose(per_rank_c, whole.token_weights)

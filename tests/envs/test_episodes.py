@@ -7,13 +7,14 @@ import csv
 import glob
 import os
 import re
+import threading
 import time
 
 import pytest
 import torch
 
 from scgrpo.envs import EpisodeSettings
-from scgrpo.envs.runner import ChatTurns, EpisodeRunner, call_all
+from scgrpo.envs.runner import CallPool, ChatTurns, EpisodeRunner
 from scgrpo.objectives import GRPO, SCGRPO
 from scgrpo.rollout.types import RolloutBatch
 from scgrpo.selfteacher import SelfTeacher
@@ -32,9 +33,24 @@ def module(tiny_model_dir):
     return m
 
 
-def play(module, env, settings=EpisodeSettings(max_turns=3, max_episode_tokens=64), rows=ROWS, k=2, **kwargs):
+class FastClock:
+    """A monotonic clock ``rate`` times as fast as the real one: time limits pass without the tests' sleeping them."""
+
+    def __init__(self, rate: float = 50.0) -> None:
+        self.rate, self.start = rate, time.monotonic()
+
+    def __call__(self) -> float:
+        return (time.monotonic() - self.start) * self.rate
+
+
+def call_all(calls, timeout_s, max_workers, pool=None):
+    return (pool or CallPool()).call_all(calls, timeout_s, max_workers)
+
+
+def play(module, env, settings=EpisodeSettings(max_turns=3, max_episode_tokens=64), rows=ROWS, k=2, clock=None,
+         **kwargs):
     torch.manual_seed(1)
-    runner = EpisodeRunner(env, settings)
+    runner = EpisodeRunner(env, settings, CallPool(clock, clock.rate) if clock is not None else None)
     return runner, runner.run(module.actor, rows, k, **kwargs)
 
 
@@ -160,9 +176,9 @@ def test_a_verified_episode_reaches_the_teachers_system_prompt(module):
                                            ("hang", "episode/env_timeouts")])
 def test_a_faulty_environment_ends_its_episode_with_reward_0_and_is_counted(module, fault, counter):
     rows = [{"id": "a", "question": "a", "answer": 1}, {"id": "b", "question": "b", "answer": 3}]
-    env = Scripted(turns=2, fault=fault, fault_row=3, hang_s=5.0)
-    env.timeout_s = 0.3
-    runner, ep = play(module, env, rows=rows)
+    env = Scripted(turns=2, fault=fault, fault_row=3, hang_s=1.0)
+    env.timeout_s = 2.0  # (the pool's clock runs 50 times as fast: 40 ms; the hung call is left behind)
+    runner, ep = play(module, env, rows=rows, clock=FastClock(50.0))
     assert ep.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert ep.stats[counter] == 2.0
     other = "episode/env_timeouts" if counter == "episode/env_errors" else "episode/env_errors"
@@ -177,9 +193,13 @@ def test_call_all_returns_values_errors_and_timeouts_in_order():
     def boom():
         raise KeyError("x")
 
-    start = time.monotonic()
-    out = call_all([lambda: 1, boom, lambda: time.sleep(3), lambda: 4], timeout_s=0.3, max_workers=2)
-    assert time.monotonic() - start < 2.0
+    release = threading.Event()
+    clock = FastClock(50.0)
+    try:
+        out = call_all([lambda: 1, boom, release.wait, lambda: 4], timeout_s=2.0, max_workers=2, pool=CallPool(clock, clock.rate))
+    finally:
+        release.set()
+    assert 2.0 <= clock() < 50.0  # the hung call's limit, by the pool's clock (40 ms real)
     assert out[0] == ("ok", 1) and out[1][0] == "error" and isinstance(out[1][1], KeyError)
     assert out[2] == ("timeout", None) and out[3] == ("ok", 4)
 
@@ -190,12 +210,12 @@ def test_a_hung_call_among_many_instant_ones_times_out_alone_and_the_results_kee
     release = threading.Event()
     calls = [lambda i=i: (time.sleep(0.002 * (i % 3)), i)[1] for i in range(40)]  # varied lengths: out of order
     calls[7] = release.wait
-    start = time.monotonic()
+    clock = FastClock(50.0)
     try:
-        out = call_all(calls, timeout_s=0.3, max_workers=4)
+        out = call_all(calls, timeout_s=5.0, max_workers=4, pool=CallPool(clock, clock.rate))
     finally:
         release.set()
-    assert 0.3 <= time.monotonic() - start < 2.0
+    assert 5.0 <= clock() < 100.0
     assert out[7] == ("timeout", None)
     assert out[:7] + out[8:] == [("ok", i) for i in range(40) if i != 7]
 
@@ -213,7 +233,8 @@ def test_calls_that_hang_in_every_worker_are_left_behind_and_the_others_still_ru
 
     release = threading.Event()
     try:
-        out = call_all([release.wait, release.wait] + [lambda i=i: i for i in range(5)], timeout_s=0.2, max_workers=2)
+        out = call_all([release.wait, release.wait] + [lambda i=i: i for i in range(5)], timeout_s=2.0, max_workers=2,
+                       pool=CallPool(FastClock(50.0), 50.0))
     finally:
         release.set()
     assert out == [("timeout", None)] * 2 + [("ok", i) for i in range(5)]
@@ -246,10 +267,10 @@ def test_workers_take_no_more_calls_once_their_caller_has_left(monkeypatch):
         time.sleep(0.05)
         ran.append(1)
 
-    def interrupted(batch, timeout_s):
+    def interrupted(pool, batch, timeout_s):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "_wait_all", interrupted)
+    monkeypatch.setattr(runner.CallPool, "_wait_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         call_all([call] * 20, timeout_s=5.0, max_workers=1)
     time.sleep(0.5)
@@ -399,20 +420,19 @@ def test_calls_that_keep_hanging_stop_the_run_with_a_clear_error(monkeypatch):
 
     from scgrpo.envs import runner
 
-    before = runner._stuck[0]  # (calls other tests left hanging may still be out)
-    monkeypatch.setattr(runner, "MAX_STUCK", before + 3)
+    pool = CallPool(FastClock(50.0), 50.0, max_stuck=3)
     release = threading.Event()
     try:
         with pytest.raises(runner.EnvironmentHangs, match="environment hangs"):
             for _ in range(3):  # 4 calls hang each time
-                call_all([release.wait] * 4 + [lambda: 1], timeout_s=0.05, max_workers=5)
+                pool.call_all([release.wait] * 4 + [lambda: 1], timeout_s=2.5, max_workers=5)
     finally:
         release.set()  # the stuck calls return and are no longer counted
     for _ in range(200):
-        if runner._stuck[0] <= before:
+        if pool.stuck == 0:
             break
         time.sleep(0.02)
-    assert runner._stuck[0] <= before
+    assert pool.stuck == 0
 
 
 def test_a_first_observation_of_chat_messages_is_rendered_with_its_own_system_message(module):

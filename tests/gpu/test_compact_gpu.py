@@ -167,7 +167,7 @@ def test_real_smollm2_sampler_logprobs_match_the_trainer(smollm2):
         module.configure_model()
         module.to("cuda")
         torch.manual_seed(0)
-        generated = module.sample(prompts[:32], 2)
+        generated = module.actor.sample(prompts[:32], 2)
         diff, mask = sampler_vs_trainer(module, generated)
         diff = diff[mask]
         result[dtype] = {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(mask.sum())}

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 
 def _prompts(module):
-    return module.format_prompts(["What is 1 + 1?", "Add 12 and 30, then tell me the sum please."])
+    return module.actor.format_prompts(["What is 1 + 1?", "Add 12 and 30, then tell me the sum please."])
 
 
 def test_cuda_graph_decode_equals_plain_decode_and_generate(tiny_model_dir, caplog):
@@ -45,9 +45,9 @@ def test_cuda_graph_sampling_is_reproducible_and_fills_lengths(tiny_model_dir):
     module.configure_model()
     module.to("cuda")
     torch.manual_seed(3)
-    a = module.sample(_prompts(module), 4)
+    a = module.actor.sample(_prompts(module), 4)
     torch.manual_seed(3)
-    b = module.sample(_prompts(module), 4)
+    b = module.actor.sample(_prompts(module), 4)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert a.completion_ids.shape == (8, 16) and bool((a.completion_mask.sum(1) == 16).all())
 
@@ -65,7 +65,7 @@ def test_qlora_step_with_teacher_and_reference_views(tiny_model_dir):
     assert quantized and all(m.weight.dtype == torch.bfloat16 for m in quantized)  # bf16 storage words
     assert not any(p.requires_grad for n, p in module.policy.named_parameters() if "lora_" not in n)
     prompts = ["What is 1 + 1?", "What is 2 + 3?"]
-    g = module.sample(module.format_prompts(prompts), 4)
+    g = module.actor.sample(module.actor.format_prompts(prompts), 4)
     from scgrpo.rollout.types import RolloutBatch
     from scgrpo.update import StepSums
 
@@ -73,7 +73,7 @@ def test_qlora_step_with_teacher_and_reference_views(tiny_model_dir):
                             ["a"] * 4 + ["b"] * 4, [prompts[0]] * 4 + [prompts[1]] * 4, [2] * 4 + [5] * 4,
                             g.completions, rewards=torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1], device="cuda"))
     module.manual_backward = lambda loss: loss.backward()
-    module.score_rollouts(rollouts)  # the reference view: adapters off on the 4-bit base
+    module.actor.score(rollouts, module.objective.needs.old_logprobs, module.objective.needs.ref_logprobs)  # the reference view: adapters off on the 4-bit base
     assert rollouts.ref_logprobs is not None and torch.isfinite(rollouts.ref_logprobs).all()
     signal = module.run_self_teacher(rollouts)
     update = module.policy_update()
@@ -94,7 +94,6 @@ def test_kept_states_through_cuda_graphs_give_the_forwards_divergences(tiny_mode
     pinned buffers while the next steps run, are the forward pass's final states: the self-teacher's D from them
     equals D from its student forward (fp32: to rounding; bf16: to the kernels' rounding, far below D itself). With
     3 slots for 8 rows and a stage of one burst, rows are admitted as others end and the stage is emptied often."""
-    from scgrpo.callbacks.rollout import sample_rollouts
     from scgrpo.objectives import SCGRPO
     from scgrpo.rollout import slots as slots_module
     from scgrpo.rollout.types import PromptBatch
@@ -106,19 +105,21 @@ def test_kept_states_through_cuda_graphs_give_the_forwards_divergences(tiny_mode
                                                        student_states="rollout"))
     module.configure_model()
     module.to("cuda")
+    module.setup("fit")
     with torch.no_grad():  # sharper distributions: KLs of ~0.1-1
         module.policy.get_base_model().model.norm.weight.mul_(8.0)
-    assert module.rollout_states
+    assert module.rollout_stage.states
     torch.manual_seed(0)
-    rollouts = sample_rollouts(module, PromptBatch(ids=["a", "b"], questions=["What is 1 + 1?", "Add 12 and 30."],
+    rollouts = module.rollout_stage.sample(PromptBatch(ids=["a", "b"], questions=["What is 1 + 1?", "Add 12 and 30."],
                                                    answers=[2, 42]))
-    assert rollouts.stats["rollout/graphs_recorded"] >= 1
+    assert rollouts.stats.sampler["rollout/graphs_recorded"] >= 1
     if slots:
-        assert rollouts.stats["rollout/prefills"] > 1
+        assert rollouts.stats.sampler["rollout/prefills"] > 1
     states = rollouts.student_states
     assert states.device.type == "cpu" and states.shape[:2] == rollouts.completion_ids.shape
     rollouts.rewards = torch.tensor([1.0, 1.0, 0, 0, 0, 0, 0, 0], device="cuda")
     kept = module.run_self_teacher(rollouts)
+    rollouts.student_states = None  # (as the step drops them: the student's forward pass next)
     forward = module.run_self_teacher(rollouts)
     active = rollouts.completion_mask.bool() & kept.has_teacher.unsqueeze(1)
     assert active.sum() > 50 and forward.divergence[active].mean() > 0.05

@@ -4,7 +4,7 @@ SC-GRPO with each row's f permuted, and GRPO scaled by the step's mean f. Values
 import pytest
 import torch
 
-from scgrpo.objectives import GRPO, SCGRPO, LossInputs, ScaledGRPO, functional as Fn
+from scgrpo.objectives import GRPO, SCGRPO, CreditInputs, LossInputs, ScaledGRPO, functional as Fn
 from scgrpo.selfteacher import PARTIAL, SOLVE_NONE
 from tests.objectives.test_scgrpo import _signal
 
@@ -21,9 +21,9 @@ def _partial():
 
 
 def test_permuted_weights_keep_each_rows_values_and_advantage_and_lose_their_places():
-    plain = SCGRPO().credit(REWARDS, MASK, 4, _partial())
+    plain = SCGRPO().credit(CreditInputs(REWARDS, MASK, 4, _partial()))
     torch.manual_seed(0)
-    permuted = SCGRPO(permute_weights=True).credit(REWARDS, MASK, 4, _partial())
+    permuted = SCGRPO(permute_weights=True).credit(CreditInputs(REWARDS, MASK, 4, _partial()))
     torch.testing.assert_close(permuted.advantages, plain.advantages)
     assert permuted.stats.c == plain.stats.c and permuted.stats.f_mean == plain.stats.f_mean
     for row, values in enumerate(F_ROWS):  # the same multiset of values at the row's model tokens
@@ -35,7 +35,7 @@ def test_permuted_weights_keep_each_rows_values_and_advantage_and_lose_their_pla
     torch.testing.assert_close((permuted.token_weights * MASK).sum(1), (plain.token_weights * MASK).sum(1))
     # the draw comes from torch's CPU generator (restored from checkpoints): the same state, the same weights
     torch.manual_seed(0)
-    again = SCGRPO(permute_weights=True).credit(REWARDS, MASK, 4, _partial())
+    again = SCGRPO(permute_weights=True).credit(CreditInputs(REWARDS, MASK, 4, _partial()))
     assert torch.equal(again.token_weights, permuted.token_weights)
 
 
@@ -45,7 +45,7 @@ def test_permutation_is_uniform_over_a_rows_model_tokens():
     counts = torch.zeros(4, 4)
     values = torch.tensor(F_ROWS[0])
     for _ in range(4000):
-        w = SCGRPO(permute_weights=True).credit(REWARDS, MASK, 4, _partial()).token_weights[0]
+        w = SCGRPO(permute_weights=True).credit(CreditInputs(REWARDS, MASK, 4, _partial())).token_weights[0]
         nearest = (w.unsqueeze(1) - values.unsqueeze(0)).abs().argmin(1)  # [place] the value found there
         counts[torch.arange(4), nearest] += 1  # [place, value]
     shares = counts / 4000
@@ -57,16 +57,16 @@ def test_permuted_solve_none_rows_keep_the_diversity_advantage_of_the_unpermuted
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0]])
     signal = _signal([SOLVE_NONE] * 4, [True, True, False, True], d, diversity_length=[2, 2, 0, 1],
                      is_reference=[False, False, True, False])
-    plain = SCGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, signal)
+    plain = SCGRPO(c_fixed=1.0).credit(CreditInputs(torch.zeros(4), mask, 4, signal))
     for seed in range(5):  # row 0's window (f .5 .5 of .5 .5 .75) would score otherwise after some shuffles
         torch.manual_seed(seed)
-        permuted = SCGRPO(c_fixed=1.0, permute_weights=True).credit(torch.zeros(4), mask, 4, signal)
+        permuted = SCGRPO(c_fixed=1.0, permute_weights=True).credit(CreditInputs(torch.zeros(4), mask, 4, signal))
         torch.testing.assert_close(permuted.advantages, plain.advantages)
         assert sorted(permuted.token_weights[0].tolist()) == [0.5, 0.5, 0.75]
 
 
 def test_scaled_grpo_weights_every_teacher_row_by_the_steps_mean_f():
-    credit = ScaledGRPO().credit(REWARDS, MASK, 4, _partial())
+    credit = ScaledGRPO().credit(CreditInputs(REWARDS, MASK, 4, _partial()))
     expected = torch.where(torch.tensor([True, True, True, False]).unsqueeze(1), MASK * MEAN_F, MASK)
     torch.testing.assert_close(credit.token_weights, expected)
     torch.testing.assert_close(credit.advantages, Fn.group_advantages(REWARDS, 4))  # GRPO's A_i
@@ -76,7 +76,7 @@ def test_scaled_grpo_weights_every_teacher_row_by_the_steps_mean_f():
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0]])
     signal = _signal([SOLVE_NONE] * 4, [True, True, False, True], d, diversity_length=[2, 2, 0, 1],
                      is_reference=[False, False, True, False])
-    none = ScaledGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, signal)
+    none = ScaledGRPO(c_fixed=1.0).credit(CreditInputs(torch.zeros(4), mask, 4, signal))
     assert torch.equal(none.advantages, torch.zeros(4))
     f_mean = (0.5 + 0.5 + 0.75 + 0 + 0 + 0.75 + 0.5) / 7  # f = D / (D + 1) over the 7 active tokens
     torch.testing.assert_close(none.token_weights[0], torch.full((3,), f_mean))
@@ -85,7 +85,7 @@ def test_scaled_grpo_weights_every_teacher_row_by_the_steps_mean_f():
 def test_scaled_grpo_loss_is_grpo_with_its_teacher_rows_advantages_scaled():
     """Under seq-mean-token-mean a constant weight per row is the same as scaling the row's advantage."""
     objective = ScaledGRPO()
-    credit = objective.credit(REWARDS, MASK, 4, _partial())
+    credit = objective.credit(CreditInputs(REWARDS, MASK, 4, _partial()))
     torch.manual_seed(0)
     logprobs = (torch.randn(4, 4) * 0.1 - 1.0).requires_grad_()
     old = logprobs.detach() + torch.randn(4, 4) * 0.05

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scgrpo.objectives import GRPO, OPSD, Credit, LossInputs, SelfDistillation
+from scgrpo.objectives import GRPO, OPSD, Credit, DistillInputs, LossInputs, SelfDistillation
 from scgrpo.objectives import functional as Fn
 from scgrpo.rollout.types import TeacherSignal
 
@@ -37,9 +37,10 @@ def _case(seed=0, temperature=0.7):
     teacher = torch.randn(3, 4, H)
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
     inputs = LossInputs(completion_mask=mask, advantages=torch.tensor([0.5, -1.0, 0.0]),
-                        old_logprobs=torch.zeros(3, 4), hidden=student, lm_head=head, teacher_hidden=teacher,
-                        has_teacher=torch.tensor([True, False, True]), num_teacher_rows=4.0,
-                        temperature=temperature, chunk_size=5, num_tokens=float(mask.sum()), num_sequences=3.0)
+                        old_logprobs=torch.zeros(3, 4), temperature=temperature, chunk_size=5,
+                        num_tokens=float(mask.sum()), num_sequences=3.0,
+                        distill=DistillInputs(hidden=student, lm_head=head, teacher_hidden=teacher,
+                                              has_teacher=torch.tensor([True, False, True]), num_teacher_rows=4.0))
     return head, student, teacher, mask, inputs
 
 
@@ -75,7 +76,7 @@ def test_distillation_loss_clips_each_token_and_defaults_to_the_local_teacher_ro
     head, student, teacher, mask, inputs = _case()
     _, per_token = _expected(head, student, teacher, mask, "jsd", 0.7)
     clip = float(per_token[[0, 2]][mask[[0, 2]].bool()].median())  # some tokens above the clip, some below
-    inputs.num_teacher_rows = None  # unset: the rows with a teacher here (2)
+    inputs.distill.num_teacher_rows = None  # unset: the rows with a teacher here (2)
     loss, _ = Fn.distillation_loss(inputs, "jsd", token_clip=clip)
     expected, _ = _expected(head, student, teacher, mask, "jsd", 0.7, clip=clip, denominator=2.0)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
@@ -83,7 +84,7 @@ def test_distillation_loss_clips_each_token_and_defaults_to_the_local_teacher_ro
 
 def test_without_teacher_rows_the_distillation_term_is_zero_and_connected():
     head, student, teacher, mask, inputs = _case()
-    inputs.has_teacher = torch.tensor([False, False, False])
+    inputs.distill.has_teacher = torch.tensor([False, False, False])
     loss, logged = Fn.distillation_loss(inputs, "forward_kl")
     assert loss.item() == 0.0 and math.isnan(logged.item())
     loss.backward()  # connected to the graph: backward runs and gives zeros

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from scgrpo.objectives import SCGRPO, HighEntropyGRPO, LossInputs, Objective
+from scgrpo.objectives import SCGRPO, CreditInputs, HighEntropyGRPO, LossInputs, Objective
 from scgrpo.objectives import functional as Fn
 from scgrpo.rollout.types import PARTIAL, TeacherSignal
 
@@ -51,7 +51,7 @@ def _expected_weights(c: float) -> torch.Tensor:
 @pytest.mark.parametrize("q", sorted(C_BY_QUANTILE))
 def test_c_is_the_chosen_quantile_of_the_active_divergences(q, scope):
     c = C_BY_QUANTILE[q]
-    credit = SCGRPO(c_quantile=q, c_scope=scope).credit(REWARDS, MASK, 4, _signal())
+    credit = SCGRPO(c_quantile=q, c_scope=scope).credit(CreditInputs(REWARDS, MASK, 4, _signal()))
     assert credit.stats.c == pytest.approx(c)
     torch.testing.assert_close(credit.token_weights, _expected_weights(c))
     active = torch.tensor([0.0, 0.1, 0.2, 0.4, 0.3, 0.0, 0.05])
@@ -73,7 +73,7 @@ def _objective_from_yaml(path: str) -> Objective:
 def test_the_threshold_ablations_build_an_objective_with_their_quantile(name, q):
     """Not only the saved config: the objective built from the ablation weighs tokens with its own c."""
     objective = _objective_from_yaml(os.path.join(ABLATIONS, name))
-    credit = objective.credit(REWARDS, MASK, 4, _signal())
+    credit = objective.credit(CreditInputs(REWARDS, MASK, 4, _signal()))
     assert credit.stats.c == pytest.approx(C_BY_QUANTILE[q])
     torch.testing.assert_close(credit.token_weights, _expected_weights(C_BY_QUANTILE[q]))
 

@@ -10,7 +10,7 @@ import torch
 
 from scgrpo.objectives import GRPO, REINFORCEPlusPlus
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import LossInputs
+from scgrpo.objectives.base import CreditInputs, LossInputs
 from scgrpo.objectives.reinforce_pp import reinforce_pp_advantages
 
 
@@ -45,8 +45,8 @@ def test_two_rows_by_hand():
     old = torch.tensor([[-1.0, -2.0], [-0.5, -1.0]])
     ref = torch.tensor([[-1.5, -2.0], [-0.5, -2.0]])
     mask = torch.ones(2, 2)
-    credit = REINFORCEPlusPlus(kl_coef=0.1).credit(torch.tensor([1.0, 0.0]), mask, 2, old_logprobs=old,
-                                                   ref_logprobs=ref)
+    credit = REINFORCEPlusPlus(kl_coef=0.1).credit(CreditInputs(torch.tensor([1.0, 0.0]), mask, 2, old_logprobs=old,
+                                                   ref_logprobs=ref))
     std = math.sqrt(0.385625 + 1e-8)
     expected = torch.tensor([[0.5125, 0.5625], [-0.5375, -0.5375]]) / std
     torch.testing.assert_close(credit.token_advantages, expected)
@@ -77,7 +77,7 @@ def test_against_the_paper_written_out(gamma, baseline, estimator):
     old = -torch.rand(n, c, generator=g) * 3
     ref = -torch.rand(n, c, generator=g) * 3
     objective = REINFORCEPlusPlus(kl_coef=0.05, gamma=gamma, baseline=baseline, kl_estimator=estimator)
-    credit = objective.credit(rewards, mask, group, old_logprobs=old, ref_logprobs=ref)
+    credit = objective.credit(CreditInputs(rewards, mask, group, old_logprobs=old, ref_logprobs=ref))
     delta = old - ref
     kl = {"k1": delta, "k2": 0.5 * delta**2, "k3": torch.exp(-delta) + delta - 1}[estimator]
     expected = _reference(rewards.tolist(), mask.tolist(), group, kl.tolist(), 0.05, gamma, baseline)
@@ -88,15 +88,15 @@ def test_without_kl_every_token_of_a_row_shares_its_whitened_reward():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]).float()
     objective = REINFORCEPlusPlus(kl_coef=0.0)
-    assert not objective.needs_ref_logprobs and not objective.needs_old_logprobs  # no scoring pass
-    credit = objective.credit(rewards, mask, 2)
+    assert not objective.needs.ref_logprobs and not objective.needs.old_logprobs  # no scoring pass
+    credit = objective.credit(CreditInputs(rewards, mask, 2))
     tokens = torch.tensor([1.0] * 5 + [0.0] * 4)  # each row's tokens carry its R: 5 ones, 4 zeros
     expected = (rewards.unsqueeze(1) - tokens.mean()) / tokens.std()
     torch.testing.assert_close(credit.token_advantages, expected * mask, atol=1e-6, rtol=1e-6)
 
 
 def test_equal_rewards_and_no_kl_give_no_gradient_rows():
-    credit = REINFORCEPlusPlus(kl_coef=0.0).credit(torch.ones(4), torch.ones(4, 3), 2)
+    credit = REINFORCEPlusPlus(kl_coef=0.0).credit(CreditInputs(torch.ones(4), torch.ones(4, 3), 2))
     assert torch.count_nonzero(credit.token_advantages) == 0
     assert not REINFORCEPlusPlus().rows_in_loss(credit).any()
 
@@ -105,16 +105,16 @@ def test_nan_outside_the_mask_stays_out():
     old = torch.tensor([[-1.0, float("nan")], [-0.5, -1.0]])
     ref = torch.tensor([[-1.5, float("-inf")], [-0.5, -2.0]])
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-    credit = REINFORCEPlusPlus(kl_coef=0.1).credit(torch.tensor([1.0, 0.0]), mask, 2, old_logprobs=old,
-                                                   ref_logprobs=ref)
+    credit = REINFORCEPlusPlus(kl_coef=0.1).credit(CreditInputs(torch.tensor([1.0, 0.0]), mask, 2, old_logprobs=old,
+                                                   ref_logprobs=ref))
     assert torch.isfinite(credit.token_advantages).all() and credit.token_advantages[0, 1] == 0
 
 
 def test_kl_needs_the_scoring_pass():
     objective = REINFORCEPlusPlus(kl_coef=0.01)
-    assert objective.needs_old_logprobs and objective.needs_ref_logprobs and objective.beta == 0
+    assert objective.needs.old_logprobs and objective.needs.ref_logprobs and objective.beta == 0
     with pytest.raises(RuntimeError, match="scoring pass"):
-        objective.credit(torch.ones(2), torch.ones(2, 2), 2)
+        objective.credit(CreditInputs(torch.ones(2), torch.ones(2, 2), 2))
 
 
 def test_loss_is_the_token_mean_clipped_surrogate_of_the_token_advantages():

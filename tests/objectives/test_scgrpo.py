@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scgrpo.objectives import SCGRPO, functional as Fn
+from scgrpo.objectives import SCGRPO, CreditInputs, functional as Fn
 from scgrpo.selfteacher import ALL, PARTIAL, SINGLE, SOLVE_NONE, TeacherSignal
 
 P_T = torch.tensor([0.5, 0.25, 0.25])
@@ -124,7 +124,7 @@ def test_weights_and_c_by_hand_on_a_padded_batch():
     d = torch.tensor([[0.0, 0.1, 0.2, 0.4], [0.3, 0.0, 9.0, 9.0], [0.05, 9.0, 9.0, 9.0], [5.0, 5.0, 5.0, 9.0]])
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
     signal = _signal([PARTIAL] * 4, [True, True, True, False], d)
-    credit = SCGRPO().credit(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, signal)
+    credit = SCGRPO().credit(CreditInputs(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, signal))
     assert credit.stats.c == pytest.approx(0.25)
     expected = torch.tensor([[0.0, 0.1 / 0.35, 0.2 / 0.45, 0.4 / 0.65], [0.3 / 0.55, 0.0, 0, 0],
                              [0.05 / 0.3, 0, 0, 0], [1.0, 1.0, 1.0, 0.0]])  # row 3: no teacher -> weight 1
@@ -140,11 +140,11 @@ def test_c_min_floor_and_c_fixed():
     d = torch.zeros(4, 3)
     mask = torch.ones(4, 3)
     signal = _signal([PARTIAL] * 4, [True] * 4, d)
-    credit = SCGRPO().credit(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, signal)
+    credit = SCGRPO().credit(CreditInputs(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, signal))
     assert credit.stats.c == pytest.approx(1e-4)  # all-zero KL: c = c_min, every weight 0
     assert torch.equal(credit.token_weights, torch.zeros(4, 3))
     d = torch.full((4, 3), 0.5)
-    credit = SCGRPO(c_fixed=1.5).credit(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, _signal([PARTIAL] * 4, [True] * 4, d))
+    credit = SCGRPO(c_fixed=1.5).credit(CreditInputs(torch.tensor([1.0, 1.0, 0.0, 0.0]), mask, 4, _signal([PARTIAL] * 4, [True] * 4, d)))
     torch.testing.assert_close(credit.token_weights, torch.full((4, 3), 0.25))
 
 
@@ -153,8 +153,8 @@ def test_micro_batch_scope_takes_c_per_block_of_rows():
     mask = torch.ones(4, 2)
     signal = _signal([PARTIAL] * 4, [True] * 4, d)
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
-    batch = SCGRPO().credit(rewards, mask, 4, signal, micro_batch_size=2)
-    micro = SCGRPO(c_scope="micro_batch").credit(rewards, mask, 4, signal, micro_batch_size=2)
+    batch = SCGRPO().credit(CreditInputs(rewards, mask, 4, signal, micro_batch_size=2))
+    micro = SCGRPO(c_scope="micro_batch").credit(CreditInputs(rewards, mask, 4, signal, micro_batch_size=2))
     torch.testing.assert_close(batch.token_weights, d / (d + 0.9))  # one c = P75 of all = .9
     torch.testing.assert_close(micro.token_weights, torch.full((4, 2), 0.5))  # each block's c is its own D
 
@@ -174,7 +174,7 @@ def test_solve_none_diversity_advantage_by_hand():
     std = math.sqrt(float(((s - mean) ** 2).sum()) / 2)
     a_div = (s - mean) / (std + 1e-4)
     for alpha in (0.1, 0.2):
-        credit = SCGRPO(c_fixed=1.0, alpha=alpha).credit(torch.zeros(4), mask, 4, signal)
+        credit = SCGRPO(c_fixed=1.0, alpha=alpha).credit(CreditInputs(torch.zeros(4), mask, 4, signal))
         expected = torch.tensor([a_div[0], a_div[1], 0.0, a_div[2]]) * alpha
         torch.testing.assert_close(credit.advantages, expected)
         torch.testing.assert_close(credit.token_weights[0], torch.tensor([0.5, 0.5, 0.75]))  # f applies in the loss
@@ -182,8 +182,8 @@ def test_solve_none_diversity_advantage_by_hand():
     # without the truncation at the reference's length row 3 would score (.75 + .5) / 2 instead
     untruncated = _signal([SOLVE_NONE] * 4, [True, True, False, True], d, diversity_length=[2, 2, 0, 2],
                           is_reference=[False, False, True, False])
-    other = SCGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, untruncated)
-    assert not torch.allclose(other.advantages, SCGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, signal).advantages)
+    other = SCGRPO(c_fixed=1.0).credit(CreditInputs(torch.zeros(4), mask, 4, untruncated))
+    assert not torch.allclose(other.advantages, SCGRPO(c_fixed=1.0).credit(CreditInputs(torch.zeros(4), mask, 4, signal)).advantages)
 
 
 def test_unrouted_solve_none_groups_keep_grpo_advantages():
@@ -192,11 +192,11 @@ def test_unrouted_solve_none_groups_keep_grpo_advantages():
     rewards = torch.tensor([0.5, 0.0, 0.25, 0.0])  # no rollout reaches the threshold 1.0
     mask = torch.ones(4, 2)
     unrouted = _signal([SOLVE_NONE] * 4, [False] * 4, torch.zeros(4, 2))
-    credit = SCGRPO(route_solve_none=False).credit(rewards, mask, 4, unrouted)
+    credit = SCGRPO(route_solve_none=False).credit(CreditInputs(rewards, mask, 4, unrouted))
     assert torch.equal(credit.advantages, Fn.group_advantages(rewards, 4)) and credit.advantages.abs().sum() > 0
     routed = _signal([SOLVE_NONE] * 4, [True, True, True, False], torch.tensor([[0.1, 0.1], [0.2, 0.2], [0.4, 0.4],
                      [0.0, 0.0]]), diversity_length=[2, 2, 2, 0], is_reference=[False, False, False, True])
-    credit = SCGRPO().credit(rewards, mask, 4, routed)
+    credit = SCGRPO().credit(CreditInputs(rewards, mask, 4, routed))
     assert credit.advantages[3] == 0 and credit.advantages[:3].abs().max() <= 0.1 * 2  # alpha x standardised scores
 
 
@@ -205,7 +205,7 @@ def test_single_and_all_correct_groups_keep_grpo_advantages_and_weight_one():
     mask = torch.ones(8, 3)
     signal = _signal([SINGLE] * 4 + [ALL] * 4, [False] * 8, d)
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1])
-    credit = SCGRPO().credit(rewards, mask, 4, signal)
+    credit = SCGRPO().credit(CreditInputs(rewards, mask, 4, signal))
     assert torch.equal(credit.token_weights, mask)
     assert torch.equal(credit.advantages, Fn.group_advantages(rewards, 4))
 
@@ -273,6 +273,6 @@ def test_a_solve_none_row_without_a_window_is_not_scored():
                      is_reference=[False, False, True, False])
     s = torch.tensor([0.5, 0.0])
     a_div = (s - s.mean()) / (s.std() + 1e-4)
-    credit = SCGRPO(c_fixed=1.0).credit(torch.zeros(4), mask, 4, signal)
+    credit = SCGRPO(c_fixed=1.0).credit(CreditInputs(torch.zeros(4), mask, 4, signal))
     torch.testing.assert_close(credit.advantages, torch.tensor([a_div[0], a_div[1], 0.0, 0.0]) * 0.1)
     assert credit.stats.div_adv_std == pytest.approx(float(credit.advantages[:2].std()), rel=1e-5)  # the scored rows

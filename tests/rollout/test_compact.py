@@ -203,7 +203,7 @@ def test_sampler_logprobs_equal_the_trainers(tiny_model_dir):
                          generation=GenerationSettings(num_generations=3, max_new_tokens=12, temperature=0.8))
     module.configure_model()
     torch.manual_seed(0)
-    generated = module.sample(module.format_prompts(["What is 1 + 1?", "Add 12 and 30."]), 3)
+    generated = module.actor.sample(module.actor.format_prompts(["What is 1 + 1?", "Add 12 and 30."]), 3)
     assert generated.stats["rollout/slots"] == 6  # the compact engine sampled
     diff, mask = sampler_vs_trainer(module, generated)
     assert float(diff[mask].max()) < 1e-4
@@ -225,11 +225,14 @@ def test_other_architectures_fall_back_to_the_hugging_face_forward(tok, batch, c
         def batch_decode(self, ids, **kwargs):
             return tok.batch_decode(ids, **kwargs)
 
-    settings = GenerationSettings(num_generations=2, max_new_tokens=10)
-    with caplog.at_level(logging.INFO, logger="scgrpo.rollout.engine"):
-        out = generate(model, Tokenizer(), ["hello", "a b"], 1, settings, torch.device("cpu"), greedy=True)
-        generate(model, Tokenizer(), ["hello", "a b"], 1, settings, torch.device("cpu"), greedy=True)
-    assert caplog.text.count("compact decode forward not used (activation 'gelu')") == 1  # logged once
+    from scgrpo.rollout.backends import CompactSampler
+
+    settings, backend = GenerationSettings(num_generations=2, max_new_tokens=10), CompactSampler()
+    with caplog.at_level(logging.INFO, logger="scgrpo.rollout.backends.compact"):
+        out = generate(model, Tokenizer(), ["hello", "a b"], 1, settings, torch.device("cpu"), greedy=True,
+                       sampler=backend)
+        generate(model, Tokenizer(), ["hello", "a b"], 1, settings, torch.device("cpu"), greedy=True, sampler=backend)
+    assert caplog.text.count("compact decode forward not used (activation 'gelu')") == 1  # logged once a backend
     assert torch.equal(out.completion_ids[:, :10], hf_greedy(model, tok(["hello", "a b"], return_tensors="pt",
                                                                         padding=True), 10, 2)[:, : out.completion_ids.shape[1]])
     assert out.stats == {}
@@ -443,7 +446,8 @@ def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(
     and refresh the adapters' copies at the first call only; outside the block every call does both. Without kept
     workspaces each call releases the weight copies, so each call inside the block refreshes them again."""
     from scgrpo.rollout import model_parts
-    from scgrpo.rollout.engine import GenerationSettings, generate_ids, one_model_state, release_rollout_workspaces
+    from scgrpo.rollout.backends import CompactSampler
+    from scgrpo.rollout.engine import GenerationSettings, generate_ids
 
     model = with_lora(tiny("llama", len(tok)))
     counts = {"check": 0, "refresh": 0}
@@ -462,12 +466,13 @@ def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(
     settings = GenerationSettings(num_generations=2, max_new_tokens=4, keep_workspace=keep_workspace)
     prompts = [torch.randint(3, 50, (3, width)) for width in (5, 9, 14)]
 
+    sampler = CompactSampler()
+
     def turns():
         return [generate_ids(model, tok, ids, torch.ones_like(ids), settings, greedy=True, reserve=(3, 40),
-                             texts=False) for ids in prompts]
+                             texts=False, sampler=sampler) for ids in prompts]
 
-    release_rollout_workspaces()
-    with one_model_state():
+    with sampler.one_model_state():
         inside = turns()
     assert counts == ({"check": 1, "refresh": 1} if keep_workspace else {"check": 3, "refresh": 3})
     assert all(out.completions == [] for out in inside)
@@ -475,13 +480,14 @@ def test_one_model_state_checks_and_refreshes_once_for_calls_within_the_reserve(
     outside = turns()
     assert counts == {"check": 3, "refresh": 3}
     assert all(torch.equal(a.completion_ids, b.completion_ids) for a, b in zip(inside, outside))
-    with one_model_state():  # a call longer than the reserve checked before is checked again
-        generate_ids(model, tok, prompts[0], torch.ones_like(prompts[0]), settings, greedy=True, reserve=(3, 40))
+    with sampler.one_model_state():  # a call longer than the reserve checked before is checked again
+        generate_ids(model, tok, prompts[0], torch.ones_like(prompts[0]), settings, greedy=True, reserve=(3, 40),
+                     sampler=sampler)
         counts.update(check=0, refresh=0)
         longer = torch.randint(3, 50, (3, 60))
-        generate_ids(model, tok, longer, torch.ones_like(longer), settings, greedy=True)
+        generate_ids(model, tok, longer, torch.ones_like(longer), settings, greedy=True, sampler=sampler)
     assert counts["check"] == 1
-    release_rollout_workspaces()
+    sampler.release()
 
 
 def test_prefills_are_recorded_only_with_kept_workspaces_and_no_memory_budget(tok):
@@ -559,23 +565,24 @@ def test_kept_states_are_the_policys_final_states_before_each_token(tok, slots, 
 def test_states_are_kept_only_when_asked_for(tok, batch):
     """A sampler is rebuilt once to keep states (its steps write the stage); it then serves calls without them too
     (evaluation at the training temperature), which hand none back, without another rebuild."""
-    from scgrpo.rollout.engine import _DECODERS
+    from scgrpo.rollout.backends import CompactSampler
 
     model = tiny("llama", len(tok))
     settings = GenerationSettings(max_new_tokens=6)
-    assert generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu")).states is None
-    (plain,) = _DECODERS[model]["samplers"].values()
+    backend = CompactSampler()
+    assert generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), sampler=backend).states is None
+    (plain,) = backend.decoders[model]["samplers"].values()
     assert not plain.keep_states
-    out = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), states=True)
+    out = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), states=True, sampler=backend)
     assert out.states.shape == (4, out.completion_ids.shape[1], 32)
-    (keeping,) = _DECODERS[model]["samplers"].values()
+    (keeping,) = backend.decoders[model]["samplers"].values()
     assert keeping is not plain and keeping.keep_states
-    again = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"))
-    assert again.states is None and list(_DECODERS[model]["samplers"].values()) == [keeping]
+    again = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), sampler=backend)
+    assert again.states is None and list(backend.decoders[model]["samplers"].values()) == [keeping]
     assert keeping._host is None and keeping.states is None
     torch.manual_seed(0)
-    last = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), states=True)
-    assert list(_DECODERS[model]["samplers"].values()) == [keeping]
+    last = generate(model, tok, ["hi", "there"], 2, settings, torch.device("cpu"), states=True, sampler=backend)
+    assert list(backend.decoders[model]["samplers"].values()) == [keeping]
     encoded = tok(["hi", "there"], return_tensors="pt", padding=True, add_special_tokens=False)
     batch = {k: v.repeat_interleave(2, 0) for k, v in encoded.items()}
     expected = _forward_states(model, batch, last.completion_ids)  # (a tiny model seldom ends early: 6 tokens each)

@@ -276,10 +276,12 @@ def test_new_decoder_options_free_the_old_decoders_copies_first(models, tok, mon
     """Changing four_bit/memory_budget_gib rebuilds the decoder: the old one's resident copy is released before the
     new one is built (else both copies are held at once, and ``auto`` counts the old one as used memory)."""
     from scgrpo.rollout import compact
-    from scgrpo.rollout.engine import GenerationSettings, compact_decoder, release_rollout_workspaces
+    from scgrpo.rollout.backends import CompactSampler
+    from scgrpo.rollout.engine import GenerationSettings
 
     model4, _ = models
-    old = compact_decoder(model4, GenerationSettings(four_bit="resident"), 64)["decoder"]
+    sampler = CompactSampler()
+    old = sampler.decoder(model4, GenerationSettings(four_bit="resident"), 64)["decoder"]
     assert old.layers[0].qkv.weight is not None
     seen = []
 
@@ -290,9 +292,9 @@ def test_new_decoder_options_free_the_old_decoders_copies_first(models, tok, mon
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(compact.CompactDecoder, "__init__", spy)
-    new = compact_decoder(model4, GenerationSettings(four_bit="streamed"), 64)["decoder"]
+    new = sampler.decoder(model4, GenerationSettings(four_bit="streamed"), 64)["decoder"]
     assert seen == [True] and new.four_bit == "streamed"
-    release_rollout_workspaces()
+    sampler.release()
     assert all(d.scales is None for p in new._projections for d in p.dequantizers) and new.scratch is None
 
 

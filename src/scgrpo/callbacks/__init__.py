@@ -1,4 +1,4 @@
-"""Callbacks: rollout generation, verification, dynamic sampling, logging of completions and credit, adapters,
+"""Callbacks: the rollout stage before each step, logging of completions, credit and evaluations, adapters,
 checkpoints by step."""
 
 from scgrpo.atomic_io import AtomicCheckpointIO
@@ -6,17 +6,17 @@ from scgrpo.callbacks.checkpoint import StepCheckpoint
 from scgrpo.callbacks.credit import CreditLogging
 from scgrpo.callbacks.interrupt import ReleaseHeldInterrupt
 from scgrpo.callbacks.logging import AdapterExport, CompletionsTable, ValidateBeforeTraining
-from scgrpo.callbacks.rollout import DynamicSamplingCallback, RolloutCallback, VerificationCallback
+from scgrpo.callbacks.rollout import RolloutCallback
+from scgrpo.callbacks.validation import EvaluationLogging
 
 __all__ = [
     "AdapterExport",
     "AtomicCheckpointIO",
     "CompletionsTable",
     "CreditLogging",
-    "DynamicSamplingCallback",
+    "EvaluationLogging",
     "ReleaseHeldInterrupt",
     "RolloutCallback",
     "StepCheckpoint",
     "ValidateBeforeTraining",
-    "VerificationCallback",
 ]

@@ -21,6 +21,11 @@ from scgrpo.errors import InputError
 log = logging.getLogger(__name__)
 
 
+def guarded(pl_module, flag: str) -> bool:
+    """The module's divergence guard's ``flag`` ("diverged", "last_step_skipped"); False for a module without one."""
+    return bool(getattr(getattr(pl_module, "guard", None), flag, False))
+
+
 class StepCheckpoint(ModelCheckpoint):
     """The run's checkpoints, in ``<run folder>/checkpoints``: ``last.ckpt`` every ``every_n_train_steps``
     optimiser steps, at the end of training and, with ``save_on_exception``, when training stops on Ctrl-C or
@@ -83,15 +88,13 @@ class StepCheckpoint(ModelCheckpoint):
 
     @staticmethod
     def validation_metrics(pl_module, datamodule) -> Optional[list[str]]:
-        """The ``val/<split>/...`` keys the module logs after each validation (see
-        ``RLVRModule.on_validation_epoch_end``); None when the module or data module is not one that says."""
-        k = getattr(pl_module, "eval_samples", None)
+        """The ``val/<split>/...`` keys the module logs after each validation (its
+        :class:`~scgrpo.evaluation.Evaluation`'s); None when the module or data module is not one that says."""
+        evaluation = getattr(pl_module, "evaluation", None)
         splits = getattr(datamodule, "eval_splits", None)
-        if k is None or splits is None:
+        if evaluation is None or splits is None:
             return None
-        names = [f"avg@{k}", f"pass@{k}", "completion_length", "truncated"]
-        names += ["greedy"] if getattr(pl_module, "eval_greedy", False) else []
-        return [f"val/{split}/{name}" for split in splits for name in [*names, "time_s"]]
+        return evaluation.metric_names(list(splits))
 
     def check_monitor(self, pl_module, datamodule) -> None:
         """A ``val/...`` ``monitor`` must be one of the run's validation metrics (else :class:`InputError`, before
@@ -181,7 +184,7 @@ class StepCheckpoint(ModelCheckpoint):
         """``step_whole``: called where the step's bookkeeping is known to be done (this callback's
         on_train_batch_end runs after every other callback's: Lightning orders checkpoint callbacks last)."""
         return not (trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
-                    or getattr(pl_module, "diverged", False) or getattr(pl_module, "last_step_skipped", False)
+                    or guarded(pl_module, "diverged") or guarded(pl_module, "last_step_skipped")
                     or (getattr(pl_module, "updating", False) and not step_whole))
 
     def _holds(self, trainer, pl_module) -> bool:
@@ -193,7 +196,8 @@ class StepCheckpoint(ModelCheckpoint):
     def _finite(self, trainer, pl_module) -> bool:
         """The weights' log-probs are finite (an update can leave finite weights that overflow: the next step
         would only find out when sampling). Every rank must call it when sharded."""
-        if not hasattr(pl_module, "policy_is_finite") or pl_module.policy_is_finite():
+        actor = getattr(pl_module, "actor", None)  # (a module without a policy: nothing to probe)
+        if actor is None or actor.is_finite():
             return True
         if trainer.is_global_zero:
             log.warning("no checkpoint written at step %d: the policy's log-probs are not finite", trainer.global_step)
@@ -251,8 +255,8 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.interrupt_hold.release(deliver=False)  # (the run ends here anyway)
-        if not self.write_last(trainer, pl_module) and getattr(pl_module, "last_step_skipped", False) \
-                and not getattr(pl_module, "diverged", False) and trainer.is_global_zero:
+        if not self.write_last(trainer, pl_module) and guarded(pl_module, "last_step_skipped") \
+                and not guarded(pl_module, "diverged") and trainer.is_global_zero:
             log.warning("the last step met non-finite values: no checkpoint written at the end (the last one: %s)",
                         self.last_model_path or "none")
 

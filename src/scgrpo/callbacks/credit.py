@@ -87,8 +87,8 @@ class CreditLogging(Callback):
         return rows[: self.num_rollouts]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        record = getattr(pl_module, "last_credit", None)
-        if record and self.every_n_steps and batch_idx % self.every_n_steps == 0:
+        record = pl_module.last_plan  # (None: the step was skipped; no signal: the objective has no self-teacher)
+        if record is not None and record.signal is not None and self.every_n_steps and batch_idx % self.every_n_steps == 0:
             labels = self._pivots(pl_module, batch, record)
             self._heatmap(trainer, pl_module, batch, record, labels)
             self._token_log(trainer, pl_module, batch, record, labels)
@@ -99,7 +99,7 @@ class CreditLogging(Callback):
     def _pivots(self, pl_module, batch, record):
         """The decision labels of the batch's tokens (None: no rollout marks one), with the ``credit/pivot_*``
         keys logged where a rank's rollouts mark any (every rank takes part in the collectives)."""
-        rollouts, signal, credit = batch.rollouts, record["signal"], record["credit"]
+        rollouts, signal, credit = batch.rollouts, record.signal, record.credit
         if credit.token_weights is None:
             return None
         labels, malformed = decision_labels(rollouts.completion_ids, rollouts.completion_mask, rollouts.infos,
@@ -136,7 +136,7 @@ class CreditLogging(Callback):
         reference, reward, advantage, and per token its text, whether the model wrote it (1) or the environment
         (0), its weight f (4 decimals; 1 on rows without a teacher) and, where the task marks decisions, its label
         (``decision``: 0 none, 1 right, 2 wrong, 3 both). Objectives without token weights log nothing here."""
-        rollouts, signal, credit = batch.rollouts, record["signal"], record["credit"]
+        rollouts, signal, credit = batch.rollouts, record.signal, record.credit
         if credit.token_weights is None:
             return
         weights, advantages = credit.token_weights.float().cpu(), credit.advantages.float().cpu()
@@ -164,7 +164,7 @@ class CreditLogging(Callback):
     @rank_zero_only
     def _heatmap(self, trainer, pl_module, batch, record, labels=None) -> None:
         rollouts, tokenizer = batch.rollouts, pl_module.tokenizer
-        signal, credit = record["signal"], record["credit"]
+        signal, credit = record.signal, record.credit
         weights = credit.token_weights.cpu() if credit.token_weights is not None else None
         advantages = credit.advantages.cpu()
         c = credit.stats.c if credit.stats is not None else None

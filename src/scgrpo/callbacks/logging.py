@@ -122,12 +122,12 @@ class AdapterExport(Callback):
 
     def _save(self, trainer, pl_module, name: str) -> None:
         folder = os.path.join(self.dirpath or os.path.join(run_dir(trainer), "adapter"), name)
-        if not pl_module.policy_is_finite():  # every rank: a probe forward of a sharded policy is a collective
+        if not pl_module.actor.is_finite():  # every rank: a probe forward of a sharded policy is a collective
             if trainer.is_global_zero:
                 log.warning("adapter %s not written: the policy's weights or log-probs are not finite", folder)
             return
         state = None
-        if pl_module.sharded:  # gather the sharded trainable tensors (all ranks), save them from rank 0
+        if pl_module.actor.sharded:  # gather the sharded trainable tensors (all ranks), save them from rank 0
             whole = pl_module.trainable_state()
             prefix = "runner.policy."
             state = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}

@@ -5,20 +5,8 @@ from scgrpo.data.doors import DoorsTask
 from scgrpo.data.datamodule import PromptDataModule, PromptStream
 from scgrpo.data.gym import BlackjackTask, GymTask
 from scgrpo.data.reasoning import ReasoningGymTask, ReasoningGymVerifier
-from scgrpo.data.sources import (
-    TASKS,
-    ArithmeticTask,
-    CountdownTask,
-    FileSource,
-    HubDataset,
-    PromptSource,
-    ToolCalcTask,
-    resolve_source,
-)
-
-TASKS["code"] = CodeTask
-TASKS["blackjack"] = BlackjackTask
-TASKS["doors"] = DoorsTask
+from scgrpo.data.sources import FileSource, HubDataset, PromptSource
+from scgrpo.data.tasks import TASKS, ArithmeticTask, CountdownTask, ToolCalcTask, resolve_source
 
 __all__ = [
     "TASKS",

@@ -11,10 +11,11 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from scgrpo.data.buffer import VerifiedBuffer
-from scgrpo.data.lengths import drop_long_rows, prompt_limits
+from scgrpo.data.lengths import PromptFit, drop_long_rows, prompt_limits
 from scgrpo.distributed import world_size
 from scgrpo.errors import InputError
-from scgrpo.data.sources import PromptSource, Row, resolve_source
+from scgrpo.data.sources import PromptSource, Row
+from scgrpo.data.tasks import resolve_source
 from scgrpo.rollout.types import PromptBatch
 
 
@@ -109,6 +110,7 @@ class PromptDataModule(LightningDataModule):
             raise ValueError(f"max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
         self.max_prompt_tokens = max_prompt_tokens
         self._fitting: dict[tuple, list[Row]] = {}
+        self.prompt_fit: Optional[PromptFit] = None  # the model's (fit_prompts); None: every row
         self.source = resolve_source(source)
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         available = self.source.eval_splits()
@@ -150,20 +152,25 @@ class PromptDataModule(LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
+    def fit_prompts(self, fit: PromptFit) -> None:
+        """From now on, the rows of every split that fit the model ``fit`` describes (the module calls it at setup)."""
+        if fit != self.prompt_fit:
+            self.prompt_fit, self._fitting = fit, {}
+
     def split_rows(self, split: str) -> list[Row]:
         """The rows of ``split`` that fit the model being trained (see ``max_prompt_tokens``): the source's rows,
-        with those too long skipped and counted once. Outside a Trainer, or for a module without a tokenizer, all
-        of them."""
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is None or getattr(module, "tokenizer", None) is None or not hasattr(module, "format_prompts"):
+        with those too long skipped and counted once. Before a module has called :meth:`fit_prompts` (outside a
+        Trainer), all of them."""
+        fit = self.prompt_fit
+        if fit is None:
             return self.source.rows(split)
-        limits = prompt_limits(module, self.max_prompt_tokens)
+        limits = prompt_limits(fit, self.max_prompt_tokens)
         # the teacher limit applies to training rows only: evaluation samples without a teacher
         if split != "train":
             limits = replace(limits, teacher=None)
         key = (split, limits)
         if key not in self._fitting:
-            self._fitting[key] = drop_long_rows(module, self.source.rows(split), limits, self.source.describe(split))
+            self._fitting[key] = drop_long_rows(fit, self.source.rows(split), limits, self.source.describe(split))
         return self._fitting[key]
 
     def train_dataloader(self) -> DataLoader:

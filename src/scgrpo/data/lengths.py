@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from scgrpo.errors import InputError
-from scgrpo.models import max_sequence_length
 from scgrpo.chat import Prompt, is_chat, prompt_text
 
 log = logging.getLogger(__name__)
@@ -23,6 +22,21 @@ log = logging.getLogger(__name__)
 _SENTINEL = "\x00QUESTION\x00"
 _MARGIN = 8
 """Slack for tokens merged or split where a question meets the template around it"""
+
+
+@dataclass(frozen=True)
+class PromptFit:
+    """What fitting prompts needs of the model that will sample them (the module hands it to the data module)."""
+
+    tokenizer: object
+    format_prompts: Callable[[list], list[str]]
+    """Questions -> the student's prompt texts (the chat template)"""
+    completion_room: int
+    """Positions after the prompt that sampling may fill (``max_new_tokens``, or an episode's budget and a turn)"""
+    context: Optional[int]
+    """The longest sequence the model takes (None: it states none)"""
+    teacher_prompts: Optional[Callable[[list], list[str]]] = None
+    """Questions -> the self-teacher's prompt texts with an empty reference (None: no self-teacher)"""
 
 
 @dataclass(frozen=True)
@@ -40,14 +54,13 @@ class PromptLimits:
     """Tokens kept free for the reference in the self-teacher's view"""
 
 
-def prompt_limits(module, max_prompt_tokens: Optional[int]) -> PromptLimits:
-    """The budgets for ``module`` (an :class:`~scgrpo.module.RLVRModule` with its policy loaded): a student prompt
+def prompt_limits(fit: PromptFit, max_prompt_tokens: Optional[int]) -> PromptLimits:
+    """The budgets for the model ``fit`` describes: a student prompt
     gets the model's context minus ``generation.max_new_tokens`` (or ``max_prompt_tokens`` when that is smaller); a
     self-teacher prompt gets the same minus room for a reference of ``max_new_tokens``. Where ``max_new_tokens`` is
     half the context or more, that room is not kept (no prompt would fit): the teacher's view must then fit with an
     empty reference, and references are cut to fit as :class:`~scgrpo.selfteacher.SelfTeacher` describes."""
-    new = int(getattr(module, "completion_room", module.generation.max_new_tokens))
-    context = max_sequence_length(module.policy)
+    new, context = fit.completion_room, fit.context
     if context is None:  # the model states no maximum length: only data.max_prompt_tokens, if set
         return PromptLimits(max_prompt_tokens, None, "data.max_prompt_tokens", new, 0)
     room = context - new
@@ -59,7 +72,7 @@ def prompt_limits(module, max_prompt_tokens: Optional[int]) -> PromptLimits:
     else:
         prompt, why = room, f"the model's context of {context:,} minus generation.max_new_tokens {new}"
     teacher, reference = None, 0
-    if getattr(module, "self_teacher", None) is not None:
+    if fit.teacher_prompts is not None:
         reference = new if room - new >= 1 else 0
         teacher = room - reference
     return PromptLimits(prompt, teacher, why, new, reference)
@@ -118,28 +131,24 @@ def _token_counts(tokenizer, render: Callable[[list[Prompt]], list[str]], questi
     return counts
 
 
-def drop_long_rows(module, rows: list[dict], limits: PromptLimits, where: str) -> list[dict]:
+def drop_long_rows(fit: PromptFit, rows: list[dict], limits: PromptLimits, where: str) -> list[dict]:
     """``rows`` without those whose prompt (or self-teacher view) does not fit ``limits``; one warning with the count
     and the longest when any is dropped, an :class:`InputError` when none is left."""
     if not rows or (limits.prompt is None and limits.teacher is None):
         return rows
     questions = [r["question"] for r in rows]
-    tok = module.tokenizer
-    student = _token_counts(tok, module.format_prompts, questions, limits.prompt or 1 << 62)
+    tok = fit.tokenizer
+    student = _token_counts(tok, fit.format_prompts, questions, limits.prompt or 1 << 62)
     too_long = [limits.prompt is not None and n > limits.prompt for n in student]
+    render = fit.teacher_prompts
     if limits.teacher is not None:
-        teacher = module.self_teacher
-
-        def render(qs: list[str]) -> list[str]:
-            return teacher.teacher_prompts(module.actor, qs, [""] * len(qs))
-
         viewed = _token_counts(tok, render, questions, limits.teacher)  # the teacher's prompt, empty reference
         too_long = [bad or n > limits.teacher for bad, n in zip(too_long, viewed)]
     skipped = [i for i, bad in enumerate(too_long) if bad]
     if not skipped:
         return rows
     longest = max(skipped, key=lambda i: len(prompt_text(questions[i])))
-    tokens = len(tok(module.format_prompts([questions[longest]]), add_special_tokens=False)["input_ids"][0])
+    tokens = len(tok(fit.format_prompts([questions[longest]]), add_special_tokens=False)["input_ids"][0])
     what = f"the longest (id {rows[longest]['id']}) has {tokens:,} tokens"
     if limits.teacher is None:
         what += f", over the {limits.prompt:,} a prompt may have ({limits.why})"

@@ -8,7 +8,7 @@ tokenized again: the ids the policy is trained on are the ids it sampled and rea
 The host's own work in a turn is kept to a few passes over the batch: the sampler's outputs are read into lists in
 one copy per tensor, the turn's observations are tokenized in one call (each distinct text once: a group's episodes
 often read the same), the histories are padded in one array; the environment calls are taken in order by a few
-reused threads (:func:`call_all`), so that a call that returns at once costs no hand-over to a thread of its own.
+reused threads (:meth:`CallPool.call_all`), so that a call that returns at once costs no hand-over to a thread of its own.
 
 Between turns the KV cache is re-filled by one prefill of each live history (the sampler's workspace, its cache
 and CUDA graphs are sized once for the whole episode batch and reused by every turn). ``docs/envs.md`` gives the
@@ -35,50 +35,110 @@ from scgrpo.chat import prompt_fault, prompt_key
 from scgrpo.distributed import all_reduce
 from scgrpo.errors import InputError
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult
-from scgrpo.rollout.engine import one_model_state
 
 log = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 
 
-_IDLE: "queue.SimpleQueue" = queue.SimpleQueue()  # inboxes of the worker threads free for work
 MAX_STUCK = 256
 """Calls still running past their time limit (each holds a thread) at which the run stops: the environment hangs"""
-_stuck = [0]
-_stuck_lock = threading.Lock()
 
 
 class EnvironmentHangs(InputError):
     """Too many environment calls are stuck past their time limit: the environment hangs, it does not just fault."""
 
 
-def _worker(inbox: "queue.SimpleQueue") -> None:
-    """Works on the batches of calls put in its ``inbox`` one after the other, and offers itself again after each."""
-    while True:
-        inbox.get().work()
-        _IDLE.put(inbox)
+class CallPool:
+    """Daemon threads that run environment calls, kept between batches of calls (an episode batch makes a few
+    hundred), and the count of calls left behind past their time limit.
 
+    Args:
+        clock: seconds on a monotonic clock (``time.monotonic``): time limits are read from it, so a test can pass
+            one that runs faster than real time instead of waiting.
+        rate: clock seconds per real second (how long to wait for the next limit: its clock seconds / ``rate``).
+        max_stuck: calls still running past their limit at which :meth:`call_all` raises :class:`EnvironmentHangs`.
+    """
 
-def _engage(calls: "_Calls") -> None:
-    """One more thread on ``calls``: a free one, or a new one where none is free."""
-    try:
-        inbox = _IDLE.get_nowait()
-    except queue.Empty:
-        inbox = queue.SimpleQueue()
-        threading.Thread(target=_worker, args=(inbox,), daemon=True, name="scgrpo-env").start()
-    inbox.put(calls)
+    def __init__(self, clock: Callable[[], float] = time.monotonic, rate: float = 1.0,
+                 max_stuck: int = MAX_STUCK) -> None:
+        self.clock, self.rate, self.max_stuck = clock, rate, max_stuck
+        self.idle: "queue.SimpleQueue" = queue.SimpleQueue()  # inboxes of the worker threads free for work
+        self.stuck = 0  # calls abandoned past their limit and still running
+        self.stuck_lock = threading.Lock()
+
+    def call_all(self, calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
+        """Runs ``calls`` in daemon threads, at most ``max_workers`` at a time (not counting those left behind past
+        their time limit), each within ``timeout_s`` seconds of its own start. Returns per call, in the calls' order,
+        ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that hangs is left behind in its
+        daemon thread (it cannot hold the process at exit) and the others go on in other threads. Each thread runs
+        calls one after the other, so that calls that return at once cost no thread hand-over each (see
+        :class:`_Calls`)."""
+        if not calls:
+            return []
+        batch = _Calls(calls, max_workers, self)
+        with batch.lock:
+            try:
+                self.engage(batch)
+                batch.engaged = 1
+                self._wait_all(batch, timeout_s)
+            finally:  # (a caller that leaves early, interrupted or out of threads: the workers take no more calls)
+                if batch.finished < len(calls):
+                    batch.stopped = True
+        if self.stuck > self.max_stuck:
+            raise EnvironmentHangs(f"{self.stuck} environment calls are still running past their {timeout_s:g} s time "
+                                   "limit, each holding a thread: the environment hangs. Fix it, or raise its timeout_s")
+        return batch.results
+
+    def engage(self, calls: "_Calls") -> None:
+        """One more thread on ``calls``: a free one, or a new one where none is free."""
+        try:
+            inbox = self.idle.get_nowait()
+        except queue.Empty:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._worker, args=(inbox,), daemon=True, name="scgrpo-env").start()
+        inbox.put(calls)
+
+    def count_stuck(self, change: int) -> None:
+        with self.stuck_lock:
+            self.stuck += change
+
+    def _worker(self, inbox: "queue.SimpleQueue") -> None:
+        """Works on the batches of calls put in its ``inbox`` one after the other, and offers itself again after each."""
+        while True:
+            inbox.get().work()
+            self.idle.put(inbox)
+
+    def _wait_all(self, batch: "_Calls", timeout_s: float) -> None:
+        """Under ``batch.lock``: waits until every call returned or ran past its time limit (those are abandoned,
+        their threads replaced), or until ``max_stuck`` calls are stuck."""
+        calls = batch.calls
+        while batch.finished < len(calls):
+            now = self.clock()
+            late = [k for k, start in batch.running.items() if now - start >= timeout_s]
+            if not late:  # until the first limit passes (a call not taken yet starts later)
+                wait = (min(batch.running.values(), default=now) + timeout_s - now) / self.rate  # (real seconds)
+                batch.all_finished.wait(min(max(wait, 1e-4), threading.TIMEOUT_MAX))
+                continue
+            for k in late:  # abandoned: its result stays a timeout, its thread is left behind
+                del batch.running[k]
+                batch.engaged -= 1
+                batch.finished += 1
+                self.count_stuck(1)
+            if self.stuck > self.max_stuck:
+                return
+            batch.engage_one()  # in place of the threads left behind
 
 
 class _Calls:
-    """The calls of one :func:`call_all`, taken in order by the threads engaged on it; a thread takes the next call
-    when it is done with its last. Before it runs a call, a thread engages one more when every thread engaged is
-    inside a call and calls are left (up to ``max_workers`` at once), so that a call that hangs holds up no other.
-    ``running`` maps each call being run to the time it was taken (its time limit runs from there); the caller
-    abandons those past their limit (the thread leaves them behind, and is no longer counted as engaged)."""
+    """The calls of one :meth:`CallPool.call_all`, taken in order by the threads engaged on it; a thread takes the
+    next call when it is done with its last. Before it runs a call, a thread engages one more when every thread
+    engaged is inside a call and calls are left (up to ``max_workers`` at once), so that a call that hangs holds up
+    no other. ``running`` maps each call being run to the time it was taken (its time limit runs from there); the
+    caller abandons those past their limit (the thread leaves them behind, and is no longer counted as engaged)."""
 
-    def __init__(self, calls: Sequence[Callable[[], Any]], max_workers: int) -> None:
-        self.calls, self.max_workers = calls, max_workers
+    def __init__(self, calls: Sequence[Callable[[], Any]], max_workers: int, pool: CallPool) -> None:
+        self.calls, self.max_workers, self.pool = calls, max_workers, pool
         self.results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
         self.running: dict[int, float] = {}
         self.next = self.finished = self.engaged = 0  # finished: returned or abandoned
@@ -90,7 +150,7 @@ class _Calls:
         """Under the lock: a thread more where every engaged one is inside a call and calls are left."""
         if (self.next < len(self.calls) and len(self.running) == self.engaged and self.engaged < self.max_workers
                 and not self.stopped):
-            _engage(self)  # (it cannot take a call before the lock is released)
+            self.pool.engage(self)  # (it cannot take a call before the lock is released)
             self.engaged += 1
 
     def work(self) -> None:
@@ -103,7 +163,7 @@ class _Calls:
                     self.engaged -= 1
                     return
                 self.next = k + 1
-                running[k] = time.monotonic()
+                running[k] = self.pool.clock()
                 try:
                     self.engage_one()
                 except RuntimeError as err:  # no thread could be started: this one still runs its call
@@ -116,59 +176,12 @@ class _Calls:
                 finally:
                     lock.acquire()
                 if running.pop(k, None) is None:  # it came back after its caller gave up on it
-                    with _stuck_lock:
-                        _stuck[0] -= 1
+                    self.pool.count_stuck(-1)
                     return
                 self.results[k] = result
                 self.finished += 1
                 if self.finished == len(calls):
                     self.all_finished.notify()
-
-
-def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
-    """Runs ``calls`` in daemon threads, at most ``max_workers`` at a time (not counting those left behind past
-    their time limit), each within ``timeout_s`` seconds of its own start. Returns per call, in the calls' order,
-    ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that hangs is left behind in its
-    daemon thread (it cannot hold the process at exit) and the others go on in other threads. The threads are kept
-    for later calls (an episode batch makes a few hundred); each runs calls one after the other, so that calls that
-    return at once cost no thread hand-over each (see :class:`_Calls`)."""
-    if not calls:
-        return []
-    batch = _Calls(calls, max_workers)
-    with batch.lock:
-        try:
-            _engage(batch)
-            batch.engaged = 1
-            _wait_all(batch, timeout_s)
-        finally:  # (a caller that leaves early, interrupted or out of threads: the workers take no more calls)
-            if batch.finished < len(calls):
-                batch.stopped = True
-    if _stuck[0] > MAX_STUCK:
-        raise EnvironmentHangs(f"{_stuck[0]} environment calls are still running past their {timeout_s:g} s time "
-                               "limit, each holding a thread: the environment hangs. Fix it, or raise its timeout_s")
-    return batch.results
-
-
-def _wait_all(batch: _Calls, timeout_s: float) -> None:
-    """Under ``batch.lock``: waits until every call returned or ran past its time limit (those are abandoned,
-    their threads replaced), or until :data:`MAX_STUCK` calls are stuck."""
-    calls = batch.calls
-    while batch.finished < len(calls):
-        now = time.monotonic()
-        late = [k for k, start in batch.running.items() if now - start >= timeout_s]
-        if not late:  # until the first limit passes (a call not taken yet starts later)
-            wait = min(batch.running.values(), default=now) + timeout_s - now
-            batch.all_finished.wait(min(max(wait, 1e-4), threading.TIMEOUT_MAX))
-            continue
-        for k in late:  # abandoned: its result stays a timeout, its thread is left behind
-            del batch.running[k]
-            batch.engaged -= 1
-            batch.finished += 1
-            with _stuck_lock:
-                _stuck[0] += 1
-        if _stuck[0] > MAX_STUCK:
-            return
-        batch.engage_one()  # in place of the threads left behind
 
 
 class ChatTurns:
@@ -263,10 +276,13 @@ class EpisodeRunner:
     Args:
         environment: the template environment; each episode plays on its own :meth:`~Environment.spawn`.
         settings: turn limit, token budget, time limit of an environment call, threads.
+        pool: the threads that run the environment's calls (None: a pool of its own; tests pass one with a clock).
     """
 
-    def __init__(self, environment: Environment, settings: EpisodeSettings = EpisodeSettings()) -> None:
+    def __init__(self, environment: Environment, settings: EpisodeSettings = EpisodeSettings(),
+                 pool: Optional[CallPool] = None) -> None:
         self.environment, self.settings = environment, settings
+        self.pool = pool if pool is not None else CallPool()  # the threads of the environment's calls
         self.errors = self.timeouts = 0  # over the run
         self._logged: set[str] = set()
         self._chat: Optional[ChatTurns] = None
@@ -278,7 +294,7 @@ class EpisodeRunner:
     def _calls(self, calls: Sequence[Callable[[], Any]], episodes: Sequence[Episode], what: str, stats: dict) -> list:
         """Runs environment calls; a fault ends its episode with reward 0 and is counted and logged once."""
         start = time.perf_counter()
-        results = call_all(calls, self.timeout_s, self.settings.max_workers)
+        results = self.pool.call_all(calls, self.timeout_s, self.settings.max_workers)
         stats["episode/env_time_s"] = stats.get("episode/env_time_s", 0.0) + time.perf_counter() - start
         values = []
         for (status, value), episode in zip(results, episodes):
@@ -311,8 +327,8 @@ class EpisodeRunner:
     def run(self, policy, rows: Sequence[dict[str, Any]], num_samples: int, greedy: bool = False,
             temperature: Optional[float] = None, seed: Optional[int] = None) -> Episodes:
         """``num_samples`` episodes of each of ``rows`` (``{"id", "question", "answer", "columns"}``) with ``policy`` (a
-        :class:`~scgrpo.policy.Policy`: ``tokenizer``, ``format_prompts``, ``sample_ids``). The episodes of one row
-        share the environment seed (a group starts from one state), made from the row's id and ``seed`` (None: drawn
+        :class:`~scgrpo.policy.Policy`: ``tokenizer``, ``format_prompts``, ``eval_mode``, ``one_model_state``,
+        ``sample_ids``). The episodes of one row share the environment seed (a group starts from one state), made from the row's id and ``seed`` (None: drawn
         from torch's generator, so a seeded run repeats; evaluation passes 0, so every run meets the same episodes)."""
         settings, tok = self.settings, policy.tokenizer
         stats = {"episode/env_errors": 0.0, "episode/env_timeouts": 0.0, "episode/env_time_s": 0.0}
@@ -350,7 +366,7 @@ class EpisodeRunner:
         engine_stats: dict[str, float] = {}
         # once for the whole batch: eval mode (each turn's sampler then leaves the modes as they are), and the
         # compact forward's support checked once per length
-        with policy.eval_mode(), one_model_state():
+        with policy.eval_mode(), policy.one_model_state():
             self._turns(policy, episodes, greedy, temperature, reserve, eos_text, engine_stats, stats)
         for episode in episodes:
             if not episode.done:

@@ -1,6 +1,7 @@
 """Objectives: one class per file, each selectable in YAML by ``class_path``."""
 
-from scgrpo.objectives.base import Credit, CreditStats, LossInputs, LossOutput, LossStats, Objective
+from scgrpo.objectives.base import (Credit, CreditInputs, CreditStats, DistillInputs, LossInputs, LossOutput, LossStats,
+                                    Needs, Objective)
 from scgrpo.objectives.dapo import DAPO
 from scgrpo.objectives.drgrpo import DrGRPO
 from scgrpo.objectives.grpo import GRPO
@@ -11,5 +12,6 @@ from scgrpo.objectives.scaled_grpo import ScaledGRPO
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.objectives.selfdistill import SelfDistillation
 
-__all__ = ["DAPO", "GRPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "ScaledGRPO", "Credit", "CreditStats", "DrGRPO",
-           "HighEntropyGRPO", "LossInputs", "LossOutput", "LossStats", "Objective", "SelfDistillation"]
+__all__ = ["DAPO", "GRPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "ScaledGRPO", "Credit", "CreditInputs", "CreditStats",
+           "DistillInputs", "DrGRPO", "HighEntropyGRPO", "LossInputs", "LossOutput", "LossStats", "Needs", "Objective",
+           "SelfDistillation"]

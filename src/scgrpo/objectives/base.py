@@ -47,29 +47,72 @@ class Credit:
     stats: Optional[CreditStats] = None  # logged every step by objectives that weight tokens
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What an objective needs from a training step, declared as one value (:attr:`Objective.needs`): the step runs
+    these passes, and only these, and hands their results to :meth:`Objective.credit` and :meth:`Objective.loss`."""
+
+    old_logprobs: bool = False
+    """The scoring pass: the sampled tokens' log-probs under the sampling weights, before the update (several
+    optimiser steps per batch, a KL-shaped reward)"""
+    ref_logprobs: bool = False
+    """The scoring pass under the reference, the adapters off (a KL term or a KL-shaped reward)"""
+    teacher: Optional["TeacherSpec"] = None
+    """The self-teacher to run once a step; its signal goes to the credit and, with ``output="hidden"``, its states
+    to the loss (:class:`DistillInputs`)"""
+    batch_entropy: bool = False
+    """The whole batch's token entropies before the credit (:meth:`Objective.token_mask`)"""
+    scored_credit: bool = False
+    """The credit reads the scoring pass's log-probs (:attr:`CreditInputs.old_logprobs`, ``ref_logprobs``)"""
+    resample_rounds: Optional[int] = None
+    """DAPO's dynamic sampling: groups whose rewards are all equal are resampled, for at most this many extra rounds
+    (None: off)"""
+
+
+@dataclass
+class CreditInputs:
+    """What :meth:`Objective.credit` reads of a step's ``N`` rollouts with ``C`` completion slots."""
+
+    rewards: Tensor  # [N] float, after the objective's shaping
+    mask: Tensor  # [N, C] float, the model's tokens
+    group_size: int  # G, group members adjacent (groups never span ranks)
+    signal: Optional["TeacherSignal"] = None  # the self-teacher's signal, when the objective needs one
+    micro_batch_size: Optional[int] = None  # rows per forward pass (None: all), for credit computed per block
+    old_logprobs: Optional[Tensor] = None  # [N, C] fp32 from the scoring pass, with ``needs.scored_credit``
+    ref_logprobs: Optional[Tensor] = None  # [N, C] fp32 from the scoring pass, with ``needs.scored_credit``
+
+
+@dataclass
+class DistillInputs:
+    """What a distillation term reads (objectives whose teacher gives ``output="hidden"``), for ``n`` rows."""
+
+    hidden: Tensor  # [n, C, H] the student's final hidden states (differentiable)
+    lm_head: Callable[[Tensor], Tensor]  # the output head
+    teacher_hidden: Tensor  # [n, C, H] the self-teacher's states; 0 where no teacher
+    has_teacher: Tensor  # [n] bool
+    num_teacher_rows: Optional[float] = None  # rows with a teacher in the whole batch, all ranks (None: these)
+
+
 @dataclass
 class LossInputs:
-    """What the module knows about the rows whose loss is being computed (``n`` rows of a batch of ``N``)."""
+    """What the step knows about the rows whose loss is being computed (``n`` rows of a batch of ``N``): the
+    policy-gradient core, and the typed extras of the objectives that need them."""
 
     completion_mask: Tensor  # [n, C] float, the response tokens
     advantages: Tensor  # [n] float
     old_logprobs: Tensor  # [n, C] fp32, log pi_old(y_t)
     token_advantages: Optional[Tensor] = None  # [n, C] fp32, per-token advantages replacing ``advantages``
-    ref_logprobs: Optional[Tensor] = None  # [n, C] fp32, log pi_ref(y_t), when the objective uses a KL term
+    ref_logprobs: Optional[Tensor] = None  # [n, C] fp32, log pi_ref(y_t), with ``needs.ref_logprobs``
     token_weights: Optional[Tensor] = None  # [n, C] fp32 per-token credit (SC-GRPO's f(D)); None means all ones
     token_selection: Optional[Tensor] = None  # [n, C] 0/1: tokens whose policy-gradient term counts (80/20)
     entropy: Optional[Tensor] = None  # [n, C] fp32, detached
-    hidden: Optional[Tensor] = None  # [n, C, H] the student's final hidden states (differentiable)
-    lm_head: Optional[Callable[[Tensor], Tensor]] = None  # the output head, for distillation terms
-    teacher_hidden: Optional[Tensor] = None  # [n, C, H] the self-teacher's states (teacher output "hidden")
-    has_teacher: Optional[Tensor] = None  # [n] bool
-    num_teacher_rows: Optional[float] = None  # rows with a teacher in the whole batch, all ranks
     num_tokens: Optional[float] = None  # completion tokens in the whole batch (loss denominator)
     num_sequences: Optional[float] = None  # rows in the whole batch
     max_len: Optional[int] = None  # max_new_tokens, for constant-length normalisation
     temperature: float = 1.0  # the sampling temperature (distributions are compared at it)
     chunk_size: int = 1024  # tokens per chunk of full-vocabulary logits
     step: int = 0  # the optimiser step (warm-up schedules)
+    distill: Optional[DistillInputs] = None  # with a teacher of hidden states (None: the objective has none)
 
 
 @dataclass
@@ -102,28 +145,21 @@ class LossOutput:
 class Objective(ABC):
     """An RLVR objective: how rewards become advantages and how log-probs become a loss.
 
-    Subclasses are chosen in YAML by ``class_path``. Attributes the training loop reads:
-    ``num_iterations`` (mu, optimisation passes over one rollout batch), ``beta`` (weight of a KL term to the
-    reference policy; > 0 makes the module compute reference log-probs), ``teacher`` (the self-teacher the
-    objective needs, or None).
+    Subclasses are chosen in YAML by ``class_path``. The step reads :attr:`needs` (what to compute for the
+    objective) and ``num_iterations`` (mu, optimiser steps over one rollout batch); ``beta`` is the weight of a KL
+    term to the reference policy and ``teacher`` the self-teacher's spec (or None), both read through
+    :attr:`needs`. ``docs/extending.md`` shows a new objective added in a file of its own.
     """
 
     num_iterations: int = 1
     beta: float = 0.0
-    teacher: Optional["TeacherSpec"] = None  # the module runs the self-teacher with this spec once per step
-    dynamic_sampling: bool = False  # the rollout stage resamples groups with equal rewards (DAPO)
-    needs_batch_entropy: bool = False  # the module scores the whole batch's token entropies first
-    scored_credit: bool = False  # credit() takes the scoring pass's log-probs (keywords old_logprobs, ref_logprobs)
+    teacher: Optional["TeacherSpec"] = None
 
     @property
-    def needs_old_logprobs(self) -> bool:
-        """The scoring pass computes the sampled tokens' log-probs under the sampling weights before the update."""
-        return self.num_iterations > 1
-
-    @property
-    def needs_ref_logprobs(self) -> bool:
-        """The scoring pass computes their log-probs under the reference (the base model, adapters off)."""
-        return self.beta > 0
+    def needs(self) -> Needs:
+        """What the step computes for this objective: by default the scoring pass under the sampling weights with
+        mu > 1, under the reference with beta > 0, and the objective's self-teacher."""
+        return Needs(old_logprobs=self.num_iterations > 1, ref_logprobs=self.beta > 0, teacher=self.teacher)
 
     @abstractmethod
     def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
@@ -133,13 +169,10 @@ class Objective(ABC):
     def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
         """``[n, C]`` differentiable log-probs of the sampled tokens -> scalar loss."""
 
-    def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal: Optional["TeacherSignal"],
-               micro_batch_size: Optional[int] = None) -> Credit:
-        """Per-row advantages and per-token weights for the step; ``mask`` is ``[N, C]``, ``micro_batch_size``
-        the rows per forward pass (None: all). By default the group advantages and no weights. An objective with
-        ``scored_credit`` also receives ``old_logprobs`` and ``ref_logprobs`` (``[N, C]`` fp32 or None) as
-        keyword arguments."""
-        return Credit(advantages=self.advantages(rewards, group_size))
+    def credit(self, inputs: CreditInputs) -> Credit:
+        """Per-row advantages and per-token weights for the step. By default the group advantages and no
+        weights."""
+        return Credit(advantages=self.advantages(inputs.rewards, inputs.group_size))
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_len: Optional[int]) -> Tensor:
         """Rewards after objective-specific shaping (DAPO's overlong penalty); ``lengths`` is ``[N]``."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from scgrpo.objectives.base import Needs
 from scgrpo.objectives.grpo import GRPO
 
 
@@ -50,6 +52,11 @@ class DAPO(GRPO):
             raise ValueError(f"overlong_buffer must be >= 0, got {overlong_buffer}")
         self.dynamic_sampling, self.max_sampling_rounds, self.overlong_buffer = (
             dynamic_sampling, max_sampling_rounds, overlong_buffer)
+
+    @property
+    def needs(self) -> Needs:  # the rollout stage's resampling of equal-reward groups
+        return dataclasses.replace(super().needs,
+                                   resample_rounds=self.max_sampling_rounds if self.dynamic_sampling else None)
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_len: Optional[int]) -> Tensor:
         if not self.overlong_buffer or max_len is None:

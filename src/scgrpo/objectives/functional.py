@@ -6,6 +6,7 @@ formula is tested once. Shapes: ``N`` rollouts (prompts x group size), ``C`` com
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Literal, Optional
 
@@ -312,21 +313,20 @@ def divergence_from_logprobs(teacher: Tensor, student: Tensor, kind: Divergence 
     raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES} or 'bidirectional'")
 
 
-_FP32_OUTPUT_MM: dict = {}
-
-
 def fp32_output_mm_works(device: torch.device) -> bool:
     """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` takes bf16 operands on ``device`` (CUDA builds of recent
-    PyTorch; checked once per device)."""
-    key = str(device)
-    if key not in _FP32_OUTPUT_MM:
-        try:
-            probe = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-            out = torch.mm(probe, probe, out_dtype=torch.float32)
-            _FP32_OUTPUT_MM[key] = out.dtype == torch.float32 and bool((out == 2).all())
-        except (TypeError, RuntimeError, NotImplementedError):
-            _FP32_OUTPUT_MM[key] = False
-    return _FP32_OUTPUT_MM[key]
+    PyTorch; checked once per device: :func:`_fp32_output_mm_works`)."""
+    return _fp32_output_mm_works(str(device))
+
+
+@functools.cache
+def _fp32_output_mm_works(device: str) -> bool:
+    try:
+        probe = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        out = torch.mm(probe, probe, out_dtype=torch.float32)
+        return out.dtype == torch.float32 and bool((out == 2).all())
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def fp32_head(lm_head: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
@@ -464,19 +464,20 @@ def distillation_loss(inputs, kind: str, mix: float = 0.5, token_clip: Optional[
     """The self-distillation term of a micro-batch: per token the divergence between the self-teacher and
     the student (``token_clip`` caps it, as OPSD's per-token clip), each sequence's token mean, summed over
     the rows that have a teacher and divided by the number of such rows in the whole batch (all ranks), so
-    micro-batches add up to the batch's mean (Eq. 2). Returns (loss, detached mean divergence per token)."""
-    has_teacher = inputs.has_teacher
-    rows = torch.nonzero(has_teacher).squeeze(1) if has_teacher is not None else None
-    if inputs.hidden is None or inputs.teacher_hidden is None or rows is None or rows.numel() == 0:
+    micro-batches add up to the batch's mean (Eq. 2). Reads ``inputs.distill`` (:class:`~scgrpo.objectives.DistillInputs`).
+    Returns (loss, detached mean divergence per token)."""
+    distill = inputs.distill
+    rows = torch.nonzero(distill.has_teacher).squeeze(1) if distill is not None else None
+    if rows is None or rows.numel() == 0:
         zero = inputs.completion_mask.new_zeros(())
-        anchor = inputs.hidden.sum() * 0.0 if inputs.hidden is not None else zero  # keeps the graph connected
+        anchor = distill.hidden.sum() * 0.0 if distill is not None else zero  # keeps the graph connected
         return anchor, zero.new_tensor(float("nan"))
     per_token = chunked_distill_divergence(
-        inputs.hidden[rows], inputs.teacher_hidden[rows], inputs.lm_head, kind, inputs.temperature, inputs.chunk_size,
-        mix)  # [k, C]
+        distill.hidden[rows], distill.teacher_hidden[rows], distill.lm_head, kind, inputs.temperature,
+        inputs.chunk_size, mix)  # [k, C]
     if token_clip is not None:
         per_token = per_token.clamp(max=token_clip)
     mask = inputs.completion_mask[rows]  # [k, C]
-    denominator = float(inputs.num_teacher_rows) if inputs.num_teacher_rows else float(rows.numel())
+    denominator = float(distill.num_teacher_rows) if distill.num_teacher_rows else float(rows.numel())
     loss = masked_mean(per_token, mask, dim=1).sum() / max(denominator, 1.0)
     return loss, masked_mean(per_token.detach(), mask)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import Tensor
 
 from scgrpo.distributed import gather_values
 from scgrpo.objectives import functional as Fn
+from scgrpo.objectives.base import Needs
 from scgrpo.objectives.grpo import GRPO
 
 
@@ -21,8 +24,6 @@ class HighEntropyGRPO(GRPO):
         (and GRPO's arguments; the paper pairs it with DAPO's clip-higher: eps_high=0.28)
     """
 
-    needs_batch_entropy = True
-
     def __init__(
         self,
         rho: float = 0.2,
@@ -37,6 +38,10 @@ class HighEntropyGRPO(GRPO):
         if not 0.0 < rho <= 1.0:
             raise ValueError(f"rho must be in (0, 1], got {rho}")
         self.rho = rho
+
+    @property
+    def needs(self) -> Needs:  # the batch's entropies, for the token mask
+        return dataclasses.replace(super().needs, batch_entropy=True)
 
     def token_mask(self, entropy: Tensor, mask: Tensor) -> Tensor:
         values = gather_values(entropy[mask.bool()].float())  # [M] every rank's response tokens

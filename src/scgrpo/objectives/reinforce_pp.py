@@ -10,7 +10,7 @@ from torch import Tensor
 
 from scgrpo.distributed import all_reduce
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import Credit, LossInputs, LossOutput
+from scgrpo.objectives.base import Credit, CreditInputs, LossInputs, LossOutput, Needs
 from scgrpo.objectives.grpo import GRPO
 
 Baseline = Literal["none", "group"]
@@ -63,8 +63,6 @@ class REINFORCEPlusPlus(GRPO):
         eps_low, eps_high, num_iterations: as in GRPO.
     """
 
-    scored_credit = True
-
     def __init__(
         self,
         kl_coef: float = 0.01,
@@ -87,22 +85,18 @@ class REINFORCEPlusPlus(GRPO):
         self.kl_coef, self.gamma, self.baseline, self.kl_estimator = kl_coef, gamma, baseline, kl_estimator
 
     @property
-    def needs_old_logprobs(self) -> bool:
-        return self.num_iterations > 1 or self.kl_coef > 0
+    def needs(self) -> Needs:  # the KL-shaped reward's log-probs, read by the credit
+        return Needs(old_logprobs=self.num_iterations > 1 or self.kl_coef > 0, ref_logprobs=self.kl_coef > 0,
+                     scored_credit=True)
 
-    @property
-    def needs_ref_logprobs(self) -> bool:
-        return self.kl_coef > 0
-
-    def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal=None,
-               micro_batch_size: Optional[int] = None, old_logprobs: Optional[Tensor] = None,
-               ref_logprobs: Optional[Tensor] = None) -> Credit:
+    def credit(self, inputs: CreditInputs) -> Credit:
+        rewards, mask, group_size = inputs.rewards, inputs.mask, inputs.group_size
         kl = None
         if self.kl_coef > 0:
-            if old_logprobs is None or ref_logprobs is None:
+            if inputs.old_logprobs is None or inputs.ref_logprobs is None:
                 raise RuntimeError("REINFORCE++ with kl_coef > 0 needs the scoring pass's sampling and reference "
                                    "log-probs; the module did not provide them")
-            kl = self.token_kl(old_logprobs, ref_logprobs, mask)
+            kl = self.token_kl(inputs.old_logprobs, inputs.ref_logprobs, mask)
 
         def over_ranks(values: list[float]) -> list[float]:
             return all_reduce(values, device=mask.device)

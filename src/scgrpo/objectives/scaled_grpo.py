@@ -6,12 +6,11 @@ import math
 from typing import Literal, Optional
 
 import torch
-from torch import Tensor
 
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import NAN, Credit
+from scgrpo.objectives.base import NAN, Credit, CreditInputs
 from scgrpo.objectives.scgrpo import SCGRPO
-from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE, TeacherSignal
+from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE
 
 
 class ScaledGRPO(SCGRPO):
@@ -56,12 +55,13 @@ class ScaledGRPO(SCGRPO):
                          scale=scale, eps_low=eps_low, eps_high=eps_high, beta=beta, aggregation=aggregation,
                          num_iterations=num_iterations)
 
-    def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal: Optional[TeacherSignal],
-               micro_batch_size: Optional[int] = None) -> Credit:
-        weighted = super().credit(rewards, mask, group_size, signal, micro_batch_size)  # f, c and its statistics
+    def credit(self, inputs: CreditInputs) -> Credit:
+        weighted = super().credit(inputs)  # f, c and its statistics
+        mask, signal = inputs.mask, inputs.signal
         mean_f = weighted.stats.f_mean
         scale = 1.0 if math.isnan(mean_f) else mean_f  # (NaN: no row had a teacher)
         has_teacher = signal.has_teacher.unsqueeze(1)  # [N, 1]
         weights = torch.where(has_teacher, mask.float() * scale, mask.float())  # [N, C] one value per teacher row
         weighted.stats.div_adv_std = NAN  # (no diversity advantage here)
-        return Credit(advantages=self.advantages(rewards, group_size), token_weights=weights, stats=weighted.stats)
+        return Credit(advantages=self.advantages(inputs.rewards, inputs.group_size), token_weights=weights,
+                      stats=weighted.stats)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from scgrpo.distributed import gather_values
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import NAN, Credit, CreditStats
+from scgrpo.objectives.base import NAN, Credit, CreditInputs, CreditStats
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE, SOLVE_NONE, TeacherSignal, TeacherSpec
 
@@ -157,15 +157,15 @@ class SCGRPO(GRPO):
         a_div = (scores - mean) / (var.sqrt() + Fn.ADVANTAGE_EPS) * scored * (count >= 2).float()
         return self.alpha * a_div.view(-1)
 
-    def credit(self, rewards: Tensor, mask: Tensor, group_size: int, signal: Optional[TeacherSignal],
-               micro_batch_size: Optional[int] = None) -> Credit:
-        advantages = self.advantages(rewards, group_size)  # [N] GRPO's A_i
+    def credit(self, inputs: CreditInputs) -> Credit:
+        mask, group_size, signal = inputs.mask, inputs.group_size, inputs.signal
+        advantages = self.advantages(inputs.rewards, group_size)  # [N] GRPO's A_i
         if signal is None or signal.divergence is None:
             raise RuntimeError("SCGRPO needs the self-teacher's divergences; the module did not run it")
         divergence = signal.divergence  # [N, C]
         has_teacher = signal.has_teacher.unsqueeze(1)  # [N, 1]
         active = mask.bool() & has_teacher  # [N, C]
-        c_rows, values = self.thresholds(divergence, active, micro_batch_size)
+        c_rows, values = self.thresholds(divergence, active, inputs.micro_batch_size)
         f = Fn.kl_weights(divergence, c_rows) * mask  # [N, C] in [0, 1)
         weights = torch.where(has_teacher, f, mask.to(f.dtype))  # rows without a teacher: plain GRPO
         diversity = self.diversity_advantages(f, signal, group_size)  # [N]

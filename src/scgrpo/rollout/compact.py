@@ -81,6 +81,7 @@ class CompactDecoder:
                  memory_budget: Optional[int] = None, keep_workspace: bool = False) -> None:
         causal_lm = inner_model(model)
         self.config = config = causal_lm.config
+        self.attention_scratch: dict = {}  # the split attention kernel's partial results, per shape (kernels.py)
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         self.embed = backbone.embed_tokens.weight
         self.dtype = self.embed.dtype
@@ -317,7 +318,7 @@ class CompactDecoder:
             a = self._first(x, cos, sin, *args[0].attention_in)
             for i, layer in enumerate(self.layers):
                 attn = kernels.decode_attention(a, lens, cache[i], cos_table, sin_table, self.heads, self.scaling,
-                                                rotate=layer.q_norm is None)
+                                                rotate=layer.q_norm is None, scratch=self.attention_scratch)
                 if i + 1 < self.num_layers:
                     x, a = self._middle(x, attn, *args[i].attention_out, cos, sin, *args[i + 1].attention_in)
             out = self._last(x, attn, *args[-1].attention_out, self.norm, *ProjectionArgs.of(self.head))
@@ -343,7 +344,8 @@ class CompactDecoder:
         """:meth:`decode` as eight launches a block (:mod:`scgrpo.rollout.norms`); see :meth:`_block_layers`.
         Returns the logits and the final states."""
         x, y, up = self._block_layers(x, lambda i, qkv: kernels.decode_attention(
-            qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling), decode=True)
+            qkv, lens, cache[i], cos_table, sin_table, self.heads, self.scaling, scratch=self.attention_scratch),
+            decode=True)
         _, h = self._add_norm(x, y, up, self.norm, compiled=True)
         return F.linear(h, self.head.weight, self.head.bias).float(), h
 

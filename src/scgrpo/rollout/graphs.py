@@ -8,15 +8,19 @@ time, until PyTorch's pool of 32 streams per priority wraps around (about 1 GiB)
 
 from __future__ import annotations
 
-import torch
+import functools
 
-_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+import torch
 
 
 def warmup_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The side stream a CUDA graph's warm-up runs on: one per device (:func:`_stream`)."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device)
-    return _streams[device]
+    return _stream(device)
+
+
+@functools.cache
+def _stream(device: torch.device) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device)

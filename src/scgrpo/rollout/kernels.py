@@ -266,33 +266,32 @@ def default_launch(programs: int, cache_len: int) -> dict:
     return {"block_n": 128 if cache_len >= 512 else 64, "num_warps": 4, "num_stages": 2, "splits": 1}
 
 
-_partials: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
-
-
-def _split_buffers(device: torch.device, pairs: int, splits: int, block_g: int, dim: int):
+def _split_buffers(device: torch.device, pairs: int, splits: int, block_g: int, dim: int,
+                   kept: Optional[dict] = None):
     """Scratch for the parts' partial results and the per-(slot, head) arrival counters, which the merging
-    program sets back to zero: allocated once per shape, outside any CUDA graph capture (a capture's own
-    allocation is not kept, and its zero fill is recorded in the graph)."""
+    program sets back to zero: allocated once per shape into ``kept`` (the caller's, e.g. a decoder's), outside any
+    CUDA graph capture (a capture's own allocation is not kept, and its zero fill is recorded in the graph)."""
     key = (device, pairs, splits, block_g, dim)
-    if key in _partials:
-        return _partials[key]
+    if kept is not None and key in kept:
+        return kept[key]
     buffers = (torch.empty(pairs * splits * 2 * block_g, dtype=torch.float32, device=device),
                torch.empty(pairs * splits * block_g * dim, dtype=torch.float32, device=device),
                torch.zeros(pairs, dtype=torch.int32, device=device))
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _partials[key] = buffers
+    if kept is not None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        kept[key] = buffers
     return buffers
 
 
 def decode_attention(qkv: Tensor, lens: Tensor, cache: Tensor, cos: Tensor, sin: Tensor, heads: int, scale: float,
-                     rotate: bool = True, launch: Optional[dict] = None) -> Tensor:
+                     rotate: bool = True, launch: Optional[dict] = None, scratch: Optional[dict] = None) -> Tensor:
     """Attention of one new token per slot; returns ``[S, heads * D]``.
 
     ``qkv`` ``[S, (heads + 2 kv) D]``: the projection's output, LoRA's term included (q, k, v; q and k rotated
     here when ``rotate``, else already rotated; any row stride).
     ``lens`` ``[S]``: each slot's position (its cache entries before this token). ``cache`` ``[2, S, kv, Lmax, D]``
     (one layer): k and v are written at ``lens``, which must be below ``Lmax`` (not checked: a GPU-side check
-    would synchronise; the slot decoder clamps). ``cos``/``sin`` ``[Lmax, D]``."""
+    would synchronise; the slot decoder clamps). ``cos``/``sin`` ``[Lmax, D]``. ``scratch``: where a split launch's
+    partial results are kept between calls (a decoder's; None: allocated for this call)."""
     s = qkv.shape[0]
     _, _, kv, _, dim = cache.shape
     group = heads // kv
@@ -301,7 +300,7 @@ def decode_attention(qkv: Tensor, lens: Tensor, cache: Tensor, cos: Tensor, sin:
     out = torch.empty(s, heads * dim, dtype=cache.dtype, device=cache.device)
     launch = {**default_launch(s * kv, cache.shape[3]), **(launch or {})}
     splits, block_g = launch.get("splits", 1), max(16, triton.next_power_of_2(group))
-    partial_ml, partial_acc, arrived = (_split_buffers(cache.device, s * kv, splits, block_g, dim) if splits > 1
+    partial_ml, partial_acc, arrived = (_split_buffers(cache.device, s * kv, splits, block_g, dim, scratch) if splits > 1
                                         else (out, out, out))
     with torch.cuda.device(cache.device) if cache.device.type == "cuda" else contextlib.nullcontext():
         _decode_attention_kernel[(s, kv, splits)](

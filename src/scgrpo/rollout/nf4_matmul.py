@@ -15,6 +15,7 @@ faster than dequantizing then multiplying (``scripts/tune_nf4_matmul.py``).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -106,17 +107,16 @@ def supported(dequantizer, device: torch.device) -> bool:
             and dequantizer.cols % BLOCK_K == 0 and dequantizer.cols % 2 == 0)
 
 
-_TABLES: dict = {}
-
-
 def nf4_table(device: torch.device) -> Tensor:
-    """bitsandbytes' 16 nf4 values (fp32), once per device."""
-    key = str(device)
-    if key not in _TABLES:
-        from bitsandbytes.functional import get_4bit_type
+    """bitsandbytes' 16 nf4 values (fp32), once per device (:func:`_nf4_table`)."""
+    return _nf4_table(str(device))
 
-        _TABLES[key] = get_4bit_type("nf4", device=device).float().contiguous()
-    return _TABLES[key]
+
+@functools.cache
+def _nf4_table(device: str) -> Tensor:
+    from bitsandbytes.functional import get_4bit_type
+
+    return get_4bit_type("nf4", device=torch.device(device)).float().contiguous()
 
 
 def nf4_matmul_t(x: Tensor, dequantizer, out_t: Optional[Tensor] = None, block_m: Optional[int] = None,

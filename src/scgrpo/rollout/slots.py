@@ -1,10 +1,9 @@
 """The decode loop over the compact forward: slots, CUDA graphs of whole steps, compaction and refill.
 
 ``S`` slots each hold one row being sampled (its own KV cache row, length, token count). One *step* feeds every
-slot's last token through :meth:`CompactDecoder.decode`, samples the next one and does the bookkeeping
-(end-of-sequence, per-row outputs, entropy, the token's log-probability) on the GPU; on a GPU the whole step is
-a CUDA graph, one per slot count (and attention-length bucket, for PyTorch attention), replayed ``check_every`` times before the host looks at
-which rows ended. Then:
+slot's last token through :meth:`CompactDecoder.decode`, samples the next one and does the bookkeeping (end of
+sequence, outputs, entropy, log-probability) on the GPU; there the whole step is a CUDA graph, one per slot count (and
+attention-length bucket, for PyTorch attention), replayed ``check_every`` times before the host looks. Then:
 
 - **refill**: rows still waiting take the slots of finished ones (their prompts prefilled into those cache
   rows), so ``S`` can be smaller than the number of rows and the KV cache is sized to ``S``, not to the batch;
@@ -16,8 +15,9 @@ launches a layer, host-bound below some ten thousand tokens): one per power of t
 positions (:func:`length_bucket`), the rows filled up with empty ones that write no cache entry; not with a memory
 budget or without kept workspaces (see :meth:`SlotDecoder._graphs_prefill`).
 
-A row's tokens depend only on its own prompt and draws: compaction and refill change which slot a row sits in,
-never what it samples (greedy: bit for bit up to the matmul's batch-size dependence).
+A row's tokens depend only on its own prompt and draws: compaction and refill change which slot a row sits in, never
+what it samples (greedy: bit for bit up to the matmul's batch-size dependence). The state it keeps between steps is
+in :mod:`scgrpo.rollout.slot_state`.
 
 With ``keep_states``, each emitted token's final hidden state (what the head read to draw it: the policy's state
 before that token) is kept too, for the self-teacher's student side (:attr:`SlotDecoder.states`). The states of a
@@ -29,9 +29,7 @@ when the next burst of steps would not fit (through pinned buffers, while the ne
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -42,14 +40,11 @@ from scgrpo.rollout.compiled import Compiled
 from scgrpo.rollout.graphs import warmup_stream
 from scgrpo.rollout.memory import memory_free
 from scgrpo.rollout.sampling import draw, sampling_distribution
+from scgrpo.rollout.slot_state import (BUDGET_SHARE, LoopStats, Outputs, PrefillGraph, SlotState, Stage, length_bucket,
+                                       slots_within)
 
 log = logging.getLogger(__name__)
 
-BUDGET_SHARE = 0.9
-"""Share of what a memory budget leaves (beside the memory already allocated and the largest prefill's activations,
-:meth:`CompactDecoder.prefill_bytes`) that the slots may take: the rest is the allocator's slack. (At 0.8 of what
-was left, without the prefill counted, a 20 GiB card's 8B step gave 62 slots to 64 rows: the last two took a
-second round of 1,023 decode steps, with 2.1 GiB of the budget unused.)"""
 FREE_MEMORY_SHARE = 0.25
 """Share of the GPU's free memory the slots' KV cache takes without a budget (:func:`memory_free` is an upper
 bound, and the update after the rollout needs room)."""
@@ -72,87 +67,10 @@ STAGE_BYTES = 64 << 20
 """Bytes the staging buffer's states take at most."""
 
 
-@dataclass
-class PrefillGraph:
-    """A prefill recorded for ``rows`` prompts of ``positions`` tokens (padded to them), with its fixed inputs."""
-
-    graph: "torch.cuda.CUDAGraph"
-    ids: Tensor  # [rows, positions]
-    lengths: Tensor  # [rows]: 0 for padding rows (they write no cache entry)
-    slots: Tensor  # [rows]
-    logits: Tensor  # [rows, V] the recorded output
-    hidden: Optional[Tensor] = None  # [rows, H] the recorded final states (keep_states)
-
-
-@dataclass
-class SlotState:
-    """The per-slot tensors a step reads and writes (fixed buffers: a recorded graph keeps using them)."""
-
-    tokens: Tensor  # [S] long: the token to feed next
-    lens: Tensor  # [S] long: entries in the slot's cache = the next token's position
-    live: Tensor  # [S] bool: the slot holds a row that has not ended
-    row: Tensor  # [S] long: the output row of the slot (N = a scratch row for free slots)
-    count: Tensor  # [S] long: tokens the row has produced so far
-    cache: Tensor  # [layers, 2, S, kv_heads, Lmax, head_dim]
-    graphs: dict[int, "torch.cuda.CUDAGraph"] = field(default_factory=dict)
-
-    @property
-    def slots(self) -> int:
-        return self.tokens.shape[0]
-
-
-@dataclass
-class Outputs:
-    tokens: Tensor  # [N + 1, C] long, pad after the end (row N is scratch)
-    logprobs: Tensor  # [N + 1, C] fp32 log-probability of each sampled token under the sampler
-    entropy: Tensor  # [N + 1] fp32 summed sampling entropy
-    count: Tensor  # [N + 1] long tokens produced
-
-
-@dataclass
-class Stage:
-    """The final states of the tokens emitted since the host last emptied it (``keep_states``): entry ``k`` of each
-    emission, one column per slot."""
-
-    hidden: Tensor  # [K, S, H] in the model dtype
-    row: Tensor  # [K, S] long: the output row of each state (the scratch row N: none)
-    at: Tensor  # [K, S] long: its completion column
-    k: Tensor  # [1] long: emissions since the last emptying
-    host: Tensor  # [K, S, H] the host's copy of ``hidden`` (pinned on a GPU: copied while the next steps run)
-    host_row: Tensor  # [K, S] the host's copy of ``row``
-    host_at: Tensor  # [K, S] the host's copy of ``at``
-
-
-@dataclass
-class LoopStats:
-    """What one call's decode loop did, for :attr:`SlotDecoder.stats`."""
-
-    slots: int  # the slots it started with
-    steps: int = 0  # decode steps
-    prefills: int = 0  # prefill rounds (each admits one or more rows)
-    compactions: int = 0
-    slot_steps: float = 0.0  # steps times the slots each ran over, live or free
-
-
-def slots_within(budget: int, allocated: int, per_row: int, rows: int, workspace: int = 0) -> int:
-    """Decode slots for ``rows`` rows whose KV cache and logits take ``per_row`` bytes each: as many as
-    :data:`BUDGET_SHARE` of what a ``budget`` (bytes, the whole process) leaves beside ``allocated`` and the
-    ``workspace`` (a prefill's activations) holds, at least one."""
-    return max(1, min(rows, int(BUDGET_SHARE * max(budget - allocated - workspace, 0) // max(per_row, 1))))
-
-
 def host_states(rows: int, columns: int, hidden: int, dtype: torch.dtype) -> Tensor:
     """The host tensor a rollout's kept states are scattered into: pageable and uninitialised, so that only the pages
     of the columns written are ever touched (the positions past a row's end stay undefined, and nothing reads them)."""
     return torch.empty(rows, columns, hidden, dtype=dtype)
-
-
-def length_bucket(length: int, limit: int) -> int:
-    """Attention length for a step whose longest live row needs ``length`` entries: rounded up to a multiple of
-    64 (256 past 1,024), at most ``limit``. Few buckets = few CUDA graphs; a bucket reads at most 63 (255)
-    entries more than needed."""
-    width = 64 if length <= 1024 else 256
-    return min(limit, int(math.ceil(length / width) * width))
 
 
 class SlotDecoder:

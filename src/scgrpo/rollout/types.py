@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional
 
 import torch
@@ -35,6 +35,55 @@ class PromptBatch:
         """The batch's data rows ``{"id", "question", "answer", "columns"}``, as environments receive them."""
         return [{"id": i, "question": q, "answer": a, "columns": c}
                 for i, q, a, c in zip(self.ids, self.questions, self.answers, self.row_columns())]
+
+
+@dataclass
+class RolloutStats:
+    """What the rollout stage measured on a step (:mod:`scgrpo.stage`), logged every step (:meth:`metrics`)."""
+
+    sampled: float = 0.0
+    """Rollouts drawn (``rollout/sampled``; under DAPO, summed over the rounds, kept or dropped)"""
+    generation_s: float = 0.0
+    """Seconds of sampling (``time/generation_s``; DAPO's extra rounds with their verification)"""
+    sampler: dict[str, float] = field(default_factory=dict)
+    """The sampling engine's or the episodes' own statistics (``rollout/*``, ``episode/*``)"""
+    memory: dict[str, float] = field(default_factory=dict)
+    """On a GPU, the rollout phase's peak allocated memory (``memory/rollout_peak_gib``)"""
+    verification_s: Optional[float] = None
+    """Seconds of verification (``time/verification_s``)"""
+    verifier_errors: Optional[float] = None
+    """Rollouts whose verifier raised (``verifier/errors``)"""
+    verifier_timeouts: Optional[float] = None
+    """Rollouts whose verifier ran out of time (``verifier/timeouts``)"""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Each named reward's mean, std and errors (``reward/<name>/*``)"""
+    extra_rounds: Optional[float] = None
+    """DAPO's extra sampling rounds (``dapo/extra_rounds``)"""
+    kept_groups: Optional[float] = None
+    """DAPO's groups kept (``dapo/kept_groups``)"""
+
+    def metrics(self) -> dict[str, float]:
+        """The logged names and values (those measured: an optional one left None is not logged)."""
+        metrics = dict(self.sampler)
+        metrics.update({"rollout/sampled": self.sampled, "time/generation_s": self.generation_s})
+        metrics.update({f"memory/{name}_peak_gib": gib for name, gib in self.memory.items()})
+        named = [("time/verification_s", self.verification_s), ("verifier/errors", self.verifier_errors),
+                 ("verifier/timeouts", self.verifier_timeouts)]
+        metrics.update({k: v for k, v in named if v is not None})
+        metrics.update(self.rewards)
+        named = [("dapo/extra_rounds", self.extra_rounds), ("dapo/kept_groups", self.kept_groups)]
+        metrics.update({k: v for k, v in named if v is not None})
+        return {k: float(v) for k, v in metrics.items()}
+
+    def plus(self, other: "RolloutStats") -> "RolloutStats":
+        """Both rounds' statistics added up, name by name (a name only one has keeps its value)."""
+
+        def add(a, b):
+            if isinstance(a, dict):
+                return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
+            return b if a is None else a if b is None else a + b
+
+        return RolloutStats(**{f.name: add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
 
 @dataclass
@@ -71,7 +120,7 @@ class RolloutBatch:
     student_states: Optional[Tensor] = None  # [N, C, H] the sampler's final hidden state before each completion
     # token (generation.student_states "rollout"), on the host, undefined past each row's end (read under
     # completion_mask only); read by the self-teacher and then dropped
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: "RolloutStats" = field(default_factory=lambda: RolloutStats())
 
     @property
     def num_groups(self) -> int:

@@ -56,6 +56,18 @@ def reward_names(functions: Sequence[Callable]) -> list[str]:
     return names
 
 
+def run_reward(verifier: Optional[Verifier], reward_funcs: Optional[Sequence[Callable]],
+               reward_weights: Optional[Sequence[float]]) -> Optional[Verifier]:
+    """The run's reward, from ``model.verifier`` or ``model.reward_funcs`` (with their ``reward_weights``): one of
+    them, or neither (the data module's default verifier)."""
+    if reward_funcs is not None and verifier is not None:
+        raise ValueError("set model.verifier or model.reward_funcs, not both (a Verifier's score can be one of "
+                         "the reward functions: wrap its verify in a function)")
+    if reward_weights is not None and reward_funcs is None:
+        raise ValueError("model.reward_weights is set without model.reward_funcs")
+    return RewardFunctions(reward_funcs, reward_weights) if reward_funcs is not None else verifier
+
+
 class RewardFunctions(Verifier):
     """Reward functions with TRL's calling convention (see the module docstring), weighted and summed.
 

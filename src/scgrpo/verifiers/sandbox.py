@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence, Union
 
 from scgrpo.verifiers.base import VerifierSetupError
-from scgrpo.verifiers.cgroup import CgroupBase, ProgramCgroup, find_base
+from scgrpo.verifiers.cgroup import ProgramCgroup, find_base
 from scgrpo.verifiers.sandbox_harness import decode
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,6 @@ class Sandbox:
         limits: see :class:`Limits`.
     """
 
-    _probed: dict[tuple[str, bool], Optional[str]] = {}
-    _warned_seccomp = False  # (said once a process: the filter could not be installed)
-    _cgroups: Optional[tuple[Optional[CgroupBase], str]] = None  # where programs' memory cgroups go, or why none
-    _said_no_cgroup = False
-    _lock = threading.Lock()
-
     def __init__(self, mode: str = "auto", limits: Optional[Limits] = None) -> None:
         if mode not in ("auto", *MODES):
             raise ValueError(f"isolation={mode!r}: expected auto, {', '.join(MODES)}")
@@ -188,10 +182,9 @@ class Sandbox:
         self._uid_lock = threading.Lock()
         self._said_no_group = False  # (a cgroup that could not be made was logged)
         self._writable: Optional[list[str]] = None  # (process mode: where a program's uid may leave files)
-        with Sandbox._lock:
-            if Sandbox._cgroups is None:
-                Sandbox._cgroups = find_base()
-        self.cgroup_base, self._no_cgroup = Sandbox._cgroups
+        self._probed: dict[tuple[str, bool], Optional[str]] = {}  # (mode, own uid) -> why it does not work here
+        self._warned_seccomp = False  # (said once: the filter could not be installed)
+        self.cgroup_base, self._no_cgroup = find_base()  # where programs' memory cgroups go, or why none
         self.mode, self.separate_uid = self._choose(mode)
         if self.mode == "process" and not self.separate_uid:
             _make_undumpable()
@@ -221,23 +214,22 @@ class Sandbox:
         return all(os.stat(p).st_mode & 0o001 for p in _ancestors(path)) and bool(os.stat(path).st_mode & 0o001)
 
     def _probe(self, mode: str, separate_uid: bool) -> Optional[str]:
-        key = (mode, separate_uid)
-        with Sandbox._lock:
-            if key not in Sandbox._probed:
-                if mode == "bwrap" and shutil.which("bwrap") is None:
-                    Sandbox._probed[key] = "bubblewrap (bwrap) is not installed"
-                elif mode == "namespaces" and not self.is_root:
-                    Sandbox._probed[key] = "needs root"
-                else:
-                    try:
-                        out = self._run(mode, separate_uid, "def f(x):\n    return x + 1\n",
-                                        [{"type": "call", "fn": "f", "args": [1]}], "")
-                        ok = out.results is not None and "value_json" in out.results[0] \
-                            and result_value(out.results[0]) == 2
-                        Sandbox._probed[key] = None if ok else f"probe program failed: {out.failure or out.results}"
-                    except SandboxError as err:
-                        Sandbox._probed[key] = str(err)
-            return Sandbox._probed[key]
+        key = (mode, separate_uid)  # (probed while the instance is made: one thread)
+        if key not in self._probed:
+            if mode == "bwrap" and shutil.which("bwrap") is None:
+                self._probed[key] = "bubblewrap (bwrap) is not installed"
+            elif mode == "namespaces" and not self.is_root:
+                self._probed[key] = "needs root"
+            else:
+                try:
+                    out = self._run(mode, separate_uid, "def f(x):\n    return x + 1\n",
+                                    [{"type": "call", "fn": "f", "args": [1]}], "")
+                    ok = out.results is not None and "value_json" in out.results[0] \
+                        and result_value(out.results[0]) == 2
+                    self._probed[key] = None if ok else f"probe program failed: {out.failure or out.results}"
+                except SandboxError as err:
+                    self._probed[key] = str(err)
+        return self._probed[key]
 
     def _announce(self, mode: str, separate_uid: bool, tried: list[str]) -> None:
         lim = self.limits
@@ -248,8 +240,7 @@ class Sandbox:
         if self.cgroup_base is not None:
             common += (f"; a memory cgroup (v{self.cgroup_base.version}) per program: at most {lim.memory_mb} + "
                        f"{JUDGE_MB} MiB, kernel memory and the judge's included")
-        elif not Sandbox._said_no_cgroup:
-            Sandbox._said_no_cgroup = True
+        else:
             log.warning("code sandbox: no memory cgroup (%s): a program's memory is bounded by the address-space limit "
                         "of each process and the judge's watch over its processes' pages (every 20 ms); its kernel "
                         "memory (IPC objects, socket buffers, memory no process maps: secret memory, spliced pages) "
@@ -427,8 +418,8 @@ class Sandbox:
                 del buffer[: 4 + size]
             for message in messages:
                 confined = confined or message.get("confined", False)
-                if message.get("seccomp") is False and not Sandbox._warned_seccomp:
-                    Sandbox._warned_seccomp = True
+                if message.get("seccomp") is False and not self._warned_seccomp:
+                    self._warned_seccomp = True
                     log.warning("the code sandbox could not install its seccomp filter here: new user namespaces, "
                                 "SysV IPC objects, memory files, sockets, larger socket buffers and io_uring are not "
                                 "refused (see docs/verifiers.md)")
