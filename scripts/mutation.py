@@ -66,6 +66,8 @@ TARGETS = {  # target name -> (pass, module prefix of its mutant names)
     "verifiers/cgroup.py": ("sandbox", "scgrpo.verifiers.cgroup."),
     "verifiers/sandbox.py": ("sandbox", "scgrpo.verifiers.sandbox."),
     "guard.py": ("update", "scgrpo.guard."),
+    "stage.py": ("stage", "scgrpo.stage."),
+    "callbacks/rollout.py": ("stage", "scgrpo.callbacks.rollout."),
 }
 
 KILLED, SURVIVED, TIMEOUT, NO_TESTS, SKIPPED = "killed", "survived", "timeout", "no_tests", "skipped"
@@ -101,7 +103,8 @@ def pass_config(name: str) -> dict:
 
 
 def prepare(name: str) -> Path:
-    """A scratch copy of the project for one pass: src/, tests/ and a pyproject.toml with the pass's config."""
+    """A scratch copy of the project for one pass: src/, tests/, configs/, scripts/, the README and a pyproject.toml
+    with the pass's config."""
     scratch = ROOT / "build" / "mutation" / name
     if scratch.exists():
         shutil.rmtree(scratch)
@@ -110,6 +113,8 @@ def prepare(name: str) -> Path:
     shutil.copytree(ROOT / "src", scratch / "src", ignore=ignore)
     shutil.copytree(ROOT / "tests", scratch / "tests", ignore=ignore)
     shutil.copytree(ROOT / "configs", scratch / "configs", ignore=ignore)  # tests build objectives from them
+    shutil.copytree(ROOT / "scripts", scratch / "scripts", ignore=ignore)  # and load scripts (weight_shares, ...)
+    shutil.copy2(ROOT / "README.md", scratch / "README.md")  # and run its examples
     pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     lines = ["[tool.pytest.ini_options]"] + [f"{k} = {toml_value(v)}" for k, v in pytest_options.items()]
     lines += ["", "[tool.mutmut]"] + [f"{k} = {toml_value(v)}" for k, v in pass_config(name).items()]
@@ -226,7 +231,7 @@ def survivors_report(scratch: Path, names: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--passes", nargs="+", default=["fast", "update"], choices=["fast", "update", "module", "sandbox", "buffer"])
+    parser.add_argument("--passes", nargs="+", default=["fast", "update"], choices=["fast", "update", "module", "sandbox", "buffer", "stage"])
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--out", type=Path, help="results JSON (per target: counts and score)")
     parser.add_argument("--survivors", type=Path, help="write the surviving mutants' diffs here")

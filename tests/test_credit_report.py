@@ -10,6 +10,7 @@ from tests.helpers import load_script
 report = load_script("credit_report")
 
 
+@pytest.mark.slow
 def test_docs_credit_md_is_what_the_files_give():
     assert report.main(["--check"]) == 0, "run python scripts/credit_report.py"
 

@@ -6,12 +6,10 @@ import os
 import pytest
 import torch
 
-from scgrpo.rollout.types import RolloutStats
-from scgrpo.stage import DynamicSampling, RolloutStage, concat_rollouts, mixed_groups
 from scgrpo.objectives import DAPO, GRPO, OPSD, SCGRPO, HighEntropyGRPO, REINFORCEPlusPlus, SelfDistillation
 from scgrpo.objectives.dapo import overlong_penalty
 from scgrpo.rollout.engine import GenerationSettings, generate
-from scgrpo.rollout.types import PromptBatch, RolloutBatch
+from scgrpo.rollout.types import RolloutBatch
 from scgrpo.update import StepSums
 from tests.helpers import load_script, tiny_data, tiny_module, tiny_trainer
 
@@ -168,63 +166,6 @@ def test_overlong_shaping_matches_the_formula_at_the_boundaries():
     shaped = DAPO(overlong_buffer=4).shape_rewards(torch.ones(5), lengths, 16)
     torch.testing.assert_close(shaped, torch.tensor([1.0, 1.0, 0.75, 0.5, 0.0]))
     assert torch.equal(DAPO().shape_rewards(torch.ones(5), lengths, 16), torch.ones(5))
-
-
-class _ScriptedData:
-    """Extra batches whose groups come out mixed or uniform as scripted (via the ParityVerifier offset)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def extra_batch(self):
-        self.calls += 1
-        return PromptBatch(ids=[f"e{self.calls}"], questions=["x"], answers=[0])
-
-
-def test_dynamic_sampling_keeps_only_mixed_groups_and_stops_at_its_cap(tiny_model_dir, monkeypatch):
-    torch.manual_seed(0)
-    module = tiny_module(tiny_model_dir, objective=DAPO(max_sampling_rounds=2))
-    module.configure_model()
-    stage = RolloutStage(module.actor, 4, None, dynamic_sampling=DynamicSampling(max_rounds=2))
-    rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # group b is uniform
-    rollouts.stats = RolloutStats(sampled=8.0)
-    calls = []
-
-    def fake_score(rollouts):  # extra groups are always uniform: the loop must stop at its cap
-        calls.append(1)
-        rollouts.rewards = torch.ones(len(rollouts.completions))
-
-    monkeypatch.setattr(stage, "score", fake_score)
-    kept = stage.resample_equal_groups(rollouts, _ScriptedData().extra_batch)
-    assert kept.num_groups == 1 and kept.sample_ids == ["a"] * 4
-    assert kept.stats.extra_rounds == 2 and len(calls) == 2
-    assert kept.stats.sampled == 8 + 2 * 4  # every drawn rollout counts, kept or dropped
-
-    rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    rollouts.stats = RolloutStats(sampled=8.0)
-
-    def mixed_score(rollouts):
-        rollouts.rewards = torch.tensor([float(i % 2) for i in range(len(rollouts.completions))])
-
-    monkeypatch.setattr(stage, "score", mixed_score)
-    kept = stage.resample_equal_groups(rollouts, _ScriptedData().extra_batch)
-    assert kept.num_groups == 2 and kept.stats.extra_rounds == 1 and kept.stats.kept_groups == 2
-    assert kept.stats.sampled == 12
-    assert len(mixed_groups(kept)) == 8  # every kept group has mixed rewards
-
-
-def test_concat_rollouts_repads_prompts_left_and_completions_right(tiny_model_dir):
-    module = tiny_module(tiny_model_dir)
-    module.configure_model()
-    a = _rollouts(module, [1.0] * 8)
-    b = a.select(torch.arange(4))
-    b.prompt_ids, b.prompt_mask = b.prompt_ids[:, 2:], b.prompt_mask[:, 2:]
-    b.completion_ids, b.completion_mask = b.completion_ids[:, :2], b.completion_mask[:, :2]
-    merged = concat_rollouts([a, b], pad_id=2)
-    assert merged.prompt_ids.shape == (12, a.prompt_ids.shape[1])
-    assert merged.completion_ids.shape == (12, a.completion_ids.shape[1])
-    assert torch.equal(merged.prompt_ids[8:, 2:], b.prompt_ids) and (merged.prompt_mask[8:, :2] == 0).all()
-    assert torch.equal(merged.completion_ids[8:, :2], b.completion_ids) and (merged.completion_mask[8:, 2:] == 0).all()
 
 
 @pytest.mark.parametrize("objective", [SCGRPO(), SelfDistillation(), SelfDistillation(divergence="bidirectional"), OPSD(),

@@ -68,6 +68,7 @@ def test_plans_name_each_run_once_and_the_sweep_shares_the_main_tables_grpo_runs
         replicate.plan_runs(["main"], ["arith"], [0], ["grpo", "ppo"])
 
 
+@pytest.mark.slow
 def test_finished_runs_record_evaluations_steps_and_rollouts_and_are_skipped(tiny_model_dir, tmp_path):
     done = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo,dapo", "--seeds=0", "--jobs=2",
                       extra=["--trainer.max_steps=4"])
@@ -90,6 +91,7 @@ def test_finished_runs_record_evaluations_steps_and_rollouts_and_are_skipped(tin
     assert "2 done, 0 to run" in again.stdout
 
 
+@pytest.mark.slow
 def test_an_unfinished_run_resumes_from_its_checkpoint(tiny_model_dir, tmp_path):
     from scgrpo.cli import main
 
@@ -112,6 +114,7 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(tiny_model_dir, tmp_path)
     assert all(p is not None for p in result["steps"]["kl_p75"])  # SC-GRPO's signal, before and after the resume
 
 
+@pytest.mark.slow
 def test_the_deadline_pauses_runs_without_a_result_and_the_next_command_finishes_them(tiny_model_dir, tmp_path):
     # a run far longer than the deadline (counted from the command's start, imports included: 40 s leaves a slow
     # machine time to reach its first checkpoint, which the assertions below read; here it came after about 10 s)
@@ -155,6 +158,7 @@ def test_slots_alternate_gpus_and_unfinished_metrics_are_not_a_result():
     assert replicate.incomplete(metrics([1, 2, 3], [0, 2]), 3, 2) is None  # no evaluation due after step 3
 
 
+@pytest.mark.slow
 def test_a_failing_run_is_reported_with_its_log_and_the_command_fails(tiny_model_dir, tmp_path):
     done = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0",
                       extra=["--trainer.max_steps=4", "--model.generation.num_generations=1"], check=False)

@@ -92,18 +92,6 @@ def test_step_sums_name_the_objectives_own_statistics():
     assert sums.get("missing", 7.0) == 7.0 and "loss" in sums and sums["loss"] == 1.0
 
 
-def test_the_policys_device_follows_its_weights():
-    """A module configured on the CPU and then moved (``module.to("cuda")``) samples and scores where its weights
-    are now, not where they were loaded."""
-    from scgrpo.distributed import PolicyRunner
-    from scgrpo.policy import Policy
-
-    policy = Policy(PolicyRunner(torch.nn.Linear(2, 2)), None, GenerationSettings(), torch.device("cpu"))
-    assert policy.device == torch.device("cpu")
-    policy.model.to("meta")
-    assert policy.device.type == "meta"
-
-
 # --- plan, accumulation and the micro-batch loss with stand-ins for the objective and the policy ---------------
 
 
@@ -382,27 +370,3 @@ def test_an_update_clips_at_norm_one_by_default():
     torch.testing.assert_close(w.grad, torch.tensor([0.6, 0.8]))
 
 
-def test_a_steps_passes_on_a_gpu_leave_out_cudnn_attention_and_put_the_backends_back(monkeypatch):
-    """cuDNN's attention plans each new shape anew (tens of ms of host time a pass): off inside the passes of a
-    step on a GPU, the other kernels on, and the process's own choice back after them; on CPU nothing changes."""
-    from scgrpo import policy as policy_module
-
-    backends = torch.backends.cuda
-    before = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled())
-    assert backends.cudnn_sdp_enabled()  # (PyTorch's default: allowed)
-    with policy_module.attention_backends(torch.device("cuda", 0)):
-        assert not backends.cudnn_sdp_enabled()
-        assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled() and backends.math_sdp_enabled()
-    assert (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled()) == before
-    with policy_module.attention_backends(torch.device("cpu")):
-        assert backends.cudnn_sdp_enabled()
-    with policy_module.attention_backends(torch.device("cuda", 0), cudnn=True):  # (PassOptions.cudnn_attention)
-        assert backends.cudnn_sdp_enabled()
-    backends.enable_flash_sdp(False)  # the process's own choice stands inside, less cuDNN
-    try:
-        with policy_module.attention_backends(torch.device("cuda", 0)):
-            assert not backends.flash_sdp_enabled() and not backends.cudnn_sdp_enabled()
-            assert backends.mem_efficient_sdp_enabled()
-        assert not backends.flash_sdp_enabled() and backends.cudnn_sdp_enabled()
-    finally:
-        backends.enable_flash_sdp(True)

@@ -163,6 +163,7 @@ def _fit(tiny_model_dir, cwd, *extra: str, torchrun: bool = False) -> str:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
 def test_sharded_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tiny_model_dir, tmp_path):
     """4 steps == 2 steps + checkpoint + 2 resumed steps on 2 ranks: LoRA weights (gathered from shards),
@@ -221,6 +222,7 @@ def _check_lora_only_checkpoint(tiny_model_dir, run: str, ckpt: str, ckpt_after_
     assert "train/reward" in header and "time/teacher_s" in header and "credit/c" in header
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("scgrpo") is None, reason="the scgrpo console script is not installed")
 def test_sharded_episodes_of_different_lengths_on_each_rank_train(tiny_model_dir, tmp_path):
     """Each turn's sampler gathers the sharded weights: a rank whose episodes ended keeps pace with the other."""

@@ -128,6 +128,7 @@ def _conversions(home) -> list[str]:
 @pytest.mark.parametrize("gpu, launcher", [(False, "torchrun"), (False, "slurm"),
                                            pytest.param(True, "torchrun", marks=TWO_GPUS)],
                          ids=["cpu-torchrun", "cpu-slurm", "gpu-torchrun"])
+@pytest.mark.slow
 def test_two_nodes_train_as_one_node_of_two_processes(tiny_model_dir, tmp_path, gpu, launcher, one_node_of_two):
     """The torchrun nodes keep a cache each, the SLURM ones mount one: each cache is converted into once."""
     shared = tmp_path / "shared"  # the run folder's filesystem, mounted by both nodes
@@ -159,6 +160,7 @@ def test_two_nodes_train_as_one_node_of_two_processes(tiny_model_dir, tmp_path, 
     assert not glob.glob(os.path.join(run, ".scgrpo-shared-*"))  # the start-up check's marker is gone
 
 
+@pytest.mark.slow
 def test_a_run_folder_the_nodes_do_not_share_is_one_line_at_start(tiny_model_dir, tmp_path):
     apart = [tmp_path / "disk0", tmp_path / "disk1"]  # each node writes runs/ on its own disk
     for folder in apart:
