@@ -403,7 +403,8 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         result["process_peak_reserved_gib"] = process_peak
     if result.get("wall_s"):
         result["completions_per_s_per_gpu"] = prompts * group / result["wall_s"]
-    module.actor.release_rollout_workspaces()  # the next case's peak must not include this one's KV caches or graphs
+    if module.actor is not None:  # (a case that failed before its policy loaded holds none)
+        module.actor.release_rollout_workspaces()  # the next case's peak must not include this one's KV caches or graphs
     del module, trainer, data
     import gc
 

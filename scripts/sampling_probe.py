@@ -12,6 +12,7 @@ nothing of ``bench_step`` (which would put this tree's ``src`` first on the path
 from __future__ import annotations
 
 import json
+import inspect
 import statistics
 import sys
 import time
@@ -54,17 +55,22 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     policy, tokenizer, prompts = qlora_policy_and_prompts(model, rows, group, device)
     settings = GenerationSettings(num_generations=group, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    kept = {}  # one backend for every call, its workspace kept (a tree whose engine holds it itself: nothing to pass)
+    if "sampler" in inspect.signature(generate).parameters:
+        from scgrpo.rollout.backends import make_sampler
+
+        kept["sampler"] = make_sampler(settings)
     torch.manual_seed(0)
     sync()
     first = time.perf_counter()
-    generate(policy, tokenizer, prompts, group, settings, device)
+    generate(policy, tokenizer, prompts, group, settings, device, **kept)
     sync()
     first = time.perf_counter() - first
     times = []
     for _ in range(repeats):
         sync()
         start = time.perf_counter()
-        generate(policy, tokenizer, prompts, group, settings, device)
+        generate(policy, tokenizer, prompts, group, settings, device, **kept)
         sync()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)

@@ -318,6 +318,8 @@ def state_faults(mods: dict[str, str]) -> list[str]:
                 for target in node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]:
                     if isinstance(target, ast.Subscript):
                         subject = target.value
+                    elif isinstance(node, ast.AugAssign) and isinstance(target, ast.Name):  # TABLE |= {...}
+                        subject = target
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
                 subject = node.func.value
             label = subject.id if isinstance(subject, ast.Name) else subject.attr if isinstance(
@@ -341,13 +343,14 @@ def test_the_state_check_sees_each_kind(tmp_path, monkeypatch):
     (package / "a.py").write_text(
         "import functools\nimport threading\n\n_cache = {}\n_lock = threading.Lock()\nTABLE = {'x': 1}\nREAD = (1, 2)\n"
         "SWITCH = True\n\n\nclass C:\n    seen = []\n    NAMES = {'a'}\n\n\ndef f(k):\n    global SWITCH\n"
-        "    TABLE[k] = 2\n    C.warned = True\n    return READ[0]\n\n\n@functools.cache\ndef memo(k):\n    return k\n")
+        "    TABLE[k] = 2\n    C.warned = True\n    return READ[0]\n\n\n@functools.cache\ndef memo(k):\n    return k\n\n\n"
+        "def h():\n    global TABLE\n    TABLE |= {'y': 3}\n")
     (package / "b.py").write_text("from scgrpo import a\n\n\ndef g():\n    a.SWITCH = False\n    return a.C.NAMES\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["SRC"]), "SRC", str(tmp_path))
     faults = state_faults(modules())
     expected = ["scgrpo.a:4: _cache", "scgrpo.a:5: _lock is shared state", "scgrpo.a:12: C.seen",
                 "scgrpo.a:18: mutates the constant TABLE", "scgrpo.b:5: assigns a.SWITCH", "scgrpo.a:17: global SWITCH",
-                "scgrpo.a:19: assigns C.warned"]
+                "scgrpo.a:19: assigns C.warned", "scgrpo.a:29: global TABLE", "scgrpo.a:30: mutates the constant TABLE"]
     assert len(faults) == len(expected), faults
     for want in expected:
         assert any(f.startswith(want) for f in faults), (want, faults)

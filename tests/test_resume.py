@@ -12,7 +12,6 @@ import torch
 from lightning.pytorch import Callback, seed_everything
 from safetensors.torch import load_file
 
-from scgrpo.callbacks.validation import EvaluationLogging
 from scgrpo.stage import RolloutStage
 from scgrpo.callbacks import ReleaseHeldInterrupt, StepCheckpoint
 from scgrpo.callbacks.interrupt import HeldInterrupt
@@ -117,14 +116,14 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tiny_model_dir, tmp_
 
             patch.setattr(RLVRModule, "on_train_batch_end", signalled_at_end)
         elif where.startswith("logging"):
-            validation_end = EvaluationLogging.on_validation_epoch_end
+            validation_end = RLVRModule.on_validation_epoch_end
 
-            def signalled_before_logging(self, trainer, pl_module):
-                if pl_module.global_step == stopped_at:
+            def signalled_before_logging(self):
+                if self.global_step == stopped_at:
                     os.kill(os.getpid(), signal.SIGINT)
-                validation_end(self, trainer, pl_module)
+                validation_end(self)
 
-            patch.setattr(EvaluationLogging, "on_validation_epoch_end", signalled_before_logging)
+            patch.setattr(RLVRModule, "on_validation_epoch_end", signalled_before_logging)
         elif where.startswith("checkpoint"):
             save = StepCheckpoint._save_last_checkpoint
 

@@ -222,3 +222,56 @@ def test_concat_rollouts_repads_prompts_left_and_completions_right(tiny_model_di
     assert merged.completion_ids.shape == (12, a.completion_ids.shape[1])
     assert torch.equal(merged.prompt_ids[8:, 2:], b.prompt_ids) and (merged.prompt_mask[8:, :2] == 0).all()
     assert torch.equal(merged.completion_ids[8:, :2], b.completion_ids) and (merged.completion_mask[8:, 2:] == 0).all()
+
+
+def test_a_run_stage_asks_at_each_rollout_whether_to_keep_the_sampler_states():
+    """``for_run`` wires the objective's teacher, the generation settings, the device and the policy's pass options
+    into the choice, read at each rollout: a policy whose teacher passes stop sharing the student's forward after the
+    stage was made (a benchmark's case, set once the policy is loaded) keeps the sampler's states from then on."""
+    from scgrpo.objectives import GRPO, SCGRPO
+    from scgrpo.policy import PassOptions
+    from scgrpo.rollout.engine import GenerationSettings
+
+    policy = Scripted({"a": ["x", "xx"]})
+    policy.passes = PassOptions()
+    generation = GenerationSettings(num_generations=2, max_new_tokens=128)  # student_states "auto"
+    gpu = torch.device("cuda", 0)
+    stage = RolloutStage.for_run(policy, generation, None, None, SCGRPO(), 3, gpu)
+    assert not stage.states  # (the student's rows ride in the teacher's forward at this length)
+    policy.passes = PassOptions(shared_teacher_passes=False)
+    assert stage.states
+    assert not RolloutStage.for_run(policy, generation, None, None, GRPO(), 3, gpu).states  # no teacher
+    assert not RolloutStage.for_run(policy, generation, None, None, SCGRPO(), 3, torch.device("cpu")).states
+    episodes = SimpleNamespace(settings=SimpleNamespace(max_episode_tokens=64))
+    assert not RolloutStage.for_run(policy, generation, None, episodes, SCGRPO(), 3, gpu).states
+    dapo = RolloutStage.for_run(policy, generation, None, None, DAPO(max_sampling_rounds=5), 3, gpu)
+    assert dapo.dynamic_sampling.max_rounds == 5 and stage.dynamic_sampling is None
+
+
+def test_a_gpu_out_of_memory_in_sampling_is_one_error_of_the_rollout_phase_and_verification_is_left_alone():
+    from scgrpo.errors import GPUOutOfMemory
+    from scgrpo.oom import out_of_memory_as_error
+
+    module = SimpleNamespace(device=torch.device("cpu"), budget=None, memory_budget_gib=None, micro_batch_size=None,
+                             gradient_checkpointing=False, _trainer=None, global_step=0)
+    policy = Scripted({"a": ["x", "xx"]})
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    stage = RolloutStage(policy, 2, VerifierRunner(ParityVerifier()), guard=lambda: out_of_memory_as_error("rollout", module))
+    policy.sample = out_of_memory
+    with pytest.raises(GPUOutOfMemory, match="in the rollout phase"):
+        stage.collect(_batch("a"))
+
+    class Large(Verifier):  # (a reward model on the card: its own memory error, as before the stage)
+        def verify_batch(self, completions, answers, questions):
+            raise torch.OutOfMemoryError("CUDA out of memory in the reward model")
+
+        def verify(self, completion, answer, question=""):
+            return VerificationResult(0.0)
+
+    stage = RolloutStage(Scripted({"a": ["x", "xx"]}), 2, VerifierRunner(Large()),
+                         guard=lambda: out_of_memory_as_error("rollout", module))
+    rollouts = stage.collect(_batch("a"))  # the runner scores a failed batch 0 and counts it
+    assert rollouts.rewards.tolist() == [0.0, 0.0] and rollouts.stats.verifier_errors == 2.0

@@ -11,7 +11,7 @@ from scgrpo.objectives import GRPO, Credit, HighEntropyGRPO, LossOutput, Needs
 from scgrpo.objectives.base import LossStats
 from scgrpo.policy import PassOptions, Policy
 from scgrpo.rollout.engine import GenerationSettings
-from scgrpo.rollout.types import RolloutBatch, TeacherSignal
+from scgrpo.rollout.types import TeacherSpec, RolloutBatch, TeacherSignal
 from scgrpo.update import NONFINITE, LossNorms, MismatchMeter, PolicyUpdate, StepPlan, StepSums, check_tis_cap, sampler_correction
 from tests.test_guard import _plan, _rollouts
 
@@ -186,6 +186,7 @@ def test_the_micro_batch_loss_hands_the_objective_the_chosen_rows_of_everything(
                     chunks=[torch.arange(3)], num_chunks=1, global_rows=3.0,
                     norms=LossNorms(num_tokens=11.0, num_rows=6.0, num_teacher_rows=4.0))
     objective = _Recording(credit.advantages)
+    objective.needs = Needs(teacher=TeacherSpec(routes=("partial",), output="hidden"))  # (a distillation term's)
     update = PolicyUpdate(_policy(head, table, temperature=0.7, chunk=2), objective, backward=lambda loss: None)
     rows = torch.tensor([2, 0])
     out, entropy = update.micro_batch_loss(rollouts, rows, plan, step=5)

@@ -18,8 +18,9 @@ from torch.profiler import record_function
 
 from scgrpo import lightning_internals as internals
 from scgrpo.budget import MemoryBudget
-from scgrpo.callbacks import (AdapterExport, AtomicCheckpointIO, CompletionsTable, CreditLogging, EvaluationLogging,
-                              ReleaseHeldInterrupt, RolloutCallback, ValidateBeforeTraining)
+from scgrpo.callbacks import (AdapterExport, AtomicCheckpointIO, CompletionsTable, CreditLogging, ReleaseHeldInterrupt,
+                              RolloutCallback, ValidateBeforeTraining)
+from scgrpo.callbacks.validation import log_evaluation
 from scgrpo.data.lengths import PromptFit
 from scgrpo.distributed import PolicyRunner, check_run_shared, full_state
 from scgrpo.envs import Environment, EpisodeSettings
@@ -153,7 +154,6 @@ class RLVRModule(LightningModule):
         self.last_plan: Optional[StepPlan] = None  # the last step's plan, None if skipped (CreditLogging draws it)
         self._checkpoint_step: Optional[int] = None  # the global step of a checkpoint loaded (see evaluated_step)
 
-    # ----------------------------------------------------------------------------------------------- setup
     @property
     def policy(self):
         """The policy (a peft model with LoRA, or the bare causal LM)."""
@@ -198,7 +198,8 @@ class RLVRModule(LightningModule):
             check_run_shared(self.trainer, stage)
         datamodule = self._datamodule()
         environment = run_environment(self._environment, datamodule)
-        self.episode_runner = EpisodeRunner(environment, self.episodes) if environment is not None else None
+        if environment is None or self.episode_runner is None or self.episode_runner.environment is not environment:
+            self.episode_runner = EpisodeRunner(environment, self.episodes) if environment is not None else None
         self.configure_model()
         self.actor.max_completion_tokens = completion_lengths(self.episode_runner, self.generation.max_new_tokens)[0]
         spec = self.objective.needs.teacher
@@ -207,7 +208,7 @@ class RLVRModule(LightningModule):
         self.verifier_runner = VerifierRunner(verifier)
         self.rollout_stage = RolloutStage.for_run(self.actor, self.generation, self.verifier_runner, self.episode_runner,
                                                   self.objective, self.max_reward_failure_steps, self.device,
-                                                  self.budget.peaks)
+                                                  self.budget.peaks, lambda: out_of_memory_as_error("rollout", self))
         if hasattr(datamodule, "fit_prompts"):  # (rows whose prompt is too long for the model are left out)
             datamodule.fit_prompts(self.prompt_fit())
         if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
@@ -228,19 +229,12 @@ class RLVRModule(LightningModule):
 
     def configure_callbacks(self):
         # first: a Ctrl-C that StepCheckpoint held at the last step's end takes effect before the next rollout
-        callbacks = [ReleaseHeldInterrupt(), RolloutCallback(), EvaluationLogging(),
-                     CompletionsTable(self.log_completions_every_n_steps), AdapterExport(self.save_adapter_every_n_steps),
-                     CreditLogging(self.log_completions_every_n_steps)]
+        callbacks = [ReleaseHeldInterrupt(), RolloutCallback(), CompletionsTable(self.log_completions_every_n_steps),
+                     AdapterExport(self.save_adapter_every_n_steps), CreditLogging(self.log_completions_every_n_steps)]
         return callbacks + ([ValidateBeforeTraining()] if self.validate_before_training else [])
 
     def configure_optimizers(self):
         return optimizers(self.actor.trainable_parameters(), self._optimizer, self._lr_scheduler)
-
-    # ------------------------------------------------------------------ the parts a step calls (also public)
-    def play_episodes(self, rows: list[dict], num_samples: int, greedy: bool = False,
-                      temperature: Optional[float] = None, seed: Optional[int] = 0):
-        """``num_samples`` episodes of each row in the run's environment (evaluation: seeds fixed by the rows)."""
-        return self.episode_runner.run(self.actor, rows, num_samples, greedy, temperature, seed)
 
     def run_self_teacher(self, rollouts: RolloutBatch) -> Optional[TeacherSignal]:
         """The self-teacher's signal for the batch (routes, references, teacher pass), or None."""
@@ -248,15 +242,12 @@ class RLVRModule(LightningModule):
             return None
         buffer = getattr(self._datamodule(), "verified_buffer", None)
         return self.self_teacher(self.actor, rollouts, self.success_threshold, self.micro_batch_size, buffer,
-                                 self._step())
+                                 self.global_step)
 
     def policy_update(self) -> PolicyUpdate:
         """The update as the module's settings stand now (micro-batches, clipping, TIS)."""
         return PolicyUpdate(self.actor, self.objective, self.manual_backward, self.micro_batch_size,
                             self.max_grad_norm, self.tis_cap, auto_checkpointing=self.gradient_checkpointing is None)
-
-    def _step(self) -> int:
-        return self.global_step if self._trainer is not None else 0
 
     # ------------------------------------------------------------------------------------------ training
     def training_step(self, batch: PromptBatch, batch_idx: int) -> Tensor:
@@ -273,8 +264,8 @@ class RLVRModule(LightningModule):
         if reason is None:
             plan = self.credit(update, rollouts, signal)
             reason = on_any_rank(nonfinite_inputs(rollouts, plan), self.device)
-        sums, reason = self.update(update, rollouts, plan, reason, phases)
-        self.log_step(rollouts, plan, sums, update, phases, time.perf_counter() - start)
+        sums, reason = self.update(update, rollouts, plan, reason, phases, start)
+        self.log_step(rollouts, plan, sums, update, phases)
         return torch.tensor(sums["loss"] / self.objective.num_iterations)
 
     def teacher_signal(self, rollouts: RolloutBatch, phases: StepPhases) -> Optional[TeacherSignal]:
@@ -299,15 +290,16 @@ class RLVRModule(LightningModule):
             return update.plan(rollouts, signal)
 
     def update(self, update: PolicyUpdate, rollouts: RolloutBatch, plan: Optional[StepPlan], reason: Optional[str],
-               phases: StepPhases) -> tuple[StepSums, Optional[str]]:
-        """``objective.num_iterations`` optimiser steps on the batch (none with gradients where ``reason`` says why
-        not), booked with the divergence guard; the step's sums and why it was skipped (None: it was not)."""
+               phases: StepPhases, start: float) -> tuple[StepSums, Optional[str]]:
+        """``objective.num_iterations`` optimiser steps (none with gradients where ``reason`` says why not), booked
+        with the guard; the sums and why it was skipped (None: not). From ``start``: the step's training time."""
         sums, params = StepSums(), self.actor.trainable_parameters
         with record_function("scgrpo.update"), out_of_memory_as_error("update", self):  # (a profiler's range)
-            reason = update.optimise(rollouts, plan, sums, reason, self.optimizers(), self.lr_schedulers(), self._step,
-                                     keep=lambda: self.guard.keep(params(), self.global_step),
+            reason = update.optimise(rollouts, plan, sums, reason, self.optimizers(), self.lr_schedulers(),
+                                     lambda: self.global_step, keep=lambda: self.guard.keep(params(), self.global_step),
                                      stepping=lambda: setattr(self, "updating", True))  # (until on_train_batch_end)
             self.actor.sync()
+        phases.train_s = time.perf_counter() - start
         phases.peak("update")
         phases.note_budget(self.budget)
         # the guard books the step; when it says stop, the last good weights are back and the run ends
@@ -318,10 +310,10 @@ class RLVRModule(LightningModule):
         return sums, reason
 
     def log_step(self, rollouts: RolloutBatch, plan: Optional[StepPlan], sums: StepSums, update: PolicyUpdate,
-                 phases: StepPhases, train_time: float) -> None:
+                 phases: StepPhases) -> None:
         """The step's metrics (:mod:`scgrpo.step_log`), logged; a step skipped before its loss logs the rollouts'
         and NaN for every other key of the last logged step."""
-        common = dict(success_threshold=self.success_threshold, train_time=train_time, phases=phases,
+        common = dict(success_threshold=self.success_threshold, train_time=phases.train_s, phases=phases,
                       nonfinite_skips=self.guard.nonfinite_skips, lr=self.optimizers().param_groups[0]["lr"])
         self.last_plan = plan
         if plan is None:
@@ -349,14 +341,23 @@ class RLVRModule(LightningModule):
             self.rng_between_steps.mark()  # (the next step draws from here)
 
     # -------------------------------------------------------------------------------------------- eval
+    def on_validation_epoch_start(self) -> None:
+        self.evaluation.start()
+
     def validation_step(self, batch: PromptBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Samples (or plays episodes of) and verifies one batch of held-out prompts; the
-        :class:`~scgrpo.callbacks.EvaluationLogging` callback logs the metrics."""
-        episodes = self.play_episodes if self.episode_runner is not None else None
+        """Samples (or plays episodes of: seeds fixed by the rows) and verifies one batch of held-out prompts."""
+        runner = self.episode_runner
+        episodes = (lambda rows, k, greedy, t: runner.run(self.actor, rows, k, greedy, t, 0)) if runner else None
         with out_of_memory_as_error("validation", self):
             self.evaluation.add(batch, self.actor, self.verifier_runner, episodes)
 
-    test_step = validation_step
+    def on_validation_epoch_end(self) -> None:  # (after StepCheckpoint's, which holds a Ctrl-C until the row is logged)
+        log_evaluation(self, "val")
+
+    def on_test_epoch_end(self) -> None:
+        log_evaluation(self, "test")
+
+    test_step, on_test_epoch_start = validation_step, on_validation_epoch_start
 
     @property
     def evaluated_step(self) -> int:

@@ -5,10 +5,11 @@ with its :class:`RolloutStats`. :class:`~scgrpo.callbacks.RolloutCallback` runs 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +53,22 @@ class RolloutStage:
         dynamic_sampling: DAPO's resampling of equal-reward groups (None: off).
         max_reward_failure_steps: :meth:`collect` raises :class:`RewardsFailed` at this many steps in a row whose
             every reward failed (0: never).
-        states: keep the sampler's final hidden states (the self-teacher's student side) where the engine has them.
+        states: keep the sampler's final hidden states (the self-teacher's student side) where the engine has them (a
+            function: asked at each rollout).
         device: where the rewards go; the ranks' counts are reduced over it.
         peaks: the rollout phase's memory peak is read from it (the run's memory budget's :attr:`peaks`).
+        guard: a context each round's sampling runs in (the run's: a GPU out of memory as one error of the rollout
+            phase).
     """
 
     def __init__(self, policy, num_generations: int, verifier_runner, episode_runner=None,
                  dynamic_sampling: Optional[DynamicSampling] = None, max_reward_failure_steps: int = 3,
-                 states: bool = False, device: torch.device = torch.device("cpu"),
-                 peaks: Optional[PeakTracker] = None) -> None:
+                 states: Union[bool, Callable[[], bool]] = False, device: torch.device = torch.device("cpu"),
+                 peaks: Optional[PeakTracker] = None,
+                 guard: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.policy, self.num_generations, self.verifier_runner = policy, num_generations, verifier_runner
-        self.episode_runner, self.dynamic_sampling, self.states = episode_runner, dynamic_sampling, states
+        self.episode_runner, self.dynamic_sampling, self._states = episode_runner, dynamic_sampling, states
+        self.guard = guard  # around each round's sampling: the run's out-of-memory error for the rollout phase
         self.max_reward_failure_steps, self.device = max_reward_failure_steps, device
         self.peaks = peaks if peaks is not None else PeakTracker()  # (the memory budget's, in a run)
         self.reward_failure_steps = 0  # steps in a row up to now whose every reward failed
@@ -70,23 +76,33 @@ class RolloutStage:
 
     @classmethod
     def for_run(cls, policy, generation, verifier_runner, episode_runner, objective, max_reward_failure_steps: int,
-                device: torch.device, peaks: Optional[PeakTracker] = None) -> "RolloutStage":
+                device: torch.device, peaks: Optional[PeakTracker] = None,
+                guard: Callable[[], ContextManager] = contextlib.nullcontext) -> "RolloutStage":
         """The stage of a run: G from ``generation``, dynamic sampling where the ``objective`` resamples, the
         sampler's states kept where its self-teacher reads them (:func:`~scgrpo.selfteacher.keeps_sampler_states`)."""
         needs = objective.needs
         dapo = DynamicSampling(needs.resample_rounds) if needs.resample_rounds is not None else None
-        states = keeps_sampler_states(needs.teacher, generation, device, episode_runner is not None,
-                                      policy.passes.shared_teacher_passes)
+
+        def states() -> bool:  # (asked at each rollout: the policy's pass options may change after setup)
+            return keeps_sampler_states(objective.needs.teacher, generation, device, episode_runner is not None,
+                                        policy.passes.shared_teacher_passes)
+
         return cls(policy, generation.num_generations, verifier_runner, episode_runner, dapo, max_reward_failure_steps,
-                   states, device, peaks)
+                   states, device, peaks, guard)
+
+    @property
+    def states(self) -> bool:
+        """Whether this rollout keeps the sampler's final hidden states."""
+        return self._states() if callable(self._states) else self._states
 
     def collect(self, batch: PromptBatch, more: Optional[Callable[[], PromptBatch]] = None) -> RolloutBatch:
         """The rollouts of ``batch``, verified; under dynamic sampling, ``more()`` gives each extra round's prompts
         (None: no extra rounds). Raises :class:`RewardsFailed` when every reward has failed too many steps in a row."""
         phase_peak({}, self.peaks, self.device, "before")  # starts the rollout phase's peak
         start = time.perf_counter()
-        rollouts = self.sample(batch)
-        self.policy.sync()
+        with self.guard():
+            rollouts = self.sample(batch)
+            self.policy.sync()
         generation_s = time.perf_counter() - start
         phase_peak(rollouts.stats.memory, self.peaks, self.device, "rollout")
         stats, failed = self.verify(rollouts)
@@ -106,8 +122,9 @@ class RolloutStage:
             questions = generated.questions  # each episode's first message
             extra = dict(env_mask=generated.env_mask, rewards=generated.rewards, infos=generated.infos)
         else:
-            generated = self.policy.sample(self.policy.format_prompts(batch.questions), g, states=self.states)
-            if self.states and getattr(generated, "states", None) is None and not self._said_no_states:
+            states = self.states
+            generated = self.policy.sample(self.policy.format_prompts(batch.questions), g, states=states)
+            if states and getattr(generated, "states", None) is None and not self._said_no_states:
                 log.info("self-teacher: these rollouts carry no sampler states (the Hugging Face forward sampled "
                          "them: engine hf, a sharded policy, or a model or length the compact forward does not run); "
                          "the student's forward pass runs instead (generation.student_states)")
@@ -191,7 +208,8 @@ class RolloutStage:
         while rounds < self.dynamic_sampling.max_rounds and more_needed():
             rounds += 1
             start = time.perf_counter()
-            extra = self.sample(more())
+            with self.guard():
+                extra = self.sample(more())
             self.score(extra)
             counted = {k: v for k, v in extra.stats.sampler.items() if k in EPISODE_COUNTERS}  # every round's faults
             sampled = extra.stats.sampled

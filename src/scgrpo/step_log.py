@@ -39,6 +39,8 @@ class StepPhases:
     """The peaks across the passes a memory budget measured (the budget's own: :attr:`MemoryBudget.peaks`)"""
     scoring_s: Optional[float] = None
     """Seconds of the scoring pass (``time/scoring_s``; None: the objective needs none)"""
+    train_s: float = 0.0
+    """Seconds of the credit and the update (``time/train_s``, which :func:`step_metrics` logs)"""
     peaks: dict[str, float] = field(default_factory=dict)
     """GiB at each phase's peak (``memory/<phase>_peak_gib``)"""
     budget: dict[str, float] = field(default_factory=dict)

@@ -375,13 +375,17 @@ class PolicyUpdate:
         return self.objective.loss(logprobs, inputs), masked_mean(entropy.detach(), mask)
 
     def _distill_inputs(self, hidden: Tensor, rows: Tensor, width: int, plan: StepPlan) -> Optional[DistillInputs]:
-        """The distillation term's inputs of these rows, for an objective whose teacher gives hidden states."""
-        signal = plan.signal
-        if signal is None or signal.teacher_hidden is None:
+        """The distillation term's inputs of these rows, for an objective whose teacher gives hidden states (the
+        student's states on every pass, a rank's zero-weight one too: the term keeps the graph connected)."""
+        spec, signal = self.objective.needs.teacher, plan.signal
+        if spec is None or spec.output != "hidden":
             return None
+        teacher = signal.teacher_hidden if signal is not None else None
+        has_teacher = signal.has_teacher[rows] if signal is not None else torch.zeros(len(rows), dtype=torch.bool,
+                                                                                      device=hidden.device)
         return DistillInputs(hidden=hidden, lm_head=self.policy.lm_head(),
-                             teacher_hidden=signal.teacher_hidden[rows, :width], has_teacher=signal.has_teacher[rows],
-                             num_teacher_rows=plan.norms.num_teacher_rows)
+                             teacher_hidden=teacher[rows, :width] if teacher is not None else None,
+                             has_teacher=has_teacher, num_teacher_rows=plan.norms.num_teacher_rows)
 
     def optimise(self, rollouts: RolloutBatch, plan: Optional[StepPlan], sums: StepSums, reason: Optional[str],
                  optimizer, scheduler, step: Callable[[], int], keep: Callable[[], None],

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from scgrpo.callbacks import RolloutCallback
-from scgrpo.errors import GPUOutOfMemory
 from scgrpo.rollout.types import PromptBatch, RolloutBatch
 
 
@@ -100,10 +98,3 @@ def test_an_exception_in_the_step_puts_the_extra_stream_back_where_the_step_foun
     callback.on_train_batch_end(trainer, _module(Stage(None)), None, batch, 0)  # a whole step: kept
     callback.on_exception(trainer, None, KeyboardInterrupt())
     assert data.extra_consumed == 5
-
-
-def test_a_gpu_out_of_memory_in_the_rollout_is_one_error_naming_the_rollout_phase():
-    failing = Stage(None, fail=torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    batch = PromptBatch(ids=["a"], questions=["a"], answers=[0])
-    with pytest.raises(GPUOutOfMemory, match="in the rollout phase"):
-        RolloutCallback().on_train_batch_start(SimpleNamespace(datamodule=None), _module(failing), batch, 0)

@@ -14,7 +14,7 @@ import torch
 from scgrpo.envs import EpisodeSettings
 from scgrpo.envs.runner import CallPool, ChatTurns, EpisodeRunner
 from scgrpo.objectives import GRPO, SCGRPO
-from scgrpo.rollout.types import RolloutBatch
+from scgrpo.rollout.types import PromptBatch, RolloutBatch
 from scgrpo.selfteacher import SelfTeacher
 from scgrpo.update import PolicyUpdate
 from tests.envs.scripted import FastClock, Scripted
@@ -212,7 +212,10 @@ def test_evaluation_plays_episodes_with_seeds_fixed_by_the_row(module):
     runner.run(module.actor, ROWS, 2, seed=0)
     first = list(seeds)
     seeds.clear()
-    module.play_episodes(ROWS, 2)
+    module.evaluation.greedy, module.evaluation.k = False, 2  # (k episodes of each row, as above, and no greedy one)
+    module.evaluation.start()
+    module.validation_step(PromptBatch(ids=[r["id"] for r in ROWS], questions=[r["question"] for r in ROWS],
+                                       answers=[r["answer"] for r in ROWS], split="id"), 0)
     assert sorted(seeds) == sorted(first)  # (the resets run in parallel threads: in any order)
     per_row = {row: {seed for r, seed in seeds if r == row} for row, _ in seeds}
     assert all(len(s) == 1 for s in per_row.values()) and per_row["r1"] != per_row["r2"]

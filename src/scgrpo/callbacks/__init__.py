@@ -7,14 +7,12 @@ from scgrpo.callbacks.credit import CreditLogging
 from scgrpo.callbacks.interrupt import ReleaseHeldInterrupt
 from scgrpo.callbacks.logging import AdapterExport, CompletionsTable, ValidateBeforeTraining
 from scgrpo.callbacks.rollout import RolloutCallback
-from scgrpo.callbacks.validation import EvaluationLogging
 
 __all__ = [
     "AdapterExport",
     "AtomicCheckpointIO",
     "CompletionsTable",
     "CreditLogging",
-    "EvaluationLogging",
     "ReleaseHeldInterrupt",
     "RolloutCallback",
     "StepCheckpoint",

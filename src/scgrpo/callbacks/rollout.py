@@ -7,7 +7,6 @@ from typing import Optional
 
 from lightning.pytorch import Callback
 
-from scgrpo.oom import out_of_memory_as_error
 from scgrpo.rollout.types import PromptBatch
 
 
@@ -28,8 +27,7 @@ class RolloutCallback(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         self._extra_consumed = getattr(datamodule, "extra_consumed", None)
         more = datamodule.extra_batch if hasattr(datamodule, "extra_batch") else None
-        with out_of_memory_as_error("rollout", pl_module):
-            batch.rollouts = pl_module.rollout_stage.collect(batch, more)
+        batch.rollouts = pl_module.rollout_stage.collect(batch, more)  # (its sampling under the run's OOM error)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: PromptBatch, batch_idx: int) -> None:
         self._extra_consumed = None  # (the step is done)

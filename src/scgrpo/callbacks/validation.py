@@ -3,8 +3,6 @@ each evaluation's metrics."""
 
 from __future__ import annotations
 
-from lightning.pytorch import Callback
-
 from scgrpo import lightning_internals as internals
 
 
@@ -21,26 +19,12 @@ def run_validation(trainer) -> None:
             trainer.training = True
 
 
-class EvaluationLogging(Callback):
-    """Starts the module's :class:`~scgrpo.evaluation.Evaluation` at each validation or test epoch and logs its
-    metrics at the end: ``<stage>/<split>/...`` of every split and ``<stage>/global_step`` (the optimiser steps behind
-    the evaluated weights, which tells a resumed run's rows of metrics.csv apart), at the logger step
-    ``evaluated_step`` (see ``RLVRModule.setup``)."""
-
-    def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        pl_module.evaluation.start()
-
-    on_test_epoch_start = on_validation_epoch_start
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        self._log(pl_module, "val")
-
-    def on_test_epoch_end(self, trainer, pl_module) -> None:
-        self._log(pl_module, "test")
-
-    @staticmethod
-    def _log(pl_module, stage: str) -> None:
-        step = pl_module.evaluated_step
-        for metrics in pl_module.evaluation.metrics(step, pl_module.global_rank == 0, stage).values():
-            pl_module.log_dict(metrics, on_step=False, on_epoch=True, add_dataloader_idx=False)
-        pl_module.log(f"{stage}/global_step", float(step), on_step=False, on_epoch=True, add_dataloader_idx=False)
+def log_evaluation(module, stage: str) -> None:
+    """The module's evaluation metrics (its :class:`~scgrpo.evaluation.Evaluation`'s, every split's
+    ``<stage>/<split>/...``) and ``<stage>/global_step`` (the optimiser steps behind the evaluated weights, which tells a
+    resumed run's rows of metrics.csv apart), logged at the logger step ``module.evaluated_step``
+    (``RLVRModule.setup``). Every rank must call it."""
+    step = module.evaluated_step
+    for metrics in module.evaluation.metrics(step, module.global_rank == 0, stage).values():
+        module.log_dict(metrics, on_step=False, on_epoch=True, add_dataloader_idx=False)
+    module.log(f"{stage}/global_step", float(step), on_step=False, on_epoch=True, add_dataloader_idx=False)

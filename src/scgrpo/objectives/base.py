@@ -88,7 +88,7 @@ class DistillInputs:
 
     hidden: Tensor  # [n, C, H] the student's final hidden states (differentiable)
     lm_head: Callable[[Tensor], Tensor]  # the output head
-    teacher_hidden: Tensor  # [n, C, H] the self-teacher's states; 0 where no teacher
+    teacher_hidden: Optional[Tensor]  # [n, C, H] the self-teacher's states; 0 where no teacher (None: no teacher row)
     has_teacher: Tensor  # [n] bool
     num_teacher_rows: Optional[float] = None  # rows with a teacher in the whole batch, all ranks (None: these)
 
@@ -179,7 +179,7 @@ class Objective(ABC):
         return rewards
 
     def token_mask(self, entropy: Tensor, mask: Tensor) -> Tensor:
-        """Which tokens' policy-gradient terms count, given the batch's ``[N, C]`` entropies (needs_batch_entropy)."""
+        """Which tokens' policy-gradient terms count, given the batch's ``[N, C]`` entropies (``needs.batch_entropy``)."""
         return mask
 
     def rows_in_loss(self, credit: Credit, signal: Optional["TeacherSignal"]) -> Tensor:

@@ -468,7 +468,7 @@ def distillation_loss(inputs, kind: str, mix: float = 0.5, token_clip: Optional[
     Returns (loss, detached mean divergence per token)."""
     distill = inputs.distill
     rows = torch.nonzero(distill.has_teacher).squeeze(1) if distill is not None else None
-    if rows is None or rows.numel() == 0:
+    if rows is None or rows.numel() == 0 or distill.teacher_hidden is None:
         zero = inputs.completion_mask.new_zeros(())
         anchor = distill.hidden.sum() * 0.0 if distill is not None else zero  # keeps the graph connected
         return anchor, zero.new_tensor(float("nan"))

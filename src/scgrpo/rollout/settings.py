@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 from torch import Tensor
 
+from scgrpo.errors import InputError
 from scgrpo.rollout.four_bit import MODES as FOUR_BIT_MODES
 
 
@@ -87,8 +89,8 @@ class GenerationSettings:
             raise ValueError(f"temperature must be > 0 (sampling), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.engine not in ("loop", "hf") and "." not in self.engine:
-            raise ValueError(f"engine={self.engine!r}: expected 'loop', 'hf' or the import path of a Sampler class")
+        if self.engine not in ("loop", "hf"):
+            engine_class(self.engine)  # (imported here: a wrong path is one error before the model loads)
         if self.decode_forward not in ("auto", "hf"):
             raise ValueError(f"decode_forward={self.decode_forward!r}: expected 'auto' or 'hf'")
         if self.compile not in ("auto", "on", "off"):
@@ -118,6 +120,26 @@ class Generated:
     stats: dict = field(default_factory=dict)  # the engine's counters (rollout/...)
     states: Optional[Tensor] = None  # [N, C, H] the sampler's final hidden state before each token (when asked for,
     # where the compact forward sampled; on the host): undefined after a row's end
+
+
+SAMPLER_METHODS = ("draw", "release", "one_model_state")
+"""What a rollout backend class has (:class:`scgrpo.rollout.backends.Sampler`; subclass it for the last two)"""
+
+
+def engine_class(engine: str) -> type:
+    """The rollout backend class ``generation.engine`` names by import path (``my_pkg.samplers.MySampler``)."""
+    module, _, name = engine.rpartition(".")
+    if not module:
+        raise ValueError(f"engine={engine!r}: expected 'loop', 'hf' or the import path of a Sampler class")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise InputError(f"generation.engine={engine!r}: no such class to import ({err})") from err
+    missing = [m for m in SAMPLER_METHODS if not callable(getattr(found, m, None))] if isinstance(found, type) else ["draw"]
+    if missing:
+        raise InputError(f"generation.engine={engine!r} is not a Sampler class (it has no {', '.join(missing)}; "
+                         "subclass scgrpo.rollout.backends.Sampler)")
+    return found
 
 
 def budget_bytes(gib: Optional[float]) -> Optional[int]:

@@ -5,14 +5,11 @@ import path."""
 
 from __future__ import annotations
 
-import importlib
-
-from scgrpo.errors import InputError
 from scgrpo.rollout.backends.base import Draw, Sampler
 from scgrpo.rollout.backends.compact import CompactSampler
 from scgrpo.rollout.backends.hf import HFGenerateSampler
 from scgrpo.rollout.backends.loop import LoopSampler
-from scgrpo.rollout.settings import GenerationSettings
+from scgrpo.rollout.settings import GenerationSettings, engine_class
 
 __all__ = ["CompactSampler", "Draw", "HFGenerateSampler", "LoopSampler", "Sampler", "make_sampler", "sampler_class"]
 
@@ -21,17 +18,7 @@ def sampler_class(engine: str, decode_forward: str = "auto") -> type:
     """The backend class ``generation.engine`` (and, for "loop", ``decode_forward``) names."""
     if engine == "loop":
         return CompactSampler if decode_forward == "auto" else LoopSampler
-    if engine == "hf":
-        return HFGenerateSampler
-    module, _, name = engine.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise InputError(f"generation.engine={engine!r}: no such class to import ({err})") from err
-    if not isinstance(found, type) or not callable(getattr(found, "draw", None)):
-        raise InputError(f"generation.engine={engine!r} is not a Sampler class (a class with a draw method, "
-                         "see scgrpo.rollout.backends.Sampler)")
-    return found
+    return HFGenerateSampler if engine == "hf" else engine_class(engine)
 
 
 def make_sampler(settings: GenerationSettings) -> Sampler:
