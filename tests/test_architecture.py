@@ -276,8 +276,15 @@ def state_faults(mods: dict[str, str]) -> list[str]:
     module or class level to a lock, queue, context variable or weak mapping; a container bound there to a name that
     is not a constant's (UPPER_CASE); a constant container mutated (subscript assigned or deleted, a mutating method
     called on it) anywhere in the package; a module attribute of the package assigned from another module, or a class
-    attribute assigned through its class (state every instance shares). A memo of
-    a function of its arguments (``functools.cache``) is not state: it never changes what the function returns."""
+    attribute assigned through its class (state every instance shares). A memo of a function of its arguments
+    (``functools.cache``: a device's stream or nf4 table, a capability probe) is not state: it never changes what the
+    function returns. Nor is a number bound once at module level that no package code rebinds (the tuning constants
+    that tests and benchmarks set for a comparison, ``packing.PACK_WIDTH``, ``four_bit.STREAM_KERNEL``); switches that
+    the step reads are its objects' settings (:class:`~scgrpo.policy.PassOptions`).
+
+    What it cannot see: state behind a call it does not know (``_POOL = SomeClass()`` at module level), bindings
+    inside a module-level ``if`` or ``try``, a memo that returns a mutable object, writes through ``setattr`` or
+    ``__setitem__``. Review catches those; this test keeps the common forms out."""
     trees = {}
     for name, path in mods.items():
         if name not in NOT_IMPORTED:
