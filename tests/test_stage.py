@@ -275,3 +275,49 @@ def test_a_gpu_out_of_memory_in_sampling_is_one_error_of_the_rollout_phase_and_v
                          guard=lambda: out_of_memory_as_error("rollout", module))
     rollouts = stage.collect(_batch("a"))  # the runner scores a failed batch 0 and counts it
     assert rollouts.rewards.tolist() == [0.0, 0.0] and rollouts.stats.verifier_errors == 2.0
+
+
+def test_concatenated_rounds_keep_every_field_of_every_row_padded_where_each_belongs():
+    """Two rounds of different widths: prompts re-padded on the left (mask 0), completions and their per-token fields
+    on the right (the pad id; 0 for masks, log-probs and the environment's mask), the sampler's states along their
+    columns; per-row fields in order; a field one round lacks is None; the stats added up."""
+    def part(n, tp, c, base, with_states=True):
+        return RolloutBatch(
+            prompt_ids=torch.full((n, tp), base), prompt_mask=torch.ones(n, tp, dtype=torch.long),
+            completion_ids=torch.full((n, c), base + 1), completion_mask=torch.ones(n, c),
+            truncated=torch.tensor([True] * n), group_size=2, sample_ids=[f"s{base}"] * n, questions=[f"q{base}"] * n,
+            answers=[base] * n, completions=[f"c{base}"] * n, rewards=torch.full((n,), float(base)),
+            infos=[{"row": base}] * n, entropy_sum=torch.full((n,), 0.5 * base),
+            sampler_logprobs=torch.full((n, c), -1.0 * base), env_mask=torch.ones(n, c),
+            columns=[{"col": base}] * n, student_states=torch.full((n, c, 3), float(base)) if with_states else None,
+            stats=RolloutStats(sampled=float(n), generation_s=1.0, sampler={"episode/env_errors": 1.0}))
+
+    a, b = part(2, 3, 4, 10), part(2, 1, 2, 20)
+    merged = concat_rollouts([a, b], pad_id=7)
+    assert merged.prompt_ids[2:].tolist() == [[7, 7, 20]] * 2 and merged.prompt_mask[2:].tolist() == [[0, 0, 1]] * 2
+    assert merged.completion_ids[2:].tolist() == [[21, 21, 7, 7]] * 2 and merged.completion_ids[:2].tolist() == [[11] * 4] * 2
+    assert merged.completion_mask[2:].tolist() == [[1.0, 1.0, 0.0, 0.0]] * 2
+    assert merged.sampler_logprobs[2:].tolist() == [[-20.0, -20.0, 0.0, 0.0]] * 2
+    assert merged.env_mask[2:].tolist() == [[1.0, 1.0, 0.0, 0.0]] * 2
+    assert merged.student_states.shape == (4, 4, 3) and (merged.student_states[2:, :2] == 20.0).all()
+    assert merged.student_states[:2].eq(10.0).all() and merged.truncated.tolist() == [True] * 4
+    assert merged.sample_ids == ["s10"] * 2 + ["s20"] * 2 and merged.questions == ["q10"] * 2 + ["q20"] * 2
+    assert merged.answers == [10, 10, 20, 20] and merged.completions == ["c10"] * 2 + ["c20"] * 2
+    assert merged.rewards.tolist() == [10.0, 10.0, 20.0, 20.0] and merged.entropy_sum.tolist() == [5.0, 5.0, 10.0, 10.0]
+    assert merged.infos == [{"row": 10}] * 2 + [{"row": 20}] * 2 and merged.columns == [{"col": 10}] * 2 + [{"col": 20}] * 2
+    assert merged.group_size == 2 and merged.stats.sampled == 4.0 and merged.stats.generation_s == 2.0
+    assert merged.stats.sampler == {"episode/env_errors": 2.0}
+    assert concat_rollouts([a, part(2, 1, 2, 20, with_states=False)], pad_id=7).student_states is None
+
+
+def test_dynamic_sampling_times_each_round_and_says_when_it_stops_short(tiny_model_dir, monkeypatch, caplog):
+    module = tiny_module(tiny_model_dir, objective=DAPO(max_sampling_rounds=2))
+    module.configure_model()
+    stage = RolloutStage(module.actor, 4, None, dynamic_sampling=DynamicSampling(max_rounds=2))
+    rollouts = _rollouts(module, [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    rollouts.stats = RolloutStats(sampled=8.0, generation_s=0.0)
+    monkeypatch.setattr(stage, "score", lambda r: setattr(r, "rewards", torch.ones(len(r.completions))))
+    with caplog.at_level("DEBUG", logger="scgrpo.stage"):
+        kept = stage.resample_equal_groups(rollouts, _ScriptedData().extra_batch)
+    assert kept.stats.generation_s > 0.0 and kept.stats.metrics()["dapo/kept_groups"] == 1.0
+    assert "dynamic sampling stopped at 1 of 2 groups after 2 extra rounds" in caplog.text
