@@ -239,13 +239,24 @@ def pivot_steps(run: dict) -> list[list[dict]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
+def row_masses(row: dict) -> tuple[float, float, int, int]:
+    """A row's (f mass, f mass on decision tokens, model tokens, decision tokens)."""
+    f, decision = row["f"], row["decision"]
+    return sum(f), sum(v for v, d in zip(f, decision) if d), len(f), sum(1 for d in decision if d)
+
+
 def step_concentration(rows: list[dict]) -> Optional[tuple[float, int]]:
     """(log concentration, decision tokens) of a step: the decision tokens' share of the f mass over their share
     of the model tokens; None where it is undefined."""
-    mass = sum(f for r in rows for f in r["f"])
-    decision_mass = sum(f for r in rows for f, d in zip(r["f"], r["decision"]) if d)
-    tokens = sum(len(r["f"]) for r in rows)
-    decisions = sum(1 for r in rows for d in r["decision"] if d)
+    return masses_concentration([row_masses(r) for r in rows])
+
+
+def masses_concentration(masses: list[tuple[float, float, int, int]]) -> Optional[tuple[float, int]]:
+    """:func:`step_concentration` of the rows whose :func:`row_masses` are ``masses``."""
+    mass = sum(m[0] for m in masses)
+    decision_mass = sum(m[1] for m in masses)
+    tokens = sum(m[2] for m in masses)
+    decisions = sum(m[3] for m in masses)
     if mass <= 0 or decision_mass <= 0 or not decisions:
         return None
     return math.log((decision_mass / mass) / (decisions / tokens)), decisions
@@ -331,10 +342,11 @@ def position_null(seeds: list[list[list[dict]]], kind: str, rng) -> tuple[float,
 def row_bootstrap(seeds: list[list[list[dict]]], rng) -> tuple[float, float]:
     """The 95% percentile interval of the decision-token-weighted mean log concentration, resampling seeds, then
     steps within each drawn seed, then rows within each drawn step."""
+    seeds = [[[row_masses(r) for r in step] for step in steps] for steps in seeds]  # (summed once, drawn often)
     draws = []
     for _ in range(BOOTSTRAP):
         picked = [seeds[rng.randrange(len(seeds))] for _ in seeds]
-        blocks = [[c for c in (step_concentration([step[rng.randrange(len(step))] for _ in step])
+        blocks = [[c for c in (masses_concentration([step[rng.randrange(len(step))] for _ in step])
                                for step in (steps[rng.randrange(len(steps))] for _ in steps)) if c is not None]
                   for steps in picked]
         if any(blocks):

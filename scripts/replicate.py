@@ -213,19 +213,18 @@ def read_metrics(run_dir: str) -> dict:
 
 
 def environment() -> dict:
-    import lightning
-    import peft
+    """The machine and the versions of the packages a run depends on (read from their metadata, not imported)."""
+    from importlib import metadata
+
     import torch
-    import transformers
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "peft": peft.__version__, "lightning": lightning.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        pass
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "peft", "lightning", "triton"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            if package != "triton":
+                raise
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"card": card, "gpus": torch.cuda.device_count(), "cpus": os.cpu_count(), "versions": versions}
 
@@ -648,7 +647,7 @@ def main() -> None:
                 print(f"[{time.strftime('%H:%M:%S')}] deadline: interrupting {len(running)} run(s)", flush=True)
                 interrupt(slots, args.grace_s, args.work_dir)
                 break
-            time.sleep(2)
+            time.sleep(0.25)
     except BaseException:  # Ctrl-C, SIGTERM or a fault here: no training is left running unsupervised
         if any(s.process is not None for s in slots):
             print(f"[{time.strftime('%H:%M:%S')}] stopping: interrupting the runs", flush=True)

@@ -116,9 +116,10 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(tiny_model_dir, tmp_path)
 
 @pytest.mark.slow
 def test_the_deadline_pauses_runs_without_a_result_and_the_next_command_finishes_them(tiny_model_dir, tmp_path):
-    # a run far longer than the deadline (counted from the command's start, imports included: 40 s leaves a slow
-    # machine time to reach its first checkpoint, which the assertions below read; here it came after about 10 s)
-    paused = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0", "--deadline-s=40",
+    # a run far longer than the deadline (counted from the command's start, imports included: 15 s leaves a slow
+    # machine time to reach its first checkpoint, which the assertions below read; on the 2-core CI machine the run
+    # started after about 4 s and had trained 16 steps by 12 s, its first checkpoint a second after its start)
+    paused = _replicate(tmp_path, tiny_model_dir, "--plan=main", "--methods=grpo", "--seeds=0", "--deadline-s=15",
                         "--grace-s=30", extra=["--trainer.max_steps=100000"])
     assert "deadline: interrupting 1 run(s)" in paused.stdout and "left for a later command 1" in paused.stdout
     name = "arith_grpo_lr2e-4_seed0"

@@ -10,11 +10,36 @@ import os
 if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
-from scgrpo.data import PromptDataModule
-from scgrpo.models import LoraSettings
-from scgrpo.module import RLVRModule
-from scgrpo.objectives import GRPO
-from scgrpo.rollout import GenerationSettings
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["GRPO", "GenerationSettings", "LoraSettings", "PromptDataModule", "RLVRModule", "__version__"]
+
+EXPORTS = {"GRPO": "scgrpo.objectives", "GenerationSettings": "scgrpo.rollout", "LoraSettings": "scgrpo.models",
+           "PromptDataModule": "scgrpo.data", "RLVRModule": "scgrpo.module"}
+"""Where each name of ``__all__`` lives: imported when first asked for, so that ``import scgrpo.models`` (a script's
+model resolution, the code sandbox's helpers) does not pay for Lightning and the trainer (about 4 s)"""
+
+if TYPE_CHECKING:
+    from scgrpo.data import PromptDataModule
+    from scgrpo.models import LoraSettings
+    from scgrpo.module import RLVRModule
+    from scgrpo.objectives import GRPO
+    from scgrpo.rollout import GenerationSettings
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in EXPORTS:
+        return getattr(importlib.import_module(EXPORTS[name]), name)
+    try:  # a subpackage reached as an attribute (``import scgrpo; scgrpo.objectives``), as the eager imports allowed
+        return importlib.import_module(f"scgrpo.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"scgrpo.{name}":
+            raise
+        raise AttributeError(f"module 'scgrpo' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *EXPORTS])

@@ -172,7 +172,24 @@ def on_every_rank(prepare: Callable[[], Any], what: str) -> Any:
 
 
 SHARED_WAIT_S = 10.0
-"""How long a rank looks for rank 0's marker (a network filesystem may show a new file to other hosts late)"""
+"""How long a rank looks for rank 0's marker (a network filesystem may show a new file to other hosts late);
+``SCGRPO_SHARED_WAIT_S`` in the environment sets it (longer for a filesystem slower to show new files)"""
+
+
+def shared_wait_s() -> float:
+    """:data:`SHARED_WAIT_S`, or the seconds ``SCGRPO_SHARED_WAIT_S`` gives."""
+    given = os.environ.get("SCGRPO_SHARED_WAIT_S")
+    if not given:
+        return SHARED_WAIT_S
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        from scgrpo.errors import InputError
+
+        raise InputError(f"SCGRPO_SHARED_WAIT_S must be a number of seconds (0 or more), got {given!r}")
+    return seconds
 
 
 def check_run_shared(trainer, stage: str) -> None:
@@ -198,6 +215,8 @@ def check_shared(folders: Sequence[str], files: Sequence[str] = ()) -> None:
     from scgrpo.errors import InputError
     from scgrpo.lightning_internals import is_local_path
 
+    wait_s = shared_wait_s()  # (before any collective: a bad value ends every rank alike)
+
     folders = [os.path.abspath(f) for f in dict.fromkeys(folders) if f and is_local_path(f)]
     first = dist.get_rank() == 0
     token = [secrets.token_hex(8) if first else None,
@@ -216,7 +235,7 @@ def check_shared(folders: Sequence[str], files: Sequence[str] = ()) -> None:
                 unwritable = f"rank 0 cannot write into {os.path.dirname(marker)}: {err.strerror or err}"
                 break
     dist.barrier()
-    deadline = time.monotonic() + SHARED_WAIT_S
+    deadline = time.monotonic() + wait_s
 
     def missing() -> list[str]:
         return ([m for m in markers if not _reads(m, token[0])] if unwritable is None else []) + \

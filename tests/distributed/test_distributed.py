@@ -79,3 +79,19 @@ def test_the_run_checks_nothing_shared_on_one_process_and_full_state_detaches():
     weight = nn.Parameter(torch.ones(2))
     state = full_state({"w": weight})
     assert not state["w"].requires_grad and torch.equal(state["w"], torch.ones(2))
+
+
+def test_the_wait_for_the_shared_marker_is_ten_seconds_unless_the_environment_sets_it(monkeypatch):
+    from scgrpo.distributed import shared_wait_s
+    from scgrpo.errors import InputError
+
+    monkeypatch.delenv("SCGRPO_SHARED_WAIT_S", raising=False)
+    assert shared_wait_s() == 10.0
+    monkeypatch.setenv("SCGRPO_SHARED_WAIT_S", "2.5")
+    assert shared_wait_s() == 2.5
+    monkeypatch.setenv("SCGRPO_SHARED_WAIT_S", "0")
+    assert shared_wait_s() == 0.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("SCGRPO_SHARED_WAIT_S", bad)
+        with pytest.raises(InputError, match=f"SCGRPO_SHARED_WAIT_S must be a number of seconds.*{bad!r}"):
+            shared_wait_s()

@@ -161,10 +161,11 @@ def test_two_nodes_train_as_one_node_of_two_processes(tiny_model_dir, tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_run_folder_the_nodes_do_not_share_is_one_line_at_start(tiny_model_dir, tmp_path):
+def test_a_run_folder_the_nodes_do_not_share_is_one_line_at_start(tiny_model_dir, tmp_path, monkeypatch):
     apart = [tmp_path / "disk0", tmp_path / "disk1"]  # each node writes runs/ on its own disk
     for folder in apart:
         folder.mkdir()
+    monkeypatch.setenv("SCGRPO_SHARED_WAIT_S", "1")  # (not the 10 s a network filesystem is given: no marker comes)
     results = _launch_nodes(tmp_path, tiny_model_dir, apart)
     lines = [line for _, err in results for line in err.splitlines() if line.startswith("scgrpo: error:")]
     assert all(code != 0 for code, _ in results)

@@ -258,20 +258,43 @@ def test_the_sandbox_starts_an_interpreter_that_lives_under_tmp(mode, tmp_path):
 
 
 @pytest.mark.parametrize("required", [False, True])
-def test_a_code_test_skips_with_the_reason_where_no_sandbox_starts_unless_one_is_required(required, tmp_path):
-    import subprocess
-    import sys
+def test_a_code_test_skips_with_the_reason_where_no_sandbox_starts_unless_one_is_required(required, monkeypatch):
+    """The suite's hook (tests/conftest.py) on a test that met a sandbox that cannot start, raised as the verifier
+    raises it (the cause of another error): a skip with the reason, unless SCGRPO_REQUIRE_SANDBOX is set, where the
+    failure stands. Another error stands either way."""
+    from scgrpo.verifiers.sandbox import SandboxError
+    from tests import conftest
 
-    probe = tmp_path / "test_probe.py"
-    probe.write_text("from scgrpo.verifiers.sandbox import SandboxError\n\n\ndef test_probe():\n"
-                     "    raise SandboxError('no sandbox works here: bwrap: not installed')\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "SCGRPO_REQUIRE_SANDBOX"}
+    class Outcome:
+        def __init__(self, exception):
+            self.exception, self.forced = exception, None
+
+        def force_exception(self, exception):
+            self.forced = exception
+
+    def run(exception):
+        hook = conftest.pytest_runtest_call(item=None)
+        next(hook)
+        outcome = Outcome(exception)
+        with pytest.raises(StopIteration):
+            hook.send(outcome)
+        return outcome.forced
+
+    monkeypatch.delenv("SCGRPO_REQUIRE_SANDBOX", raising=False)
     if required:
-        env["SCGRPO_REQUIRE_SANDBOX"] = "1"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                           str(probe)], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+        monkeypatch.setenv("SCGRPO_REQUIRE_SANDBOX", "1")
+    try:
+        try:
+            raise SandboxError("no sandbox works here: bwrap: not installed")
+        except SandboxError as cause:
+            raise RuntimeError("scoring failed") from cause
+    except RuntimeError as err:
+        forced = run(err)
     if required:
-        assert "1 failed" in done.stdout
+        assert forced is None
     else:
-        assert "1 skipped" in done.stdout and "the code sandbox cannot start here: no sandbox works here" in done.stdout
+        assert isinstance(forced, pytest.skip.Exception)
+        assert str(forced) == "the code sandbox cannot start here: no sandbox works here: bwrap: not installed"
+    assert run(SandboxError("the program's output is too long")) is None  # (a sandbox that started)
+    assert run(ValueError("no sandbox works here")) is None  # (not the sandbox's error)
+    assert run(None) is None
