@@ -213,18 +213,24 @@ def read_metrics(run_dir: str) -> dict:
 
 
 def environment() -> dict:
-    """The machine and the versions of the packages a run depends on (read from their metadata, not imported)."""
+    """The machine and the versions of the packages a run depends on (transformers', peft's and Lightning's read from
+    their metadata: importing them would cost the command seconds)."""
     from importlib import metadata
 
     import torch
 
-    versions = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "peft", "lightning", "triton"):
+    versions = {"python": platform.python_version(), "torch": torch.__version__}  # (with its build: +cu130)
+    for package in ("transformers", "peft", "lightning"):
         try:
             versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            if package != "triton":
-                raise
+        except metadata.PackageNotFoundError:  # (run from a source folder without its metadata)
+            versions[package] = __import__(package).__version__
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"card": card, "gpus": torch.cuda.device_count(), "cpus": os.cpu_count(), "versions": versions}
 

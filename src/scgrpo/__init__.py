@@ -31,14 +31,20 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     import importlib
 
-    if name in EXPORTS:
-        return getattr(importlib.import_module(EXPORTS[name]), name)
-    try:  # a subpackage reached as an attribute (``import scgrpo; scgrpo.objectives``), as the eager imports allowed
-        return importlib.import_module(f"scgrpo.{name}")
+    if not name.isidentifier():
+        raise AttributeError(f"module 'scgrpo' has no attribute {name!r}")
+    target = EXPORTS.get(name, f"scgrpo.{name}")
+    try:
+        module = importlib.import_module(target)
     except ModuleNotFoundError as err:
-        if err.name != f"scgrpo.{name}":
+        if name in EXPORTS or err.name != target:
             raise
         raise AttributeError(f"module 'scgrpo' has no attribute {name!r}") from None
+    except AttributeError as err:  # raised while the module imported: not a missing name of this package
+        raise ImportError(f"importing {target} failed: {err}") from err
+    # an exported name, or a subpackage reached as an attribute (``import scgrpo; scgrpo.objectives``), as the
+    # eager imports allowed
+    return getattr(module, name) if name in EXPORTS else module
 
 
 def __dir__() -> list[str]:

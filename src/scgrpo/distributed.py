@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -185,10 +186,10 @@ def shared_wait_s() -> float:
         seconds = float(given)
     except ValueError:
         seconds = -1.0
-    if not seconds >= 0:
+    if not (seconds >= 0 and math.isfinite(seconds)):
         from scgrpo.errors import InputError
 
-        raise InputError(f"SCGRPO_SHARED_WAIT_S must be a number of seconds (0 or more), got {given!r}")
+        raise InputError(f"SCGRPO_SHARED_WAIT_S must be a finite number of seconds (0 or more), got {given!r}")
     return seconds
 
 
@@ -215,7 +216,7 @@ def check_shared(folders: Sequence[str], files: Sequence[str] = ()) -> None:
     from scgrpo.errors import InputError
     from scgrpo.lightning_internals import is_local_path
 
-    wait_s = shared_wait_s()  # (before any collective: a bad value ends every rank alike)
+    wait_s = on_every_rank(shared_wait_s, "reading SCGRPO_SHARED_WAIT_S")  # (a bad value on one node ends all)
 
     folders = [os.path.abspath(f) for f in dict.fromkeys(folders) if f and is_local_path(f)]
     first = dist.get_rank() == 0

@@ -91,7 +91,7 @@ def test_the_wait_for_the_shared_marker_is_ten_seconds_unless_the_environment_se
     assert shared_wait_s() == 2.5
     monkeypatch.setenv("SCGRPO_SHARED_WAIT_S", "0")
     assert shared_wait_s() == 0.0
-    for bad in ("soon", "-1", "nan"):
+    for bad in ("soon", "-1", "nan", "inf"):
         monkeypatch.setenv("SCGRPO_SHARED_WAIT_S", bad)
-        with pytest.raises(InputError, match=f"SCGRPO_SHARED_WAIT_S must be a number of seconds.*{bad!r}"):
+        with pytest.raises(InputError, match=f"SCGRPO_SHARED_WAIT_S must be a finite number of seconds.*{bad!r}"):
             shared_wait_s()

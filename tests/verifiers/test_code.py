@@ -258,10 +258,12 @@ def test_the_sandbox_starts_an_interpreter_that_lives_under_tmp(mode, tmp_path):
 
 
 @pytest.mark.parametrize("required", [False, True])
-def test_a_code_test_skips_with_the_reason_where_no_sandbox_starts_unless_one_is_required(required, monkeypatch):
-    """The suite's hook (tests/conftest.py) on a test that met a sandbox that cannot start, raised as the verifier
-    raises it (the cause of another error): a skip with the reason, unless SCGRPO_REQUIRE_SANDBOX is set, where the
-    failure stands. Another error stands either way."""
+def test_a_code_test_skips_with_the_reason_where_no_sandbox_starts_unless_one_is_required(required, monkeypatch,
+                                                                                          request):
+    """The suite's hook (tests/conftest.py, a wrapper around each test's call) on a test that met a sandbox that
+    cannot start, its error raised as the sandbox raises it or behind another error (its cause, or raised while it was
+    handled): a skip with the reason, unless SCGRPO_REQUIRE_SANDBOX is set, where the failure stands. Another error
+    stands either way."""
     from scgrpo.verifiers.sandbox import SandboxError
     from tests import conftest
 
@@ -283,18 +285,27 @@ def test_a_code_test_skips_with_the_reason_where_no_sandbox_starts_unless_one_is
     monkeypatch.delenv("SCGRPO_REQUIRE_SANDBOX", raising=False)
     if required:
         monkeypatch.setenv("SCGRPO_REQUIRE_SANDBOX", "1")
+    hooks = request.config.pluginmanager.hook.pytest_runtest_call.get_hookimpls()
+    assert any(h.function is conftest.pytest_runtest_call and h.hookwrapper for h in hooks)
+    direct = SandboxError("no sandbox works here: bwrap: not installed")
+    try:
+        raise RuntimeError("scoring failed") from direct  # (its __cause__ only)
+    except RuntimeError as err:
+        behind_cause = err
     try:
         try:
             raise SandboxError("no sandbox works here: bwrap: not installed")
-        except SandboxError as cause:
-            raise RuntimeError("scoring failed") from cause
+        except SandboxError:
+            raise RuntimeError("scoring failed")  # noqa: B904  (its __context__ only)
     except RuntimeError as err:
-        forced = run(err)
-    if required:
-        assert forced is None
-    else:
-        assert isinstance(forced, pytest.skip.Exception)
-        assert str(forced) == "the code sandbox cannot start here: no sandbox works here: bwrap: not installed"
+        behind_context = err
+    for error in (direct, behind_cause, behind_context):
+        forced = run(error)
+        if required:
+            assert forced is None
+        else:
+            assert isinstance(forced, pytest.skip.Exception), error
+            assert str(forced) == "the code sandbox cannot start here: no sandbox works here: bwrap: not installed"
     assert run(SandboxError("the program's output is too long")) is None  # (a sandbox that started)
     assert run(ValueError("no sandbox works here")) is None  # (not the sandbox's error)
     assert run(None) is None
