@@ -298,7 +298,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              cudnn_attention: bool = False, shared_teacher_passes: bool = True,
              stream_kernel: str = "dequantize", packed: bool = True, packed_update: bool = True,
              pack_width: Optional[int] = None, shared_prefixes: bool = True,
-             student_states: str = "auto") -> dict[str, Any]:
+             student_states: str = "auto", model_budget_gib: Optional[float] = None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning.pytorch import Callback
@@ -329,6 +329,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         gradient_checkpointing=gradient_checkpointing,
         micro_batch_size=micro_batch_size,
         logprob_chunk_size=logprob_chunk_size,
+        memory_budget_gib=model_budget_gib,  # (model.memory_budget_gib: every pass of the step, the rollout's too)
         validate_before_training=False,
         log_completions_every_n_steps=0,
         verifier=CoinFlipVerifier() if coin_flip_rewards else None,
@@ -387,6 +388,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "micro_batch_size": micro_batch_size, "devices": devices, "warmup_steps": warmup,
         "decode_forward": decode_forward, "max_slots": max_slots, "keep_workspace": keep_workspace,
         "logprob_chunk_size": logprob_chunk_size, "four_bit": four_bit, "memory_budget_gib": memory_budget_gib,
+        "model_budget_gib": model_budget_gib,
         "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
         "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
         "stream_kernel": stream_kernel, "packed": packed, "packed_update": packed_update,
@@ -535,6 +537,16 @@ def sampler_vs_trainer(policy, generated, rows: int) -> dict[str, float]:
     return {"logprob_mismatch_mean": float(gap.mean()), "logprob_mismatch_max": float(gap.max())}
 
 
+def trl_result(path: str) -> dict[str, Any]:
+    """TRL's case from ``scripts/bench_trl.py``'s result file, with that file's command, card and date (the step and
+    its peak memory, ``peak_allocated_gib``, measured on this card in this call)."""
+    payload = json.load(open(path))
+    (case,) = [c for c in payload["cases"] if c.get("case") == "trl_grpo"]
+    if not case.get("peak_allocated_gib"):
+        raise SystemExit(f"{path}: TRL's case has no peak memory (it ran without a GPU?)")
+    return {**case, "trl_command": payload["command"], "trl_card": payload["card"], "trl_date": payload.get("date")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", required=True, choices=["smollm2", "qwen1p5b", "fsdp", "qwen8b"])
@@ -566,6 +578,11 @@ def main() -> None:
                              "after the commit: the results record DIR), in a "
                              "subprocess of this call, as the case "
                              "qwen8b_sampling_before (scripts/sampling_probe.py)")
+    parser.add_argument("--trl-result", default=None,
+                        help="smollm2: scripts/bench_trl.py's result file of this call: adds the cases "
+                             "smollm2_{grpo,scgrpo}_at_trl_memory (model.memory_budget_gib set to TRL's measured peak "
+                             "allocated) and copies TRL's case into this file's results, so that one file holds both "
+                             "sides of step_over_trl_at_trl_memory")
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "
                              "for scripts/memory_peaks.py")
@@ -582,6 +599,11 @@ def main() -> None:
         common = dict(model=smollm2, prompts=32, group=8, max_new=128)
         cases["smollm2_grpo"] = dict(objective="grpo", **common)
         cases["smollm2_scgrpo"] = dict(objective="scgrpo", **common)
+        if args.trl_result:  # the package's steps held to the memory TRL used in this call (its peak allocated)
+            trl_case = trl_result(args.trl_result)
+            for objective in ("grpo", "scgrpo"):
+                cases[f"smollm2_{objective}_at_trl_memory"] = dict(
+                    objective=objective, model_budget_gib=trl_case["peak_allocated_gib"], **common)
         # the package defaults with the process held to 22 GiB (a 24 GB card): the memory budget's default reads the cap
         cases["smollm2_grpo_22gib"] = dict(objective="grpo", memory_fraction_gib=22.0, **common)
         cases["smollm2_scgrpo_22gib"] = dict(objective="scgrpo", memory_fraction_gib=22.0, **common)
@@ -707,6 +729,9 @@ def main() -> None:
     if chosen:
         results += run_sampling_cases(chosen, model=qwen, rows=64, group=8, new_tokens=args.sampling_tokens,
                                       repeats=args.repeats, profile=args.profile)
+        save()
+    if args.trl_result:
+        results.append(trl_result(args.trl_result))
         save()
     order = [n for n in args.cases.split(",") if n in cases] if wanted else list(cases)  # as --cases lists them
     for name in order:
