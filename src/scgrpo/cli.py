@@ -173,7 +173,17 @@ class ScgrpoCLI(LightningCLI):
         )
 
 
+def working_folder_importable() -> None:
+    """The working folder first on the import path, as ``python -m scgrpo.cli`` has it: a module of the user's beside
+    the config (an environment, a verifier, a reward function: ``my_pkg.guess.Guess``) is found by its class path when
+    the ``scgrpo`` console script runs (whose own folder is the one Python puts there)."""
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
+
+
 def main(args=None) -> None:
+    working_folder_importable()
     logging.basicConfig(level=os.environ.get("SCGRPO_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
