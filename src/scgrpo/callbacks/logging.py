@@ -118,7 +118,8 @@ class AdapterExport(Callback):
             with open(adapter_config) as f:
                 lora = json.load(f)
         return model_card(base_model=base, objective=pl_module.objective, steps=trainer.global_step, lora=lora,
-                          metrics=dict(trainer.callback_metrics), config=config)
+                          metrics=dict(trainer.callback_metrics), config=config,
+                          trained_on=pl_module.base_model_name)
 
     def _save(self, trainer, pl_module, name: str) -> None:
         folder = os.path.join(self.dirpath or os.path.join(run_dir(trainer), "adapter"), name)
