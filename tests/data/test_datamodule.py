@@ -66,7 +66,8 @@ def test_a_final_split_is_evaluated_at_the_fits_last_step_only_and_by_validate(t
     validated = tiny_trainer(tmp_path / "v", limit_val_batches=None).validate(tiny_module(tiny_model_dir),
                                                                               datamodule=data)
     assert {k for m in validated for k in m if k.endswith("avg@2")} == {"val/id/avg@2", "val/ood/avg@2"}
-    with pytest.raises(ValueError, match=r"final_splits \['test'\] not offered by ArithmeticTask"):
+    with pytest.raises(ValueError, match=r"data.final_splits \['test'\] are not splits of ArithmeticTask \(its evaluation "
+                                         r"splits are \['id', 'ood'\]\): set data.final_splits to some of"):
         PromptDataModule(source=ArithmeticTask(), final_splits=["test"])
     off = tiny_trainer(tmp_path / "off", max_steps=5, limit_val_batches=None, val_check_interval=2,
                        check_val_every_n_epoch=None)
@@ -90,3 +91,21 @@ def test_a_final_split_deals_its_rows_to_the_ranks():
     _, final = data.val_dataloader()
     (batch,) = list(final)
     assert batch.ids == [r["id"] for r in data.source.rows("ood")[1::2]]
+
+
+def test_own_data_on_a_config_that_names_eval_splits_says_what_to_change_after_the_datas_own_errors(tmp_path):
+    from scgrpo.data.sources import FileSource
+
+    good = tmp_path / "train.jsonl"
+    good.write_text('{"question": "1+1", "answer": 2}\n')
+    with pytest.raises(ValueError) as raised:
+        PromptDataModule(source=FileSource(str(good)), eval_splits=["id"])
+    assert str(raised.value) == (
+        "data.eval_splits ['id'] are not splits of FileSource (it has no evaluation split): set data.eval_splits: [] "
+        "(no evaluation), or give a file for each: data.source.init_args.files: {train: ..., id: ...}")
+    assert PromptDataModule(source=FileSource(str(good)), eval_splits=[]).eval_splits == []
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1", "answer": 2}\n{"question": "2+2", \n')
+    with pytest.raises((ValueError, InputError)) as raised:  # the file's own fault, not the missing split
+        PromptDataModule(source=FileSource(str(bad)), eval_splits=["id"])
+    assert "bad.jsonl" in str(raised.value) and "eval_splits" not in str(raised.value)

@@ -115,18 +115,29 @@ class PromptDataModule(LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         available = self.source.eval_splits()
         self.eval_splits = list(eval_splits) if eval_splits is not None else available
-        unknown = [s for s in self.eval_splits if s not in available]
-        if unknown:
-            raise ValueError(f"eval_splits {unknown} not offered by {type(self.source).__name__}; it has {available}")
         self.final_splits = list(final_splits or [])
-        unknown = [s for s in self.final_splits if s not in available]
-        if unknown:
-            raise ValueError(f"final_splits {unknown} not offered by {type(self.source).__name__}; it has {available}")
+        for key, asked in (("eval_splits", self.eval_splits), ("final_splits", self.final_splits)):
+            unknown = [s for s in asked if s not in available]
+            if unknown:
+                raise ValueError(self._unknown_splits(key, unknown, available))
         self.eval_splits += [s for s in self.final_splits if s not in self.eval_splits]
         self.max_eval_prompts, self.seed = max_eval_prompts, seed
         self.batches_consumed = 0  # per rank; saved in checkpoints so a resumed run continues the stream
         self.extra_consumed = 0
         self.verified_buffer = VerifiedBuffer(buffer_size_per_prompt, buffer_max_total)
+
+    def _unknown_splits(self, key: str, unknown: list[str], available: list[str]) -> str:
+        """The message for ``data.<key>`` naming splits the source lacks, after the source's own data errors: its
+        train split is read first (a malformed file is the fault to fix first; the rows are kept for the run)."""
+        if "train" in self.source.splits():
+            self.source.rows("train")  # (raises the data's own error, if it has one)
+        name = type(self.source).__name__
+        has = f"its evaluation splits are {available}" if available else "it has no evaluation split"
+        fix = f"set data.{key}: [] (no evaluation)" if not available else \
+            f"set data.{key} to some of {available}, or [] (no evaluation)"
+        if hasattr(self.source, "files"):  # (FileSource: a file per split)
+            fix += f", or give a file for each: data.source.init_args.files: {{train: ..., {unknown[0]}: ...}}"
+        return f"data.{key} {unknown} are not splits of {name} ({has}): {fix}"
 
     def setup(self, stage: str) -> None:
         """``fit`` needs the source's train split (one clear error before the model loads); ``validate`` and ``test``
