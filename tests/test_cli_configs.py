@@ -98,6 +98,25 @@ def test_reinforce_pp_layer_runs_with_its_scoring_pass(tiny_model_dir, tmp_path,
 
 
 
+def test_gspo_by_class_path_trains_with_two_passes_and_its_ratios_move_in_the_second(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """GSPO from YAML (``scgrpo.objectives.GSPO``): with mu = 2, the second pass's sequence ratios are no longer 1,
+    so a wide learning rate makes some rows clip (a step's clip fraction over both passes above 0)."""
+    monkeypatch.chdir(tmp_path)
+    main(["fit", f"--config={BASE}", *_tiny_args(tiny_model_dir), "--model.objective=scgrpo.objectives.GSPO",
+          "--model.objective.init_args.num_iterations=2", "--model.optimizer.init_args.lr=0.05",
+          "--model.verifier=tests.verifiers.helpers.ParityVerifier"])
+    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
+    import yaml
+
+    saved = yaml.safe_load(open(os.path.join(run, "config.yaml")))
+    assert saved["model"]["objective"]["class_path"] == "scgrpo.objectives.GSPO"
+    assert saved["model"]["objective"]["init_args"]["eps_low"] == 3e-4
+    with open(os.path.join(run, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(rows) == 1 and float(rows[0]["train/clip_fraction"]) > 0  # (max_steps 2: one batch, its 2 passes)
+
+
 def test_scgrpo_run_logs_every_credit_key_every_step(tiny_model_dir, tmp_path, monkeypatch):
     import csv
 

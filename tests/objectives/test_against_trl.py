@@ -6,13 +6,14 @@ hand and its log-prob function replaced by one that returns our random log-probs
 gradient with respect to those log-probs are compared with ours.
 """
 
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from scgrpo.objectives import DAPO, GRPO, DrGRPO, LossInputs
+from scgrpo.objectives import DAPO, GRPO, GSPO, DrGRPO, LossInputs
 
 trl = pytest.importorskip("trl")
 
@@ -28,12 +29,12 @@ class _Accelerator:
         return x
 
 
-def _trl_loss(logprobs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_len):
+def _trl_loss(logprobs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_len, level="token"):
     from trl import GRPOTrainer
 
     trainer = object.__new__(GRPOTrainer)
     trainer.__dict__.update(
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
         loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
         vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1,
         max_completion_length=max_len, aux_loss_enabled=False, _entropy_bonus_enabled=False,
@@ -83,3 +84,53 @@ def test_loss_and_gradient_match_trl(loss_type, make, eps_low, eps_high, beta, s
     (grad_ours,) = torch.autograd.grad(ours, logprobs)
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     torch.testing.assert_close(grad_ours, grad_theirs, atol=1e-6, rtol=1e-6)
+
+
+GSPO_CASES = [
+    ("grpo", lambda: GSPO(eps_low=0.02, eps_high=0.03), 0.02, 0.03, 0.0),  # (clip ranges the random ratios cross)
+    ("grpo", lambda: GSPO(), 3e-4, 4e-4, 0.0),
+    ("grpo", lambda: GSPO(beta=0.04, eps_low=0.02, eps_high=0.03), 0.02, 0.03, 0.04),
+    ("bnpo", lambda: GRPO(aggregation="token-mean", importance_sampling="sequence"), 0.2, 0.2, 0.0),
+]
+
+
+@pytest.mark.parametrize("loss_type, make, eps_low, eps_high, beta", GSPO_CASES,
+                         ids=["gspo", "gspo-paper-clip", "gspo-kl", "grpo-sequence-token-mean"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sequence_level_ratios_match_trl(loss_type, make, eps_low, eps_high, beta, seed):
+    """GSPO against TRL's ``importance_sampling_level="sequence"``: loss and gradient, with rows whose ratios fall
+    inside, above and below the clip range."""
+    torch.manual_seed(seed)
+    n, c, max_len = 8, 11, 16
+    old = -torch.rand(n, c, dtype=torch.float64) * 3
+    shift = 0.04 * torch.randn(n, 1, dtype=torch.float64)  # (each row's own drift: its mean log-ratio)
+    logprobs = (old + shift + 0.05 * torch.randn(n, c, dtype=torch.float64)).requires_grad_()
+    ref = old + 0.3 * torch.randn(n, c, dtype=torch.float64)
+    advantages = torch.randn(n, dtype=torch.float64)
+    lengths = torch.randint(1, c + 1, (n,))
+    mask = (torch.arange(c).unsqueeze(0) < lengths.unsqueeze(1)).double()
+    theirs = _trl_loss(logprobs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_len, "sequence")
+    (grad_theirs,) = torch.autograd.grad(theirs, logprobs)
+    objective = make()
+    out = objective.loss(logprobs, LossInputs(completion_mask=mask, advantages=advantages, old_logprobs=old,
+                                              ref_logprobs=ref, max_len=max_len))
+    (grad_ours,) = torch.autograd.grad(out.loss, logprobs)
+    assert out.loss.item() == pytest.approx(theirs.item(), abs=1e-6)
+    torch.testing.assert_close(grad_ours, grad_theirs, atol=1e-6, rtol=1e-6)
+    if eps_low == 0.02:  # the cases were chosen so that some rows clip and some do not
+        assert 0 < out.stats.clip_fraction.item() < 1
+
+
+def test_a_sequence_ratio_is_the_exponential_of_the_rows_mean_log_ratio_by_hand():
+    # one row of 2 tokens, log-ratios 0.1 and 0.3: s = exp(0.2) = 1.2214 > 1 + 0.2, clipped for A = +1 (loss -1.2),
+    # not for A = -1 (loss +1.2214); the padded token's log-ratio (5.0) counts nowhere
+    logprobs = torch.tensor([[0.1, 0.3, 5.0], [0.1, 0.3, 5.0]], dtype=torch.float64)
+    old = torch.zeros_like(logprobs)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    objective = GRPO(aggregation="seq-mean-token-mean", importance_sampling="sequence")
+    for advantage, expected in ((1.0, -1.2), (-1.0, math.exp(0.2))):
+        out = objective.loss(logprobs, LossInputs(completion_mask=mask[:1], advantages=torch.tensor([advantage],
+                             dtype=torch.float64), old_logprobs=old[:1]))
+        assert out.loss.item() == pytest.approx(expected, abs=1e-9)
+    with pytest.raises(ValueError, match="importance_sampling='row'"):
+        GRPO(importance_sampling="row")

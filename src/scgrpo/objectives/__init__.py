@@ -4,7 +4,7 @@ from scgrpo.objectives.base import (Credit, CreditInputs, CreditStats, DistillIn
                                     Needs, Objective)
 from scgrpo.objectives.dapo import DAPO
 from scgrpo.objectives.drgrpo import DrGRPO
-from scgrpo.objectives.grpo import GRPO
+from scgrpo.objectives.grpo import GRPO, GSPO
 from scgrpo.objectives.high_entropy import HighEntropyGRPO
 from scgrpo.objectives.opsd import OPSD
 from scgrpo.objectives.reinforce_pp import REINFORCEPlusPlus
@@ -12,6 +12,6 @@ from scgrpo.objectives.scaled_grpo import ScaledGRPO
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.objectives.selfdistill import SelfDistillation
 
-__all__ = ["DAPO", "GRPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "ScaledGRPO", "Credit", "CreditInputs", "CreditStats",
+__all__ = ["DAPO", "GRPO", "GSPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "ScaledGRPO", "Credit", "CreditInputs", "CreditStats",
            "DistillInputs", "DrGRPO", "HighEntropyGRPO", "LossInputs", "LossOutput", "LossStats", "Needs", "Objective",
            "SelfDistillation"]

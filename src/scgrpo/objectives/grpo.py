@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from scgrpo.objectives import functional as Fn
@@ -24,6 +25,9 @@ class GRPO(Objective):
         beta: weight of the k3 KL penalty to the reference (the base model, adapters disabled).
         aggregation: ``"token-mean"``, ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum-norm"``.
         num_iterations: mu, optimisation passes over each rollout batch (1 = strictly on-policy).
+        importance_sampling: ``"token"``, each token's ratio pi / pi_old (GRPO's), or ``"sequence"``, one ratio a
+            row, the exponential of the mean of its tokens' log-ratios, clipped as a whole (GSPO, arXiv 2507.18071;
+            TRL's ``importance_sampling_level="sequence"``).
     """
 
     def __init__(
@@ -34,7 +38,10 @@ class GRPO(Objective):
         beta: float = 0.0,
         aggregation: Fn.Aggregation = "token-mean",
         num_iterations: int = 1,
+        importance_sampling: str = "token",
     ) -> None:
+        if importance_sampling not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling={importance_sampling!r}: expected 'token' or 'sequence'")
         if scale not in ("group", "batch", "none"):
             raise ValueError(f"scale={scale!r}: expected 'group', 'batch' or 'none'")
         if aggregation not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
@@ -53,6 +60,7 @@ class GRPO(Objective):
         self.beta = beta
         self.aggregation = aggregation
         self.num_iterations = num_iterations
+        self.importance_sampling = importance_sampling
 
     def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
         return Fn.group_advantages(rewards, group_size, self.scale)
@@ -65,9 +73,16 @@ class GRPO(Objective):
 
     def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
         mask = inputs.completion_mask
-        per_token, is_clipped = Fn.clipped_surrogate(
-            logprobs, inputs.old_logprobs, self.per_token_advantages(inputs), self.eps_low, self.eps_high
-        )  # [n, C]
+        if self.importance_sampling == "sequence":  # one ratio a row: exp(mean of its tokens' log-ratios) [n, 1]
+            log_ratio = Fn.masked_mean(logprobs - inputs.old_logprobs, mask, dim=1).unsqueeze(1)
+            per_token, is_clipped = Fn.clipped_surrogate(
+                log_ratio, torch.zeros_like(log_ratio), self.per_token_advantages(inputs), self.eps_low, self.eps_high
+            )  # [n, C] (or [n, 1]: a row's advantage), the row's ratio in each of its tokens
+            per_token, is_clipped = (t.expand_as(logprobs) for t in (per_token, is_clipped))
+        else:
+            per_token, is_clipped = Fn.clipped_surrogate(
+                logprobs, inputs.old_logprobs, self.per_token_advantages(inputs), self.eps_low, self.eps_high
+            )  # [n, C]
         if inputs.token_selection is not None:  # only the selected tokens' policy-gradient terms count
             per_token = per_token * inputs.token_selection
             is_clipped = is_clipped * inputs.token_selection
@@ -93,3 +108,26 @@ class GRPO(Objective):
         )
 
 
+
+
+class GSPO(GRPO):
+    """Group Sequence Policy Optimisation (Zheng et al., arXiv 2507.18071): GRPO with one importance ratio a row,
+    s_i = exp(mean_t log(pi(y_t) / pi_old(y_t))), clipped as a whole: loss_i = -min(s_i A_i, clip(s_i, 1-eps_low,
+    1+eps_high) A_i), averaged over rows (``seq-mean-token-mean``). The paper's clip ranges are far narrower than
+    GRPO's (3e-4 and 4e-4): a sequence's ratio moves less than a token's. With ``num_iterations`` 1 every ratio is 1
+    and the loss is GRPO's sequence-level policy gradient; the ratios and their clip act from the second pass on.
+
+    Args: GRPO's; defaults ``eps_low`` 3e-4, ``eps_high`` 4e-4, ``aggregation`` seq-mean-token-mean.
+    """
+
+    def __init__(
+        self,
+        scale: Fn.AdvantageScale = "group",
+        eps_low: float = 3e-4,
+        eps_high: float = 4e-4,
+        beta: float = 0.0,
+        aggregation: Fn.Aggregation = "seq-mean-token-mean",
+        num_iterations: int = 1,
+    ) -> None:
+        super().__init__(scale=scale, eps_low=eps_low, eps_high=eps_high, beta=beta, aggregation=aggregation,
+                         num_iterations=num_iterations, importance_sampling="sequence")
