@@ -88,3 +88,45 @@ def test_the_working_folder_goes_first_on_the_path_once(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", ["", "/site-packages"])  # (python -m: the working folder as "")
     working_folder_importable()
     assert sys.path == ["", "/site-packages"]
+
+
+def _readme_blocks(section: str) -> list[str]:
+    """The fenced code blocks of README.md's ``### <section>``, in order."""
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    body = readme.split(f"\n### {section}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    return re.findall(r"```[a-z]*\n(.*?)```", body, re.S)
+
+
+@needs_script
+@pytest.mark.slow
+def test_the_readmes_own_environment_runs_as_written_on_text_answers(tiny_model_dir, tmp_path):
+    """README's "Your own environment": its my_pkg/guess.py and its YAML, as written, in a folder outside the
+    repository, on a data file whose answers are text (as a JSONL file may hold them)."""
+    code, config = _readme_blocks("Your own environment")
+    assert code.startswith("# my_pkg/guess.py") and "class Guess(Environment)" in code
+    work = tmp_path / "mywork"
+    (work / "my_pkg").mkdir(parents=True)
+    (work / "my_pkg" / "__init__.py").write_text("")
+    (work / "my_pkg" / "guess.py").write_text(code)
+    (work / "guess.yaml").write_text(config)
+    (work / "train.jsonl").write_text("".join(f'{{"question": "It is {n}.", "answer": "{n}"}}\n' for n in range(8)))
+    rows = _run(work, tiny_model_dir, "--config=guess.yaml", "--data.source=scgrpo.data.FileSource",
+                "--data.source.init_args.files=train.jsonl", "--model.episodes.max_turns=2",
+                "--model.episodes.max_episode_tokens=40")
+    (row,) = [r for r in rows if r.get("episode/turns_mean")]
+    assert float(row["episode/env_errors"]) == 0.0
+    # a hint, then the answer, on a text answer (the example as it was raised there: "3" % 2)
+    import importlib.util
+
+    from scgrpo.envs.base import Action, ToolCall
+
+    spec = importlib.util.spec_from_file_location("guess", work / "my_pkg" / "guess.py")
+    guess = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guess)
+    env = guess.Guess()
+    assert env.reset({"question": "It is 3.", "answer": "3"}, seed=0).startswith("Guess the number.")
+    assert env.step(Action("hint()", ToolCall("hint"))).observation == "It is odd."
+    final = env.step(Action("It is 3"))
+    assert final.done and final.reward == 1.0

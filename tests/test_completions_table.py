@@ -68,3 +68,24 @@ def test_each_completion_is_written_with_its_verifiers_info(tiny_model_dir, tmp_
         info = line.split(" | ")[-1].removesuffix(" |")
         assert info.startswith('{"seen":') and '"reason":"a/b\\nc"' in info  # compact JSON, no column bar
         assert len(info) == 120 and info.endswith("…")  # cut: the note alone is 300 characters
+
+
+def test_answers_are_written_as_json_values_not_their_python_text(tmp_path):
+    """A row without an answer (reward functions on a table without that column) is null, a list of tests a list,
+    a number a number; what JSON cannot hold is its text."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from scgrpo.callbacks.logging import CompletionsTable
+
+    answers = [None, ["assert f(1) == 2"], 7, {1, 2}]
+    rollouts = SimpleNamespace(group_size=2, completions=["a", "b", "c", "d"], sample_ids=[0, 0, 1, 1],
+                               questions=["q"] * 4, answers=answers, rewards=torch.zeros(4),
+                               completion_mask=torch.ones(4, 3), truncated=torch.zeros(4, dtype=torch.bool),
+                               infos=None)
+    trainer = SimpleNamespace(global_step=1, loggers=[], default_root_dir=str(tmp_path))
+    CompletionsTable(every_n_steps=1).on_train_batch_end(trainer, None, None, SimpleNamespace(rollouts=rollouts), 0)
+    with open(tmp_path / "completions.jsonl") as f:
+        written = [json.loads(line)["answer"] for line in f]
+    assert written == [None, ["assert f(1) == 2"], 7, "{1, 2}"]

@@ -68,7 +68,7 @@ class CompletionsTable(Callback):
                     "step": step,
                     "id": rollouts.sample_ids[i],
                     "question": rollouts.questions[i],
-                    "answer": rollouts.answers[i] if isinstance(rollouts.answers[i], (int, float, str)) else str(rollouts.answers[i]),
+                    "answer": rollouts.answers[i],  # (as JSON: None as null, tests as a list; else its text)
                     "completion": rollouts.completions[i],
                     "reward": float(rollouts.rewards[i]),
                     "tokens": int(rollouts.completion_mask[i].sum()),
