@@ -258,6 +258,28 @@ def test_a_config_error_prints_the_error_not_the_usage(arg, message, tiny_model_
     assert "usage:" not in err and len(err.strip().splitlines()) <= 2
 
 
+@pytest.mark.parametrize("given, suggested", [
+    (["--model.generaton.max_new_tokens=4"], "did you mean --model.generation.max_new_tokens or "),
+    ("yaml:model:\n  generation:\n    max_new_token: 4\n", "did you mean --model.generation.max_new_tokens or "),
+    ("yaml:data:\n  batchsize: 4\n", "did you mean --data.batch_size or --data.eval_batch_size?"),
+    (["--model.nothing_like_any_key=1"], None),
+], ids=["argument", "yaml", "yaml-data", "far-from-every-key"])
+def test_a_misspelled_key_is_answered_with_the_keys_it_is_close_to(given, suggested, tiny_model_dir, tmp_path,
+                                                                   monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    if isinstance(given, str):
+        (tmp_path / "typo.yaml").write_text(given.removeprefix("yaml:"))
+        given = ["--config=typo.yaml"]
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={QUICKSTART}", *_tiny_args(tiny_model_dir), *given])
+    assert info.value.code == 2
+    line = _the_error_line(capsys.readouterr().err)
+    if suggested is None:
+        assert "did you mean" not in line and "nothing_like_any_key" in line
+    else:
+        assert suggested in line, line
+
+
 def test_the_progress_bar_counts_steps_of_max_steps(tiny_model_dir, tmp_path, monkeypatch):
     """Lightning's bar on the endless prompt stream read "Epoch 0/-2" and, resumed at step 5 of 10, "10/5"."""
     from types import SimpleNamespace

@@ -66,6 +66,35 @@ def fail(err: BaseException) -> NoReturn:
     raise SystemExit(2) from err
 
 
+UNKNOWN_KEY = re.compile(r"unrecognized arguments: --([\w.]+)|does not accept options? '([\w.]+)'|"
+                         r"Key '([\w.]+)' is not expected")
+"""The forms in which jsonargparse names a key it does not know"""
+
+
+def known_keys(parser) -> list[str]:
+    """Every option key of ``parser`` and of its subcommands' parsers (``model.generation.max_new_tokens``)."""
+    keys, parsers = [], [parser]
+    while parsers:
+        current = parsers.pop()
+        for action in current._actions:
+            keys += [option[2:] for option in action.option_strings if option.startswith("--")]
+            parsers += list(getattr(action, "_name_parser_map", {}).values())  # (the subcommands)
+    return keys
+
+
+def did_you_mean(message: str, parser) -> str:
+    """"; did you mean --model.generation.max_new_tokens?" for a message about an unknown key close to known ones
+    (difflib's ratio, over the whole dotted key), else ""."""
+    import difflib
+
+    found = UNKNOWN_KEY.search(message)
+    if found is None:
+        return ""
+    key = next(group for group in found.groups() if group)
+    close = difflib.get_close_matches(key, sorted(set(known_keys(parser))), n=3, cutoff=0.8)
+    return f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+
+
 class ScgrpoArgumentParser(LightningArgumentParser):
     """A config error (a value of the wrong type, an unknown key) prints the error and where to find the options,
     not the 90 lines of usage first; ``--help`` still prints them."""
@@ -75,7 +104,7 @@ class ScgrpoArgumentParser(LightningArgumentParser):
             super().error(message, ex)  # nested parsers raise, and the outer one reports
         parser = getattr(ex, "subcommand_parser", None) or self
         subcommand = parser.prog.replace(" [options]", "").split()[1:]  # the prog is "scgrpo fit" or "cli.py fit"
-        print(f"scgrpo: error: {plain_message(message)}", file=sys.stderr)
+        print(f"scgrpo: error: {plain_message(message)}{did_you_mean(message, self)}", file=sys.stderr)
         print(f"scgrpo: `{' '.join(['scgrpo', *subcommand, '--help'])}` lists the options", file=sys.stderr)
         self.exit(2)
 
