@@ -49,3 +49,27 @@ def test_testing_a_checkpoint_logs_at_the_checkpoint_s_step(tiny_model_dir, tmp_
                                 ckpt_path=checkpoint)
     assert tested["test/global_step"] == 2.0 and "step 2 test [id]" in caplog.text
     assert [int(r["step"]) for r in _rows(tester)] == [2]
+
+
+def test_each_split_logs_its_own_time_not_the_whole_validations(monkeypatch):
+    """``<stage>/<split>/time_s`` is the time of that split's batches: a clock that advances 1 s in each id batch
+    and 3 s in each ood batch gives 2 s to id (two batches) and 3 s to ood, whatever came before."""
+    from types import SimpleNamespace
+
+    import scgrpo.evaluation as evaluation
+
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(evaluation.time, "perf_counter", lambda: clock.now)
+    ev = evaluation.Evaluation(k=1, temperature=None, greedy=False, success_threshold=0.5)
+
+    def fake_add(batch, policy, verifier, episodes):
+        clock.now += {"id": 1.0, "ood": 3.0}[batch.split]
+        ev.sums.setdefault(batch.split, {"prompts": 1.0, "avg": 0.0, "pass": 0.0, "length": 0.0, "truncated": 0.0})
+
+    monkeypatch.setattr(ev, "_add", fake_add)
+    ev.start()
+    clock.now += 50.0  # (time before the first batch: not any split's)
+    for split in ("id", "id", "ood"):
+        ev.add(SimpleNamespace(split=split), None, None)
+    metrics = ev.metrics(step=0, log_summary=False)
+    assert metrics["id"]["val/id/time_s"] == 2.0 and metrics["ood"]["val/ood/time_s"] == 3.0

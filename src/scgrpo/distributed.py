@@ -328,6 +328,19 @@ def sum_over_ranks(tables: dict[str, dict[str, float]]) -> dict[str, dict[str, f
     return out
 
 
+def max_over_ranks(table: dict[str, float]) -> dict[str, float]:
+    """``{key: value}``, each key's largest value over ranks (one ``all_gather_object``: any device, any backend)."""
+    if world_size() == 1:
+        return dict(table)
+    gathered: list[Optional[dict]] = [None] * world_size()
+    dist.all_gather_object(gathered, dict(table))
+    out: dict[str, float] = {}
+    for part in gathered:
+        for key, value in (part or {}).items():
+            out[key] = max(out.get(key, value), value)
+    return out
+
+
 def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sharded (DTensor) entries gathered whole; a collective, so every rank must call it."""
     from torch.distributed.tensor import DTensor

@@ -10,7 +10,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from scgrpo.distributed import sum_over_ranks
+from scgrpo.distributed import max_over_ranks, sum_over_ranks
 from scgrpo.rollout.engine import Generated
 from scgrpo.rollout.types import PromptBatch, token_lists
 from scgrpo.verifiers import VerifierRunner
@@ -48,10 +48,10 @@ class Evaluation:
             raise ValueError(f"eval_samples must be >= 1, got {k}")
         self.k, self.temperature, self.greedy, self.success_threshold = k, temperature, greedy, success_threshold
         self.sums: dict[str, dict[str, float]] = {}  # per split: prompts and the sums of each metric
-        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}  # per split: this rank's time in its batches
 
     def start(self) -> None:
-        self.sums, self.started = {}, time.perf_counter()
+        self.sums, self.seconds = {}, {}
 
     def metric_names(self, splits: list[str], stage: str = "val") -> list[str]:
         """The keys :meth:`metrics` gives for ``splits``, in its order."""
@@ -62,6 +62,14 @@ class Evaluation:
             episodes: Optional[EpisodePlayer] = None) -> None:
         """Samples, verifies and counts one batch of held-out prompts; with ``episodes``, plays k episodes of each
         (rewarded by the environment, seeded by the row alone) instead."""
+        started = time.perf_counter()
+        try:
+            self._add(batch, policy, verifier, episodes)
+        finally:
+            self.seconds[batch.split] = self.seconds.get(batch.split, 0.0) + time.perf_counter() - started
+
+    def _add(self, batch: PromptBatch, policy: Sampler, verifier: VerifierRunner,
+             episodes: Optional[EpisodePlayer]) -> None:
         k = self.k
         if episodes is not None:
             rows = batch.rows()
@@ -98,10 +106,13 @@ class Evaluation:
         ``time_s`` over all ranks' prompts (each rank evaluated its share); ``stage``: "val" (validation) or "test".
         Every rank must call it."""
         out = {}
-        for split, acc in sum_over_ranks(self.sums).items():
+        sums = sum_over_ranks(self.sums)
+        # a split's time: its batches' on the slowest rank (the ranks evaluate their shares at once)
+        seconds = max_over_ranks(self.seconds)
+        for split, acc in sums.items():
             n = max(acc["prompts"], 1.0)
             means = [acc[name] / n for name in ("avg", "pass", "length", "truncated", *(["greedy"] if self.greedy else []))]
-            metrics = dict(zip(self.metric_names([split], stage), [*means, time.perf_counter() - self.started]))
+            metrics = dict(zip(self.metric_names([split], stage), [*means, seconds.get(split, 0.0)]))
             if log_summary:
                 summary = ", ".join(f"{name.split('/')[-1]} {value:.3f}" for name, value in metrics.items())
                 log.info("step %d %s [%s] on %d prompts: %s", step, "test" if stage == "test" else "validation",
