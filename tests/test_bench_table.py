@@ -35,3 +35,7 @@ def test_the_step_at_trl_memory_is_the_larger_ratio_of_one_calls_cases(tmp_path,
     assert figure["value"] == pytest.approx(0.125) and figure["met"] is True  # SC-GRPO's 1.0 / 8.0, not GRPO's 0.1
     assert figure["command"] == "python scripts/bench_trl.py && python scripts/bench_step.py"
     assert "GRPO 0.80 s (0.100)" in figure["note"] and "SC-GRPO 1.00 s (0.125)" in figure["note"]
+
+    cases[2]["error"] = "GPUOutOfMemory: out of GPU memory in the update phase"  # (failed cases are left out)
+    (tmp_path / table.AT_TRL_FILE).write_text(json.dumps({"card": "NVIDIA H200", "command": "c", "cases": cases}))
+    assert table.at_trl_memory_entries() == {}

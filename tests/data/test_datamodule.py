@@ -109,3 +109,25 @@ def test_own_data_on_a_config_that_names_eval_splits_says_what_to_change_after_t
     with pytest.raises((ValueError, InputError)) as raised:  # the file's own fault, not the missing split
         PromptDataModule(source=FileSource(str(bad)), eval_splits=["id"])
     assert "bad.jsonl" in str(raised.value) and "eval_splits" not in str(raised.value)
+
+
+def test_both_split_lists_wrong_are_one_message_and_a_hub_dataset_is_not_downloaded_for_it(tmp_path, monkeypatch):
+    import datasets
+
+    from scgrpo.data.sources import FileSource, HubDataset
+
+    good = tmp_path / "train.jsonl"
+    good.write_text('{"question": "1+1", "answer": 2}\n')
+    with pytest.raises(ValueError) as raised:
+        PromptDataModule(source=FileSource(str(good)), eval_splits=["id"], final_splits=["ood"])
+    assert str(raised.value).startswith("data.eval_splits ['id'] and data.final_splits ['ood'] are not splits of "
+                                        "FileSource (it has no evaluation split): set data.eval_splits: [] and set "
+                                        "data.final_splits: [] (no evaluation)")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("downloaded")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    with pytest.raises(ValueError, match=r"data.eval_splits \['id'\] are not splits of HubDataset .*"
+                                         r"data.source.init_args.splits: \{train: ..., id: ...\}"):
+        PromptDataModule(source=HubDataset("org/data", splits={"train": "train"}), eval_splits=["id"])

@@ -134,3 +134,13 @@ def test_a_sequence_ratio_is_the_exponential_of_the_rows_mean_log_ratio_by_hand(
         assert out.loss.item() == pytest.approx(expected, abs=1e-9)
     with pytest.raises(ValueError, match="importance_sampling='row'"):
         GRPO(importance_sampling="row")
+
+
+def test_the_sequence_level_clip_fraction_is_the_share_of_rows_clipped():
+    # rows of 4 and 1 tokens, the long one's ratio exp(0.5) past 1.2 (clipped for A = +1), the short one's 1
+    logprobs = torch.tensor([[0.5] * 4, [0.0, 9.0, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0] * 4, [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    out = GRPO(importance_sampling="sequence").loss(logprobs, LossInputs(
+        completion_mask=mask, advantages=torch.tensor([1.0, 1.0], dtype=torch.float64),
+        old_logprobs=torch.zeros_like(logprobs)))
+    assert out.stats.clip_fraction.item() == 0.5  # (a token share would be 4 of 5)

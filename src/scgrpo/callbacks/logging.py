@@ -100,9 +100,10 @@ class AdapterExport(Callback):
     ``final`` holds the weights it restored. Each folder is written beside its place and then swapped in, so an
     interrupted export leaves the previous one whole.
 
-    The adapter is portable: its ``adapter_config.json`` names the base model as the user gave it ("smollm2", a hub
-    id, a folder's absolute path; never the local conversion cache), which ``scgrpo validate|test --model.model
-    <adapter folder>`` loads it on, and a ``README.md`` model card (:mod:`scgrpo.model_card`) holds the base model,
+    The adapter is portable: its ``adapter_config.json`` names the base model as the user gave it (a hub id, a
+    folder's absolute path; never the local conversion cache; the embedded model as its hub id, which plain peft
+    loads, with ``scgrpo.json`` beside it saying it was trained on the embedded file, which scgrpo loads again),
+    which ``scgrpo validate|test --model.model <adapter folder>`` loads it on, and a ``README.md`` model card (:mod:`scgrpo.model_card`) holds the base model,
     objective, LoRA settings, the last validation's metrics and the run's ``config.yaml`` (else the module's
     settings)."""
 
@@ -137,7 +138,7 @@ class AdapterExport(Callback):
                 pl_module.policy.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
                 pl_module.tokenizer.save_pretrained(path)
                 base = portable_model_name(pl_module.base_model_name)
-                name_base_model(path, base)
+                name_base_model(path, base, trained_on=pl_module.base_model_name)
                 with open(os.path.join(path, "README.md"), "w") as f:  # (over peft's empty template)
                     f.write(self._card(trainer, pl_module, path, base))
 

@@ -116,28 +116,37 @@ class PromptDataModule(LightningDataModule):
         available = self.source.eval_splits()
         self.eval_splits = list(eval_splits) if eval_splits is not None else available
         self.final_splits = list(final_splits or [])
-        for key, asked in (("eval_splits", self.eval_splits), ("final_splits", self.final_splits)):
-            unknown = [s for s in asked if s not in available]
-            if unknown:
-                raise ValueError(self._unknown_splits(key, unknown, available))
+        unknown = {key: [s for s in asked if s not in available]
+                   for key, asked in (("eval_splits", self.eval_splits), ("final_splits", self.final_splits))}
+        if any(unknown.values()):
+            raise ValueError(self._unknown_splits({k: v for k, v in unknown.items() if v}, available))
         self.eval_splits += [s for s in self.final_splits if s not in self.eval_splits]
         self.max_eval_prompts, self.seed = max_eval_prompts, seed
         self.batches_consumed = 0  # per rank; saved in checkpoints so a resumed run continues the stream
         self.extra_consumed = 0
         self.verified_buffer = VerifiedBuffer(buffer_size_per_prompt, buffer_max_total)
 
-    def _unknown_splits(self, key: str, unknown: list[str], available: list[str]) -> str:
-        """The message for ``data.<key>`` naming splits the source lacks, after the source's own data errors: its
-        train split is read first (a malformed file is the fault to fix first; the rows are kept for the run)."""
-        if "train" in self.source.splits():
+    def _unknown_splits(self, unknown: dict[str, list[str]], available: list[str]) -> str:
+        """The message for ``data.eval_splits`` / ``data.final_splits`` naming splits the source lacks (both at once),
+        after a local file's own data errors: a FileSource's train file is read first (a malformed file is the fault
+        to fix first; its rows are kept for the run). A hub dataset is not downloaded for the message."""
+        from scgrpo.data.sources import FileSource, HubDataset
+
+        if isinstance(self.source, FileSource) and "train" in self.source.splits():
             self.source.rows("train")  # (raises the data's own error, if it has one)
         name = type(self.source).__name__
         has = f"its evaluation splits are {available}" if available else "it has no evaluation split"
-        fix = f"set data.{key}: [] (no evaluation)" if not available else \
-            f"set data.{key} to some of {available}, or [] (no evaluation)"
-        if hasattr(self.source, "files"):  # (FileSource: a file per split)
-            fix += f", or give a file for each: data.source.init_args.files: {{train: ..., {unknown[0]}: ...}}"
-        return f"data.{key} {unknown} are not splits of {name} ({has}): {fix}"
+        first = next(iter(unknown.values()))[0]
+        fixes = []
+        for key in unknown:
+            fixes.append(f"set data.{key}: []" if not available else f"set data.{key} to some of {available} or []")
+        fix = " and ".join(fixes) + " (no evaluation)"
+        if isinstance(self.source, FileSource):  # (a file per split)
+            fix += f", or give a file for each: data.source.init_args.files: {{train: ..., {first}: ...}}"
+        elif isinstance(self.source, HubDataset):
+            fix += f", or map it to a split of the dataset: data.source.init_args.splits: {{train: ..., {first}: ...}}"
+        said = " and ".join(f"data.{key} {names}" for key, names in unknown.items())
+        return f"{said} are not splits of {name} ({has}): {fix}"
 
     def setup(self, stage: str) -> None:
         """``fit`` needs the source's train split (one clear error before the model loads); ``validate`` and ``test``

@@ -78,8 +78,10 @@ class GRPO(Objective):
             per_token, is_clipped = Fn.clipped_surrogate(
                 log_ratio, torch.zeros_like(log_ratio), self.per_token_advantages(inputs), self.eps_low, self.eps_high
             )  # [n, C] (or [n, 1]: a row's advantage), the row's ratio in each of its tokens
+            row_clipped = is_clipped[:, 0] if is_clipped.shape[1] == 1 else None  # (one flag a row)
             per_token, is_clipped = (t.expand_as(logprobs) for t in (per_token, is_clipped))
         else:
+            row_clipped = None
             per_token, is_clipped = Fn.clipped_surrogate(
                 logprobs, inputs.old_logprobs, self.per_token_advantages(inputs), self.eps_low, self.eps_high
             )  # [n, C]
@@ -94,7 +96,10 @@ class GRPO(Objective):
             per_token = per_token + self.beta * kl
             stats.kl = Fn.masked_mean(kl.detach(), mask)
         loss = self._aggregate(per_token, inputs)
-        stats.clip_fraction = Fn.masked_mean(is_clipped, mask)
+        if row_clipped is not None and inputs.token_selection is None:  # the share of rows clipped, as TRL's
+            stats.clip_fraction = Fn.masked_mean(row_clipped, (mask.sum(1) > 0).to(row_clipped.dtype))
+        else:
+            stats.clip_fraction = Fn.masked_mean(is_clipped, mask)
         return LossOutput(loss=loss, stats=stats)
 
     def _aggregate(self, per_token: Tensor, inputs: LossInputs) -> Tensor:
