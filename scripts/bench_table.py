@@ -69,8 +69,9 @@ SEGMENTS_FILE = "bench_smollm2_fixed_segments_h200.json"  # (the allocator's fix
 EARLIER_FILES = (PACKED_FILE, ATTENTION_FILE, "bench_smollm2_budget_h200.json", "bench_smollm2_budget_5steps_h200.json",
                  "bench_smollm2_budget_profiled_h200.json")
 AT_TRL_FILE = "bench_smollm2_at_trl_memory_h200.json"  # (TRL's step and the package's held to TRL's memory)
+TRL_SPREAD_FILE = "bench_trl_call_before_at_trl_memory_h200.json"  # (TRL alone in another call: its spread, no pair)
 BUDGET_FILES = (BUDGET_FILE, TRL_FILE, WIDTH_FILE, *EARLIER_FILES, BEFORE_FILE, PROMPTS_FILE, CHECKPOINT_FILE,
-                SEGMENTS_FILE, AT_TRL_FILE)
+                SEGMENTS_FILE, AT_TRL_FILE, TRL_SPREAD_FILE)
 """The memory budget's measurements: read by :func:`budget_entries` only (their case names are the suite's own,
 and the earlier figures keep theirs)"""
 QWEN8B_FILE = "bench_qwen8b_1k_20gib_rollout_states_h200.json"
