@@ -73,3 +73,34 @@ def test_each_split_logs_its_own_time_not_the_whole_validations(monkeypatch):
         ev.add(SimpleNamespace(split=split), None, None)
     metrics = ev.metrics(step=0, log_summary=False)
     assert metrics["id"]["val/id/time_s"] == 2.0 and metrics["ood"]["val/ood/time_s"] == 3.0
+
+
+def test_a_long_evaluation_logs_its_progress_every_15_seconds(monkeypatch, caplog):
+    """A batch of 10 s each: lines after the 2nd, 4th and 6th batch (20 s, 40 s, 60 s), each with the prompts done;
+    none for an evaluation shorter than 15 s."""
+    from types import SimpleNamespace
+
+    import scgrpo.evaluation as evaluation
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(evaluation.time, "perf_counter", lambda: clock.now)
+    ev = evaluation.Evaluation(k=1, temperature=None, greedy=False, success_threshold=0.5)
+
+    def fake_add(batch, policy, verifier, episodes):
+        clock.now += 10.0
+        ev.sums.setdefault(batch.split, {"prompts": 0.0})["prompts"] += 8
+
+    monkeypatch.setattr(ev, "_add", fake_add)
+    ev.start()
+    with caplog.at_level("INFO", logger="scgrpo.evaluation"):
+        for _ in range(6):
+            ev.add(SimpleNamespace(split="id"), None, None)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluating")]
+    assert lines == ["evaluating [id]: 16 prompts done (this rank), 20 s in this split",
+                     "evaluating [id]: 32 prompts done (this rank), 40 s in this split",
+                     "evaluating [id]: 48 prompts done (this rank), 60 s in this split"]
+    caplog.clear()
+    ev.start()
+    with caplog.at_level("INFO", logger="scgrpo.evaluation"):
+        ev.add(SimpleNamespace(split="ood"), None, None)
+    assert not [r for r in caplog.records if r.getMessage().startswith("evaluating")]

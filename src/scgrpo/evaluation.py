@@ -33,6 +33,16 @@ class EpisodePlayer(Protocol):
     def __call__(self, rows: list[dict], k: int, greedy: bool, temperature: Optional[float]) -> Any: ...
 
 
+PROGRESS_EVERY_S = 15.0
+"""Seconds between an evaluation's progress lines (none for an evaluation shorter than this)"""
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class Evaluation:
     """Accumulates one validation (or test) epoch's results per split and turns them into metrics.
 
@@ -49,9 +59,10 @@ class Evaluation:
         self.k, self.temperature, self.greedy, self.success_threshold = k, temperature, greedy, success_threshold
         self.sums: dict[str, dict[str, float]] = {}  # per split: prompts and the sums of each metric
         self.seconds: dict[str, float] = {}  # per split: this rank's time in its batches
+        self.reported = time.perf_counter()  # when progress was last logged
 
     def start(self) -> None:
-        self.sums, self.seconds = {}, {}
+        self.sums, self.seconds, self.reported = {}, {}, time.perf_counter()
 
     def metric_names(self, splits: list[str], stage: str = "val") -> list[str]:
         """The keys :meth:`metrics` gives for ``splits``, in its order."""
@@ -66,7 +77,12 @@ class Evaluation:
         try:
             self._add(batch, policy, verifier, episodes)
         finally:
-            self.seconds[batch.split] = self.seconds.get(batch.split, 0.0) + time.perf_counter() - started
+            now = time.perf_counter()
+            self.seconds[batch.split] = self.seconds.get(batch.split, 0.0) + now - started
+        if now - self.reported >= PROGRESS_EVERY_S and rank() == 0:  # a long evaluation says how far it got
+            self.reported = now
+            log.info("evaluating [%s]: %d prompts done (this rank), %.0f s in this split", batch.split,
+                     int(self.sums[batch.split]["prompts"]), self.seconds[batch.split])
 
     def _add(self, batch: PromptBatch, policy: Sampler, verifier: VerifierRunner,
              episodes: Optional[EpisodePlayer]) -> None:
