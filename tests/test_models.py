@@ -149,3 +149,16 @@ def test_processes_that_convert_one_gguf_file_at_once_convert_it_once_and_read_t
     (folder, writer), (other, read) = got
     assert folder == other and writer == read == calls.read_text().split()[0]
     assert (tmp_path / "cache" / "models").is_dir() and folder.startswith(str(tmp_path / "cache" / "models"))
+
+
+def test_loading_a_policy_with_lora_raises_no_deprecation_warning_of_peft_s_making(tiny_model_dir):
+    """peft's PeftModel reads transformers' deprecated ``is_gradient_checkpointing``: a FutureWarning on every run,
+    about nothing the user can change."""
+    import warnings
+
+    from scgrpo.models import LoraSettings, load_policy
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_policy(tiny_model_dir, torch.float32, LoraSettings(r=4, alpha=8))
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

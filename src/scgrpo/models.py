@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -468,7 +469,9 @@ def load_policy(name: str, dtype: torch.dtype, lora: Optional[LoraSettings], qua
             task_type="CAUSAL_LM",
             **lora.extra,
         )
-        model = get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated alias: a FutureWarning on every run
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, config)
         fused = fuse_4bit_lora_adds(model) if lora.fused_4bit else 0
         if fused:
             log.info("lora.fused_4bit: the adapter terms of %d 4-bit layers are added by one matmul each", fused)
