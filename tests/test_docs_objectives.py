@@ -40,10 +40,10 @@ def test_the_worked_example_trains_on_every_row_and_logs_its_statistic(tiny_mode
     assert len(rows) == 2
     for row in rows:
         assert float(row["train/rows_in_loss"]) == 1.0  # every row, zero advantage or not
-        assert float(row["train/surprisal"]) > 0
+        assert float(row["train/sampled_surprisal"]) > 0
 
 
-def test_the_worked_examples_loss_is_grpos_minus_the_bonus_over_the_batchs_tokens():
+def test_the_worked_examples_gradient_is_grpos_plus_the_score_function_entropy_term():
     code, _ = _blocks()
     namespace: dict = {}
     exec(compile(code, "objectives.py", "exec"), namespace)
@@ -51,11 +51,27 @@ def test_the_worked_examples_loss_is_grpos_minus_the_bonus_over_the_batchs_token
 
     objective, grpo = namespace["EntropyBonusGRPO"](coef=0.5), GRPO()
     assert objective.rows_in_loss(Credit(advantages=torch.tensor([0.0, 1.0])), None).tolist() == [True, True]
-    logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]], dtype=torch.float64)
+    lp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
-    inputs = LossInputs(completion_mask=mask, advantages=torch.tensor([0.0, 0.0], dtype=torch.float64),
-                        old_logprobs=logprobs, num_tokens=10.0)  # (these 2 rows of a batch of 10 tokens)
-    out = objective.loss(logprobs, inputs)
-    # surprisal 1 + 2 + 0.5 x 3 = 4.5 over the batch's 10 tokens; GRPO's term is 0 on zero-advantage rows
-    assert out.stats.extra["surprisal"].item() == pytest.approx(0.45)
-    assert out.loss.item() == pytest.approx(grpo.loss(logprobs, inputs).loss.item() - 0.5 * 0.45)
+    inputs = LossInputs(completion_mask=mask, advantages=torch.tensor([0.3, 0.0], dtype=torch.float64),
+                        old_logprobs=lp.clone(), num_tokens=10.0)  # (these 2 rows of a batch of 10 tokens)
+    ours, theirs = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    out = objective.loss(ours, inputs)
+    (grad,) = torch.autograd.grad(out.loss, ours)
+    (grad_grpo,) = torch.autograd.grad(grpo.loss(theirs, inputs).loss, theirs)
+    # d/d lp_t of -coef * s_t lp_t / T, s_t = -lp_t held fixed: coef * lp_t / T on the model's tokens
+    torch.testing.assert_close(grad, grad_grpo + 0.5 * lp / 10.0 * mask)
+    assert out.stats.extra["sampled_surprisal"].item() == pytest.approx((1 + 2 + 1.5) / 5)  # the micro-batch's mean
+
+
+def test_the_score_function_term_follows_the_entropy_gradient_of_a_small_policy_exactly():
+    """Over a 4-way softmax, every outcome weighed by its probability: the mean gradient of the example's bonus term
+    is the gradient of the entropy (the gradient of the sampled surprisal alone would be 0)."""
+    logits = torch.tensor([0.3, -1.0, 0.8, 0.1], dtype=torch.float64, requires_grad=True)
+    logp = torch.log_softmax(logits, 0)
+    p = logp.exp().detach()
+    (entropy_grad,) = torch.autograd.grad(-(logp.exp() * logp).sum(), logits, retain_graph=True)
+    (score_grad,) = torch.autograd.grad((p * (-logp.detach()) * logp).sum(), logits, retain_graph=True)
+    (plain_grad,) = torch.autograd.grad((p * -logp).sum(), logits)
+    torch.testing.assert_close(score_grad, entropy_grad)
+    torch.testing.assert_close(plain_grad, torch.zeros_like(plain_grad))

@@ -118,9 +118,9 @@ class Evaluation:
             acc["greedy"] += sum(float(r.score >= self.success_threshold) for r in results)
 
     def metrics(self, step: int, log_summary: bool = True, stage: str = "val") -> dict[str, dict[str, float]]:
-        """Per split, ``<stage>/<split>/avg@k``, ``pass@k``, ``completion_length``, ``truncated``, ``greedy`` and
-        ``time_s`` over all ranks' prompts (each rank evaluated its share); ``stage``: "val" (validation) or "test".
-        Every rank must call it."""
+        """Per split, ``<stage>/<split>/avg@k``, ``pass@k``, ``completion_length``, ``truncated`` and ``greedy``, means
+        over all ranks' prompts (each rank evaluated its share), and ``time_s``, the split's batches' time on the
+        slowest rank; ``stage``: "val" (validation) or "test". Every rank must call it."""
         out = {}
         sums = sum_over_ranks(self.sums)
         # a split's time: its batches' on the slowest rank (the ranks evaluate their shares at once)
