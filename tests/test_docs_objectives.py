@@ -7,6 +7,7 @@ import csv
 import glob
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ def test_the_worked_example_trains_on_every_row_and_logs_its_statistic(tiny_mode
     (tmp_path / "objective.yaml").write_text(config)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:  # (another test's my_pkg)
+        monkeypatch.delitem(sys.modules, name)
     main(["fit", f"--config={BASE}", "--config=objective.yaml", *_tiny_args(tiny_model_dir),
           "--model.validate_before_training=false"])
     (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
