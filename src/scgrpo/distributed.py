@@ -145,6 +145,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class RankFailed(RuntimeError):
     """Another rank failed in a step every rank runs (its message is this one's)."""
 

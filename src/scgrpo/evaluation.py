@@ -10,7 +10,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from scgrpo.distributed import max_over_ranks, sum_over_ranks
+from scgrpo.distributed import max_over_ranks, rank, sum_over_ranks
 from scgrpo.rollout.engine import Generated
 from scgrpo.rollout.types import PromptBatch, token_lists
 from scgrpo.verifiers import VerifierRunner
@@ -35,12 +35,6 @@ class EpisodePlayer(Protocol):
 
 PROGRESS_EVERY_S = 15.0
 """Seconds between an evaluation's progress lines (none for an evaluation shorter than this)"""
-
-
-def rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Evaluation:

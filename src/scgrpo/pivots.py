@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from scgrpo.distributed import all_reduce, gather_values
+from scgrpo.distributed import all_reduce, gather_values, rank
 
 NONE, RIGHT, WRONG, BOTH = 0, 1, 2, 3
 """A token's label: in no decision, in right decisions only, in wrong ones only, in both (one token that two
@@ -274,7 +274,7 @@ def pivot_metrics(weights: Tensor, labels: Tensor, completion_mask: Tensor, rows
     model = mask & rows.unsqueeze(1)
     decision = model & (labels != NONE)
     turn = _turn_index(mask)
-    row_id = torch.arange(mask.shape[0]).unsqueeze(1).expand_as(turn) + (_rank() << 32)  # (unique over ranks)
+    row_id = torch.arange(mask.shape[0]).unsqueeze(1).expand_as(turn) + (rank() << 32)  # (unique over ranks)
     # per class, each token's (f, turn, row), gathered over ranks in one collective
     (wrong, wrong_turn, wrong_row), (right, right_turn, right_row) = (
         gather_values(torch.stack([weights[where].double(), turn[where].double(), row_id[where].double()], 1)
@@ -287,9 +287,3 @@ def pivot_metrics(weights: Tensor, labels: Tensor, completion_mask: Tensor, rows
     return {"credit/pivot_auroc": auroc(wrong, right), "credit/pivot_share": share, "credit/pivot_rows": n_rows,
             "credit/pivot_auroc_turn": stratified_auroc(wrong, wrong_turn, right, right_turn),
             "credit/pivot_auroc_row": stratified_auroc(wrong, wrong_row, right, right_row)}
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

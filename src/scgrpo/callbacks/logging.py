@@ -103,7 +103,8 @@ class AdapterExport(Callback):
     The adapter is portable: its ``adapter_config.json`` names the base model as the user gave it (a hub id, a
     folder's absolute path; never the local conversion cache; the embedded model as its hub id, which plain peft
     loads, with ``scgrpo.json`` beside it saying it was trained on the embedded file, which scgrpo loads again),
-    which ``scgrpo validate|test --model.model <adapter folder>`` loads it on, and a ``README.md`` model card (:mod:`scgrpo.model_card`) holds the base model,
+    which ``scgrpo validate|test --model.model <adapter folder>`` loads it on, and a ``README.md`` model card
+    (:mod:`scgrpo.model_card`) holds the base model,
     objective, LoRA settings, the last validation's metrics and the run's ``config.yaml`` (else the module's
     settings)."""
 
