@@ -2,10 +2,11 @@
 
     python scripts/plot_credit.py runs/scgrpo_arith/version_0/metrics.csv --out plots/
 
-Writes ``kl_percentiles.png`` (credit/kl_p25, p50, p75, p95 and c, log scale), ``entropy.png``
-(policy/entropy, the mean token entropy of the sampled responses) and ``routes.png`` (the share of groups in
-each route, from the first run that logs them). Several CSV files (seeds, or methods) are drawn on the same axes,
-labelled by their folder.
+Writes ``kl_percentiles.png`` (credit/kl_p25, p50, p75, p95 and c, log scale; c, by default the P75 of the same
+divergences, is drawn thin, dashed and marked in black over a wide P75 line, so both show where they meet),
+``entropy.png`` (policy/entropy, the mean token entropy of the sampled responses) and ``routes.png`` (the share of
+groups in each route, from the first run that logs them). Several CSV files (seeds, or methods) are drawn on the same
+axes, labelled by their folder. Steps are ticked in whole numbers.
 
 The credit/* keys are logged by objectives with a self-teacher (SC-GRPO); a GRPO run has policy/entropy only. A
 figure with nothing to draw is not written, and a run without credit values beside runs with them is left out of
@@ -23,6 +24,13 @@ import sys
 
 PERCENTILES = ("credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95")
 ROUTES = ("credit/route_partial", "credit/route_solve_none", "credit/route_single", "credit/route_all")
+KL_STYLES = {  # c (by default the P75 of the same divergences) thin, dashed and marked, over a wide P75 line
+    "credit/kl_p25": dict(linestyle=":", color="C0", linewidth=1),
+    "credit/kl_p50": dict(linestyle="--", color="C1", linewidth=1),
+    "credit/kl_p75": dict(linestyle="-", color="C2", linewidth=3),
+    "credit/kl_p95": dict(linestyle="-.", color="C3", linewidth=1),
+    "credit/c": dict(linestyle="--", color="black", linewidth=1, marker="o", markersize=3),
+}
 FIGURES = {  # each figure: the keys it draws, and in words
     "kl_percentiles.png": (PERCENTILES + ("credit/c",), "credit/kl_p* or credit/c"),
     "entropy.png": (("policy/entropy",), "policy/entropy"),
@@ -56,13 +64,13 @@ def _note(message: str) -> None:
     print(f"plot_credit.py: {message}", file=sys.stderr)
 
 
-def pyplot():
-    """matplotlib's pyplot on the Agg backend; without matplotlib the script ends in one line that says how to
-    install it."""
+def pyplot(script: str = "plot_credit.py"):
+    """matplotlib's pyplot on the Agg backend; without matplotlib the script (named ``script`` in the message) ends
+    in one line that says how to install it."""
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plot_credit.py: error: matplotlib is not installed: pip install -e '.[plots]' (or pip "
+        raise SystemExit(f"{script}: error: matplotlib is not installed: pip install -e '.[plots]' (or pip "
                          "install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -75,6 +83,13 @@ def _has(series: dict, keys: tuple[str, ...]) -> bool:
 
 
 def _save(plt, fig, ax, ylabel: str, title: str, path: str, written: list[str]) -> None:
+    """Labels ``ax`` (steps are whole numbers: integer ticks, never 0.5 in a short run; values in full, not as an
+    offset such as 1e-5+5.5495 where they hardly move), writes ``fig`` to ``path`` and closes it."""
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if isinstance(ax.yaxis.get_major_formatter(), ScalarFormatter):  # (not on a log scale)
+        ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -106,12 +121,12 @@ def plot(paths: list[str], out: str) -> list[str]:
     if drawn["kl_percentiles.png"]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, path in enumerate(drawn["kl_percentiles.png"]):
-            for key, style in zip(FIGURES["kl_percentiles.png"][0], (":", "--", "-", "-.", "-")):
+            for key in FIGURES["kl_percentiles.png"][0]:  # (c last: on top of P75, which it is by default)
                 steps, values = runs[path][key]
                 if steps:
                     label = key.split("/")[-1] + (f" ({_label(path)})" if len(runs) > 1 else "")
-                    ax.plot(steps, values, style, color=f"C{PERCENTILES.index(key) if key in PERCENTILES else 4}",
-                            alpha=1.0 if i == 0 else 0.6, label=label, linewidth=2 if key == "credit/c" else 1)
+                    ax.plot(steps, values, **KL_STYLES[key], alpha=1.0 if i == 0 else 0.6, label=label,
+                            markevery=max(1, len(steps) // 20))
         ax.set_yscale("log")
         _save(plt, fig, ax, "KL(teacher || policy) per token", "Self-teacher divergence of active tokens, and c",
               os.path.join(out, "kl_percentiles.png"), written)

@@ -100,3 +100,53 @@ def test_without_matplotlib_one_line_says_how_to_install_it(tmp_path, monkeypatc
     assert info.value.code == ("plot_credit.py: error: matplotlib is not installed: pip install -e '.[plots]' (or pip "
                                "install matplotlib)")
     assert not os.path.exists(tmp_path / "plots")
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the script draws, kept open (its ``plt.close`` does nothing) to be read back after ``plot``."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    close = plt.close
+    close("all")
+    monkeypatch.setattr(plt, "close", lambda fig=None: None)
+    yield lambda written: dict(zip([os.path.basename(p) for p in written], map(plt.figure, plt.get_fignums())))
+    close("all")
+
+
+def _three_steps(path):
+    """A 3-step SC-GRPO run whose c is its P75, as SCGRPO's default c_quantile gives."""
+    keys = ["step", "credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95", "credit/c", "policy/entropy",
+            "credit/route_partial"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        for step, p75 in enumerate((0.05, 0.06, 0.07)):
+            writer.writerow({"step": step, "credit/kl_p25": 0.001, "credit/kl_p50": 0.01, "credit/kl_p75": p75,
+                             "credit/kl_p95": 0.3, "credit/c": p75, "policy/entropy": 0.9, "credit/route_partial": 0.5})
+
+
+def test_a_short_run_is_ticked_in_whole_steps_on_every_figure(tmp_path, figures):
+    from matplotlib.ticker import MaxNLocator
+
+    path = tmp_path / "metrics.csv"
+    _three_steps(path)
+    drawn = figures(_script().plot([str(path)], str(tmp_path / "plots")))
+    assert sorted(drawn) == ["entropy.png", "kl_percentiles.png", "routes.png"]
+    for name, fig in drawn.items():
+        (ax,) = fig.axes
+        assert isinstance(ax.xaxis.get_major_locator(), MaxNLocator), name
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks == [0, 1, 2], (name, ticks)  # (matplotlib's default puts ticks at 0.25, 0.5, ...)
+
+
+def test_c_on_its_p75_leaves_both_lines_in_sight(tmp_path, figures):
+    path = tmp_path / "metrics.csv"
+    _three_steps(path)
+    (ax,) = figures(_script().plot([str(path)], str(tmp_path / "plots")))["kl_percentiles.png"].axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    p75, c = lines["kl_p75"], lines["c"]
+    assert list(p75.get_ydata()) == list(c.get_ydata()) == [0.05, 0.06, 0.07]  # the same values...
+    assert (p75.get_linestyle(), p75.get_marker()) != (c.get_linestyle(), c.get_marker())  # ...told apart
+    assert p75.get_color() != c.get_color() and c.get_marker() not in (None, "None", "")
+    assert p75.get_linewidth() > c.get_linewidth()  # the wide P75 shows round the thin c
+    assert ax.get_lines().index(c) > ax.get_lines().index(p75)  # drawn on top of it
