@@ -54,7 +54,8 @@ def final_ood(run: dict) -> Optional[float]:
 
 def pivots(run: dict, every: int = 5) -> tuple[Optional[float], Optional[float], int]:
     """The run's credit/pivot_auroc and credit/pivot_share averaged over its credit-logging steps that counted
-    rows (steps 1, 1 + ``every``, ...: the configs' ``log_completions_every_n_steps``; the pilot's files repeat a
+    rows (steps 1, 1 + ``every``, ... of the result file, which scripts/replicate.py counts from 1: metrics.csv's
+    steps 0, ``every``, ..., where ``log_completions_every_n_steps`` = ``every`` logs; the pilot's files repeat a
     logged value until the next one, so the other steps are not read), and the rows counted."""
     steps = run["steps"]
     aurocs, shares, rows = [], [], 0

@@ -1,6 +1,7 @@
 """Where SC-GRPO's weight goes: the share of the f(D) mass on decision tokens against the rest, per route and over
 training, from a run's ``credit_tokens.jsonl`` (written by ``CreditLogging`` every ``log_completions_every_n_steps``
-steps: each rollout's tokens, which of them the model wrote, and their weight f).
+steps: each rollout's tokens, which of them the model wrote, and their weight f; its ``step`` is the step's number
+in the run's ``metrics.csv``, 0 for the first, and so are the steps here).
 
     python scripts/weight_shares.py runs/scgrpo/version_0 --task arith --out weights
     python scripts/weight_shares.py runs/a/version_0 runs/b/version_0 --task tool --tools calc --out weights

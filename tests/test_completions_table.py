@@ -1,13 +1,39 @@
 """CompletionsTable (callbacks/logging.py): each sample completion is written with its verifier's ``info``, whole in
-completions.jsonl and as compact, cut JSON in the TensorBoard table."""
+completions.jsonl and as compact, cut JSON in the TensorBoard table; and the step numbers of a run's outputs, which
+are metrics.csv's (:func:`step_numbers`)."""
 
+import csv
 import json
 import os
+import re
 
 from lightning.pytorch.loggers import CSVLogger, Logger
 
+from scgrpo.objectives import SCGRPO
 from scgrpo.verifiers import VerificationResult, Verifier
 from tests.helpers import tiny_data, tiny_module, tiny_trainer
+
+STEP_OUTPUTS = ("metrics.csv", "completions.jsonl", "credit_tokens.jsonl", "credit_heatmap.html")
+
+
+def step_numbers(log_dir: str) -> dict[str, list[int]]:
+    """The training steps each output of a run folder holds, sorted: metrics.csv's train rows, the rows of
+    completions.jsonl and credit_tokens.jsonl, the credit heatmap's step headings (an absent file: [])."""
+    found = {}
+    for name in STEP_OUTPUTS:
+        path = os.path.join(log_dir, name)
+        if not os.path.exists(path):
+            found[name] = []
+            continue
+        with open(path, encoding="utf-8") as f:
+            if name == "metrics.csv":
+                steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")]
+            elif name.endswith(".jsonl"):
+                steps = [json.loads(line)["step"] for line in f]
+            else:
+                steps = [int(s) for s in re.findall(r"<h2>step (\d+)", f.read())]
+        found[name] = sorted(set(steps))
+    return found
 
 
 class InfoVerifier(Verifier):
@@ -60,7 +86,7 @@ def test_each_completion_is_written_with_its_verifiers_info(tiny_model_dir, tmp_
         assert row["info"] == {"seen": row["completion"], "reason": "a|b\nc", "note": "x" * 300}
 
     ((tag, table, step),) = text.texts
-    assert tag == "completions" and step == 1
+    assert tag == "completions" and step == 0  # the first step, as metrics.csv numbers it
     header, rule, *lines = table.split("\n")
     assert header == "| reward | question | completion | info |" and rule == "|---|---|---|---|"
     assert len(lines) == len(rows)
@@ -84,8 +110,21 @@ def test_answers_are_written_as_json_values_not_their_python_text(tmp_path):
                                questions=["q"] * 4, answers=answers, rewards=torch.zeros(4),
                                completion_mask=torch.ones(4, 3), truncated=torch.zeros(4, dtype=torch.bool),
                                infos=None)
-    trainer = SimpleNamespace(global_step=1, loggers=[], default_root_dir=str(tmp_path))
+    progress = SimpleNamespace(batch_progress=SimpleNamespace(total=SimpleNamespace(completed=0)))
+    trainer = SimpleNamespace(global_step=1, fit_loop=SimpleNamespace(epoch_loop=progress), loggers=[],
+                              default_root_dir=str(tmp_path))
     CompletionsTable(every_n_steps=1).on_train_batch_end(trainer, None, None, SimpleNamespace(rollouts=rollouts), 0)
     with open(tmp_path / "completions.jsonl") as f:
         written = [json.loads(line)["answer"] for line in f]
     assert written == [None, ["assert f(1) == 2"], 7, "{1, 2}"]
+
+
+def test_every_output_numbers_a_step_as_metrics_csv_does_also_with_several_optimiser_steps_a_batch(tiny_model_dir,
+                                                                                                   tmp_path):
+    """metrics.csv's train rows count training steps from 0 (one a rollout batch, whatever its optimiser steps);
+    completions.jsonl, credit_tokens.jsonl and the heatmap give each step's rows that number. Two optimiser steps a
+    batch: max_steps=4 is two training steps, logged at 0 and 1 (``trainer.global_step`` 2 and 4 at their ends)."""
+    module = tiny_module(tiny_model_dir, objective=SCGRPO(num_iterations=2), log_completions_every_n_steps=1)
+    trainer = tiny_trainer(tmp_path, max_steps=4)
+    trainer.fit(module, tiny_data())
+    assert step_numbers(trainer.log_dir) == {name: [0, 1] for name in STEP_OUTPUTS}

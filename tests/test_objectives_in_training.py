@@ -12,6 +12,7 @@ from scgrpo.rollout.engine import GenerationSettings, generate
 from scgrpo.rollout.types import RolloutBatch
 from scgrpo.update import StepSums
 from tests.helpers import load_script, tiny_data, tiny_module, tiny_trainer
+from tests.test_completions_table import STEP_OUTPUTS, step_numbers
 
 
 def _rollouts(module, rewards, group_size=4):
@@ -186,6 +187,7 @@ def test_each_objective_trains_the_adapters(objective, tiny_model_dir, tmp_path)
         page = open(os.path.join(trainer.log_dir, "credit_heatmap.html")).read()
         assert "<span title=\"f=" in page
         _check_token_log(trainer.log_dir, module)
+        assert step_numbers(trainer.log_dir) == {name: [0, 1, 2] for name in STEP_OUTPUTS}
 
 
 def _check_token_log(log_dir, module):

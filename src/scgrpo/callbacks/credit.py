@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
-from scgrpo.callbacks.logging import run_dir
+from scgrpo.callbacks.logging import run_dir, train_step
 from scgrpo.chat import prompt_text
 from scgrpo.distributed import all_reduce
 from scgrpo.pivots import BOTH, NONE, PIVOT_KEYS, RIGHT, WRONG, decision_labels, pivot_metrics
@@ -57,8 +57,10 @@ def token_span(text: str, weight, model_token: bool, decision: int = NONE) -> st
 
 
 class CreditLogging(Callback):
-    """Every ``every_n_steps`` steps appends up to ``num_rollouts`` rollouts to ``<log_dir>/credit_heatmap.html``
-    (and every rollout of the batch, machine-readable, to ``credit_tokens.jsonl``),
+    """Every ``every_n_steps`` steps (steps 0, ``every_n_steps``, ...) appends up to ``num_rollouts`` rollouts to
+    ``<log_dir>/credit_heatmap.html`` under the heading ``step N`` (and every rollout of the batch, machine-readable,
+    to ``credit_tokens.jsonl``, each row with its ``step``), N being the step's number in ``metrics.csv``
+    (:func:`~scgrpo.callbacks.logging.train_step`: 0 for the first),
     two of each route present (see :meth:`pick_rows`): the group's route, reward and advantage, the rollout
     with each token's background set by its weight f (hover for the value; rows without a teacher are plain
     GRPO, weight 1), and beside it the reference in the teacher's system prompt. An episode's environment tokens
@@ -88,17 +90,19 @@ class CreditLogging(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         record = pl_module.last_plan  # (None: the step was skipped; no signal: the objective has no self-teacher)
-        if record is not None and record.signal is not None and self.every_n_steps and batch_idx % self.every_n_steps == 0:
-            labels = self._pivots(pl_module, batch, record)
-            self._heatmap(trainer, pl_module, batch, record, labels)
-            self._token_log(trainer, pl_module, batch, record, labels)
+        step = train_step(trainer)
+        if record is not None and record.signal is not None and self.every_n_steps and step % self.every_n_steps == 0:
+            labels = self._pivots(pl_module, batch, record, step)
+            self._heatmap(trainer, pl_module, batch, record, labels, step)
+            self._token_log(trainer, pl_module, batch, record, labels, step)
         elif self._pivots_logged:  # Lightning would log a key's last value again at every later step: NaN between
             pl_module.log_dict({key: float("nan") for key in PIVOT_KEYS}, on_step=True, on_epoch=False,
                                prog_bar=False, batch_size=1)
 
-    def _pivots(self, pl_module, batch, record):
+    def _pivots(self, pl_module, batch, record, step: int):
         """The decision labels of the batch's tokens (None: no rollout marks one), with the ``credit/pivot_*``
-        keys logged where a rank's rollouts mark any (every rank takes part in the collectives)."""
+        keys logged where a rank's rollouts mark any (every rank takes part in the collectives). ``step``: the
+        step's number, for the log."""
         rollouts, signal, credit = batch.rollouts, record.signal, record.credit
         if credit.token_weights is None:
             return None
@@ -110,7 +114,7 @@ class CreditLogging(Callback):
         if malformed and not self._said_malformed and pl_module.global_rank == 0:
             self._said_malformed = True
             log.warning("%d rollout(s) of step %d hold info['decisions'] that is not a list of decisions (see "
-                        "scgrpo.pivots); they are left out of credit/pivot_*", int(malformed), pl_module.global_step)
+                        "scgrpo.pivots); they are left out of credit/pivot_*", int(malformed), step)
         if not marked:
             if not self._said_unmarked and pl_module.global_rank == 0:
                 self._said_unmarked = True
@@ -130,12 +134,13 @@ class CreditLogging(Callback):
         return labels
 
     @rank_zero_only
-    def _token_log(self, trainer, pl_module, batch, record, labels=None) -> None:
+    def _token_log(self, trainer, pl_module, batch, record, labels, step: int) -> None:
         """Every rollout of the batch as one JSON line of ``<log_dir>/credit_tokens.jsonl`` (for
-        ``scripts/weight_shares.py``): step, row, group, route, whether it had a teacher and was its group's
-        reference, reward, advantage, and per token its text, whether the model wrote it (1) or the environment
-        (0), its weight f (4 decimals; 1 on rows without a teacher) and, where the task marks decisions, its label
-        (``decision``: 0 none, 1 right, 2 wrong, 3 both). Objectives without token weights log nothing here."""
+        ``scripts/weight_shares.py``): step (the step's number in ``metrics.csv``, 0 for the first), row, group,
+        route, whether it had a teacher and was its group's reference, reward, advantage, and per token its text,
+        whether the model wrote it (1) or the environment (0), its weight f (4 decimals; 1 on rows without a
+        teacher) and, where the task marks decisions, its label (``decision``: 0 none, 1 right, 2 wrong, 3 both).
+        Objectives without token weights log nothing here."""
         rollouts, signal, credit = batch.rollouts, record.signal, record.credit
         if credit.token_weights is None:
             return
@@ -147,7 +152,7 @@ class CreditLogging(Callback):
         for row in range(ids.shape[0]):
             length = int(context[row].sum())
             line = {
-                "step": trainer.global_step, "row": row, "group": row // rollouts.group_size,
+                "step": step, "row": row, "group": row // rollouts.group_size,
                 "route": ROUTES[int(signal.route[row])], "has_teacher": bool(signal.has_teacher[row]),
                 "is_reference": bool(signal.is_reference[row]), "reward": float(rollouts.rewards[row]),
                 "advantage": round(float(advantages[row]), 6),
@@ -162,13 +167,13 @@ class CreditLogging(Callback):
             f.write("\n".join(lines) + "\n")
 
     @rank_zero_only
-    def _heatmap(self, trainer, pl_module, batch, record, labels=None) -> None:
+    def _heatmap(self, trainer, pl_module, batch, record, labels, step: int) -> None:
         rollouts, tokenizer = batch.rollouts, pl_module.tokenizer
         signal, credit = record.signal, record.credit
         weights = credit.token_weights.cpu() if credit.token_weights is not None else None
         advantages = credit.advantages.cpu()
         c = credit.stats.c if credit.stats is not None else None
-        parts = [f"<h2>step {trainer.global_step}" + (f", c = {c:.3g}" if c is not None else "") + "</h2>"]
+        parts = [f"<h2>step {step}" + (f", c = {c:.3g}" if c is not None else "") + "</h2>"]
         rows = self.pick_rows(signal, rollouts.group_size)
         context = rollouts.context_mask.cpu()
         model = rollouts.completion_mask.cpu().bool()

@@ -28,6 +28,22 @@ def run_dir(trainer) -> str:
     return directory
 
 
+def train_step(trainer) -> int:
+    """The number of the training step in progress (in a training hook), as ``metrics.csv`` numbers its train
+    rows: the training steps done before it, 0 for a run's first, also across epochs and in a resumed run. Every
+    output of a step numbers its rows by it (``completions.jsonl``, ``credit_tokens.jsonl``, the headings of
+    ``credit_heatmap.html``, TensorBoard's completions table), so that they join with the step's row of
+    ``metrics.csv``. (A validation is logged at the optimiser steps before it, ``val/global_step``: N after N
+    steps of one optimiser step each.)
+
+    A training step is one rollout batch. ``trainer.global_step`` counts optimiser steps instead: at the step's end
+    it is one ahead, ``objective.num_iterations`` ahead where a batch takes several. Read from the fit loop's count
+    of finished batches (``batch_progress.total.completed``, public), which is Lightning's logger step for the
+    batch (its ``_batches_that_stepped``) from ``on_train_batch_start`` to ``on_train_batch_end``: manual
+    optimisation accumulates no batches."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.completed)
+
+
 INFO_CHARS = 120  # the longest info shown in a cell of the TensorBoard table (completions.jsonl holds it whole)
 
 
@@ -43,9 +59,11 @@ def table_cell(text: str, limit: Optional[int] = None) -> str:
 
 
 class CompletionsTable(Callback):
-    """Every ``every_n_steps`` steps, appends sample completions with their rewards and their verifier's ``info`` (the
-    extracted answer, a reason; an episode's turns and faults) to ``<log_dir>/completions.jsonl``, and to TensorBoard
-    as a text table (the info as compact JSON, cut to ``INFO_CHARS``) when a TensorBoard logger is present.
+    """Every ``every_n_steps`` steps (steps 0, ``every_n_steps``, ...), appends sample completions with their rewards
+    and their verifier's ``info`` (the extracted answer, a reason; an episode's turns and faults) to
+    ``<log_dir>/completions.jsonl``, and to TensorBoard as a text table (the info as compact JSON, cut to
+    ``INFO_CHARS``) when a TensorBoard logger is present. A row's ``step``, and the table's ``global_step``, is the
+    step's number in ``metrics.csv`` (:func:`train_step`: 0 for the first).
 
     Args:
         every_n_steps: how often to write (0 = never).
@@ -58,8 +76,10 @@ class CompletionsTable(Callback):
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         rollouts = batch.rollouts
-        step = trainer.global_step
-        if not self.every_n_steps or rollouts is None or rollouts.rewards is None or batch_idx % self.every_n_steps:
+        if not self.every_n_steps or rollouts is None or rollouts.rewards is None:
+            return
+        step = train_step(trainer)
+        if step % self.every_n_steps:
             return
         rows = []
         for i in range(min(self.num_groups * rollouts.group_size, len(rollouts.completions))):
