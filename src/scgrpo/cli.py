@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Iterator, NoReturn, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -17,6 +20,7 @@ from scgrpo.callbacks.progress import count_steps
 from scgrpo.data import PromptDataModule
 from scgrpo.distributed import RankFailed
 from scgrpo.errors import InputError
+from scgrpo.lightning_internals import rank_zero_logger
 from scgrpo.module import RLVRModule
 from scgrpo.runs import (DEFAULT_NAME, DEFAULT_ROOT, FOLDER_LOGGERS, new_run_folders, remove_unused_folders,
                          share_run_folder)
@@ -95,9 +99,122 @@ def did_you_mean(message: str, parser) -> str:
     return f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
 
 
+MOST_USED = {"model.model": None, "model.objective": None, "model.lora": None, "model.dtype": None,
+             "model.verifier": None, "model.reward_funcs": None, "model.environment": None, "model.optimizer": None,
+             "model.generation.num_generations": "G, the completions sampled per prompt",
+             "model.generation.max_new_tokens": "the longest completion, in tokens",
+             "model.memory_budget_gib": None, "model.validate_before_training": None, "data.source": None,
+             "data.batch_size": None, "data.eval_splits": None, "data.final_splits": None, "trainer.max_steps": None,
+             "trainer.val_check_interval": None, "trainer.devices": None, "trainer.default_root_dir": None,
+             "checkpoint.every_n_train_steps": None, "checkpoint.monitor": None, "ckpt_path": None}
+"""The options a subcommand's ``--help`` describes (those its parser has: ``ckpt_path`` is fit's, validate's and
+test's), with the first sentence of their help or, for one that has none, the text given here; ``--help_all`` lists
+all of them (about 900 lines)"""
+
+SECTION_NOTES = {
+    "model": "the policy and how it trains: model folder, objective, LoRA, verifier, rewards, environment, optimiser",
+    "data": "the prompts: their source (a task, a file, a hub dataset), batch size, evaluation splits",
+    "trainer": "Lightning's Trainer: steps, devices, precision, loggers, validation interval",
+    "checkpoint": "last.ckpt every N steps, and the best one by a validation metric",
+}
+"""What each config section holds, in the summary ``--help`` prints (a section without a note: its group's title)"""
+
+
+def _option_actions(parser) -> list[argparse.Action]:
+    """The options of ``parser`` that take a value of the config: not ``--help``, ``--config``, ``--print_config``,
+    a class's ``--X.help`` nor a section's ``--X CONFIG`` (a file of that section)."""
+    from jsonargparse import ActionConfigFile
+
+    return [action for action in parser._actions
+            if action.option_strings and action.dest not in (argparse.SUPPRESS, "print_config")
+            and not isinstance(action, (argparse._HelpAction, ActionConfigFile)) and not action.dest.endswith(".help")
+            and action.metavar != "CONFIG"]
+
+
+def _first_sentence(text: Optional[str]) -> str:
+    text = " ".join((text or "").split())
+    return re.split(r"(?<=[.!?])\s+(?=[A-Z])", text, maxsplit=1)[0]
+
+
+def help_summary(parser) -> str:
+    """A subcommand's ``--help``: its sections with their sizes, the most used options and where to see the others
+    (``--help_all``: jsonargparse's listing of every option, about 900 lines)."""
+    prog = parser.prog.replace(" [options]", "")
+    head = argparse.HelpFormatter(prog, max_help_position=14)  # (the sections' names are short)
+    head.add_usage(f"{prog} [-h] [--help_all] [-c CONFIG] [--print_config[=flags]] [--SECTION.KEY VALUE ...]",
+                   [], [], prefix="usage: ")
+    head.add_text(parser.description)
+
+    def entry(option: str, text: str, metavar: Optional[str] = None) -> argparse.Action:
+        return argparse.Action([option], dest=argparse.SUPPRESS, metavar=metavar, nargs=None if metavar else 0,
+                               help=text.replace("%", "%%"))
+
+    actions = _option_actions(parser)
+    sections: dict[str, list[str]] = {}
+    for action in actions:
+        if "." in action.dest:
+            sections.setdefault(action.dest.split(".", 1)[0], []).append(action.dest)
+    titles = {group.dest: group.title for group in parser._action_groups if getattr(group, "dest", None)}
+    head.start_section("sections (--SECTION.KEY VALUE, or SECTION: {KEY: VALUE} in a --config YAML)")
+    for name, keys in sections.items():
+        nested = sorted({key.rsplit(".", 1)[0] for key in keys if key.count(".") > 1})
+        note = SECTION_NOTES.get(name) or _first_sentence(titles.get(name)).rstrip(":.")
+        if nested:
+            note += f"; within it {', '.join(nested)}"
+        head.add_argument(entry(name, f"{len(keys)} options: {note}" if note else f"{len(keys)} options"))
+    others = [action for action in actions if "." not in action.dest]
+    if others:
+        head.add_argument(entry("others", ", ".join("--" + action.dest for action in others)))
+    head.end_section()
+
+    formatter = argparse.HelpFormatter(prog, max_help_position=34)
+    by_key = {action.dest: action for action in actions}
+    formatter.start_section("most used options")
+    for key, note in MOST_USED.items():
+        action = by_key.get(key)
+        if action is None:
+            continue
+        text = _first_sentence(action.help) or note or ""
+        if isinstance(action.default, (str, int, float, bool)) and "default" not in text:
+            text += f" (default: {action.default})"
+        metavar = "{true,false}" if action.default in (True, False) else key.rsplit(".", 1)[-1].upper()
+        formatter.add_argument(entry(f"--{key}", text.strip(), metavar=metavar))
+    formatter.end_section()
+
+    formatter.start_section("the rest")
+    example = "--model.objective.help" if any(a.dest == "model.objective.help" for a in parser._actions) else None
+    for option, text in (("-c, --config CONFIG", "a YAML file of the sections above (repeatable: later files win)"),
+                         ("--help_all", f"every option of `{prog}`, with its type and default"),
+                         ("--SECTION.KEY.help CLASS", "the options of one class a key takes"
+                                                      + (f", e.g. {example} GRPO" if example else "")),
+                         ("--print_config", "the whole configuration these arguments make, as YAML, and exit")):
+        formatter.add_argument(entry(option, text))
+    formatter.end_section()
+    return head.format_help() + "\n" + formatter.format_help()
+
+
+class _HelpAll(argparse._HelpAction):
+    """``--help_all``: jsonargparse's listing of every option (``--help`` prints :func:`help_summary`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        parser.print_help_all()
+        parser.exit()
+
+
 class ScgrpoArgumentParser(LightningArgumentParser):
     """A config error (a value of the wrong type, an unknown key) prints the error and where to find the options,
-    not the 90 lines of usage first; ``--help`` still prints them."""
+    not the 90 lines of usage first. A subcommand's ``--help`` prints a summary (:func:`help_summary`), its
+    ``--help_all`` the whole listing."""
+
+    summary_help = False
+    """Whether ``--help`` prints the summary: set on the subcommands' parsers (``ScgrpoCLI.add_arguments_to_parser``),
+    not on the top parser (its subcommands) nor on the parsers that jsonargparse makes for ``--X.help CLASS``"""
+
+    def format_help(self, *args, **kwargs) -> str:
+        return help_summary(self) if self.summary_help else super().format_help(*args, **kwargs)
+
+    def print_help_all(self, file=None) -> None:
+        self._print_message(super().format_help(), file or sys.stdout)
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         if not self.exit_on_error or os.environ.get("SCGRPO_DEBUG"):
@@ -179,6 +296,8 @@ class ScgrpoCLI(LightningCLI):
             raise
 
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--help_all", action=_HelpAll, help="Show every option, its type and default, and exit.")
+        parser.summary_help = True
         parser.add_class_arguments(StepCheckpoint, "checkpoint", instantiate=True, sub_configs=True)
         parser.set_defaults(
             {
@@ -202,6 +321,39 @@ class ScgrpoCLI(LightningCLI):
         )
 
 
+LIGHTNING_TIPS = "💡 Tip: For seamless cloud "
+"""How Lightning's advertisements for its cloud services begin (litlogger, in the logger connector; litmodels, in the
+callback connector), logged by ``rank_zero_info`` at INFO on every run without LitLogger"""
+
+LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+"""The FutureWarning (torch's ``utils/_pytree.py``, 2.13 here) that Lightning's ``utilities/_pytree.py`` sets off on
+every run: it makes a ``LeafSpec()`` for each ``CombinedLoader`` of the fit's and evaluations' data"""
+
+
+class _NotATip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LIGHTNING_TIPS)
+
+
+_NOT_A_TIP = _NotATip()
+
+
+@contextlib.contextmanager
+def lightning_noise_silenced() -> Iterator[None]:
+    """Within: no Lightning cloud tip (its other INFO lines, "GPU available: ...", stay) and no LeafSpec
+    FutureWarning from Lightning's ``_pytree`` module (the same warning from anywhere else, and every other warning,
+    still shows)."""
+    logger = rank_zero_logger()
+    logger.addFilter(_NOT_A_TIP)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=LEAFSPEC_DEPRECATION, category=FutureWarning,
+                                    module=r"lightning\.pytorch\.utilities\._pytree$")
+            yield
+    finally:
+        logger.removeFilter(_NOT_A_TIP)
+
+
 def working_folder_importable() -> None:
     """The working folder first on the import path, as ``python -m scgrpo.cli`` has it: a module of the user's beside
     the config (an environment, a verifier, a reward function: ``my_pkg.guess.Guess``) is found by its class path when
@@ -217,14 +369,15 @@ def main(args=None) -> None:
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        cli = ScgrpoCLI(
-            RLVRModule,
-            PromptDataModule,
-            parser_class=ScgrpoArgumentParser,
-            save_config_kwargs={"overwrite": True},
-            seed_everything_default=0,
-            args=args,
-        )
+        with lightning_noise_silenced():
+            cli = ScgrpoCLI(
+                RLVRModule,
+                PromptDataModule,
+                parser_class=ScgrpoArgumentParser,
+                save_config_kwargs={"overwrite": True},
+                seed_everything_default=0,
+                args=args,
+            )
     except (InputError, RankFailed) as err:  # a bad data file or model folder found during the run, or another
         fail(err)  # rank's failure before the ranks' first collective: one line, not a traceback
     if getattr(cli.model, "diverged", False):  # the divergence guard stopped the run (its message is logged)

@@ -12,6 +12,7 @@ raises when it is not).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Iterator
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -36,6 +37,15 @@ def csv_experiment(logger, make: Callable[[], Any]) -> Any:
         logger._fs.makedirs(logger.root_dir, exist_ok=True)
         logger._experiment = make()
     return logger._experiment
+
+
+def rank_zero_logger() -> logging.Logger:
+    """The logger of Lightning's ``rank_zero_info`` ("GPU available: ...", its tips): ``lightning_utilities``'
+    ``rank_zero.log``, which ``lightning.pytorch.utilities.rank_zero`` sets to its own logger on import."""
+    import lightning.pytorch  # noqa: F401  (which sets it)
+    from lightning_utilities.core import rank_zero
+
+    return rank_zero.log
 
 
 # ------------------------------------------------------------------------------------ progress bars
