@@ -24,6 +24,10 @@ def _blocks() -> tuple[str, str]:
     return code, config
 
 
+def _my_pkg() -> list[str]:
+    return [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]
+
+
 def test_the_worked_example_trains_on_every_row_and_logs_its_statistic(tiny_model_dir, tmp_path, monkeypatch):
     code, config = _blocks()
     assert code.startswith("# my_pkg/objectives.py")
@@ -33,10 +37,14 @@ def test_the_worked_example_trains_on_every_row_and_logs_its_statistic(tiny_mode
     (tmp_path / "objective.yaml").write_text(config)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:  # (another test's my_pkg)
+    for name in _my_pkg():  # (another test's my_pkg, put back after this test)
         monkeypatch.delitem(sys.modules, name)
-    main(["fit", f"--config={BASE}", "--config=objective.yaml", *_tiny_args(tiny_model_dir),
-          "--model.validate_before_training=false"])
+    try:
+        main(["fit", f"--config={BASE}", "--config=objective.yaml", *_tiny_args(tiny_model_dir),
+              "--model.validate_before_training=false"])
+    finally:  # (this test's my_pkg is not another's)
+        for name in _my_pkg():
+            del sys.modules[name]
     (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
     with open(os.path.join(run, "metrics.csv")) as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/loss")]

@@ -80,7 +80,7 @@ class RLVRModule(LightningModule):
             a row the run stops with the last good weights back (0: never stops).
         tis_cap: truncated importance sampling, min(pi_trainer / pi_sampler, tis_cap) per token (0 = off).
         environment: rollouts are multi-turn episodes in it (:mod:`scgrpo.envs`); default: the data source's own.
-        episodes: turn limit, token budget and time limits of episodes (only with an environment).
+        episodes: turn limit, token budget, time limits, turn discount and faults (:class:`EpisodeSettings`).
         reward_funcs: reward functions with TRL's calling convention in place of ``verifier``, by import path
             (:mod:`scgrpo.verifiers.rewards`); each one's mean is logged as ``reward/<name>/mean``.
         reward_weights: one weight per reward function (default 1 each); a row's reward is the weighted sum.
@@ -206,9 +206,10 @@ class RLVRModule(LightningModule):
         verifier = run_verifier(self._verifier, datamodule, type(environment).__name__ if environment else None,
                                 spec is not None and spec.privileged)
         self.verifier_runner = VerifierRunner(verifier)
-        self.rollout_stage = RolloutStage.for_run(self.actor, self.generation, self.verifier_runner, self.episode_runner,
-                                                  self.objective, self.max_reward_failure_steps, self.device,
-                                                  self.budget.peaks, lambda: out_of_memory_as_error("rollout", self))
+        self.rollout_stage = RolloutStage.for_run(
+            self.actor, self.generation, self.verifier_runner, self.episode_runner, self.objective,
+            self.max_reward_failure_steps, self.device, self.budget.peaks, lambda: out_of_memory_as_error("rollout", self),
+            self.episodes.on_fault)
         if hasattr(datamodule, "fit_prompts"):  # (rows whose prompt is too long for the model are left out)
             datamodule.fit_prompts(self.prompt_fit())
         if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
@@ -247,7 +248,7 @@ class RLVRModule(LightningModule):
     def policy_update(self) -> PolicyUpdate:
         """The update as the module's settings stand now (micro-batches, clipping, TIS)."""
         return PolicyUpdate(self.actor, self.objective, self.manual_backward, self.micro_batch_size,
-                            self.max_grad_norm, self.tis_cap, auto_checkpointing=self.gradient_checkpointing is None)
+                            self.max_grad_norm, self.tis_cap, self.gradient_checkpointing is None, self.episodes.gamma)
 
     # ------------------------------------------------------------------------------------------ training
     def training_step(self, batch: PromptBatch, batch_idx: int) -> Tensor:
@@ -380,8 +381,7 @@ class RLVRModule(LightningModule):
         """The trainable tensors, whole on every rank (gathered when sharded: call on all ranks)."""
         return full_state({name: p for name, p in self.named_parameters() if p.requires_grad})
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # checkpoint["state_dict"] already holds only the trainable tensors (see state_dict)
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:  # (its state_dict: the trainable tensors)
         interrupted = self._trainer is not None and self.trainer.interrupted  # (StepCheckpoint's on_exception)
         checkpoint["scgrpo"] = {**self.guard.state_dict(), **checkpoint_rng(self.rng_between_steps.saved(interrupted))}
 

@@ -70,13 +70,15 @@ class RoutePlan:
     diversity_length: list[int]
 
 
-def group_routes(rewards: Tensor, group_size: int, threshold: float) -> Tensor:
-    """``[P]`` case of each group (``ROUTES`` index) from ``[N]`` rewards, groups adjacent."""
-    n_c = (rewards.view(-1, group_size) >= threshold).sum(1)  # [P]
+def group_routes(rewards: Tensor, group_size: int, threshold: float, valid: Optional[Tensor] = None) -> Tensor:
+    """``[P]`` case of each group (``ROUTES`` index) from ``[N]`` rewards, groups adjacent; with ``valid`` (``[N]``
+    bool), of its valid rows only (the others have no reward)."""
+    held = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    n_c = ((rewards >= threshold) & held).view(-1, group_size).sum(1)  # [P]
     route = torch.full_like(n_c, PARTIAL)
     route[n_c == 1] = SINGLE
-    route[n_c == 0] = SOLVE_NONE
-    route[n_c == group_size] = ALL
+    route[n_c == held.view(-1, group_size).sum(1)] = ALL
+    route[n_c == 0] = SOLVE_NONE  # (also a group without a valid row: it has no teacher)
     return route
 
 
@@ -110,14 +112,17 @@ def route_rollouts(
     if rollouts.rewards is None:
         raise RuntimeError("the self-teacher needs verified rollouts (rewards)")
     n, g = len(rollouts.completions), rollouts.group_size
-    routes = group_routes(rollouts.rewards.float(), g, threshold).tolist()
-    correct = (rollouts.rewards >= threshold).tolist()
+    routes = group_routes(rollouts.rewards.float(), g, threshold, rollouts.valid).tolist()
+    valid = [True] * n if rollouts.valid is None else rollouts.valid.tolist()  # (the others get no teacher)
+    correct = [c and v for c, v in zip((rollouts.rewards >= threshold).tolist(), valid)]
     lengths = rollouts.completion_mask.sum(1).long().tolist()
     plan = RoutePlan(route=[routes[i // g] for i in range(n)], references=[None] * n, reference_rows=[None] * n,
                      is_reference=[False] * n, diversity_length=[0] * n)
     for p, route in enumerate(routes):
         start = p * g
-        members = list(range(start, start + g))
+        members = [i for i in range(start, start + g) if valid[i]]
+        if not members:
+            continue
         pid = rollouts.sample_ids[start]
         if spec.privileged:
             for i in members:
@@ -126,7 +131,7 @@ def route_rollouts(
         if ROUTES[route] not in spec.routes:
             continue
         if route == SOLVE_NONE:
-            r = members[random.Random(f"{spec.seed}-{step}-{pid}-solve-none").randrange(g)]
+            r = members[random.Random(f"{spec.seed}-{step}-{pid}-solve-none").randrange(len(members))]
             plan.is_reference[r] = True
             shortest = min(lengths[k] for k in members)
             for i in members:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from scgrpo.budget import PeakTracker
 from scgrpo.distributed import all_reduce
+from scgrpo.envs.base import EpisodeSettings
 from scgrpo.errors import InputError
 from scgrpo.guard import nonfinite_inputs
 from scgrpo.rollout.types import PromptBatch, RolloutBatch, RolloutStats, token_lists
@@ -59,13 +60,18 @@ class RolloutStage:
         peaks: the rollout phase's memory peak is read from it (the run's memory budget's :attr:`peaks`).
         guard: a context each round's sampling runs in (the run's: a GPU out of memory as one error of the rollout
             phase).
+        on_fault: ``"exclude"``: a rollout without a reward (its environment raised, hung or returned junk; every
+            reward function failed on it, or the verifier raised) leaves its group's statistics and the loss
+            (:attr:`RolloutBatch.excluded`), and a group left with fewer than 2 rollouts is skipped; ``"zero"``: it
+            is trained on with reward 0.
     """
 
     def __init__(self, policy, num_generations: int, verifier_runner, episode_runner=None,
                  dynamic_sampling: Optional[DynamicSampling] = None, max_reward_failure_steps: int = 3,
                  states: Union[bool, Callable[[], bool]] = False, device: torch.device = torch.device("cpu"),
                  peaks: Optional[PeakTracker] = None,
-                 guard: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+                 guard: Callable[[], ContextManager] = contextlib.nullcontext, on_fault: str = "exclude") -> None:
+        self.on_fault = EpisodeSettings(on_fault=on_fault).on_fault  # (checks the value)
         self.policy, self.num_generations, self.verifier_runner = policy, num_generations, verifier_runner
         self.episode_runner, self.dynamic_sampling, self._states = episode_runner, dynamic_sampling, states
         self.guard = guard  # around each round's sampling: the run's out-of-memory error for the rollout phase
@@ -77,7 +83,8 @@ class RolloutStage:
     @classmethod
     def for_run(cls, policy, generation, verifier_runner, episode_runner, objective, max_reward_failure_steps: int,
                 device: torch.device, peaks: Optional[PeakTracker] = None,
-                guard: Callable[[], ContextManager] = contextlib.nullcontext) -> "RolloutStage":
+                guard: Callable[[], ContextManager] = contextlib.nullcontext,
+                on_fault: str = "exclude") -> "RolloutStage":
         """The stage of a run: G from ``generation``, dynamic sampling where the ``objective`` resamples, the
         sampler's states kept where its self-teacher reads them (:func:`~scgrpo.selfteacher.keeps_sampler_states`)."""
         needs = objective.needs
@@ -88,7 +95,7 @@ class RolloutStage:
                                         policy.passes.shared_teacher_passes)
 
         return cls(policy, generation.num_generations, verifier_runner, episode_runner, dapo, max_reward_failure_steps,
-                   states, device, peaks, guard)
+                   states, device, peaks, guard, on_fault)
 
     @property
     def states(self) -> bool:
@@ -120,7 +127,9 @@ class RolloutStage:
         if self.episode_runner is not None:
             generated = self.episode_runner.run(self.policy, batch.rows(), g)
             questions = generated.questions  # each episode's first message
-            extra = dict(env_mask=generated.env_mask, rewards=generated.rewards, infos=generated.infos)
+            extra = dict(env_mask=generated.env_mask, rewards=generated.rewards, infos=generated.infos,
+                         turn_rewards=getattr(generated, "turn_rewards", None),
+                         turn_index=getattr(generated, "turn_index", None))
         else:
             states = self.states
             generated = self.policy.sample(self.policy.format_prompts(batch.questions), g, states=states)
@@ -151,13 +160,16 @@ class RolloutStage:
 
     def score(self, rollouts: RolloutBatch) -> None:
         """Sets ``rollouts.rewards`` and ``infos`` with the run's verifier (its failures score 0); episodes come
-        rewarded by their environment and are left as they are."""
-        if rollouts.rewards is not None:
-            return
-        results = self.verifier_runner(rollouts.completions, rollouts.answers, rollouts.questions, rollouts.sample_ids,
-                                       rollouts.columns, token_lists(rollouts.completion_ids, rollouts.completion_mask))
-        rollouts.rewards = torch.tensor([r.score for r in results], dtype=torch.float32, device=self.device)
-        rollouts.infos = [r.info for r in results]
+        rewarded by their environment. With ``on_fault: exclude``, marks the rows without a reward
+        (:attr:`RolloutBatch.excluded`)."""
+        if rollouts.rewards is None:
+            results = self.verifier_runner(rollouts.completions, rollouts.answers, rollouts.questions,
+                                           rollouts.sample_ids, rollouts.columns,
+                                           token_lists(rollouts.completion_ids, rollouts.completion_mask))
+            rollouts.rewards = torch.tensor([r.score for r in results], dtype=torch.float32, device=self.device)
+            rollouts.infos = [r.info for r in results]
+        if self.on_fault == "exclude":
+            rollouts.excluded = excluded_rows(rollouts.infos, rollouts.group_size, rollouts.rewards.device)
 
     def verify(self, rollouts: RolloutBatch) -> tuple[RolloutStats, bool]:
         """Scores ``rollouts`` (:meth:`score`); returns their stats with the verification's, and whether every
@@ -173,7 +185,7 @@ class RolloutStage:
         stats = dataclasses.replace(
             rollouts.stats, verification_s=time.perf_counter() - start, verifier_errors=float(runner.errors - errors),
             verifier_timeouts=float(runner.timeouts - timeouts),
-            rewards=reward_metrics(runner.verifier, rollouts.infos, failed_rows))
+            rewards=reward_metrics(runner.verifier, rollouts.infos, failed_rows), **exclusion_stats(rollouts))
         failed = sum(1 for info in rollouts.infos or [] if info.get("error")) if verified else 0
         failed, rows = all_reduce([float(failed), float(len(rollouts.completions))], "sum", self.device)
         return stats, failed >= rows > 0
@@ -261,9 +273,39 @@ def reward_metrics(verifier, infos: Optional[list[dict]], failed_rows: Optional[
     return out
 
 
+def faulted(info: Optional[dict]) -> bool:
+    """Whether a rollout has no reward: its episode faulted (``fault``) or its verification failed (``error``)."""
+    return bool(info and (info.get("fault") or info.get("error")))
+
+
+def excluded_rows(infos: Optional[list[dict]], group_size: int, device: torch.device) -> torch.Tensor:
+    """``[N]`` bool: the rows without a reward (:func:`faulted`), and every row of a group left with fewer than 2."""
+    faults = torch.tensor([faulted(info) for info in infos or []], dtype=torch.bool, device=device)
+    if not len(faults):
+        return faults
+    kept = (~faults).view(-1, group_size).sum(1) >= 2  # [P]
+    return faults | ~kept.repeat_interleave(group_size)
+
+
+def exclusion_stats(rollouts: RolloutBatch) -> dict[str, float]:
+    """``excluded`` (rows without a reward) and ``skipped_groups`` (groups left with fewer than 2 rows) of a scored
+    batch, for :class:`RolloutStats`; nothing when faults are not excluded."""
+    if rollouts.excluded is None:
+        return {}
+    faults = sum(faulted(info) for info in rollouts.infos or [])
+    skipped = rollouts.excluded.view(-1, rollouts.group_size).all(1).sum()
+    return {"excluded": float(faults), "skipped_groups": float(skipped)}
+
+
 def mixed_groups(rollouts: RolloutBatch) -> torch.Tensor:
-    """Row indices of the groups whose rewards are not all equal."""
+    """Row indices of the groups whose rewards are not all equal (over the rows with a reward)."""
     grouped = rollouts.rewards.view(-1, rollouts.group_size)
+    if rollouts.excluded is not None:
+        held = ~rollouts.excluded.view(-1, rollouts.group_size)
+        inf = torch.tensor(float("inf"), device=grouped.device)
+        top, bottom = torch.where(held, grouped, -inf).max(1).values, torch.where(held, grouped, inf).min(1).values
+        keep = held.any(1) & (top != bottom)  # [P]
+        return torch.nonzero(keep.repeat_interleave(rollouts.group_size)).squeeze(1)
     keep = grouped.max(1).values != grouped.min(1).values  # [P]
     return torch.nonzero(keep.repeat_interleave(rollouts.group_size)).squeeze(1)
 
@@ -307,6 +349,9 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         env_mask=cat("env_mask", lambda x: right(x, c, 0.0)),
         columns=(sum((p.columns for p in parts), []) if all(p.columns is not None for p in parts) else None),
         student_states=cat("student_states", lambda x: F.pad(x, (0, 0, 0, c - x.shape[1]))),
+        excluded=cat("excluded"),
+        turn_rewards=cat("turn_rewards"),
+        turn_index=cat("turn_index", lambda x: right(x, c, -1)),
         stats=stats,
     )
 

@@ -28,7 +28,7 @@ from torch.profiler import record_function
 from scgrpo.budget import Span, active, measuring, row_extents, run_passes, whole_rows
 from scgrpo.distributed import all_reduce, mean_over_ranks, world_size
 from scgrpo.objectives import Credit, CreditInputs, DistillInputs, LossInputs, LossOutput, Objective
-from scgrpo.objectives.functional import masked_mean
+from scgrpo.objectives.functional import masked_mean, turn_returns
 from scgrpo.policy import Policy, attention_backends
 from scgrpo.rollout.types import RolloutBatch, TeacherSignal
 
@@ -138,6 +138,18 @@ def sampler_correction(trainer: Tensor, sampler: Tensor, mask: Tensor, token_wei
     return ratio if token_weights is None else token_weights * ratio
 
 
+def without_rows(credit: Credit, rows: Tensor) -> Credit:
+    """``credit`` with no advantage on ``rows`` (``[N]`` bool: rows without a reward, whatever the objective gave)."""
+    def cleared(x: Optional[Tensor]) -> Optional[Tensor]:
+        if x is None:
+            return None
+        where = rows.view(-1, *([1] * (x.dim() - 1)))
+        return torch.where(where, torch.zeros_like(x), x)
+
+    return dataclasses.replace(credit, advantages=cleared(credit.advantages),
+                               token_advantages=cleared(credit.token_advantages))
+
+
 @dataclass
 class StepSums:
     """A step's loss and statistics, summed over its optimisation passes (each pass's micro-batches are
@@ -176,12 +188,13 @@ class PolicyUpdate:
         auto_checkpointing: with a memory budget, switch gradient checkpointing on for a step whose longest row
             does not fit without it, or whose rows it packs into fewer passes by :data:`CHECKPOINTED_PASS` (and
             off otherwise).
+        gamma: the discount of episodes' per-turn returns (``episodes.gamma``), handed to the credit.
     """
 
     def __init__(self, policy: Policy, objective: Objective, backward: Callable[[Tensor], None],
                  micro_batch_size: Optional[int] = None, max_grad_norm: float = 1.0, tis_cap: float = 0.0,
-                 auto_checkpointing: bool = False) -> None:
-        self.policy, self.objective, self.backward = policy, objective, backward
+                 auto_checkpointing: bool = False, gamma: float = 1.0) -> None:
+        self.policy, self.objective, self.backward, self.gamma = policy, objective, backward, gamma
         self.auto_checkpointing = auto_checkpointing
         self.micro_batch_size, self.max_grad_norm, self.tis_cap = micro_batch_size, max_grad_norm, tis_cap
         self.mismatch = MismatchMeter()  # booked on the step's first optimisation pass only
@@ -199,19 +212,29 @@ class PolicyUpdate:
         max_len = self.policy.max_completion_tokens
         # lengths as the budget counts them: an episode's environment tokens share its token budget
         rewards = objective.shape_rewards(rollouts.rewards, rollouts.context_mask.sum(1).to(mask.dtype), max_len)  # [N]
-        needs, scored = objective.needs, {}
+        needs, extra = objective.needs, {}
         if needs.scored_credit:
-            scored = dict(old_logprobs=rollouts.old_logprobs, ref_logprobs=rollouts.ref_logprobs)
+            extra = dict(old_logprobs=rollouts.old_logprobs, ref_logprobs=rollouts.ref_logprobs)
+        valid = rollouts.valid  # [N] bool, the rows with a reward (None: all)
+        if valid is not None:  # the others are out of the credit's statistics and of the loss and its denominators
+            mask = mask * valid.unsqueeze(1).to(mask.dtype)
+        if rollouts.turn_rewards is not None:
+            extra.update(turn_returns=turn_returns(rollouts.turn_rewards, self.gamma),
+                          turn_index=rollouts.turn_index)
         credit = objective.credit(CreditInputs(rewards, mask, rollouts.group_size, signal, self.micro_batch_size,
-                                               **scored))  # groups never span ranks
+                                               valid=valid, **extra))  # groups never span ranks
+        if valid is not None:
+            credit = without_rows(credit, ~valid)
         selection = None
         if needs.batch_entropy:
             selection = objective.token_mask(self.policy.batch_entropy(rollouts, self.micro_batch_size), mask)
-        rows = torch.nonzero(objective.rows_in_loss(credit, signal)).squeeze(1)  # [n]
+        in_loss = objective.rows_in_loss(credit, signal)
+        rows = torch.nonzero(in_loss if valid is None else in_loss & valid).squeeze(1)  # [n]
         spans, kind = self._micro_batches(rollouts, rows)
         chunks = [span.rows for span in spans]
         teacher_rows = float(signal.has_teacher.sum()) if signal is not None else 0.0
-        local = [float(mask.sum()), float(mask.shape[0]), teacher_rows, float(len(rows))]
+        kept = float(mask.shape[0]) if valid is None else float(valid.sum())
+        local = [float(mask.sum()), kept, teacher_rows, float(len(rows))]
         num_tokens, num_rows, num_teacher_rows, global_rows = all_reduce(local, device=self.device)
         num_chunks = len(chunks)
         if world_size() > 1:  # every rank runs as many forward/backward passes (FSDP's collectives pair up)

@@ -82,7 +82,7 @@ def test_call_all_runs_at_most_max_workers_calls_at_once_and_uses_them():
 
 def test_workers_take_no_more_calls_once_their_caller_has_left(monkeypatch):
     """A caller that leaves early (interrupted, or out of threads) stops the batch: its calls are not all run."""
-    from scgrpo.envs import runner
+    from scgrpo.envs import calls
 
     ran = []
 
@@ -93,7 +93,7 @@ def test_workers_take_no_more_calls_once_their_caller_has_left(monkeypatch):
     def interrupted(pool, batch, timeout_s):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner.CallPool, "_wait_all", interrupted)
+    monkeypatch.setattr(calls.CallPool, "_wait_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         call_all([call] * 20, timeout_s=5.0, max_workers=1)
     time.sleep(0.5)
@@ -129,12 +129,12 @@ def test_observations_tokenized_together_are_each_tokenized_alone(tiny_model_dir
 
 
 def test_calls_that_keep_hanging_stop_the_run_with_a_clear_error(monkeypatch):
-    from scgrpo.envs import runner
+    from scgrpo.envs import calls
 
     pool = CallPool(FastClock(50.0), 50.0, max_stuck=3)
     release = threading.Event()
     try:
-        with pytest.raises(runner.EnvironmentHangs, match="environment hangs"):
+        with pytest.raises(calls.EnvironmentHangs, match="environment hangs"):
             for _ in range(3):  # 4 calls hang each time
                 pool.call_all([release.wait] * 4 + [lambda: 1], timeout_s=2.5, max_workers=5)
     finally:

@@ -156,6 +156,15 @@ class EpisodeSettings:
     """Seconds one environment call may take (None: the environment's own ``timeout_s``)"""
     max_workers: int = 16
     """Environment calls run at once (threads)"""
+    on_fault: str = "exclude"
+    """A rollout without a reward (its environment raised, hung or returned junk; for single completions, every
+    reward function failed on it or the verifier raised): "exclude" leaves it out of its group's mean and std and out
+    of the loss (``rollout/excluded``; a group left with fewer than 2 is skipped, ``rollout/skipped_groups``);
+    "zero" trains on it as a reward of 0"""
+    gamma: float = 1.0
+    """Discount of the per-turn returns: model turn k's return is the sum over the turns j >= k of gamma^(j-k) r_j,
+    r_j the reward of the environment's step after turn j (read by objectives that credit turns: ``TurnGRPO``; the
+    others train on the episode's reward, the sum of its turns' rewards)"""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -166,3 +175,8 @@ class EpisodeSettings:
             raise ValueError(f"episodes.timeout_s must be > 0 (or null), got {self.timeout_s}")
         if self.max_workers < 1:
             raise ValueError(f"episodes.max_workers must be >= 1, got {self.max_workers}")
+        if self.on_fault not in ("exclude", "zero"):
+            raise ValueError(f"episodes.on_fault={self.on_fault!r}: expected 'exclude' (a rollout without a reward "
+                             "leaves its group's statistics and the loss) or 'zero' (it is trained on with reward 0)")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"episodes.gamma must be in [0, 1], got {self.gamma}")

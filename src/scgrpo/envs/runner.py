@@ -21,8 +21,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -33,156 +31,10 @@ from torch import Tensor
 
 from scgrpo.chat import prompt_fault, prompt_key
 from scgrpo.distributed import all_reduce
-from scgrpo.errors import InputError
+from scgrpo.envs.calls import ERROR, OK, TIMEOUT, CallPool
 from scgrpo.envs.base import Action, Environment, EpisodeSettings, StepResult
 
 log = logging.getLogger(__name__)
-
-OK, ERROR, TIMEOUT = "ok", "error", "timeout"
-
-
-MAX_STUCK = 256
-"""Calls still running past their time limit (each holds a thread) at which the run stops: the environment hangs"""
-
-
-class EnvironmentHangs(InputError):
-    """Too many environment calls are stuck past their time limit: the environment hangs, it does not just fault."""
-
-
-class CallPool:
-    """Daemon threads that run environment calls, kept between batches of calls (an episode batch makes a few
-    hundred), and the count of calls left behind past their time limit.
-
-    Args:
-        clock: seconds on a monotonic clock (``time.monotonic``): time limits are read from it, so a test can pass
-            one that runs faster than real time instead of waiting.
-        rate: clock seconds per real second (how long to wait for the next limit: its clock seconds / ``rate``).
-        max_stuck: calls still running past their limit at which :meth:`call_all` raises :class:`EnvironmentHangs`.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic, rate: float = 1.0,
-                 max_stuck: int = MAX_STUCK) -> None:
-        self.clock, self.rate, self.max_stuck = clock, rate, max_stuck
-        self.idle: "queue.SimpleQueue" = queue.SimpleQueue()  # inboxes of the worker threads free for work
-        self.stuck = 0  # calls abandoned past their limit and still running
-        self.stuck_lock = threading.Lock()
-
-    def call_all(self, calls: Sequence[Callable[[], Any]], timeout_s: float, max_workers: int) -> list[tuple[str, Any]]:
-        """Runs ``calls`` in daemon threads, at most ``max_workers`` at a time (not counting those left behind past
-        their time limit), each within ``timeout_s`` seconds of its own start. Returns per call, in the calls' order,
-        ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``; a call that hangs is left behind in its
-        daemon thread (it cannot hold the process at exit) and the others go on in other threads. Each thread runs
-        calls one after the other, so that calls that return at once cost no thread hand-over each (see
-        :class:`_Calls`)."""
-        if not calls:
-            return []
-        batch = _Calls(calls, max_workers, self)
-        with batch.lock:
-            try:
-                self.engage(batch)
-                batch.engaged = 1
-                self._wait_all(batch, timeout_s)
-            finally:  # (a caller that leaves early, interrupted or out of threads: the workers take no more calls)
-                if batch.finished < len(calls):
-                    batch.stopped = True
-        if self.stuck > self.max_stuck:
-            raise EnvironmentHangs(f"{self.stuck} environment calls are still running past their {timeout_s:g} s time "
-                                   "limit, each holding a thread: the environment hangs. Fix it, or raise its timeout_s")
-        return batch.results
-
-    def engage(self, calls: "_Calls") -> None:
-        """One more thread on ``calls``: a free one, or a new one where none is free."""
-        try:
-            inbox = self.idle.get_nowait()
-        except queue.Empty:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._worker, args=(inbox,), daemon=True, name="scgrpo-env").start()
-        inbox.put(calls)
-
-    def count_stuck(self, change: int) -> None:
-        with self.stuck_lock:
-            self.stuck += change
-
-    def _worker(self, inbox: "queue.SimpleQueue") -> None:
-        """Works on the batches of calls put in its ``inbox`` one after the other, and offers itself again after each."""
-        while True:
-            inbox.get().work()
-            self.idle.put(inbox)
-
-    def _wait_all(self, batch: "_Calls", timeout_s: float) -> None:
-        """Under ``batch.lock``: waits until every call returned or ran past its time limit (those are abandoned,
-        their threads replaced), or until ``max_stuck`` calls are stuck."""
-        calls = batch.calls
-        while batch.finished < len(calls):
-            now = self.clock()
-            late = [k for k, start in batch.running.items() if now - start >= timeout_s]
-            if not late:  # until the first limit passes (a call not taken yet starts later)
-                wait = (min(batch.running.values(), default=now) + timeout_s - now) / self.rate  # (real seconds)
-                batch.all_finished.wait(min(max(wait, 1e-4), threading.TIMEOUT_MAX))
-                continue
-            for k in late:  # abandoned: its result stays a timeout, its thread is left behind
-                del batch.running[k]
-                batch.engaged -= 1
-                batch.finished += 1
-                self.count_stuck(1)
-            if self.stuck > self.max_stuck:
-                return
-            batch.engage_one()  # in place of the threads left behind
-
-
-class _Calls:
-    """The calls of one :meth:`CallPool.call_all`, taken in order by the threads engaged on it; a thread takes the
-    next call when it is done with its last. Before it runs a call, a thread engages one more when every thread
-    engaged is inside a call and calls are left (up to ``max_workers`` at once), so that a call that hangs holds up
-    no other. ``running`` maps each call being run to the time it was taken (its time limit runs from there); the
-    caller abandons those past their limit (the thread leaves them behind, and is no longer counted as engaged)."""
-
-    def __init__(self, calls: Sequence[Callable[[], Any]], max_workers: int, pool: CallPool) -> None:
-        self.calls, self.max_workers, self.pool = calls, max_workers, pool
-        self.results: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
-        self.running: dict[int, float] = {}
-        self.next = self.finished = self.engaged = 0  # finished: returned or abandoned
-        self.stopped = False  # the caller gave up on the rest (the environment hangs): take no more calls
-        self.lock = threading.Lock()
-        self.all_finished = threading.Condition(self.lock)
-
-    def engage_one(self) -> None:
-        """Under the lock: a thread more where every engaged one is inside a call and calls are left."""
-        if (self.next < len(self.calls) and len(self.running) == self.engaged and self.engaged < self.max_workers
-                and not self.stopped):
-            self.pool.engage(self)  # (it cannot take a call before the lock is released)
-            self.engaged += 1
-
-    def work(self) -> None:
-        """Runs calls until none is left; a call that ran past its time limit (abandoned) ends the thread's work."""
-        calls, lock, running = self.calls, self.lock, self.running
-        with lock:
-            while True:
-                k = self.next
-                if k >= len(calls) or self.stopped:
-                    self.engaged -= 1
-                    return
-                self.next = k + 1
-                running[k] = self.pool.clock()
-                try:
-                    self.engage_one()
-                except RuntimeError as err:  # no thread could be started: this one still runs its call
-                    log.debug("no thread more for environment calls: %s", err)
-                lock.release()
-                try:
-                    result = (OK, calls[k]())
-                except BaseException as err:  # noqa: BLE001 - a user's environment may raise anything
-                    result = (ERROR, err)
-                finally:
-                    lock.acquire()
-                if running.pop(k, None) is None:  # it came back after its caller gave up on it
-                    self.pool.count_stuck(-1)
-                    return
-                self.results[k] = result
-                self.finished += 1
-                if self.finished == len(calls):
-                    self.all_finished.notify()
-
 
 class ChatTurns:
     """Token ids of an environment's observation, as the chat template renders it after a model turn.
@@ -237,8 +89,10 @@ class Episode:
     tokens: list[int] = field(default_factory=list)
     model: list[float] = field(default_factory=list)  # 1 where the model sampled the token
     logprobs: list[float] = field(default_factory=list)
+    turn_of: list[int] = field(default_factory=list)  # the model turn of each token (-1: the environment's)
     entropy: float = 0.0
     reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)  # the reward of the step after each model turn
     turns: int = 0
     done: bool = False
     truncated: bool = False
@@ -263,6 +117,8 @@ class Episodes:
     infos: list[dict]  # [N] turns, the environment's infos, the fault if any
     entropy_sum: Optional[Tensor] = None  # [N] summed sampling entropy over the model's tokens
     sampler_logprobs: Optional[Tensor] = None  # [N, C]
+    turn_rewards: Optional[Tensor] = None  # [N, max_turns] the reward after each model turn (0 after a fault)
+    turn_index: Optional[Tensor] = None  # [N, C] long, the model turn of each model token, -1 elsewhere
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -316,6 +172,7 @@ class EpisodeRunner:
 
     def _end_with_fault(self, episode: Episode, status: str, message: str) -> None:
         episode.fault, episode.done, episode.reward = status, True, 0.0
+        episode.turn_rewards = [0.0] * len(episode.turn_rewards)
         episode.infos.append({"env_error": message})
         if status not in self._logged:
             self._logged.add(status)
@@ -417,6 +274,7 @@ class EpisodeRunner:
                                "and a dict of info", stats)
                     continue
                 episode.reward += float(result.reward)
+                episode.turn_rewards[-1] += float(result.reward)
                 episode.infos.append(dict(result.info))
                 if result.done:
                     episode.done = True
@@ -443,6 +301,7 @@ class EpisodeRunner:
                 episode.tokens += ids
                 episode.model += [0.0] * len(ids)
                 episode.logprobs += [0.0] * len(ids)
+                episode.turn_of += [-1] * len(ids)
                 episode.transcript.append(f"[{self.environment.observation_role}] {text}")
 
     def _junk(self, episode: Episode, message: str, stats: dict) -> None:
@@ -484,6 +343,8 @@ class EpisodeRunner:
             ids = ids[:room]
             episode.tokens += ids
             episode.model += [1.0] * len(ids)
+            episode.turn_of += [episode.turns] * len(ids)
+            episode.turn_rewards.append(0.0)
             episode.logprobs += logprob_rows[k][: len(ids)] if logprob_rows is not None else [0.0] * len(ids)
             if entropies is not None:  # a turn cut at the budget keeps its share (the sampler gives sums)
                 episode.entropy += entropies[k] * len(ids) / max(length, 1)
@@ -509,6 +370,9 @@ class EpisodeRunner:
         # the environment's tokens: the episode's tokens the model did not sample (padding is neither)
         env = _filled([len(e.tokens) for e in episodes], c).float() - model
         logprobs = _rows([e.logprobs + [0.0] * (c - len(e.logprobs)) for e in episodes], (n, c), np.float32)
+        turn_index = _rows([e.turn_of + [-1] * (c - len(e.turn_of)) for e in episodes], (n, c), np.int64)
+        t = self.settings.max_turns
+        turn_rewards = _rows([e.turn_rewards + [0.0] * (t - len(e.turn_rewards)) for e in episodes], (n, t), np.float32)
         infos = [{"turns": e.turns, "env": e.infos, **({"fault": e.fault} if e.fault else {})} for e in episodes]
         return Episodes(
             questions=questions,
@@ -519,6 +383,7 @@ class EpisodeRunner:
             completions=[transcript(e) for e in episodes], infos=infos,
             entropy_sum=None if greedy else torch.tensor([e.entropy for e in episodes], device=device),
             sampler_logprobs=None if greedy else logprobs.to(device),
+            turn_rewards=turn_rewards.to(device), turn_index=turn_index.to(device),
         )
 
 

@@ -11,7 +11,8 @@ from scgrpo.objectives.reinforce_pp import REINFORCEPlusPlus
 from scgrpo.objectives.scaled_grpo import ScaledGRPO
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.objectives.selfdistill import SelfDistillation
+from scgrpo.objectives.turn_grpo import TurnGRPO
 
 __all__ = ["DAPO", "GRPO", "GSPO", "OPSD", "REINFORCEPlusPlus", "SCGRPO", "ScaledGRPO", "Credit", "CreditInputs", "CreditStats",
            "DistillInputs", "DrGRPO", "HighEntropyGRPO", "LossInputs", "LossOutput", "LossStats", "Needs", "Objective",
-           "SelfDistillation"]
+           "SelfDistillation", "TurnGRPO"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Callable, Optional
@@ -11,6 +13,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from scgrpo.rollout.types import TeacherSignal, TeacherSpec
 
+
+log = logging.getLogger(__name__)
 
 NAN = float("nan")
 
@@ -80,6 +84,10 @@ class CreditInputs:
     micro_batch_size: Optional[int] = None  # rows per forward pass (None: all), for credit computed per block
     old_logprobs: Optional[Tensor] = None  # [N, C] fp32 from the scoring pass, with ``needs.scored_credit``
     ref_logprobs: Optional[Tensor] = None  # [N, C] fp32 from the scoring pass, with ``needs.scored_credit``
+    valid: Optional[Tensor] = None  # [N] bool: rows with a reward (None: all); the others (an environment's or every
+    # reward function's fault, ``episodes.on_fault: exclude``) are left out of group statistics, ``mask`` is 0 there
+    turn_returns: Optional[Tensor] = None  # [N, T] fp32 an episode's discounted return from each model turn on
+    turn_index: Optional[Tensor] = None  # [N, C] long, the model turn of each model token (-1 elsewhere)
 
 
 @dataclass
@@ -142,6 +150,22 @@ class LossOutput:
     stats: LossStats = field(default_factory=LossStats)
 
 
+def row_advantages(objective: "Objective", inputs: CreditInputs) -> Tensor:
+    """``objective.advantages`` of the step's rewards, given ``inputs.valid`` where there are excluded rows; an
+    objective whose ``advantages`` takes no ``valid`` gets the rewards alone (its group statistics then count the
+    excluded rows as their reward, 0; logged once)."""
+    if inputs.valid is None or bool(inputs.valid.all()):
+        return objective.advantages(inputs.rewards, inputs.group_size)
+    if "valid" in inspect.signature(objective.advantages).parameters:
+        return objective.advantages(inputs.rewards, inputs.group_size, valid=inputs.valid)
+    if not getattr(objective, "_said_no_valid", False):
+        objective._said_no_valid = True
+        log.warning("%s.advantages takes no `valid`: this step's excluded rows (faults) count in its group statistics "
+                    "as reward 0 (they stay out of the loss); add `valid=None` to it (docs/objectives.md)",
+                    type(objective).__name__)
+    return objective.advantages(inputs.rewards, inputs.group_size)
+
+
 class Objective(ABC):
     """An RLVR objective: how rewards become advantages and how log-probs become a loss.
 
@@ -162,8 +186,9 @@ class Objective(ABC):
         return Needs(old_logprobs=self.num_iterations > 1, ref_logprobs=self.beta > 0, teacher=self.teacher)
 
     @abstractmethod
-    def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
-        """``[N]`` rewards (groups adjacent) -> ``[N]`` advantages."""
+    def advantages(self, rewards: Tensor, group_size: int, valid: Optional[Tensor] = None) -> Tensor:
+        """``[N]`` rewards (groups adjacent) -> ``[N]`` advantages; ``valid`` (``[N]`` bool, None: all) marks the rows
+        with a reward, the others stay out of every group statistic (their advantage is set to 0 after the credit)."""
 
     @abstractmethod
     def loss(self, logprobs: Tensor, inputs: LossInputs) -> LossOutput:
@@ -172,7 +197,7 @@ class Objective(ABC):
     def credit(self, inputs: CreditInputs) -> Credit:
         """Per-row advantages and per-token weights for the step. By default the group advantages and no
         weights."""
-        return Credit(advantages=self.advantages(inputs.rewards, inputs.group_size))
+        return Credit(advantages=row_advantages(self, inputs))
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_len: Optional[int]) -> Tensor:
         """Rewards after objective-specific shaping (DAPO's overlong penalty); ``lengths`` is ``[N]``."""

@@ -31,18 +31,22 @@ def masked_mean(values: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tens
     return masked_sum(values, mask, dim) / count.clamp(min=1.0)
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale = "group") -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale = "group",
+                     valid: Optional[Tensor] = None) -> Tensor:
     """GRPO advantages: reward minus its group mean, divided by a standard deviation.
 
     ``rewards`` is ``[N]`` with the ``group_size`` rollouts of a prompt next to each other.
     ``scale="group"`` divides by the group's std (DeepSeekMath), ``"batch"`` by the std of the whole batch
     (as in "A Minimalist Approach", 2504.11343), ``"none"`` not at all (Dr. GRPO). The std is the unbiased
-    one, as TRL and verl compute it.
+    one, as TRL and verl compute it. ``valid`` (``[N]`` bool; None: every row) leaves the other rows out of every
+    mean and std: they get advantage 0, and so does every row of a group with fewer than 2 valid rows.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
     if rewards.numel() == 0:
         return rewards.clone()
+    if valid is not None:
+        return _valid_group_advantages(rewards, group_size, scale, valid)
     grouped = rewards.view(-1, group_size)  # [P, G]
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # [N]
     if scale == "none":
@@ -51,6 +55,36 @@ def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale = "
         std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)  # [N]
     elif scale == "batch":
         std = rewards.std().expand_as(rewards)
+    else:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
+    return centred / (std + ADVANTAGE_EPS)
+
+
+def group_counts(valid: Tensor, group_size: int) -> Tensor:
+    """``[N]`` the number of valid rows in each row's group (``valid`` ``[N]`` bool, groups adjacent)."""
+    return valid.view(-1, group_size).sum(1).repeat_interleave(group_size)
+
+
+def group_mean_std(values: Tensor, group_size: int, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """``[N]`` mean and unbiased std of each row's group over its ``valid`` rows (0 where fewer than 1 and 2)."""
+    keep = valid.view(-1, group_size).to(values.dtype)  # [P, G]
+    grouped = torch.where(keep.bool(), values.view(-1, group_size), torch.zeros_like(keep))
+    count = keep.sum(1, keepdim=True)
+    mean = grouped.sum(1, keepdim=True) / count.clamp(min=1)
+    var = (((grouped - mean) * keep) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+    return mean.expand_as(keep).reshape(-1), var.sqrt().expand_as(keep).reshape(-1)
+
+
+def _valid_group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale, valid: Tensor) -> Tensor:
+    keep = valid.bool() & (group_counts(valid.bool(), group_size) >= 2)  # [N] rows in a group of 2 or more
+    mean, std = group_mean_std(rewards, group_size, keep)
+    centred = torch.where(keep, rewards - mean, torch.zeros_like(rewards))
+    if scale == "none":
+        return centred
+    if scale == "group":
+        pass
+    elif scale == "batch":
+        std = rewards[keep].std().expand_as(rewards) if int(keep.sum()) > 1 else torch.zeros_like(rewards)
     else:
         raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
     return centred / (std + ADVANTAGE_EPS)
@@ -111,6 +145,17 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) 
     for t in range(rewards.shape[1] - 1, -1, -1):
         running = rewards[:, t] + discount[:, t] * running
         returns[:, t] = running
+    return returns
+
+
+def turn_returns(turn_rewards: Tensor, gamma: float = 1.0) -> Tensor:
+    """``[N, T]`` the return of each model turn k of an episode, sum over j >= k of gamma^(j - k) r_j, from the
+    ``[N, T]`` rewards r_j of the environment's step after each turn (0 for turns that did not happen)."""
+    returns = torch.zeros_like(turn_rewards, dtype=torch.float32)
+    running = returns.new_zeros(turn_rewards.shape[0])
+    for k in range(turn_rewards.shape[1] - 1, -1, -1):
+        running = turn_rewards[:, k].float() + gamma * running
+        returns[:, k] = running
     return returns
 
 

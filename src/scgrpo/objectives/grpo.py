@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -62,8 +64,8 @@ class GRPO(Objective):
         self.num_iterations = num_iterations
         self.importance_sampling = importance_sampling
 
-    def advantages(self, rewards: Tensor, group_size: int) -> Tensor:
-        return Fn.group_advantages(rewards, group_size, self.scale)
+    def advantages(self, rewards: Tensor, group_size: int, valid: Optional[Tensor] = None) -> Tensor:
+        return Fn.group_advantages(rewards, group_size, self.scale, valid)
 
     def per_token_advantages(self, inputs: LossInputs) -> Tensor:
         """``[n, C]`` (or broadcastable ``[n, 1]``) advantage of each token: the row's, or the objective's own

@@ -18,21 +18,23 @@ Baseline = Literal["none", "group"]
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_size: int, kl: Optional[Tensor] = None,
                             kl_coef: float = 0.0, gamma: float = 1.0, baseline: Baseline = "none",
-                            sums=None) -> Tensor:
+                            sums=None, valid: Optional[Tensor] = None) -> Tensor:
     """``[N, C]`` REINFORCE++ advantages of each model token (0 elsewhere).
 
     The reward of token t is r_t = -kl_coef * kl_t, plus the sequence reward R on the row's last model token
     (R minus its group's mean with ``baseline="group"``, REINFORCE++-baseline). The return is
     G_t = r_t + gamma * G_{t+1} over model tokens (:func:`~scgrpo.objectives.functional.discounted_returns`), and
-    the advantage is G whitened over every model token of the batch (``sums`` reduces over ranks).
+    the advantage is G whitened over every model token of the batch (``sums`` reduces over ranks). ``valid`` (``[N]``
+    bool, None: all) leaves the other rows out of the group means (their ``mask`` is 0: out of the whitening).
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
     mask = mask.to(torch.float32)
     sequence = rewards.float()
     if baseline == "group" and rewards.numel():
-        grouped = sequence.view(-1, group_size)
-        sequence = (grouped - grouped.mean(1, keepdim=True)).view(-1)
+        if valid is None:
+            valid = torch.ones_like(sequence, dtype=torch.bool)
+        sequence = sequence - Fn.group_mean_std(sequence, group_size, valid)[0]
     token_rewards = torch.zeros_like(mask)
     if kl is not None and kl_coef:
         token_rewards = token_rewards - kl_coef * kl.float()
@@ -102,7 +104,7 @@ class REINFORCEPlusPlus(GRPO):
             return all_reduce(values, device=mask.device)
 
         token_advantages = reinforce_pp_advantages(rewards, mask, group_size, kl, self.kl_coef, self.gamma,
-                                                   self.baseline, sums=over_ranks)
+                                                   self.baseline, sums=over_ranks, valid=inputs.valid)
         # per row: the mean token advantage (what a row-level reader of the credit sees; the loss uses the tokens')
         advantages = Fn.masked_mean(token_advantages, mask, dim=1)
         return Credit(advantages=advantages, token_advantages=token_advantages)

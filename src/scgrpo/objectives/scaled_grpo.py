@@ -63,5 +63,5 @@ class ScaledGRPO(SCGRPO):
         has_teacher = signal.has_teacher.unsqueeze(1)  # [N, 1]
         weights = torch.where(has_teacher, mask.float() * scale, mask.float())  # [N, C] one value per teacher row
         weighted.stats.div_adv_std = NAN  # (no diversity advantage here)
-        return Credit(advantages=self.advantages(inputs.rewards, inputs.group_size), token_weights=weights,
+        return Credit(advantages=self.advantages(inputs.rewards, inputs.group_size, inputs.valid), token_weights=weights,
                       stats=weighted.stats)

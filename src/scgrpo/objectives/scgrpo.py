@@ -159,7 +159,7 @@ class SCGRPO(GRPO):
 
     def credit(self, inputs: CreditInputs) -> Credit:
         mask, group_size, signal = inputs.mask, inputs.group_size, inputs.signal
-        advantages = self.advantages(inputs.rewards, group_size)  # [N] GRPO's A_i
+        advantages = self.advantages(inputs.rewards, group_size, inputs.valid)  # [N] GRPO's A_i
         if signal is None or signal.divergence is None:
             raise RuntimeError("SCGRPO needs the self-teacher's divergences; the module did not run it")
         divergence = signal.divergence  # [N, C]

@@ -61,6 +61,10 @@ class RolloutStats:
     """DAPO's extra sampling rounds (``dapo/extra_rounds``)"""
     kept_groups: Optional[float] = None
     """DAPO's groups kept (``dapo/kept_groups``)"""
+    excluded: Optional[float] = None
+    """Rollouts left out of the statistics and the loss for a fault (``rollout/excluded``, ``episodes.on_fault``)"""
+    skipped_groups: Optional[float] = None
+    """Groups left with fewer than 2 rollouts by the exclusions, skipped (``rollout/skipped_groups``)"""
 
     def metrics(self) -> dict[str, float]:
         """The logged names and values (those measured: an optional one left None is not logged)."""
@@ -71,7 +75,8 @@ class RolloutStats:
                  ("verifier/timeouts", self.verifier_timeouts)]
         metrics.update({k: v for k, v in named if v is not None})
         metrics.update(self.rewards)
-        named = [("dapo/extra_rounds", self.extra_rounds), ("dapo/kept_groups", self.kept_groups)]
+        named = [("dapo/extra_rounds", self.extra_rounds), ("dapo/kept_groups", self.kept_groups),
+                 ("rollout/excluded", self.excluded), ("rollout/skipped_groups", self.skipped_groups)]
         metrics.update({k: v for k, v in named if v is not None})
         return {k: float(v) for k, v in metrics.items()}
 
@@ -117,6 +122,10 @@ class RolloutBatch:
     sampler_logprobs: Optional[Tensor] = None  # [N, C] fp32 log-prob of each sampled token under the sampler
     env_mask: Optional[Tensor] = None  # [N, C] float, environment tokens inside an episode (None: single turn)
     columns: Optional[list[dict[str, Any]]] = None  # [N] each row's other dataset columns (None: none)
+    excluded: Optional[Tensor] = None  # [N] bool, rows without a reward (a fault, ``episodes.on_fault: exclude``):
+    # out of their group's statistics and the loss (None: none)
+    turn_rewards: Optional[Tensor] = None  # [N, T] fp32, an episode's reward after each model turn (None: single turn)
+    turn_index: Optional[Tensor] = None  # [N, C] long, the model turn of each model token, -1 elsewhere
     student_states: Optional[Tensor] = None  # [N, C, H] the sampler's final hidden state before each completion
     # token (generation.student_states "rollout"), on the host, undefined past each row's end (read under
     # completion_mask only); read by the self-teacher and then dropped
@@ -125,6 +134,11 @@ class RolloutBatch:
     @property
     def num_groups(self) -> int:
         return self.completion_ids.shape[0] // self.group_size
+
+    @property
+    def valid(self) -> Optional[Tensor]:
+        """``[N]`` bool, the rows with a reward (None: every row)."""
+        return None if self.excluded is None else ~self.excluded
 
     @property
     def input_ids(self) -> Tensor:
@@ -166,6 +180,9 @@ class RolloutBatch:
             sampler_logprobs=pick(self.sampler_logprobs),
             env_mask=pick(self.env_mask),
             columns=[self.columns[i] for i in idx] if self.columns is not None else None,
+            excluded=pick(self.excluded),
+            turn_rewards=pick(self.turn_rewards),
+            turn_index=pick(self.turn_index),
             student_states=(self.student_states[rows.to(self.student_states.device)]
                             if self.student_states is not None else None),
         )
