@@ -156,3 +156,25 @@ def test_the_stage_marks_rows_every_reward_function_failed_on_and_logs_the_count
     # a's second row has no reward; b is left with one row and is skipped
     assert rollouts.excluded.tolist() == [False, True, False, True, True, True]
     assert metrics["rollout/excluded"] == 3.0 and metrics["rollout/skipped_groups"] == 1.0
+
+
+def test_the_logged_reward_and_accuracy_are_those_of_the_rows_the_step_trains_on():
+    from scgrpo.step_log import skipped_step_metrics, step_metrics
+    from tests.test_guard import _rollouts
+    from tests.test_step_log import _sums
+
+    rollouts = _rollouts().select(torch.tensor([0, 1, 0, 1]))
+    rollouts.group_size = 4
+    rollouts.rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    rollouts.excluded = torch.tensor([False, False, True, False])  # its only 0 is a fault
+    plan = _update().plan(rollouts)
+    m = step_metrics(rollouts, plan, _sums(loss=0.0, nonfinite=0.0), {}, passes=1, success_threshold=1.0,
+                     log_kl=False, train_time=0.0, nonfinite_skips=0, lr=0.1)
+    assert m["train/reward"] == 1.0 and m["train/accuracy"] == 1.0 and m["train/reward_std"] == 0.0
+    assert m["train/mixed_groups"] == 0.0  # (all equal but for the fault)
+    skipped = skipped_step_metrics(rollouts, [], success_threshold=1.0, train_time=0.0, nonfinite_skips=0, lr=0.1)
+    assert skipped["train/reward"] == 1.0
+    rollouts.excluded = None  # on_fault: zero
+    m = step_metrics(rollouts, _update().plan(rollouts), _sums(loss=0.0, nonfinite=0.0), {}, passes=1,
+                     success_threshold=1.0, log_kl=False, train_time=0.0, nonfinite_skips=0, lr=0.1)
+    assert m["train/reward"] == 0.75 and m["train/mixed_groups"] == 1.0

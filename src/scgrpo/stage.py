@@ -19,6 +19,7 @@ from scgrpo.distributed import all_reduce
 from scgrpo.envs.base import EpisodeSettings
 from scgrpo.errors import InputError
 from scgrpo.guard import nonfinite_inputs
+from scgrpo.objectives.functional import group_mixed
 from scgrpo.rollout.types import PromptBatch, RolloutBatch, RolloutStats, token_lists
 from scgrpo.selfteacher import keeps_sampler_states
 from scgrpo.step_log import phase_peak
@@ -299,14 +300,7 @@ def exclusion_stats(rollouts: RolloutBatch) -> dict[str, float]:
 
 def mixed_groups(rollouts: RolloutBatch) -> torch.Tensor:
     """Row indices of the groups whose rewards are not all equal (over the rows with a reward)."""
-    grouped = rollouts.rewards.view(-1, rollouts.group_size)
-    if rollouts.excluded is not None:
-        held = ~rollouts.excluded.view(-1, rollouts.group_size)
-        inf = torch.tensor(float("inf"), device=grouped.device)
-        top, bottom = torch.where(held, grouped, -inf).max(1).values, torch.where(held, grouped, inf).min(1).values
-        keep = held.any(1) & (top != bottom)  # [P]
-        return torch.nonzero(keep.repeat_interleave(rollouts.group_size)).squeeze(1)
-    keep = grouped.max(1).values != grouped.min(1).values  # [P]
+    keep = group_mixed(rollouts.rewards, rollouts.group_size, rollouts.valid)  # [P]
     return torch.nonzero(keep.repeat_interleave(rollouts.group_size)).squeeze(1)
 
 

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from scgrpo.budget import PeakTracker
 from scgrpo.distributed import all_reduce, mean_over_ranks
-from scgrpo.objectives.functional import masked_mean
+from scgrpo.objectives.functional import group_mixed, masked_mean
 from scgrpo.rollout.types import RolloutBatch, RolloutStats
 from scgrpo.update import StepPlan, StepSums
 
@@ -66,18 +67,25 @@ class StepPhases:
         return metrics
 
 
+def rewarded(rollouts: RolloutBatch, values: Tensor) -> Tensor:
+    """``values`` (``[N]``) of the rows the step trains on (all of them, unless rollouts without a reward and the groups
+    they left with one are excluded: ``rollouts.excluded``): the logged reward, accuracy and their spread are theirs
+    (NaN on a step where none is left)."""
+    return values if rollouts.excluded is None else values[~rollouts.excluded]
+
+
 def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passes: int, success_threshold: float,
                    train_time: float, nonfinite_skips: int) -> dict:
     """This rank's rewards, lengths, credit and the step's sums (means over the ``passes`` optimisation passes)."""
     mask, rewards, rows = rollouts.completion_mask, plan.rewards, plan.rows
-    grouped = rewards.view(-1, rollouts.group_size)
+    raw, shaped = rewarded(rollouts, rollouts.rewards), rewarded(rollouts, rewards)  # (the rows with a reward)
     metrics = {
         "train/loss": sums["loss"] / passes,
-        "train/reward": rollouts.rewards.mean(),
-        "train/shaped_reward": rewards.mean(),
-        "train/reward_std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
-        "train/accuracy": (rollouts.rewards >= success_threshold).float().mean(),
-        "train/mixed_groups": (grouped.max(1).values != grouped.min(1).values).float().mean(),
+        "train/reward": raw.mean(),
+        "train/shaped_reward": shaped.mean(),
+        "train/reward_std": shaped.std() if shaped.numel() > 1 else torch.tensor(0.0),
+        "train/accuracy": (raw >= success_threshold).float().mean(),
+        "train/mixed_groups": group_mixed(rewards, rollouts.group_size, rollouts.valid).float().mean(),
         "train/completion_length": mask.sum(1).mean(),
         "train/truncated": rollouts.truncated.float().mean(),
         "train/rows_in_loss": float(len(rows)) / max(len(rewards), 1),
@@ -132,9 +140,10 @@ def skipped_step_metrics(rollouts: RolloutBatch, last_keys: list[str], *, succes
     metrics = {k: NAN for k in last_keys}
     metrics.update(rollouts.stats.metrics())
     metrics.update(phases.metrics(rollouts.stats) if phases is not None else {})
+    raw = rewarded(rollouts, rollouts.rewards)
     metrics.update({
-        "train/reward": float(rollouts.rewards.mean()),
-        "train/accuracy": float((rollouts.rewards >= success_threshold).float().mean()),
+        "train/reward": float(raw.mean()),
+        "train/accuracy": float((raw >= success_threshold).float().mean()),
         "train/nonfinite_skips": float(nonfinite_skips),
         "train/lr": lr,
         "time/train_s": train_time,

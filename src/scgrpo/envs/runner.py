@@ -176,8 +176,10 @@ class EpisodeRunner:
         episode.infos.append({"env_error": message})
         if status not in self._logged:
             self._logged.add(status)
-            log.warning("%s; the episode ends with reward 0 (further ones are counted under episode/env_%ss, not "
-                        "logged)", message, "timeout" if status == TIMEOUT else "error")
+            fate = ("has no reward: it leaves its group's statistics and the loss (rollout/excluded)"
+                    if self.settings.on_fault == "exclude" else "ends with reward 0")
+            log.warning("%s; the episode %s (further ones are counted under episode/env_%ss, not logged)", message,
+                        fate, "timeout" if status == TIMEOUT else "error")
         if status != TIMEOUT:  # a hung environment may still be inside its own code
             _close(episode.env)
 

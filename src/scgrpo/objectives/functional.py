@@ -75,6 +75,17 @@ def group_mean_std(values: Tensor, group_size: int, valid: Tensor) -> tuple[Tens
     return mean.expand_as(keep).reshape(-1), var.sqrt().expand_as(keep).reshape(-1)
 
 
+def group_mixed(rewards: Tensor, group_size: int, valid: Optional[Tensor] = None) -> Tensor:
+    """``[P]`` bool: the groups whose rewards are not all equal, over their ``valid`` rows (None: all)."""
+    grouped = rewards.view(-1, group_size)
+    if valid is None:
+        return grouped.max(1).values != grouped.min(1).values
+    held = valid.view(-1, group_size).bool()
+    inf = torch.tensor(float("inf"), device=grouped.device, dtype=grouped.dtype)
+    top, bottom = torch.where(held, grouped, -inf).max(1).values, torch.where(held, grouped, inf).min(1).values
+    return held.any(1) & (top != bottom)
+
+
 def _valid_group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale, valid: Tensor) -> Tensor:
     keep = valid.bool() & (group_counts(valid.bool(), group_size) >= 2)  # [N] rows in a group of 2 or more
     mean, std = group_mean_std(rewards, group_size, keep)

@@ -26,7 +26,8 @@ class Verifier(ABC):
 
     Subclass it and implement :meth:`verify`; pick it in YAML with
     ``verifier: {class_path: my_pkg.MyVerifier, init_args: {...}}``. A verifier that raises or runs longer than
-    ``timeout_s`` gives score 0 for that completion; the run counts it and goes on.
+    ``timeout_s`` gives that completion no reward (score 0, left out of the statistics under ``episodes.on_fault:
+    exclude``); the run counts it and goes on.
 
     A verifier may also define ``verify_batch(completions, answers, questions)`` returning one result (or
     exception) per completion, to score a whole batch at once (e.g. in parallel, as :class:`PythonTests`

@@ -105,7 +105,7 @@ class VerifierRunner:
                 out.append(self._checked(result))
             except Exception as err:
                 self.errors += 1
-                self._log_once("error", f"{name} raised {type(err).__name__}: {err} on prompt {sample_id}; score 0")
+                self._log_once("error", f"{name} raised {type(err).__name__}: {err} on prompt {sample_id}; no reward (episodes.on_fault)")
                 out.append(VerificationResult(0.0, {"error": f"{type(err).__name__}: {err}"}))
         return out
 
@@ -129,11 +129,11 @@ class VerifierRunner:
             raise
         except VerifierTimeout:
             self.timeouts += 1
-            self._log_once("timeout", f"{name} ran past {self.verifier.timeout_s}s on prompt {sample_id}; score 0")
+            self._log_once("timeout", f"{name} ran past {self.verifier.timeout_s}s on prompt {sample_id}; no reward (episodes.on_fault)")
             return VerificationResult(0.0, {"error": "timeout"})
         except Exception as err:  # a user's verifier may raise anything; the run must go on
             self.errors += 1
-            self._log_once("error", f"{name} raised {type(err).__name__}: {err} on prompt {sample_id}; score 0")
+            self._log_once("error", f"{name} raised {type(err).__name__}: {err} on prompt {sample_id}; no reward (episodes.on_fault)")
             return VerificationResult(0.0, {"error": f"{type(err).__name__}: {err}"})
 
     def _log_once(self, kind: str, message: str) -> None:
