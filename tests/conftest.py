@@ -106,3 +106,14 @@ def pytest_runtest_call(item):
     if cause is not None and "no sandbox works here" in str(cause) and not os.environ.get("SCGRPO_REQUIRE_SANDBOX"):
         outcome.force_exception(pytest.skip.Exception(f"the code sandbox cannot start here: {cause}",
                                                       _use_item_location=True))
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures a plotting script draws, kept open (its ``plt.close`` does nothing) to be read back after ``plot``."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    close = plt.close
+    close("all")
+    monkeypatch.setattr(plt, "close", lambda fig=None: None)
+    yield lambda written: dict(zip([os.path.basename(p) for p in written], map(plt.figure, plt.get_fignums())))
+    close("all")

@@ -102,17 +102,6 @@ def test_without_matplotlib_one_line_says_how_to_install_it(tmp_path, monkeypatc
     assert not os.path.exists(tmp_path / "plots")
 
 
-@pytest.fixture
-def figures(monkeypatch):
-    """The figures the script draws, kept open (its ``plt.close`` does nothing) to be read back after ``plot``."""
-    plt = pytest.importorskip("matplotlib.pyplot")
-    close = plt.close
-    close("all")
-    monkeypatch.setattr(plt, "close", lambda fig=None: None)
-    yield lambda written: dict(zip([os.path.basename(p) for p in written], map(plt.figure, plt.get_fignums())))
-    close("all")
-
-
 def _three_steps(path):
     """A 3-step SC-GRPO run whose c is its P75, as SCGRPO's default c_quantile gives."""
     keys = ["step", "credit/kl_p25", "credit/kl_p50", "credit/kl_p75", "credit/kl_p95", "credit/c", "policy/entropy",

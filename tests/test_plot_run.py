@@ -53,17 +53,6 @@ def _run(tmp_path, name="scgrpo", validation=True):
     return str(folder)
 
 
-@pytest.fixture
-def figures(monkeypatch):
-    """The figures the script draws, kept open (its ``plt.close`` does nothing) to be read back after ``plot``."""
-    plt = pytest.importorskip("matplotlib.pyplot")
-    close = plt.close
-    close("all")
-    monkeypatch.setattr(plt, "close", lambda fig=None: None)
-    yield lambda written: dict(zip([os.path.basename(p) for p in written], map(plt.figure, plt.get_fignums())))
-    close("all")
-
-
 def _lines(fig):
     (ax,) = fig.axes
     return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
