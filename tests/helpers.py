@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+from typing import NamedTuple, Optional
+
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
@@ -9,6 +13,42 @@ import torch
 
 from scgrpo import GenerationSettings, LoraSettings, PromptDataModule, RLVRModule
 from tests.verifiers.helpers import ParityVerifier
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def readme_section(heading: str) -> str:
+    """README.md's section under ``heading`` as written (``## Train an agent``, ``### A calculator tool``), its
+    subsections included, up to the next heading of its level or above (``#`` lines inside code blocks are not
+    headings)."""
+    level, lines, inside, fenced = len(heading) - len(heading.lstrip("#")), [], False, False
+    for line in open(README, encoding="utf-8").read().splitlines(keepends=True):
+        fenced = fenced != line.startswith("```")
+        if not fenced and re.match(rf"#{{1,{level}}} ", line):
+            if inside:
+                break
+            inside = line.rstrip("\n") == heading
+        if inside:
+            lines.append(line)
+    assert lines, f"README.md has no section {heading!r}"
+    return "".join(lines)
+
+
+class CodeBlock(NamedTuple):
+    language: str
+    body: str
+    file: Optional[str]
+    """The file it shows: named by a ``<!-- trl-example: PATH -->`` line above it or by its first line, ``# PATH``
+    (``# my_pkg/guess.py``, ``# corridor.yaml``); None for a fragment"""
+
+
+def code_blocks(text: str) -> list[CodeBlock]:
+    """The fenced code blocks of ``text`` (a README section), in order."""
+    blocks = []
+    for marker, language, body in re.findall(r"(?:<!-- trl-example: (\S+) -->\n)?```(\w*)\n(.*?)```", text, re.S):
+        named = re.fullmatch(r"# ([\w./-]+\.\w+)", body.split("\n", 1)[0])
+        blocks.append(CodeBlock(language, body, marker or (named[1] if named else None)))
+    return blocks
 
 
 def load_script(name: str):

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from scgrpo.cli import working_folder_importable
+from tests.helpers import code_blocks, readme_section
 
 SCRIPT = shutil.which("scgrpo")
 needs_script = pytest.mark.skipif(SCRIPT is None, reason="the scgrpo console script is not installed")
@@ -90,21 +91,12 @@ def test_the_working_folder_goes_first_on_the_path_once(tmp_path, monkeypatch):
     assert sys.path == ["", "/site-packages"]
 
 
-def _readme_blocks(section: str) -> list[str]:
-    """The fenced code blocks of README.md's ``### <section>``, in order."""
-    import re
-
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    body = readme.split(f"\n### {section}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
-    return re.findall(r"```[a-z]*\n(.*?)```", body, re.S)
-
-
 @needs_script
 @pytest.mark.slow
 def test_the_readmes_own_environment_runs_as_written_on_text_answers(tiny_model_dir, tmp_path):
     """README's "Your own environment": its my_pkg/guess.py and its YAML, as written, in a folder outside the
     repository, on a data file whose answers are text (as a JSONL file may hold them)."""
-    code, config = _readme_blocks("Your own environment")
+    code, config = [block.body for block in code_blocks(readme_section("### Your own environment"))]
     assert code.startswith("# my_pkg/guess.py") and "class Guess(Environment)" in code
     work = tmp_path / "mywork"
     (work / "my_pkg").mkdir(parents=True)

@@ -1,5 +1,6 @@
 """A TRL user's data and rewards through the CLI: a conversational JSONL, plain reward functions by import path,
-per-reward metrics, and the stop when every reward fails."""
+per-reward metrics, and the stop when every reward fails (README's example of them, run as written:
+tests/test_readme_sections.py)."""
 
 import csv
 import glob
@@ -110,31 +111,6 @@ def test_verifier_and_reward_funcs_together_are_refused(tiny_model_dir, tmp_path
     with pytest.raises(SystemExit):
         main(["fit", f"--config={BASE}", f"--config={config}", *_tiny_args(tiny_model_dir)])
     assert "set model.verifier or model.reward_funcs, not both" in capsys.readouterr().err
-
-
-def readme_example() -> dict[str, str]:
-    """The README's TRL example: each block marked ``<!-- trl-example: <file> -->``, by file name."""
-    import re
-
-    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    blocks = re.findall(r"<!-- trl-example: (\S+) -->\n```\w*\n(.*?)```", text, re.S)
-    return dict(blocks)
-
-
-def test_the_readme_trl_example_runs_as_written(tiny_model_dir, tmp_path, monkeypatch):
-    files = readme_example()
-    assert set(files) == {"data/train.jsonl", "my_rewards.py", "trl.yaml"}
-    for name, body in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(body)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    main(["fit", f"--config={BASE}", "--config=trl.yaml", *_tiny_args(tiny_model_dir)])
-    steps = [r for r in _metrics(tmp_path) if r.get("train/reward")]
-    assert len(steps) == 2
-    assert all(0.0 <= float(r[f"reward/{name}/mean"]) <= 1.0 for r in steps for name in ("accuracy", "brevity"))
-    import my_rewards  # the README's functions, scored by hand
-    assert my_rewards.accuracy([[{"content": "so 42"}], [{"content": "none"}]], ["42", "12"]) == [1.0, 0.0]
 
 
 def test_a_privileged_teacher_without_answers_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -363,11 +363,44 @@ def working_folder_importable() -> None:
         sys.path.insert(0, here)
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+"""The repository's ``configs/`` folder, beside ``src/`` (there in an install from a clone, ``pip install -e .``)"""
+
+
+def shipped_configs(args: list[str], shipped: Path = SHIPPED_CONFIGS) -> list[str]:
+    """``args`` with each ``--config configs/NAME.yaml`` (``--config=...``, ``-c ...``) that is not in the working
+    folder replaced by the shipped ``configs/NAME.yaml``, with one log line: README's commands run from the user's
+    own folder. A ``configs/`` path found in neither place ends in one line; any other value is left to the parser."""
+    resolved = list(args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--config="):
+            flag, value = "--config=", arg.removeprefix("--config=")
+        elif i > 0 and args[i - 1] in ("--config", "-c"):
+            flag, value = "", arg
+        else:
+            continue
+        path = Path(value)
+        if path.is_absolute() or path.parts[:1] != ("configs",) or path.exists():
+            continue
+        candidate = shipped.joinpath(*path.parts[1:])
+        if not candidate.is_file():
+            missing = "" if shipped.is_dir() else ", which this install does not have"
+            fail(InputError(f"no config {value} in the working folder {os.getcwd()}, nor among the configs shipped "
+                            f"with scgrpo ({shipped}{missing})"))
+        logging.getLogger("scgrpo.cli").info("%s is not in the working folder: the shipped one, %s", value, candidate)
+        resolved[i] = flag + str(candidate)
+    return resolved
+
+
 def main(args=None) -> None:
     working_folder_importable()
     logging.basicConfig(level=os.environ.get("SCGRPO_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args is None:  # (in place: LightningCLI warns when given args beside a command line)
+        sys.argv[1:] = shipped_configs(sys.argv[1:])
+    elif isinstance(args, list):
+        args = shipped_configs(args)
     try:
         with lightning_noise_silenced():
             cli = ScgrpoCLI(

@@ -1,11 +1,10 @@
 """The gymnasium adapter: actions parsed from text, invalid replies, rewards, done flags and seeds on
 gymnasium's Blackjack and FrozenLake; the rows of GymTask and the packaged blackjack task; and README's
-corridor (a user's own environment) through the same adapter, by entry point, by registered id, from a file
-and in a training run."""
+corridor (a user's own environment) through the same adapter, by entry point, by registered id and from a file (its
+training run, ``scgrpo fit --config corridor.yaml`` as README writes it: tests/test_readme_sections.py)."""
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import sys
@@ -13,12 +12,11 @@ import sys
 import gymnasium
 import pytest
 
-from scgrpo.cli import main
 from scgrpo.data import TASKS, BlackjackTask, GymTask, resolve_source
 from scgrpo.envs import Action, GymnasiumEnv
 from scgrpo.verifiers import VerifierSetupError
+from tests.helpers import code_blocks, readme_section
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 LAKE = ["SFF", "FHF", "FFG"]  # right, right, down, down reaches G; down, right falls into H
 MOVES = {"left": 0, "down": 1, "right": 2, "up": 3}
 
@@ -51,25 +49,15 @@ def play(env: GymnasiumEnv, replies: list[str], row=None, seed: int = 0):
     return first, steps
 
 
-def readme_section() -> str:
-    text = open(README, encoding="utf-8").read()
-    start = text.index("### Your own gymnasium environment")
-    end = re.search(r"^#{2,3} ", text[start + 4 :], re.MULTILINE)
-    return text[start : start + 4 + end.start()] if end else text[start:]
-
-
-def readme_block(language: str) -> str:
-    (block,) = re.findall(rf"```{language}\n(.*?)```", readme_section(), re.DOTALL)
-    return block
-
-
 @pytest.fixture(scope="session")
 def corridor_package(tmp_path_factory) -> str:
     """README's ``my_pkg/corridor.py``, importable."""
     root = tmp_path_factory.mktemp("user")
     os.makedirs(root / "my_pkg")
     (root / "my_pkg" / "__init__.py").write_text("")
-    (root / "my_pkg" / "corridor.py").write_text(readme_block("python"))
+    (code,) = [b.body for b in code_blocks(readme_section("### Your own gymnasium environment"))
+               if b.file == "my_pkg/corridor.py"]
+    (root / "my_pkg" / "corridor.py").write_text(code)
     sys.path.insert(0, str(root))
     return str(root)
 
@@ -338,28 +326,6 @@ def test_readme_corridor_plays_by_a_registered_id(corridor_package):
         assert len(steps) == 4 and steps[-1].info["truncated"]  # max_episode_steps from the registration
     finally:
         gymnasium.registry.pop("Corridor-v0")
-
-
-def test_readme_corridor_config_trains_with_the_tiny_model(corridor_package, tiny_model_dir, tmp_path,
-                                                           monkeypatch):
-    import csv
-
-    import yaml
-
-    monkeypatch.chdir(tmp_path)
-    config = yaml.safe_load(readme_block("yaml"))
-    assert config["model"]["environment"]["class_path"] == "scgrpo.envs.GymnasiumEnv"
-    (tmp_path / "corridor.yaml").write_text(readme_block("yaml"))
-    main(["fit", "--config=corridor.yaml", f"--model.model={tiny_model_dir}", "--model.dtype=float32",
-          "--model.generation.max_new_tokens=6", "--model.episodes.max_episode_tokens=96",
-          "--trainer.max_steps=2", "--trainer.val_check_interval=2",
-          "--trainer.enable_progress_bar=false", "--data.max_eval_prompts=2", "--data.batch_size=2"])
-    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "version_*"))
-    rows = list(csv.DictReader(open(os.path.join(run, "metrics.csv"))))
-    assert sum(1 for r in rows if r.get("episode/turns_mean")) == 2
-    assert any(v not in (None, "") for r in rows for k, v in r.items() if k.startswith("val/ood/avg@"))
-    saved = yaml.safe_load(open(os.path.join(run, "config.yaml")))
-    assert saved["model"]["environment"]["init_args"]["entry_point"] == "my_pkg.corridor:Corridor"
 
 
 def test_readme_corridor_rows_from_a_file(corridor_package, tmp_path):
