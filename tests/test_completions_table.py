@@ -124,7 +124,13 @@ def test_every_output_numbers_a_step_as_metrics_csv_does_also_with_several_optim
     """metrics.csv's train rows count training steps from 0 (one a rollout batch, whatever its optimiser steps);
     completions.jsonl, credit_tokens.jsonl and the heatmap give each step's rows that number. Two optimiser steps a
     batch: max_steps=4 is two training steps, logged at 0 and 1 (``trainer.global_step`` 2 and 4 at their ends)."""
-    module = tiny_module(tiny_model_dir, objective=SCGRPO(num_iterations=2), log_completions_every_n_steps=1)
-    trainer = tiny_trainer(tmp_path, max_steps=4)
-    trainer.fit(module, tiny_data())
+    module = tiny_module(tiny_model_dir, objective=SCGRPO(num_iterations=2), log_completions_every_n_steps=1,
+                         validate_before_training=True)
+    trainer = tiny_trainer(tmp_path, max_steps=4, limit_val_batches=1, val_check_interval=1)
+    trainer.fit(module, tiny_data(max_eval_prompts=2))
     assert step_numbers(trainer.log_dir) == {name: [0, 1] for name in STEP_OUTPUTS}
+    # the validations before the first step and after each: at steps 0, 1 and 2, as the train rows count steps (the
+    # optimiser steps behind the weights are val/global_step: 0, 2, 4)
+    rows = list(csv.DictReader(open(os.path.join(trainer.log_dir, "metrics.csv"))))
+    evaluations = [(int(r["step"]), float(r["val/global_step"])) for r in rows if r.get("val/global_step")]
+    assert evaluations == [(0, 0.0), (1, 2.0), (2, 4.0)]

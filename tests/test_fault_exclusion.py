@@ -37,7 +37,8 @@ def test_group_advantages_leave_invalid_rows_out_of_the_mean_and_std():
 
 
 def test_rows_without_a_reward_and_groups_left_with_one_are_excluded_and_counted():
-    infos = [{}, {"fault": "error"}, {}, {}, {"error": "NoReward: every reward function gave None"}, {}, {}, {}]
+    infos = [{}, {"fault": "error"}, {}, {}, {"error": "NoReward: every reward function gave None", "no_reward": True},
+             {}, {"error": "a verifier's own word: a scored 0"}, {}]
     excluded = excluded_rows(infos, 4, torch.device("cpu"))
     assert excluded.tolist() == [False, True, False, False, True, False, False, False]
     lone = excluded_rows([{}, {"fault": "timeout"}, {}, {}], 2, torch.device("cpu"))
@@ -167,6 +168,7 @@ def test_the_logged_reward_and_accuracy_are_those_of_the_rows_the_step_trains_on
     rollouts.group_size = 4
     rollouts.rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])
     rollouts.excluded = torch.tensor([False, False, True, False])  # its only 0 is a fault
+    rollouts.infos = [{}, {}, {"fault": "timeout"}, {}]
     plan = _update().plan(rollouts)
     m = step_metrics(rollouts, plan, _sums(loss=0.0, nonfinite=0.0), {}, passes=1, success_threshold=1.0,
                      log_kl=False, train_time=0.0, nonfinite_skips=0, lr=0.1)
@@ -178,3 +180,43 @@ def test_the_logged_reward_and_accuracy_are_those_of_the_rows_the_step_trains_on
     m = step_metrics(rollouts, _update().plan(rollouts), _sums(loss=0.0, nonfinite=0.0), {}, passes=1,
                      success_threshold=1.0, log_kl=False, train_time=0.0, nonfinite_skips=0, lr=0.1)
     assert m["train/reward"] == 0.75 and m["train/mixed_groups"] == 1.0
+
+
+def test_a_weighted_verifier_sums_the_parts_that_scored_and_has_no_reward_when_none_did():
+    from scgrpo.verifiers import VerifierRunner, WeightedVerifier
+    from scgrpo.verifiers.base import VerificationResult, Verifier
+
+    class One(Verifier):
+        def verify(self, completion, answer, question=""):
+            return VerificationResult(1.0)
+
+    class Broken(Verifier):
+        def verify(self, completion, answer, question=""):
+            raise KeyError("no field")
+
+    part = WeightedVerifier([One(), Broken()], [0.5, 2.0]).verify("c", 1)
+    assert part.score == 0.5 and part.info["rewards"] == {"One": 1.0, "Broken": None} and "Broken" in part.info["errors"]
+    (none,) = VerifierRunner(WeightedVerifier([Broken(), Broken()]))(["c"], [1], ["q"], ["p"])
+    assert none.score == 0.0 and none.info["no_reward"] and "no part scored" in none.info["error"]
+
+
+def test_episodes_that_all_fault_stop_the_run_and_a_faulted_row_is_not_stored_as_verified():
+    from types import SimpleNamespace
+
+    from scgrpo.stage import RewardsFailed, RolloutStage
+    from scgrpo.verifiers import VerifierRunner
+    from tests.test_guard import _rollouts
+    from tests.verifiers.helpers import ParityVerifier
+
+    runner = SimpleNamespace(environment=object(), settings=None)
+    stage = RolloutStage(None, 2, VerifierRunner(ParityVerifier()), episode_runner=runner, max_reward_failure_steps=2)
+    rollouts = _rollouts(infos=[{"fault": "error", "env": [{"env_error": "Env: boom"}]}, {"fault": "timeout"}])
+    for step in range(2):
+        stats, failed = stage.verify(rollouts)
+        assert failed
+        if step == 0:
+            stage.count_reward_failures(failed, rollouts.infos)
+    with pytest.raises(RewardsFailed, match=r"first of this step: Env: boom.*Fix the object \(model.environment\)"):
+        stage.count_reward_failures(failed, rollouts.infos)
+    rollouts.rewards = torch.tensor([1.0, 1.0])
+    assert stage.verified_rows(rollouts, 0.0) == []  # (a fault's reward is none, whatever the threshold)

@@ -143,3 +143,19 @@ def logger_first_iteration_kept(trainer) -> Iterator[None]:
         yield
     finally:
         connector._first_loop_iter = first_iter
+
+
+def train_step(trainer) -> int:
+    """The number of the training step in progress (in a training hook), as ``metrics.csv`` numbers its train
+    rows: the training steps done before it, 0 for a run's first, also across epochs and in a resumed run. Every
+    output of a step numbers its rows by it (``completions.jsonl``, ``credit_tokens.jsonl``, the headings of
+    ``credit_heatmap.html``, TensorBoard's completions table), so that they join with the step's row of
+    ``metrics.csv``. (A validation is logged at the optimiser steps before it, ``val/global_step``: N after N
+    steps of one optimiser step each.)
+
+    A training step is one rollout batch. ``trainer.global_step`` counts optimiser steps instead: at the step's end
+    it is one ahead, ``objective.num_iterations`` ahead where a batch takes several. Read from the fit loop's count
+    of finished batches (``batch_progress.total.completed``, public), which is Lightning's logger step for the
+    batch (its ``_batches_that_stepped``) from ``on_train_batch_start`` to ``on_train_batch_end``: manual
+    optimisation accumulates no batches."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.completed)

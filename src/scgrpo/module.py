@@ -20,7 +20,7 @@ from scgrpo import lightning_internals as internals
 from scgrpo.budget import MemoryBudget
 from scgrpo.callbacks import (AdapterExport, AtomicCheckpointIO, CompletionsTable, CreditLogging, ReleaseHeldInterrupt,
                               RolloutCallback, ValidateBeforeTraining)
-from scgrpo.callbacks.validation import log_evaluation
+from scgrpo.callbacks.validation import log_evaluation, logged_step
 from scgrpo.data.lengths import PromptFit
 from scgrpo.distributed import PolicyRunner, check_run_shared, full_state
 from scgrpo.envs import Environment, EpisodeSettings
@@ -213,7 +213,7 @@ class RLVRModule(LightningModule):
         if hasattr(datamodule, "fit_prompts"):  # (rows whose prompt is too long for the model are left out)
             datamodule.fit_prompts(self.prompt_fit())
         if self._trainer is not None:  # the validation after N steps at logger step N, not N - 1
-            internals.evaluations_logged_at_global_step(self.trainer, lambda: self.evaluated_step)
+            internals.evaluations_logged_at_global_step(self.trainer, lambda: logged_step(self))
         if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # Lightning's own writer stages each checkpoint in $TMPDIR, where a killed save leaves it behind
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()

@@ -329,8 +329,10 @@ class SelfTeacher:
         micro = micro_batch_size or max(len(rows), 1)
         cut, tokens = policy.runner(lambda: self._passes(policy, rollouts, rows, plan.references, signal, micro))
         policy.sync()
-        groups = max(len(plan.route) // max(rollouts.group_size, 1), 1)
         group_route = signal.route.view(-1, rollouts.group_size)[:, 0] if n else signal.route
+        if rollouts.excluded is not None and n:  # a skipped group (fewer than 2 rows with a reward) has no case
+            group_route = group_route[~rollouts.excluded.view(-1, rollouts.group_size).all(1)]
+        groups = max(len(group_route), 1)
         signal.stats = TeacherStats(
             route_shares=tuple(float((group_route == k).sum()) / groups for k in range(len(ROUTES))),
             teacher_rows=float(len(rows)) / max(n, 1), truncated_references=float(cut), tokens=float(tokens),

@@ -20,7 +20,7 @@ from scgrpo.envs.base import EpisodeSettings
 from scgrpo.errors import InputError
 from scgrpo.guard import nonfinite_inputs
 from scgrpo.objectives.functional import group_mixed
-from scgrpo.rollout.types import PromptBatch, RolloutBatch, RolloutStats, token_lists
+from scgrpo.rollout.types import PromptBatch, RolloutBatch, RolloutStats, has_no_reward, token_lists
 from scgrpo.selfteacher import keeps_sampler_states
 from scgrpo.step_log import phase_peak
 
@@ -180,14 +180,13 @@ class RolloutStage:
         errors, timeouts = runner.errors, runner.timeouts
         per_function = getattr(runner.verifier, "failed_rows", None)
         before = dict(per_function) if per_function is not None else None
-        verified = rollouts.rewards is None  # (episodes come rewarded by their environment)
         self.score(rollouts)
         failed_rows = {k: v - before[k] for k, v in per_function.items()} if before is not None else None
         stats = dataclasses.replace(
             rollouts.stats, verification_s=time.perf_counter() - start, verifier_errors=float(runner.errors - errors),
             verifier_timeouts=float(runner.timeouts - timeouts),
             rewards=reward_metrics(runner.verifier, rollouts.infos, failed_rows), **exclusion_stats(rollouts))
-        failed = sum(1 for info in rollouts.infos or [] if info.get("error")) if verified else 0
+        failed = sum(has_no_reward(info) for info in rollouts.infos or [])  # (an episode's fault, a verifier's)
         failed, rows = all_reduce([float(failed), float(len(rollouts.completions))], "sum", self.device)
         return stats, failed >= rows > 0
 
@@ -198,11 +197,16 @@ class RolloutStage:
         limit = self.max_reward_failure_steps
         if not limit or self.reward_failure_steps < limit:
             return
-        why = next((info["error"] for info in infos or [] if info.get("error")), "no reward")
+        why = next((info.get("error") or _episode_fault(info) for info in infos or [] if has_no_reward(info)),
+                   "no reward")
+        if self.episode_runner is not None:
+            culprit = f"{type(self.episode_runner.environment).__name__} (model.environment)"
+        else:
+            culprit = f"{type(self.verifier_runner.verifier).__name__} (model.verifier or model.reward_funcs)"
         raise RewardsFailed(
             f"every reward of the last {self.reward_failure_steps} steps failed (the first of this step: {why}); "
-            f"the run is stopped before this step's update. Fix the {type(self.verifier_runner.verifier).__name__} "
-            "(model.verifier or model.reward_funcs) or raise model.max_reward_failure_steps (0: never stop)")
+            f"the run is stopped before this step's update. Fix the {culprit} or raise "
+            "model.max_reward_failure_steps (0: never stop)")
 
     def resample_equal_groups(self, rollouts: RolloutBatch, more: Optional[Callable[[], PromptBatch]]) -> RolloutBatch:
         """DAPO's dynamic sampling: the mixed groups of ``rollouts``, topped up with those of extra rounds (logs
@@ -231,7 +235,8 @@ class RolloutStage:
             kept.append(extra)
             have += extra.num_groups
         merged = concat_rollouts(kept, self.policy.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]
-        merged.stats = dataclasses.replace(merged.stats, extra_rounds=float(rounds), kept_groups=float(have))
+        merged.stats = dataclasses.replace(merged.stats, extra_rounds=float(rounds), kept_groups=float(have),
+                                           **exclusion_stats(merged))  # (those of the batch trained on)
         if have < target:
             log.debug("dynamic sampling stopped at %d of %d groups after %d extra rounds", have, target, rounds)
         return merged
@@ -239,9 +244,9 @@ class RolloutStage:
     def verified_rows(self, rollouts: RolloutBatch, success_threshold: float) -> list[tuple[str, list[int], str, float]]:
         """(prompt id, completion tokens, text, reward) of each rollout at or above ``success_threshold``: what the
         verified-trajectory buffer stores after the step."""
-        rows = []
+        rows, infos = [], rollouts.infos or [{}] * len(rollouts.completions)
         for i, reward in enumerate(rollouts.rewards.tolist()):
-            if reward >= success_threshold:
+            if reward >= success_threshold and not has_no_reward(infos[i]):  # (a fault's 0 is no reward)
                 tokens = rollouts.completion_ids[i][rollouts.completion_mask[i].bool()].tolist()
                 rows.append((rollouts.sample_ids[i], tokens, rollouts.completions[i], reward))
         return rows
@@ -274,14 +279,15 @@ def reward_metrics(verifier, infos: Optional[list[dict]], failed_rows: Optional[
     return out
 
 
-def faulted(info: Optional[dict]) -> bool:
-    """Whether a rollout has no reward: its episode faulted (``fault``) or its verification failed (``error``)."""
-    return bool(info and (info.get("fault") or info.get("error")))
+def _episode_fault(info: dict) -> str:
+    errors = [step["env_error"] for step in info.get("env", []) if isinstance(step, dict) and "env_error" in step]
+    return errors[0] if errors else str(info.get("fault"))
 
 
 def excluded_rows(infos: Optional[list[dict]], group_size: int, device: torch.device) -> torch.Tensor:
-    """``[N]`` bool: the rows without a reward (:func:`faulted`), and every row of a group left with fewer than 2."""
-    faults = torch.tensor([faulted(info) for info in infos or []], dtype=torch.bool, device=device)
+    """``[N]`` bool: the rows without a reward (:func:`has_no_reward`), and every row of a group left with fewer than
+    2."""
+    faults = torch.tensor([has_no_reward(info) for info in infos or []], dtype=torch.bool, device=device)
     if not len(faults):
         return faults
     kept = (~faults).view(-1, group_size).sum(1) >= 2  # [P]
@@ -293,7 +299,7 @@ def exclusion_stats(rollouts: RolloutBatch) -> dict[str, float]:
     batch, for :class:`RolloutStats`; nothing when faults are not excluded."""
     if rollouts.excluded is None:
         return {}
-    faults = sum(faulted(info) for info in rollouts.infos or [])
+    faults = sum(has_no_reward(info) for info in rollouts.infos or [])
     skipped = rollouts.excluded.view(-1, rollouts.group_size).all(1).sum()
     return {"excluded": float(faults), "skipped_groups": float(skipped)}
 

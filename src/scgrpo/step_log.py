@@ -68,10 +68,10 @@ class StepPhases:
 
 
 def rewarded(rollouts: RolloutBatch, values: Tensor) -> Tensor:
-    """``values`` (``[N]``) of the rows the step trains on (all of them, unless rollouts without a reward and the groups
-    they left with one are excluded: ``rollouts.excluded``): the logged reward, accuracy and their spread are theirs
-    (NaN on a step where none is left)."""
-    return values if rollouts.excluded is None else values[~rollouts.excluded]
+    """``values`` (``[N]``) of the rows with a reward (all of them, unless faults are excluded: a fault's 0 is no
+    reward): the logged reward, accuracy and their spread are theirs (NaN on a step where no row has one)."""
+    held = rollouts.rewarded()
+    return values if held is None else values[held]
 
 
 def _local_metrics(rollouts: RolloutBatch, plan: StepPlan, sums: StepSums, passes: int, success_threshold: float,

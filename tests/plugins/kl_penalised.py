@@ -28,4 +28,4 @@ class KLPenalisedGRPO(GRPO):
     def credit(self, inputs: CreditInputs) -> Credit:
         SEEN.append(inputs)
         kl = ((inputs.old_logprobs - inputs.ref_logprobs) * inputs.mask).sum(1)  # [N]
-        return Credit(advantages=self.advantages(inputs.rewards - self.kl_coef * kl, inputs.group_size))
+        return Credit(advantages=self.advantages(inputs.rewards - self.kl_coef * kl, inputs.group_size, inputs.valid))

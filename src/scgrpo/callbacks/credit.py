@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
-from scgrpo.callbacks.logging import run_dir, train_step
+from scgrpo import lightning_internals as internals
+from scgrpo.callbacks.logging import run_dir
 from scgrpo.chat import prompt_text
 from scgrpo.distributed import all_reduce
 from scgrpo.pivots import BOTH, NONE, PIVOT_KEYS, RIGHT, WRONG, decision_labels, pivot_metrics
@@ -60,7 +61,7 @@ class CreditLogging(Callback):
     """Every ``every_n_steps`` steps (steps 0, ``every_n_steps``, ...) appends up to ``num_rollouts`` rollouts to
     ``<log_dir>/credit_heatmap.html`` under the heading ``step N`` (and every rollout of the batch, machine-readable,
     to ``credit_tokens.jsonl``, each row with its ``step``), N being the step's number in ``metrics.csv``
-    (:func:`~scgrpo.callbacks.logging.train_step`: 0 for the first),
+    (:func:`~scgrpo.lightning_internals.train_step`: 0 for the first),
     two of each route present (see :meth:`pick_rows`): the group's route, reward and advantage, the rollout
     with each token's background set by its weight f (hover for the value; rows without a teacher are plain
     GRPO, weight 1), and beside it the reference in the teacher's system prompt. An episode's environment tokens
@@ -90,7 +91,7 @@ class CreditLogging(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         record = pl_module.last_plan  # (None: the step was skipped; no signal: the objective has no self-teacher)
-        step = train_step(trainer)
+        step = internals.train_step(trainer)
         if record is not None and record.signal is not None and self.every_n_steps and step % self.every_n_steps == 0:
             labels = self._pivots(pl_module, batch, record, step)
             self._heatmap(trainer, pl_module, batch, record, labels, step)

@@ -10,6 +10,7 @@ from typing import Optional
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
+from scgrpo import lightning_internals as internals
 from scgrpo.atomic_io import write_folder_atomically
 from scgrpo.callbacks.validation import run_validation
 from scgrpo.chat import prompt_text
@@ -26,22 +27,6 @@ def run_dir(trainer) -> str:
     directory = getattr(logger, "log_dir", None) or trainer.default_root_dir
     os.makedirs(directory, exist_ok=True)
     return directory
-
-
-def train_step(trainer) -> int:
-    """The number of the training step in progress (in a training hook), as ``metrics.csv`` numbers its train
-    rows: the training steps done before it, 0 for a run's first, also across epochs and in a resumed run. Every
-    output of a step numbers its rows by it (``completions.jsonl``, ``credit_tokens.jsonl``, the headings of
-    ``credit_heatmap.html``, TensorBoard's completions table), so that they join with the step's row of
-    ``metrics.csv``. (A validation is logged at the optimiser steps before it, ``val/global_step``: N after N
-    steps of one optimiser step each.)
-
-    A training step is one rollout batch. ``trainer.global_step`` counts optimiser steps instead: at the step's end
-    it is one ahead, ``objective.num_iterations`` ahead where a batch takes several. Read from the fit loop's count
-    of finished batches (``batch_progress.total.completed``, public), which is Lightning's logger step for the
-    batch (its ``_batches_that_stepped``) from ``on_train_batch_start`` to ``on_train_batch_end``: manual
-    optimisation accumulates no batches."""
-    return int(trainer.fit_loop.epoch_loop.batch_progress.total.completed)
 
 
 INFO_CHARS = 120  # the longest info shown in a cell of the TensorBoard table (completions.jsonl holds it whole)
@@ -63,7 +48,7 @@ class CompletionsTable(Callback):
     and their verifier's ``info`` (the extracted answer, a reason; an episode's turns and faults) to
     ``<log_dir>/completions.jsonl``, and to TensorBoard as a text table (the info as compact JSON, cut to
     ``INFO_CHARS``) when a TensorBoard logger is present. A row's ``step``, and the table's ``global_step``, is the
-    step's number in ``metrics.csv`` (:func:`train_step`: 0 for the first).
+    step's number in ``metrics.csv`` (:func:`~scgrpo.lightning_internals.train_step`: 0 for the first).
 
     Args:
         every_n_steps: how often to write (0 = never).
@@ -78,7 +63,7 @@ class CompletionsTable(Callback):
         rollouts = batch.rollouts
         if not self.every_n_steps or rollouts is None or rollouts.rewards is None:
             return
-        step = train_step(trainer)
+        step = internals.train_step(trainer)
         if step % self.every_n_steps:
             return
         rows = []

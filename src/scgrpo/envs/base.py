@@ -11,8 +11,9 @@ token budget ends it (then it is *truncated*). Choose one in YAML by ``class_pat
         init_args: {difficulty: 3}
 
 The episode's reward is the sum of the rewards :meth:`~Environment.step` returned. An environment that raises,
-runs past ``timeout_s`` or returns something that is not a :class:`StepResult` ends its episode with reward 0; the
-run counts it (``episode/env_errors``, ``episode/env_timeouts``) and goes on.
+runs past ``timeout_s`` or returns something that is not a :class:`StepResult` ends its episode without a reward
+(``episodes.on_fault``: out of its group's statistics, or reward 0); the run counts it (``episode/env_errors``,
+``episode/env_timeouts``) and goes on.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ class Environment(ABC):
             ``<tool_call>`` form is always recognised).
         observation_role: the chat role the observations are rendered with ("user", or "tool" where the chat
             template has one).
-        timeout_s: seconds one :meth:`reset` or :meth:`step` may take; past it the episode ends with reward 0 and is
-            counted in ``episode/env_timeouts``.
+        timeout_s: seconds one :meth:`reset` or :meth:`step` may take; past it the episode ends without a reward
+            and is counted in ``episode/env_timeouts``.
     """
 
     tools: Sequence[str] = ()

@@ -148,7 +148,7 @@ class EpisodeRunner:
         return self.settings.timeout_s if self.settings.timeout_s is not None else float(self.environment.timeout_s)
 
     def _calls(self, calls: Sequence[Callable[[], Any]], episodes: Sequence[Episode], what: str, stats: dict) -> list:
-        """Runs environment calls; a fault ends its episode with reward 0 and is counted and logged once."""
+        """Runs environment calls; a fault ends its episode without a reward and is counted and logged once."""
         start = time.perf_counter()
         results = self.pool.call_all(calls, self.timeout_s, self.settings.max_workers)
         stats["episode/env_time_s"] = stats.get("episode/env_time_s", 0.0) + time.perf_counter() - start

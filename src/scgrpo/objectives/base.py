@@ -150,13 +150,19 @@ class LossOutput:
     stats: LossStats = field(default_factory=LossStats)
 
 
+def token_rows(credit: Credit) -> Tensor:
+    """``[N]`` bool: the rows with a non-zero token advantage (a row's tokens may cancel out in its mean)."""
+    return (credit.token_advantages != 0).any(1)
+
+
 def row_advantages(objective: "Objective", inputs: CreditInputs) -> Tensor:
     """``objective.advantages`` of the step's rewards, given ``inputs.valid`` where there are excluded rows; an
     objective whose ``advantages`` takes no ``valid`` gets the rewards alone (its group statistics then count the
     excluded rows as their reward, 0; logged once)."""
     if inputs.valid is None or bool(inputs.valid.all()):
         return objective.advantages(inputs.rewards, inputs.group_size)
-    if "valid" in inspect.signature(objective.advantages).parameters:
+    parameters = inspect.signature(objective.advantages).parameters
+    if "valid" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return objective.advantages(inputs.rewards, inputs.group_size, valid=inputs.valid)
     if not getattr(objective, "_said_no_valid", False):
         objective._said_no_valid = True

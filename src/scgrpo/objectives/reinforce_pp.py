@@ -10,7 +10,7 @@ from torch import Tensor
 
 from scgrpo.distributed import all_reduce
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import Credit, CreditInputs, LossInputs, LossOutput, Needs
+from scgrpo.objectives.base import Credit, CreditInputs, LossInputs, LossOutput, Needs, token_rows
 from scgrpo.objectives.grpo import GRPO
 
 Baseline = Literal["none", "group"]
@@ -123,4 +123,4 @@ class REINFORCEPlusPlus(GRPO):
 
     def rows_in_loss(self, credit: Credit, signal=None) -> Tensor:
         """Rows with a non-zero advantage on any token (a row can have mean 0 and still move the loss)."""
-        return (credit.token_advantages != 0).any(1)
+        return token_rows(credit)

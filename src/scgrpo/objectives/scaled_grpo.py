@@ -8,7 +8,7 @@ from typing import Literal, Optional
 import torch
 
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import NAN, Credit, CreditInputs
+from scgrpo.objectives.base import NAN, Credit, CreditInputs, row_advantages
 from scgrpo.objectives.scgrpo import SCGRPO
 from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE
 
@@ -63,5 +63,5 @@ class ScaledGRPO(SCGRPO):
         has_teacher = signal.has_teacher.unsqueeze(1)  # [N, 1]
         weights = torch.where(has_teacher, mask.float() * scale, mask.float())  # [N, C] one value per teacher row
         weighted.stats.div_adv_std = NAN  # (no diversity advantage here)
-        return Credit(advantages=self.advantages(inputs.rewards, inputs.group_size, inputs.valid), token_weights=weights,
+        return Credit(advantages=row_advantages(self, inputs), token_weights=weights,
                       stats=weighted.stats)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from scgrpo.distributed import gather_values
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import NAN, Credit, CreditInputs, CreditStats
+from scgrpo.objectives.base import NAN, Credit, CreditInputs, CreditStats, row_advantages
 from scgrpo.objectives.grpo import GRPO
 from scgrpo.rollout.types import DEFAULT_TEACHER_TEMPLATE, SOLVE_NONE, TeacherSignal, TeacherSpec
 
@@ -159,7 +159,7 @@ class SCGRPO(GRPO):
 
     def credit(self, inputs: CreditInputs) -> Credit:
         mask, group_size, signal = inputs.mask, inputs.group_size, inputs.signal
-        advantages = self.advantages(inputs.rewards, group_size, inputs.valid)  # [N] GRPO's A_i
+        advantages = row_advantages(self, inputs)  # [N] GRPO's A_i
         if signal is None or signal.divergence is None:
             raise RuntimeError("SCGRPO needs the self-teacher's divergences; the module did not run it")
         divergence = signal.divergence  # [N, C]

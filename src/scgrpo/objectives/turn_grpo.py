@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from scgrpo.objectives import functional as Fn
-from scgrpo.objectives.base import Credit, CreditInputs
+from scgrpo.objectives.base import Credit, CreditInputs, token_rows
 from scgrpo.objectives.grpo import GRPO
 
 
@@ -52,6 +52,4 @@ class TurnGRPO(GRPO):
 
     def rows_in_loss(self, credit: Credit, signal=None) -> Tensor:
         """Rows with a non-zero advantage on any token (a row's turns may cancel out in its mean)."""
-        if self.beta > 0:
-            return credit.advantages.new_ones(credit.advantages.shape, dtype=bool)
-        return (credit.token_advantages != 0).any(1)
+        return credit.advantages.new_ones(credit.advantages.shape, dtype=bool) if self.beta > 0 else token_rows(credit)

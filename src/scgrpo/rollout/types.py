@@ -14,6 +14,17 @@ def token_lists(ids: Tensor, mask: Tensor) -> list[list[int]]:
     return [row[held.bool()].tolist() for row, held in zip(ids.cpu(), mask.cpu())]
 
 
+NO_REWARD = "no_reward"
+"""The key of a rollout's info that the package sets where the rollout has no reward (its verification raised or
+timed out, every reward function gave None); an episode's fault is its info's ``fault``"""
+
+
+def has_no_reward(info: Optional[dict]) -> bool:
+    """Whether a rollout has no reward: its episode faulted, or its verification failed (set by the package's own
+    runners only: a verifier's own ``error`` in its info is a scored result)."""
+    return bool(info and (info.get("fault") or info.get(NO_REWARD)))
+
+
 @dataclass
 class PromptBatch:
     """A batch of prompts as the data module yields it; the rollout callback fills ``rollouts``."""
@@ -137,8 +148,15 @@ class RolloutBatch:
 
     @property
     def valid(self) -> Optional[Tensor]:
-        """``[N]`` bool, the rows with a reward (None: every row)."""
+        """``[N]`` bool, the rows the step trains on (None: every row)."""
         return None if self.excluded is None else ~self.excluded
+
+    def rewarded(self) -> Optional[Tensor]:
+        """``[N]`` bool, the rows that have a reward when faults are excluded (None: every row counts as rewarded)."""
+        if self.excluded is None:
+            return None
+        return torch.tensor([not has_no_reward(info) for info in self.infos or [{}] * len(self.completions)],
+                            dtype=torch.bool, device=self.excluded.device)
 
     @property
     def input_ids(self) -> Tensor:

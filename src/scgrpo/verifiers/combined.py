@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from scgrpo.verifiers.base import VerificationResult, Verifier
-from scgrpo.verifiers.rewards import reward_names
+from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
+from scgrpo.verifiers.rewards import NoReward, reward_names
 
 
 class WeightedVerifier(Verifier):
-    """score = sum_k weight_k * score_k. ``info["rewards"]`` holds each part's score under its class name (two parts of
+    """score = sum_k weight_k * score_k over the parts that scored (a part that raises gives no value, as a reward
+    function's None; a row no part scored has no reward). ``info["rewards"]`` holds each part's score under its class name (two parts of
     one class: ``Name``, ``Name_2``), logged as ``reward/<name>/mean``.
 
     Args:
@@ -31,12 +32,21 @@ class WeightedVerifier(Verifier):
         self.timeout_s = timeout_s
 
     def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
-        total, scores, decisions = 0.0, {}, []
+        total, scores, decisions, errors = 0.0, {}, [], {}
         for verifier, weight, name in zip(self.verifiers, self.weights, self.names):
-            result = verifier.verify(completion, answer, question)
+            try:
+                result = verifier.verify(completion, answer, question)
+            except VerifierSetupError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a part's failure leaves its value out, as a reward function's
+                scores[name], errors[name] = None, f"{type(err).__name__}: {err}"
+                continue
             scores[name] = result.score
             total += weight * result.score
             marked = result.info.get("decisions") if isinstance(result.info, dict) else None
             if isinstance(marked, list):  # each part's decisions (scgrpo.pivots), in the parts' order
                 decisions += marked
-        return VerificationResult(total, {"rewards": scores, **({"decisions": decisions} if decisions else {})})
+        if len(errors) == len(self.verifiers):  # no part scored: the row has no reward
+            raise NoReward("no part scored (" + "; ".join(f"{k} {v}" for k, v in errors.items()) + ")")
+        extra = {"decisions": decisions} if decisions else {}
+        return VerificationResult(total, {"rewards": scores, **extra, **({"errors": errors} if errors else {})})

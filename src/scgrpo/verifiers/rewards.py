@@ -9,8 +9,8 @@ It is called with keyword arguments: ``prompts`` (each row's prompt as the datas
 messages), ``completions`` (text; for a prompt of messages, ``[{"role": "assistant", "content": text}]``, as TRL
 passes them), ``completion_ids`` (each completion's token ids) and every other column of the dataset by its name
 (one value per completion). It returns one float per completion, or None where it does not apply. A row's reward is
-the weighted sum of the values it got; a row where every function gave None (or raised) fails, like a verifier
-error: it scores 0 and is counted (``verifier/errors``). Each function's mean is logged as ``reward/<name>/mean``.
+the weighted sum of the values it got; a row where every function gave None (or raised) has no reward, like a
+verifier error: it is counted (``verifier/errors``) and left out of its group's statistics (``episodes.on_fault``). Each function's mean is logged as ``reward/<name>/mean``.
 
 Pick them in YAML by import path: ``model.reward_funcs: [my_rewards.accuracy, my_rewards.format]`` and, optionally,
 ``model.reward_weights: [1.0, 0.2]``.

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from scgrpo.chat import prompt_text
+from scgrpo.rollout.types import NO_REWARD
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def _time_limit(seconds: Optional[float]) -> Iterator[None]:
 @dataclass
 class VerifierRunner:
     """Applies ``verifier`` to each completion. A verifier that raises, times out or returns something that is
-    not a finite score gives score 0; each kind is counted (``errors``, ``timeouts``) and the first of each is
+    not a finite score gives no reward (score 0, and ``no_reward`` in its info); each kind is counted (``errors``, ``timeouts``) and the first of each is
     logged with the prompt id. A :class:`VerifierSetupError` (the verifier cannot score anything) stops the run."""
 
     verifier: Verifier
@@ -74,7 +75,8 @@ class VerifierRunner:
         columns: Optional[Sequence[dict[str, Any]]] = None, completion_ids: Optional[Sequence[list[int]]] = None,
     ) -> list[VerificationResult]:
         """A verifier with ``verify_batch`` scores the whole batch itself (in parallel, under its own time
-        limits); an exception in place of a row's result, or the whole call raising, scores 0 and is counted."""
+        limits); an exception in place of a row's result, or the whole call raising, gives no reward and is
+        counted."""
         name = type(self.verifier).__name__
         extra = {}
         accepted = inspect.signature(self.verifier.verify_batch).parameters
@@ -106,7 +108,7 @@ class VerifierRunner:
             except Exception as err:
                 self.errors += 1
                 self._log_once("error", f"{name} raised {type(err).__name__}: {err} on prompt {sample_id}; no reward (episodes.on_fault)")
-                out.append(VerificationResult(0.0, {"error": f"{type(err).__name__}: {err}"}))
+                out.append(VerificationResult(0.0, {"error": f"{type(err).__name__}: {err}", NO_REWARD: True}))
         return out
 
     @staticmethod
@@ -130,11 +132,11 @@ class VerifierRunner:
         except VerifierTimeout:
             self.timeouts += 1
             self._log_once("timeout", f"{name} ran past {self.verifier.timeout_s}s on prompt {sample_id}; no reward (episodes.on_fault)")
-            return VerificationResult(0.0, {"error": "timeout"})
+            return VerificationResult(0.0, {"error": "timeout", NO_REWARD: True})
         except Exception as err:  # a user's verifier may raise anything; the run must go on
             self.errors += 1
             self._log_once("error", f"{name} raised {type(err).__name__}: {err} on prompt {sample_id}; no reward (episodes.on_fault)")
-            return VerificationResult(0.0, {"error": f"{type(err).__name__}: {err}"})
+            return VerificationResult(0.0, {"error": f"{type(err).__name__}: {err}", NO_REWARD: True})
 
     def _log_once(self, kind: str, message: str) -> None:
         if kind not in self._logged:
