@@ -132,7 +132,8 @@ def _option_actions(parser) -> list[argparse.Action]:
 
 
 def _first_sentence(text: Optional[str]) -> str:
-    text = " ".join((text or "").split())
+    """The first sentence of a docstring's text, its reST markup read as plain text (``x`` and :mod:`x` as x)."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", " ".join((text or "").split())).replace("``", "")
     return re.split(r"(?<=[.!?])\s+(?=[A-Z])", text, maxsplit=1)[0]
 
 
@@ -176,7 +177,8 @@ def help_summary(parser) -> str:
             continue
         text = _first_sentence(action.help) or note or ""
         if isinstance(action.default, (str, int, float, bool)) and "default" not in text:
-            text += f" (default: {action.default})"
+            shown = str(action.default).lower() if isinstance(action.default, bool) else action.default
+            text += f" (default: {shown})"  # (as YAML writes it)
         metavar = "{true,false}" if action.default in (True, False) else key.rsplit(".", 1)[-1].upper()
         formatter.add_argument(entry(f"--{key}", text.strip(), metavar=metavar))
     formatter.end_section()

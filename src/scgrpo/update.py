@@ -219,8 +219,8 @@ class PolicyUpdate:
         if valid is not None:  # the others are out of the credit's statistics and of the loss and its denominators
             mask = mask * valid.unsqueeze(1).to(mask.dtype)
         if rollouts.turn_rewards is not None:
-            extra.update(turn_returns=turn_returns(rollouts.turn_rewards, self.gamma),
-                          turn_index=rollouts.turn_index)
+            extra.update(turn_rewards=rollouts.turn_rewards, turn_index=rollouts.turn_index,
+                         turn_returns=turn_returns(rollouts.turn_rewards, self.gamma))
         credit = objective.credit(CreditInputs(rewards, mask, rollouts.group_size, signal, self.micro_batch_size,
                                                valid=valid, **extra))  # groups never span ranks
         if valid is not None:

@@ -132,3 +132,26 @@ def test_two_steps_with_turn_rewards_and_a_faulty_environment_train_on_the_valid
         mask = rollouts.completion_mask * (~rollouts.excluded).unsqueeze(1)
         want = turn_advantages(returns, rollouts.turn_index, mask, 4, valid=~rollouts.excluded)
         assert torch.allclose(plan.credit.token_advantages, want)
+
+
+def test_reinforce_pp_with_turn_rewards_puts_each_turns_reward_on_its_last_model_token():
+    from scgrpo.objectives import REINFORCEPlusPlus
+    from scgrpo.objectives.reinforce_pp import turn_end_rewards
+
+    # one episode: turn 0 (2 tokens), an observation, turn 1 (1 token); rewards 0.5 after turn 0, 1.0 after turn 1
+    index = torch.tensor([[0, 0, -1, 1], [0, -1, 1, 1]])
+    mask = (index >= 0).float()
+    rewards = torch.tensor([[0.5, 1.0], [0.0, 2.0]])
+    placed = turn_end_rewards(rewards, index, mask, 2)
+    assert placed.tolist() == [[0.0, 0.5, 0.0, 1.0], [0.0, 0.0, 0.0, 2.0]]
+    base = turn_end_rewards(rewards, index, mask, 2, baseline="group")  # each turn less its group's mean there
+    assert base.tolist() == [[0.0, 0.25, 0.0, -0.5], [-0.25, 0.0, 0.0, 0.5]]
+    credit = REINFORCEPlusPlus(kl_coef=0.0, rewards="turn").credit(CreditInputs(
+        rewards=rewards.sum(1), mask=mask, group_size=2, turn_rewards=rewards, turn_index=index))
+    # returns by hand (gamma 1, through the observation): row 0: 1.5, 1.5, -, 1.0; row 1: 2.0, -, 2.0, 2.0
+    returns = torch.tensor([1.5, 1.5, 1.0, 2.0, 2.0, 2.0])
+    want = (returns - returns.mean()) / (returns.var() + 1e-8).sqrt()
+    assert torch.allclose(credit.token_advantages[mask.bool()], want, atol=1e-5)
+    with pytest.raises(ValueError, match="single completions; set model.environment, or rewards: episode"):
+        REINFORCEPlusPlus(kl_coef=0.0, rewards="turn").credit(CreditInputs(rewards=rewards[:, 0], mask=mask,
+                                                                          group_size=2))

@@ -86,6 +86,7 @@ class CreditInputs:
     ref_logprobs: Optional[Tensor] = None  # [N, C] fp32 from the scoring pass, with ``needs.scored_credit``
     valid: Optional[Tensor] = None  # [N] bool: rows with a reward (None: all); the others (an environment's or every
     # reward function's fault, ``episodes.on_fault: exclude``) are left out of group statistics, ``mask`` is 0 there
+    turn_rewards: Optional[Tensor] = None  # [N, T] fp32 an episode's reward after each model turn (0: none)
     turn_returns: Optional[Tensor] = None  # [N, T] fp32 an episode's discounted return from each model turn on
     turn_index: Optional[Tensor] = None  # [N, C] long, the model turn of each model token (-1 elsewhere)
 

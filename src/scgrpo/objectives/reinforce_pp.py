@@ -18,7 +18,7 @@ Baseline = Literal["none", "group"]
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_size: int, kl: Optional[Tensor] = None,
                             kl_coef: float = 0.0, gamma: float = 1.0, baseline: Baseline = "none",
-                            sums=None, valid: Optional[Tensor] = None) -> Tensor:
+                            sums=None, valid: Optional[Tensor] = None, turns: Optional[Tensor] = None) -> Tensor:
     """``[N, C]`` REINFORCE++ advantages of each model token (0 elsewhere).
 
     The reward of token t is r_t = -kl_coef * kl_t, plus the sequence reward R on the row's last model token
@@ -26,6 +26,7 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_size: int, kl: 
     G_t = r_t + gamma * G_{t+1} over model tokens (:func:`~scgrpo.objectives.functional.discounted_returns`), and
     the advantage is G whitened over every model token of the batch (``sums`` reduces over ranks). ``valid`` (``[N]``
     bool, None: all) leaves the other rows out of the group means (their ``mask`` is 0: out of the whitening).
+    ``turns`` (``[N, C]``, :func:`turn_end_rewards`) places an episode's rewards turn by turn in place of R.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
@@ -38,12 +39,36 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_size: int, kl: 
     token_rewards = torch.zeros_like(mask)
     if kl is not None and kl_coef:
         token_rewards = token_rewards - kl_coef * kl.float()
-    columns = torch.arange(mask.shape[1], device=mask.device)
-    last = (mask * (columns + 1)).argmax(1)  # [N] the row's last model token (0 for a row without one)
-    has_tokens = mask.sum(1) > 0
-    token_rewards[torch.arange(mask.shape[0], device=mask.device), last] += sequence * has_tokens
+    if turns is not None:
+        token_rewards = token_rewards + turns * mask
+    else:
+        columns = torch.arange(mask.shape[1], device=mask.device)
+        last = (mask * (columns + 1)).argmax(1)  # [N] the row's last model token (0 for a row without one)
+        has_tokens = mask.sum(1) > 0
+        token_rewards[torch.arange(mask.shape[0], device=mask.device), last] += sequence * has_tokens
     returns = Fn.discounted_returns(token_rewards, mask, gamma)
     return Fn.whiten(returns, mask, sums)
+
+
+def turn_end_rewards(turn_rewards: Tensor, turn_index: Tensor, mask: Tensor, group_size: int,
+                     baseline: Baseline = "none",
+        rewards: str = "episode", valid: Optional[Tensor] = None) -> Tensor:
+    """``[N, C]`` each model turn's reward r_k (``turn_rewards`` ``[N, T]``) on the turn's last model token, 0 elsewhere
+    (``turn_index`` ``[N, C]``: each model token's turn, -1 elsewhere); with ``baseline="group"``, r_k less the mean of
+    r_k over the group's ``valid`` episodes that reached turn k."""
+    model = (turn_index >= 0) & mask.bool()  # [N, C]
+    place = turn_index.clamp(min=0)
+    rewards = turn_rewards.float()
+    if baseline == "group":
+        reached = torch.zeros_like(rewards).scatter_add_(1, place, model.float()) > 0  # [N, T]
+        if valid is not None:
+            reached = reached & valid.bool().unsqueeze(1)
+        rewards = torch.stack([rewards[:, k] - Fn.group_mean_std(rewards[:, k], group_size, reached[:, k])[0]
+                               for k in range(rewards.shape[1])], dim=1) if rewards.shape[1] else rewards
+    same_turn_next = torch.zeros_like(model)
+    same_turn_next[:, :-1] = model[:, 1:] & (turn_index[:, 1:] == turn_index[:, :-1])
+    last = model & ~same_turn_next  # [N, C] the last model token of each turn
+    return torch.where(last, rewards.gather(1, place), torch.zeros_like(rewards.gather(1, place)))
 
 
 class REINFORCEPlusPlus(GRPO):
@@ -61,6 +86,9 @@ class REINFORCEPlusPlus(GRPO):
         kl_coef: weight of the per-token KL penalty in the reward (0: no reference model, no scoring pass).
         gamma: discount of the return over model tokens.
         baseline: ``"none"`` (REINFORCE++) or ``"group"`` (REINFORCE++-baseline).
+        rewards: ``"episode"``, the episode's (or completion's) reward on its last model token, or ``"turn"``, for
+            multi-turn episodes, each model turn's reward on that turn's last model token (``gamma`` discounts over
+            model tokens; the group baseline is each turn's own).
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         eps_low, eps_high, num_iterations: as in GRPO.
     """
@@ -70,6 +98,7 @@ class REINFORCEPlusPlus(GRPO):
         kl_coef: float = 0.01,
         gamma: float = 1.0,
         baseline: Baseline = "none",
+        rewards: str = "episode",
         kl_estimator: Fn.KLEstimator = "k1",
         eps_low: float = 0.2,
         eps_high: float = 0.2,
@@ -82,6 +111,9 @@ class REINFORCEPlusPlus(GRPO):
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
         if baseline not in ("none", "group"):
             raise ValueError(f"baseline={baseline!r}: expected 'none' or 'group'")
+        if rewards not in ("episode", "turn"):
+            raise ValueError(f"rewards={rewards!r}: expected 'episode' or 'turn'")
+        self.rewards = rewards
         if kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_estimator={kl_estimator!r}: expected 'k1', 'k2' or 'k3'")
         self.kl_coef, self.gamma, self.baseline, self.kl_estimator = kl_coef, gamma, baseline, kl_estimator
@@ -103,8 +135,15 @@ class REINFORCEPlusPlus(GRPO):
         def over_ranks(values: list[float]) -> list[float]:
             return all_reduce(values, device=mask.device)
 
+        turns = None
+        if self.rewards == "turn":
+            if inputs.turn_rewards is None or inputs.turn_index is None:
+                raise ValueError("REINFORCEPlusPlus(rewards='turn') credits the turns of episodes, and this run's "
+                                 "rollouts are single completions; set model.environment, or rewards: episode")
+            turns = turn_end_rewards(inputs.turn_rewards, inputs.turn_index, mask, group_size, self.baseline,
+                                     inputs.valid)
         token_advantages = reinforce_pp_advantages(rewards, mask, group_size, kl, self.kl_coef, self.gamma,
-                                                   self.baseline, sums=over_ranks, valid=inputs.valid)
+                                                   self.baseline, sums=over_ranks, valid=inputs.valid, turns=turns)
         # per row: the mean token advantage (what a row-level reader of the credit sees; the loss uses the tokens')
         advantages = Fn.masked_mean(token_advantages, mask, dim=1)
         return Credit(advantages=advantages, token_advantages=token_advantages)
