@@ -16,7 +16,8 @@ compare the compact engine with r=16 adapters on every linear layer kept unmerge
 merged (timed in turn, round by round, with each rollout's weight refresh and prefill timed apart too), each with its default decode step (adapters: the Triton block kernels of ``scgrpo.rollout.norms``; none:
 the ``torch.compile``'d step), and with engine ``other_step`` each with the other step too; with engine
 ``lora_after_matmul`` the unmerged model's block kernels with every LoRA term added after its matmul (by the kernels
-that read it), at every row count. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
+that read it), at every row count; with engine ``public`` the public ``generate_ids`` on the peft model as a user
+passes it and on the merged one, each with its default new sampler per call and with one sampler kept. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
 the first difference) and the sampler's log-probabilities against a full forward pass of the sampled tokens.
 Writes ``benchmarks/results/bench_rollout_<card>.json``; ``scripts/bench_table.py`` makes the tables.
 
@@ -57,6 +58,7 @@ import random
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -187,6 +189,27 @@ def compact_runner(model, ids, mask, max_new: int, greedy: bool = False, **kwarg
     return run, sampler
 
 
+def public_runner(model, ids, mask, max_new: int, kept: bool):
+    """The package's public ``scgrpo.rollout.generate_ids`` on ``model`` as the user has it (a peft model passed as
+    it is): with ``sampler=None``, its default, a new sampler each call (compiling, recording its graphs and copying
+    the weights again), or, with ``kept``, one sampler kept between calls."""
+    from scgrpo.rollout import GenerationSettings
+    from scgrpo.rollout.backends import make_sampler
+    from scgrpo.rollout.engine import generate_ids
+
+    settings = GenerationSettings(max_new_tokens=max_new, min_new_tokens=max_new)
+    tokenizer = SimpleNamespace(pad_token_id=EOS, eos_token_id=EOS)
+    sampler = make_sampler(settings) if kept else None
+
+    def run():
+        out = generate_ids(model, tokenizer, ids, mask, settings, texts=False, sampler=sampler)
+        run.stats = dict(out.stats)
+        return out.completion_ids
+
+    run.stats = {}
+    return run
+
+
 def hf_runner(model, ids, mask, max_new: int, static: bool, greedy: bool = False):
     kwargs = dict(max_new_tokens=max_new, min_new_tokens=None if greedy else max_new, pad_token_id=EOS,
                   eos_token_id=EOS, do_sample=not greedy)
@@ -257,9 +280,17 @@ def run_case(name: str, spec: dict, repeats: int, engines: list[str]) -> dict:
         runners["compact_merged"] = compact_runner(merged, ids, mask, max_new)  # default: the compiled step
         if other:
             runners["compact_merged_block_step"] = compact_runner(merged, ids, mask, max_new, block_kernels=True)
-        stats = timed_together({name: run for name, (run, _) in runners.items()}, repeats)
+        public = {}
+        if "public" in engines:  # the public generate_ids on the peft model and on the merged one, same rounds
+            for kept in (False, True):
+                suffix = "_kept" if kept else ""
+                public[f"public_unmerged{suffix}"] = public_runner(peft_model, ids, mask, max_new, kept)
+                public[f"public_merged{suffix}"] = public_runner(merged, ids, mask, max_new, kept)
+        stats = timed_together({**{name: run for name, (run, _) in runners.items()}, **public}, repeats)
         for engine, (_, sampler) in runners.items():
             record(engine, stats[engine], dict(sampler.stats))
+        for engine, run in public.items():
+            record(engine, stats[engine], dict(run.stats))
         tokens, logprobs, _ = runners["compact_unmerged"][0]()  # on-policy: against the adapted model's forward
         result["unmerged_sampler_vs_forward_bf16"] = sampler_vs_forward(peft_model, ids, tokens, logprobs)
         e = result["engines"]
@@ -267,6 +298,9 @@ def run_case(name: str, spec: dict, repeats: int, engines: list[str]) -> dict:
         if "compact_unmerged_lora_after_matmul" in e:
             result["unmerged_lora_after_matmul_over_merged"] = (e["compact_unmerged_lora_after_matmul"]["median_s"]
                                                                 / e["compact_merged"]["median_s"])
+        for suffix in ("", "_kept") if public else ():
+            result[f"public{suffix}_unmerged_over_merged"] = (e[f"public_unmerged{suffix}"]["median_s"]
+                                                              / e[f"public_merged{suffix}"]["median_s"])
         if other:  # the same step both ways
             result["unmerged_over_merged_block_step"] = (e["compact_unmerged"]["median_s"]
                                                          / e["compact_merged_block_step"]["median_s"])

@@ -152,6 +152,25 @@ def test_sampler_logprobs_equal_the_trainers(tiny_model_dir):
     assert bool((generated.sampler_logprobs[~mask] == 0).all())
 
 
+def test_adapters_the_compact_forward_does_not_run_are_named(tok):
+    from peft import LoraConfig, get_peft_model
+
+    def adapted(**lora):
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **lora)
+        return get_peft_model(tiny("llama", len(tok)), config)
+
+    assert unsupported_reason(adapted(), 100) is None
+    assert unsupported_reason(adapted(use_dora=True), 100) == "DoRA adapters"
+    assert unsupported_reason(adapted(lora_bias=True), 100) == "LoRA with biases"
+    sharded = adapted()
+
+    class FullyShardedDataParallel(torch.nn.Module):  # (a class of that name anywhere in the model)
+        pass
+
+    sharded.base_model.model.model.layers[0].add_module("wrap", FullyShardedDataParallel())
+    assert unsupported_reason(sharded, 100) == "sharded (FSDP) weights"
+
+
 def test_other_architectures_fall_back_to_the_hugging_face_forward(tok, batch, caplog):
     model = tiny("llama", len(tok), hidden_act="gelu")
     assert "activation" in unsupported_reason(model, 100)

@@ -68,17 +68,24 @@ def unsupported_reason(model, max_length: int) -> Optional[str]:
     uses_window = any(t == "sliding_attention" for t in layer_types) or (kind == "mistral" and window)
     if uses_window and window and window < max_length:
         return f"sliding-window attention ({window} tokens) within the {max_length}-token rollouts"
+    # (every call walks the model, on a peft model over a thousand modules: each class's ancestry is read once, and
+    # peft's attributes straight from the module's dicts, not through nn.Module's slow lookup of a missing name)
+    kinds, dtensors = set(), False
     for module in causal_lm.modules():
-        if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
+        kinds.add(type(module))
+        dora = vars(module).get("use_dora")
+        if dora and any(dora.values()):
             return "DoRA adapters"
-        if hasattr(module, "lora_B") and any(getattr(b, "bias", None) is not None for b in module.lora_B.values()):
+        lora_b = module._modules.get("lora_B")
+        if lora_b is not None and any(getattr(b, "bias", None) is not None for b in lora_b.values()):
             return "LoRA with biases"
-        # FSDP swaps parameter objects between rollouts: decode through the HF forward
-        if any(cls.__name__ in ("FSDPModule", "FullyShardedDataParallel") for cls in type(module).__mro__):
-            return "sharded (FSDP) weights"
-    for param in causal_lm.parameters():
-        if type(param.data) is not torch.Tensor and param.data.__class__.__name__ == "DTensor":
-            return "sharded (DTensor) weights"
+        dtensors = dtensors or any(p is not None and type(p.data) is not torch.Tensor
+                                   and p.data.__class__.__name__ == "DTensor" for p in module._parameters.values())
+    # FSDP swaps parameter objects between rollouts: decode through the HF forward
+    if any(cls.__name__ in ("FSDPModule", "FullyShardedDataParallel") for kind in kinds for cls in kind.__mro__):
+        return "sharded (FSDP) weights"
+    if dtensors:
+        return "sharded (DTensor) weights"
     lm_head = causal_lm.get_output_embeddings()
     if lora_parts(lm_head) or not is_plain(base_layer(lm_head).weight):
         return "an adapted or quantised output head"
