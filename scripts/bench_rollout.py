@@ -17,7 +17,7 @@ merged (timed in turn, round by round, with each rollout's weight refresh and pr
 the ``torch.compile``'d step), and with engine ``other_step`` each with the other step too; with engine
 ``lora_after_matmul`` the unmerged model's block kernels with every LoRA term added after its matmul (by the kernels
 that read it), at every row count; with engine ``public`` the public ``generate_ids`` on the peft model as a user
-passes it and on the merged one, each with its default new sampler per call and with one sampler kept. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
+passes it and on the merged one, each with its default sampler (kept on the model) and with one passed in. Also measured: greedy agreement with ``generate`` in bf16 (share of tokens equal, row by row, up to
 the first difference) and the sampler's log-probabilities against a full forward pass of the sampled tokens.
 Writes ``benchmarks/results/bench_rollout_<card>.json``; ``scripts/bench_table.py`` makes the tables.
 
@@ -191,8 +191,8 @@ def compact_runner(model, ids, mask, max_new: int, greedy: bool = False, **kwarg
 
 def public_runner(model, ids, mask, max_new: int, kept: bool):
     """The package's public ``scgrpo.rollout.generate_ids`` on ``model`` as the user has it (a peft model passed as
-    it is): with ``sampler=None``, its default, a new sampler each call (compiling, recording its graphs and copying
-    the weights again), or, with ``kept``, one sampler kept between calls."""
+    it is): with ``sampler=None``, its default, the sampler it keeps on the model between calls, or, with ``kept``,
+    one made here and passed in at every call."""
     from scgrpo.rollout import GenerationSettings
     from scgrpo.rollout.backends import make_sampler
     from scgrpo.rollout.engine import generate_ids

@@ -33,6 +33,7 @@ TARGETS = {
     "rollout_over_hf_static_512": (">=", 3.0),
     "rollout_over_hf_static_1p5b": (">=", 3.0),
     "rollout_unmerged_over_merged": ("<=", 1.10),
+    "rollout_public_unmerged_over_merged": ("<=", 1.10),
     "grpo_step_over_previous_engine": ("<=", 0.5),
     "grpo_over_trl_peak_mem_h100": ("<=", 0.25),
     "qlora_8b_4k_peak_reserved_gib": ("<=", 20.0),
@@ -278,6 +279,38 @@ def entry(name: str, value: float, card: str, command: str, note: str) -> dict:
 def met_cell(item: dict) -> str:
     """The table's "met" cell: yes, **no**, or - for a figure without a target."""
     return "-" if item["met"] is None else "yes" if item["met"] else "**no**"
+
+
+PUBLIC_FILE = "bench_rollout_public_lora_h200.json"  # (the public generate on a peft model, its two sizes)
+
+
+def public_rollout_entries() -> dict[str, dict]:
+    """``rollout_public_unmerged_over_merged``: the public ``generate_ids`` on a peft model (r=16 on every linear
+    layer) as a user passes it, over the same weights merged, each with the sampler ``generate`` keeps on the model,
+    at 64 and at 512 rows, with the compact engine driven directly (``rollout_unmerged_over_merged``'s path) in the
+    same call (:data:`PUBLIC_FILE`, ``bench_rollout.py --engines public``); the larger of the two sizes' ratios is the
+    figure, as the target holds for both."""
+    path = os.path.join(RESULTS, PUBLIC_FILE)
+    if not os.path.exists(path):
+        return {}
+    payload = json.load(open(path))
+    cases = payload["cases"]
+    ratios = {case["seqs"]: case["public_unmerged_over_merged"] for case in cases.values()}
+    parts = []
+    for case in sorted(cases.values(), key=lambda c: c["seqs"]):
+        e = case["engines"]
+        parts.append(
+            f"{case['seqs']} rows: {case['public_unmerged_over_merged']:.2f} ({e['public_unmerged']['ms_per_step']:.2f} vs "
+            f"{e['public_merged']['ms_per_step']:.2f} ms/step; a sampler passed in and kept: "
+            f"{case['public_kept_unmerged_over_merged']:.2f}; the engine driven directly: "
+            f"{case['unmerged_over_merged']:.2f})")
+    name = "rollout_public_unmerged_over_merged"
+    return {name: entry(
+        name, max(ratios.values()), payload["card"], payload["command"],
+        "the public scgrpo.rollout.generate_ids on a peft model (LoRA r=16 on every linear layer, kept unmerged) over "
+        "the same weights merged, SmolLM2 shape, bf16, 128 new tokens forced, T=1, whole calls, the sampler kept on "
+        "the model between calls (the default), the two timed in turn in each of 5 rounds of one call: "
+        + "; ".join(parts))}
 
 
 def at_trl_memory_entries() -> dict[str, dict]:
@@ -528,6 +561,7 @@ def rollout_entries(card: str) -> dict[str, dict]:
                               if "calls" in case else "")
         summary[key] = entry(
             key, ratio(low), name_, command,
+            "The compact engine driven directly, its sampler kept (the path of a training run's Policy): "
             "LoRA r=16 on every linear layer kept unmerged vs the same weights merged, whole rollouts (weight "
             f"refresh and prefill included), compact engine, SmolLM2 shape, 64 sequences{calls(low)}; "
             f"at 512 sequences {ratio(high):.2f}{calls(high)}. " + low.get("ratio_definition", "")
@@ -848,6 +882,7 @@ def main() -> None:
         if card == "h200":
             summary.update(budget_entries())
             summary.update(at_trl_memory_entries())
+            summary.update(public_rollout_entries())
         for key, item in qlora_8b_entries(card, per_card[card], all_rows[card]).items():
             earlier = summary.get(key)
             if earlier is not None and earlier["card"] != item["card"]:  # the later card's figure, the other's noted

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from scgrpo.rollout.backends import Sampler, make_sampler
+from scgrpo.rollout.backends import Sampler, kept_sampler
 from scgrpo.rollout.backends.loop import decode_loop
 from scgrpo.rollout.modes import completion_mask_from_eos, eos_token_ids, generation_mode, merged_adapters
 from scgrpo.rollout.sampling import sample_from_logits, sample_tokens
@@ -34,7 +34,7 @@ def generate(
     sampler: Optional[Sampler] = None,
 ) -> Generated:
     """Sample ``num_samples`` completions of each prompt (rows ``[p0 x num_samples, p1 x num_samples, ...]``) with
-    ``sampler`` (None: a new backend of ``settings.engine``, kept for this call only)."""
+    ``sampler`` (None: the one kept on ``model`` for ``settings.engine``, :func:`~scgrpo.rollout.backends.kept_sampler`)."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     prompt_ids = encoded["input_ids"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
     prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
@@ -62,8 +62,9 @@ def generate_ids(
     compact forward's support is checked for that length). ``texts``: decode the completions to text (False:
     ``completions`` is empty, for callers that read the ids only). ``states``: also keep the final hidden state
     before each sampled token (:attr:`Generated.states`), where the compact forward samples. ``sampler``: the rollout
-    backend that draws them (:mod:`scgrpo.rollout.backends`; None: a new one of ``settings.engine``, whose caches last
-    this call only); this function masks and pads after each row's end and decodes the text."""
+    backend that draws them (:mod:`scgrpo.rollout.backends`; None: the one of ``settings.engine`` kept on the model
+    between calls, :func:`~scgrpo.rollout.backends.kept_sampler`); this function masks and pads after each row's end
+    and decodes the text."""
     eos_ids = eos_token_ids(model, tokenizer)
     temperature = temperature if temperature is not None else settings.temperature
     if settings.memory_budget_gib is not None and not settings.keep_workspace and prompt_ids.is_cuda:
@@ -71,7 +72,7 @@ def generate_ids(
         # cached from the last update would count on top of it against a per-process cap (a 20 GiB card's second
         # 8B step ran out of memory in its rollout with 7.1 GiB allocated and 16.6 GiB reserved)
         torch.cuda.empty_cache()
-    sampler = sampler if sampler is not None else make_sampler(settings)
+    sampler = sampler if sampler is not None else kept_sampler(model, settings)
     drawn = sampler.draw(model, prompt_ids, prompt_mask, settings, eos_ids, tokenizer.pad_token_id, temperature, greedy,
                          cuda_graphs, reserve, states)
     completion_ids, entropy_sum, sampler_logprobs = drawn.completion_ids, drawn.entropy_sum, drawn.logprobs

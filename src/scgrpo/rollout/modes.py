@@ -50,7 +50,7 @@ def merged_adapters(model, policy: str = "always") -> Iterator[bool]:
         yield False
         return
     swapped = []
-    if hasattr(model, "get_base_model"):
+    if hasattr(model, "get_base_model") and policy != "never":  # ("never": no walk over the modules)
         for module in model.modules():
             if not isinstance(module, LoraLinear) or module.merged or module.disable_adapters:
                 continue
