@@ -194,8 +194,20 @@ def test_a_weighted_verifier_sums_the_parts_that_scored_and_has_no_reward_when_n
         def verify(self, completion, answer, question=""):
             raise KeyError("no field")
 
-    part = WeightedVerifier([One(), Broken()], [0.5, 2.0]).verify("c", 1)
+    weighted = WeightedVerifier([One(), Broken()], [0.5, 2.0])
+    part = weighted.verify("c", 1)
     assert part.score == 0.5 and part.info["rewards"] == {"One": 1.0, "Broken": None} and "Broken" in part.info["errors"]
+    assert weighted.failed_rows == {"One": 0, "Broken": 1}  # (reward/Broken/errors)
+
+    class Slow(Verifier):
+        def verify(self, completion, answer, question=""):
+            import time
+
+            time.sleep(2)
+            return VerificationResult(1.0)
+
+    (late,) = VerifierRunner(WeightedVerifier([Slow(), One()], timeout_s=0.2))(["c"], [1], ["q"], ["p"])
+    assert late.info["error"] == "timeout" and late.info["no_reward"]  # the sum's time limit, not a part's failure
     (none,) = VerifierRunner(WeightedVerifier([Broken(), Broken()]))(["c"], [1], ["q"], ["p"])
     assert none.score == 0.0 and none.info["no_reward"] and "no part scored" in none.info["error"]
 

@@ -142,10 +142,14 @@ def test_reinforce_pp_with_turn_rewards_puts_each_turns_reward_on_its_last_model
     index = torch.tensor([[0, 0, -1, 1], [0, -1, 1, 1]])
     mask = (index >= 0).float()
     rewards = torch.tensor([[0.5, 1.0], [0.0, 2.0]])
-    placed = turn_end_rewards(rewards, index, mask, 2)
+    placed = turn_end_rewards(rewards, index, mask)
     assert placed.tolist() == [[0.0, 0.5, 0.0, 1.0], [0.0, 0.0, 0.0, 2.0]]
-    base = turn_end_rewards(rewards, index, mask, 2, baseline="group")  # each turn less its group's mean there
-    assert base.tolist() == [[0.0, 0.25, 0.0, -0.5], [-0.25, 0.0, 0.0, 0.5]]
+    # the group baseline: the mean episode reward (1.75) off each row's last model token, the same for every action
+    based = REINFORCEPlusPlus(kl_coef=0.0, rewards="turn", baseline="group").credit(CreditInputs(
+        rewards=rewards.sum(1), mask=mask, group_size=2, turn_rewards=rewards, turn_index=index))
+    returns = torch.tensor([1.5 - 1.75, 1.5 - 1.75, 1.0 - 1.75, 2.0 - 1.75, 2.0 - 1.75, 2.0 - 1.75])
+    want = (returns - returns.mean()) / (returns.var() + 1e-8).sqrt()
+    assert torch.allclose(based.token_advantages[mask.bool()], want, atol=1e-5)
     credit = REINFORCEPlusPlus(kl_coef=0.0, rewards="turn").credit(CreditInputs(
         rewards=rewards.sum(1), mask=mask, group_size=2, turn_rewards=rewards, turn_index=index))
     # returns by hand (gamma 1, through the observation): row 0: 1.5, 1.5, -, 1.0; row 1: 2.0, -, 2.0, 2.0

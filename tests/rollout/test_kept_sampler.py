@@ -42,3 +42,36 @@ def test_generate_draws_with_the_sampler_it_keeps_on_the_model_and_a_copy_starts
     assert KEPT not in model.state_dict() and all(KEPT not in name for name, _ in model.named_modules())
     release_kept(model)
     assert KEPT not in vars(model) and not made[0].decoders
+
+
+def test_a_model_rebuilt_moved_or_cast_between_calls_gets_a_new_decoder_and_samples_as_a_fresh_one(tok):
+    from peft import LoraConfig, get_peft_model
+
+    from scgrpo.rollout.backends import make_sampler
+
+    settings = GenerationSettings(max_new_tokens=6, cuda_graphs=False)
+    ids = torch.randint(3, 100, (2, 5))
+    mask = torch.ones_like(ids)
+
+    def tokens(model, sampler=None):
+        return generate_ids(model, _Tokenizer(), ids, mask, settings, greedy=True, texts=False,
+                            sampler=sampler).completion_ids
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(tiny("llama", len(tok)), config).eval()
+    tokens(model)  # (the kept decoder, built on adapter "default")
+    decoder = kept_sampler(model, settings).decoders[model]["decoder"]
+    changes = [
+        lambda: (model.add_adapter("b", LoraConfig(r=4, lora_alpha=64, target_modules=["k_proj", "o_proj"],
+                                                   init_lora_weights=False)), model.set_adapter("b")),
+        lambda: model.load_state_dict({k: v * 1.5 for k, v in model.state_dict().items()}, assign=True),
+        lambda: model.to(torch.float64),
+    ]
+    for change in changes:
+        change()
+        assert torch.equal(tokens(model), tokens(model, make_sampler(settings)))  # as a fresh sampler draws them
+        rebuilt = kept_sampler(model, settings).decoders[model]["decoder"]
+        assert rebuilt is not decoder
+        decoder = rebuilt
+    tokens(model)
+    assert kept_sampler(model, settings).decoders[model]["decoder"] is decoder  # (nothing changed: kept)

@@ -26,7 +26,8 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_size: int, kl: 
     G_t = r_t + gamma * G_{t+1} over model tokens (:func:`~scgrpo.objectives.functional.discounted_returns`), and
     the advantage is G whitened over every model token of the batch (``sums`` reduces over ranks). ``valid`` (``[N]``
     bool, None: all) leaves the other rows out of the group means (their ``mask`` is 0: out of the whitening).
-    ``turns`` (``[N, C]``, :func:`turn_end_rewards`) places an episode's rewards turn by turn in place of R.
+    ``turns`` (``[N, C]``, :func:`turn_end_rewards`) places an episode's rewards turn by turn in place of R (R, their
+    sum, still sets the group baseline, subtracted on the last model token: the same for every action of the group).
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
@@ -39,36 +40,27 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, group_size: int, kl: 
     token_rewards = torch.zeros_like(mask)
     if kl is not None and kl_coef:
         token_rewards = token_rewards - kl_coef * kl.float()
-    if turns is not None:
+    if turns is not None:  # the turns' own rewards; on the last token only the group baseline (-mean R), if any
         token_rewards = token_rewards + turns * mask
-    else:
-        columns = torch.arange(mask.shape[1], device=mask.device)
-        last = (mask * (columns + 1)).argmax(1)  # [N] the row's last model token (0 for a row without one)
-        has_tokens = mask.sum(1) > 0
-        token_rewards[torch.arange(mask.shape[0], device=mask.device), last] += sequence * has_tokens
+        sequence = sequence - rewards.float()
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last = (mask * (columns + 1)).argmax(1)  # [N] the row's last model token (0 for a row without one)
+    has_tokens = mask.sum(1) > 0
+    token_rewards[torch.arange(mask.shape[0], device=mask.device), last] += sequence * has_tokens
     returns = Fn.discounted_returns(token_rewards, mask, gamma)
     return Fn.whiten(returns, mask, sums)
 
 
-def turn_end_rewards(turn_rewards: Tensor, turn_index: Tensor, mask: Tensor, group_size: int,
-                     baseline: Baseline = "none",
-        rewards: str = "episode", valid: Optional[Tensor] = None) -> Tensor:
+def turn_end_rewards(turn_rewards: Tensor, turn_index: Tensor, mask: Tensor) -> Tensor:
     """``[N, C]`` each model turn's reward r_k (``turn_rewards`` ``[N, T]``) on the turn's last model token, 0 elsewhere
-    (``turn_index`` ``[N, C]``: each model token's turn, -1 elsewhere); with ``baseline="group"``, r_k less the mean of
-    r_k over the group's ``valid`` episodes that reached turn k."""
+    (``turn_index`` ``[N, C]``: each model token's turn, -1 elsewhere)."""
     model = (turn_index >= 0) & mask.bool()  # [N, C]
     place = turn_index.clamp(min=0)
-    rewards = turn_rewards.float()
-    if baseline == "group":
-        reached = torch.zeros_like(rewards).scatter_add_(1, place, model.float()) > 0  # [N, T]
-        if valid is not None:
-            reached = reached & valid.bool().unsqueeze(1)
-        rewards = torch.stack([rewards[:, k] - Fn.group_mean_std(rewards[:, k], group_size, reached[:, k])[0]
-                               for k in range(rewards.shape[1])], dim=1) if rewards.shape[1] else rewards
     same_turn_next = torch.zeros_like(model)
     same_turn_next[:, :-1] = model[:, 1:] & (turn_index[:, 1:] == turn_index[:, :-1])
     last = model & ~same_turn_next  # [N, C] the last model token of each turn
-    return torch.where(last, rewards.gather(1, place), torch.zeros_like(rewards.gather(1, place)))
+    placed = turn_rewards.float().gather(1, place)
+    return torch.where(last, placed, torch.zeros_like(placed))
 
 
 class REINFORCEPlusPlus(GRPO):
@@ -88,7 +80,7 @@ class REINFORCEPlusPlus(GRPO):
         baseline: ``"none"`` (REINFORCE++) or ``"group"`` (REINFORCE++-baseline).
         rewards: ``"episode"``, the episode's (or completion's) reward on its last model token, or ``"turn"``, for
             multi-turn episodes, each model turn's reward on that turn's last model token (``gamma`` discounts over
-            model tokens; the group baseline is each turn's own).
+            model tokens; with ``baseline="group"`` the group's mean episode reward is subtracted on the last one).
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         eps_low, eps_high, num_iterations: as in GRPO.
     """
@@ -140,8 +132,7 @@ class REINFORCEPlusPlus(GRPO):
             if inputs.turn_rewards is None or inputs.turn_index is None:
                 raise ValueError("REINFORCEPlusPlus(rewards='turn') credits the turns of episodes, and this run's "
                                  "rollouts are single completions; set model.environment, or rewards: episode")
-            turns = turn_end_rewards(inputs.turn_rewards, inputs.turn_index, mask, group_size, self.baseline,
-                                     inputs.valid)
+            turns = turn_end_rewards(inputs.turn_rewards, inputs.turn_index, mask)
         token_advantages = reinforce_pp_advantages(rewards, mask, group_size, kl, self.kl_coef, self.gamma,
                                                    self.baseline, sums=over_ranks, valid=inputs.valid, turns=turns)
         # per row: the mean token advantage (what a row-level reader of the credit sees; the loss uses the tokens')

@@ -34,7 +34,9 @@ def generate(
     sampler: Optional[Sampler] = None,
 ) -> Generated:
     """Sample ``num_samples`` completions of each prompt (rows ``[p0 x num_samples, p1 x num_samples, ...]``) with
-    ``sampler`` (None: the one kept on ``model`` for ``settings.engine``, :func:`~scgrpo.rollout.backends.kept_sampler`)."""
+    ``sampler`` (None: the one kept on ``model`` for ``settings.engine``, :func:`~scgrpo.rollout.backends.kept_sampler`:
+    its workspace, the engine's weight copies, KV cache and CUDA graphs, stays allocated between calls until
+    ``release_kept(model)``, or ``settings.keep_workspace`` is off)."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     prompt_ids = encoded["input_ids"].repeat_interleave(num_samples, dim=0)  # [N, Tp]
     prompt_mask = encoded["attention_mask"].repeat_interleave(num_samples, dim=0)  # [N, Tp]

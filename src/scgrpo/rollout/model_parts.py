@@ -48,6 +48,19 @@ def lora_parts(module) -> list[tuple[Tensor, Tensor, float]]:
     return parts
 
 
+def model_structure(model) -> tuple:
+    """What a kept :class:`CompactDecoder` holds on to, as a key that changes when the model is rebuilt around it:
+    each module and parameter object (an adapter added or unloaded, a state dict loaded with ``assign``), each
+    parameter's dtype, device and shape (``.to()``, a resized embedding), and each adapted layer's active adapters and
+    whether they are off. Values changed in place leave it as it is (the decoder's refresh reads them)."""
+    parts = []
+    for module in model.modules():
+        own = vars(module)
+        parts.append((id(module), str(own.get("_active_adapter")), own.get("_disable_adapters")))
+        parts.extend((id(p), p.dtype, p.device, p.shape) for p in module._parameters.values() if p is not None)
+    return tuple(parts)
+
+
 def unsupported_reason(model, max_length: int) -> Optional[str]:
     """Why :class:`CompactDecoder` cannot decode ``model`` exactly up to ``max_length`` tokens, or None."""
     causal_lm = inner_model(model)
@@ -76,6 +89,9 @@ def unsupported_reason(model, max_length: int) -> Optional[str]:
         dora = vars(module).get("use_dora")
         if dora and any(dora.values()):
             return "DoRA adapters"
+        variants = vars(module).get("lora_variant")
+        if variants:  # (peft's other variants: aLoRA, Arrow, ... are not a plain low-rank add)
+            return f"a LoRA variant ({type(next(iter(variants.values()))).__name__})"
         lora_b = module._modules.get("lora_B")
         if lora_b is not None and any(getattr(b, "bias", None) is not None for b in lora_b.values()):
             return "LoRA with biases"

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Sequence
 
 from scgrpo.verifiers.base import VerificationResult, Verifier, VerifierSetupError
 from scgrpo.verifiers.rewards import NoReward, reward_names
+from scgrpo.verifiers.runner import VerifierTimeout
+
+log = logging.getLogger(__name__)
 
 
 class WeightedVerifier(Verifier):
     """score = sum_k weight_k * score_k over the parts that scored (a part that raises gives no value, as a reward
-    function's None; a row no part scored has no reward). ``info["rewards"]`` holds each part's score under its class name (two parts of
-    one class: ``Name``, ``Name_2``), logged as ``reward/<name>/mean``.
+    function's None; a row no part scored has no reward). ``info["rewards"]`` holds each part's score under its class
+    name (two parts of one class: ``Name``, ``Name_2``), logged as ``reward/<name>/mean``; the rows a part raised on
+    as ``reward/<name>/errors`` (its first failure logged). The time limit is the whole sum's.
 
     Args:
         verifiers: the parts, each any :class:`Verifier`.
@@ -30,16 +35,22 @@ class WeightedVerifier(Verifier):
         self.weights = weights
         self.names = reward_names(self.verifiers)
         self.timeout_s = timeout_s
+        self.failed_rows = {name: 0 for name in self.names}  # rows each part raised on
 
     def verify(self, completion: str, answer: Any, question: str = "") -> VerificationResult:
         total, scores, decisions, errors = 0.0, {}, [], {}
         for verifier, weight, name in zip(self.verifiers, self.weights, self.names):
             try:
                 result = verifier.verify(completion, answer, question)
-            except VerifierSetupError:
+            except (VerifierSetupError, VerifierTimeout):  # (the sum's own time limit: the runner counts it)
                 raise
             except Exception as err:  # noqa: BLE001 - a part's failure leaves its value out, as a reward function's
                 scores[name], errors[name] = None, f"{type(err).__name__}: {err}"
+                if not self.failed_rows[name]:
+                    log.warning("%s (a part of WeightedVerifier) raised %s; its value is left out of those rows' sums "
+                                "(counted under reward/%s/errors; further failures are not logged)", name,
+                                errors[name], name)
+                self.failed_rows[name] += 1
                 continue
             scores[name] = result.score
             total += weight * result.score

@@ -5,6 +5,8 @@ import path."""
 
 from __future__ import annotations
 
+import weakref
+
 from scgrpo.rollout.backends.base import Draw, Sampler
 from scgrpo.rollout.backends.compact import CompactSampler
 from scgrpo.rollout.backends.hf import HFGenerateSampler
@@ -44,12 +46,15 @@ class KeptSamplers(dict):
 def kept_sampler(model, settings: GenerationSettings) -> Sampler:
     """The sampler of ``model`` for ``settings``' engine that ``generate`` draws with when it is given none: made at
     the first call and kept on the model, so that the next call reuses its workspace (the compact engine's weight
-    copies, KV cache and CUDA graphs, with the adapters refreshed) instead of building it again. ``generation.
-    keep_workspace: false`` frees the workspace after each call; :func:`release_kept` frees it at once."""
+    copies, KV cache and CUDA graphs, with the adapters refreshed; a new one where the model was rebuilt, moved or
+    cast since) instead of building it again. That GPU memory stays allocated after the call, until the model goes,
+    :func:`release_kept`, or with ``generation.keep_workspace: false``, after each call. One model's calls share it:
+    call from one thread at a time."""
     kept = vars(model).get(KEPT)
     if kept is None:
         kept = KeptSamplers()
         object.__setattr__(model, KEPT, kept)  # (a plain attribute: not a module, parameter or buffer)
+        weakref.finalize(model, _release, kept)  # (freed with the model, not at the next garbage collection)
     key = (settings.engine, settings.decode_forward)
     if key not in kept:
         kept[key] = make_sampler(settings)
@@ -58,5 +63,10 @@ def kept_sampler(model, settings: GenerationSettings) -> Sampler:
 
 def release_kept(model) -> None:
     """Frees the workspaces of the samplers :func:`kept_sampler` keeps on ``model`` and forgets them."""
-    for sampler in vars(model).pop(KEPT, {}).values():
+    _release(vars(model).pop(KEPT, {}))
+
+
+def _release(kept: dict) -> None:
+    for sampler in kept.values():
         sampler.release()
+    kept.clear()

@@ -53,7 +53,7 @@ class CompactSampler(Sampler):
         kept between rollouts, adapters refreshed), or None when the settings or the model rule it out (the reason is
         logged once per model)."""
         from scgrpo.rollout.compact import CompactDecoder
-        from scgrpo.rollout.model_parts import unsupported_reason
+        from scgrpo.rollout.model_parts import model_structure, unsupported_reason
 
         if settings.decode_forward != "auto":
             return None
@@ -75,14 +75,18 @@ class CompactSampler(Sampler):
         compile_layers = settings.compile == "on" or (
             settings.compile == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None)
         options = (compile_layers, settings.four_bit, settings.memory_budget_gib, settings.keep_workspace)
-        if entry is None or "decoder" not in entry or entry["options"] != options:
+        # (a decoder holds the modules and parameters it was built on: a model rebuilt around them, an adapter added
+        # or unloaded, weights moved or cast, needs a new one)
+        structure = entry["structure"] if same else model_structure(model)
+        if entry is None or "decoder" not in entry or entry["options"] != options or entry["structure"] != structure:
             if entry is not None:  # the old workspaces and weight copies go before the new decoder takes its own
                 _release_entry(entry)
                 self.decoders.pop(model, None)
             decoder = CompactDecoder(model, compile_layers=compile_layers, four_bit=settings.four_bit,
                                      memory_budget=budget_bytes(settings.memory_budget_gib),
                                      keep_workspace=settings.keep_workspace)
-            entry = self.decoders[model] = {"decoder": decoder, "options": options, "samplers": {}}
+            entry = self.decoders[model] = {"decoder": decoder, "options": options, "samplers": {},
+                                            "structure": structure}
             same = False
         if not same:  # (inside one model state the adapters read at its first call stay)
             entry["decoder"].refresh()
