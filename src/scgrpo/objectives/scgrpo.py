@@ -148,14 +148,12 @@ class SCGRPO(GRPO):
     def diversity_advantages(self, f: Tensor, signal: TeacherSignal, group_size: int) -> Tensor:
         """``[N]`` alpha * A_div for the non-reference rows of solve-none groups (Eq. 5), 0 elsewhere."""
         # (a row with no token in its window, ``diversity_min_tokens``, has no score)
-        scored = (signal.has_teacher & (signal.route == SOLVE_NONE) & signal.diversity_mask.bool().any(1))
-        scored = scored.float().view(-1, group_size)  # [P, G]
-        scores = Fn.masked_mean(f, signal.diversity_mask, dim=1).view(-1, group_size)  # [P, G] s_i
-        count = scored.sum(1, keepdim=True)  # [P, 1] G - 1 in a routed solve-none group (fewer: rows without a window)
-        mean = (scores * scored).sum(1, keepdim=True) / count.clamp(min=1)
-        var = (((scores - mean) ** 2) * scored).sum(1, keepdim=True) / (count - 1).clamp(min=1)  # unbiased
-        a_div = (scores - mean) / (var.sqrt() + Fn.ADVANTAGE_EPS) * scored * (count >= 2).float()
-        return self.alpha * a_div.view(-1)
+        scored = signal.has_teacher & (signal.route == SOLVE_NONE) & signal.diversity_mask.bool().any(1)  # [N]
+        scores = Fn.masked_mean(f, signal.diversity_mask, dim=1)  # [N] s_i
+        mean, std = Fn.group_mean_std(scores, group_size, scored)  # over the scored rows, the std unbiased
+        # (G - 1 scored rows in a routed solve-none group; fewer where rows have no window)
+        held = (scored & (Fn.group_counts(scored, group_size) >= 2)).to(scores.dtype)
+        return self.alpha * (scores - mean) / (std + Fn.ADVANTAGE_EPS) * held
 
     def credit(self, inputs: CreditInputs) -> Credit:
         mask, group_size, signal = inputs.mask, inputs.group_size, inputs.signal
