@@ -296,7 +296,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
              memory_budget_gib: Optional[float] = None, memory_fraction_gib: Optional[float] = None,
              profile: Optional[str] = None, fused_lora: bool = True, fused_16bit: bool = True,
              cudnn_attention: bool = False, shared_teacher_passes: bool = True,
-             stream_kernel: str = "dequantize", packed: bool = True, packed_update: bool = True,
+             stream_kernel: Optional[str] = None, packed: bool = True, packed_update: bool = True,
              pack_width: Optional[int] = None, shared_prefixes: bool = True,
              student_states: str = "auto", model_budget_gib: Optional[float] = None) -> dict[str, Any]:
     import lightning.pytorch as pl
@@ -368,7 +368,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
     start = time.perf_counter()
     defaults = (four_bit_module.STREAM_KERNEL, packing_module.PACK_WIDTH, packing_module.SHARED_PREFIXES)
     packing_module.SHARED_PREFIXES = shared_prefixes
-    four_bit_module.STREAM_KERNEL = stream_kernel
+    four_bit_module.STREAM_KERNEL = stream_kernel or defaults[0]
     packing_module.PACK_WIDTH = pack_width or packing_module.PACK_WIDTH
     error = None
     try:
@@ -391,7 +391,7 @@ def run_case(name: str, *, model: str, objective: str, prompts: int, group: int,
         "model_budget_gib": model_budget_gib,
         "memory_fraction_gib": memory_fraction_gib, "fused_lora": fused_lora, "fused_16bit": fused_16bit,
         "cudnn_attention": cudnn_attention, "shared_teacher_passes": shared_teacher_passes,
-        "stream_kernel": stream_kernel, "packed": packed, "packed_update": packed_update,
+        "stream_kernel": stream_kernel or defaults[0], "packed": packed, "packed_update": packed_update,
         "pack_width": pack_width or defaults[1], "shared_prefixes": shared_prefixes, "student_states": student_states,
         "rewards": "coin flip (hash of the text)" if coin_flip_rewards else "arithmetic verifier",
         "total_wall_s": time.perf_counter() - start,
@@ -586,7 +586,15 @@ def main() -> None:
     parser.add_argument("--memory-snapshot", default=None,
                         help="write the allocator's trace of each case's last step to PATH (case name appended), "
                              "for scripts/memory_peaks.py")
+    parser.add_argument("--nf4-launch", default=None,
+                        help="the fused nf4 matmul's settings by shape: a scripts/tune_nf4_matmul.py result's "
+                             "launches (scgrpo.rollout.nf4_matmul.TUNED)")
     args = parser.parse_args()
+    if args.nf4_launch:
+        from scgrpo.rollout import nf4_matmul
+
+        with open(args.nf4_launch) as f:
+            nf4_matmul.TUNED = json.load(f)["launches"]
 
     from scgrpo.models import resolve_model
 
@@ -656,8 +664,9 @@ def main() -> None:
             sampling[f"qwen8b_sampling_{mode}"] = dict(four_bit=mode)
         sampling["qwen8b_sampling_streamed_whole"] = dict(four_bit="streamed", chunk=1 << 30)  # (the default)
         sampling["qwen8b_sampling_streamed_8m"] = dict(four_bit="streamed", chunk=1 << 23)  # in runs of 8M weights
-        # streamed, the codes read inside the matmul (scgrpo.rollout.nf4_matmul) instead of a dequantized scratch
+        # streamed, the codes read inside the matmul (scgrpo.rollout.nf4_matmul; the default), or a dequantized scratch
         sampling["qwen8b_sampling_streamed_fused"] = dict(four_bit="streamed", kernel="fused")
+        sampling["qwen8b_sampling_streamed_dequantize"] = dict(four_bit="streamed", kernel="dequantize")
         common = dict(model=qwen, objective="scgrpo", quantization="nf4", prompts=8, group=8, gradient_checkpointing=True,
                       coin_flip_rewards=True, keep_workspace=False)
         # 1,024 tokens with the targets' settings (micro-batches of 4 rows), peft's LoRA forward on the 4-bit layers
@@ -692,8 +701,11 @@ def main() -> None:
         # ... the student's side by a forward pass in the teacher pass (generation.student_states "forward"), not
         # the sampler's kept states ("auto" at this length on a GPU)
         cases["qwen8b_scgrpo_1k_20gib_auto_forward_states"] = dict(auto, student_states="forward")
-        for objective in ("grpo", "scgrpo"):  # ... the streamed 4-bit base through the fused nf4 matmul
+        for objective in ("grpo", "scgrpo"):  # ... the streamed 4-bit base through the fused nf4 matmul (the default), or
+            # dequantized into a scratch and multiplied
             cases[f"qwen8b_{objective}_1k_20gib_auto_fused_nf4"] = dict(auto, objective=objective, stream_kernel="fused")
+            cases[f"qwen8b_{objective}_1k_20gib_auto_dequantize_nf4"] = dict(auto, objective=objective,
+                                                                             stream_kernel="dequantize")
         cases["qwen8b_scgrpo_4k_20gib"] = dict(max_new=4096, min_new=4096, steps=1, warmup=0, **consumer)
         if suffix:  # other blocks, other names: the summary's figures stay those of one kind of block
             cases = {k + suffix: v for k, v in cases.items()}

@@ -27,6 +27,7 @@ TARGETS = {
     "step_over_trl_at_trl_memory": ("<=", 0.15),
     "scgrpo_over_grpo_step_8b": ("<=", 1.10),
     "qlora_8b_1k_step_20gib_s": ("<=", 18.0),
+    "qlora_8b_decode_step_ms_20gib": ("<=", 6.0),
     "qlora_1p5b_peak_gib": ("<=", 8.0),
     "fsdp2_over_1gpu_throughput": (">=", 1.7),
     "rollout_over_hf_static_64": (">=", 3.0),
@@ -75,7 +76,8 @@ BUDGET_FILES = (BUDGET_FILE, TRL_FILE, WIDTH_FILE, *EARLIER_FILES, BEFORE_FILE, 
                 SEGMENTS_FILE, AT_TRL_FILE, TRL_SPREAD_FILE)
 """The memory budget's measurements: read by :func:`budget_entries` only (their case names are the suite's own,
 and the earlier figures keep theirs)"""
-QWEN8B_FILE = "bench_qwen8b_1k_20gib_rollout_states_h200.json"
+QWEN8B_FILE = "bench_qwen8b_1k_20gib_nf4_defaults_h200.json"
+QWEN8B_DEQUANTIZE_FILE = "bench_qwen8b_1k_20gib_rollout_states_h200.json"  # (before the fused nf4 matmul)
 QWEN8B_FORWARD_FILE = "bench_qwen8b_1k_20gib_forward_states_h200.json"  # (the student's forward pass, same call)
 QWEN8B_PREVIOUS_FILE = "bench_qwen8b_1k_20gib_expandable_h200.json"  # (before the sampler's states served the student)
 QWEN8B_EARLIER_FILE = "bench_qwen8b_1k_20gib_slots_h200.json"  # (fixed segments, the teacher's rows in one shared pass)
@@ -200,6 +202,7 @@ def budget_entries() -> dict[str, dict]:
     q, q_earlier, q_before = file_cases(QWEN8B_FILE), file_cases(QWEN8B_EARLIER_FILE), file_cases(QWEN8B_BEFORE_FILE)
     q_teacher, q_fixed = file_cases(QWEN8B_TEACHER_FILE), file_cases(QWEN8B_SEGMENTS_FILE)
     q_forward, q_previous = file_cases(QWEN8B_FORWARD_FILE), file_cases(QWEN8B_PREVIOUS_FILE)
+    q_dequantize = file_cases(QWEN8B_DEQUANTIZE_FILE)
     if q:
         sc8, grpo8 = q["qwen8b_scgrpo_1k_20gib_auto"], q["qwen8b_grpo_1k_20gib_auto"]
         states = ""  # the student's side: the sampler's states against a forward pass
@@ -211,6 +214,12 @@ def budget_entries() -> dict[str, dict]:
                        f"{kept['wall_s']:.1f} s, with the student's forward pass instead (student_states 'forward', as "
                        f"before) {fwd['wall_s']:.1f} s (teacher pass {fwd['time_teacher_s']:.1f} s against "
                        f"{kept['time_teacher_s']:.1f} s), GRPO {g['wall_s']:.1f} s.")
+        if q_dequantize:
+            d8, dg = q_dequantize["qwen8b_scgrpo_1k_20gib_auto"], q_dequantize["qwen8b_grpo_1k_20gib_auto"]
+            states += (f" Before the fused nf4 matmul, dequantizing each projection into a scratch "
+                       f"({QWEN8B_DEQUANTIZE_FILE}): SC-GRPO {d8['wall_s']:.1f} s (sampling "
+                       f"{d8['time_generation_s']:.1f} s) against GRPO {dg['wall_s']:.1f} s, "
+                       f"{d8['wall_s'] / dg['wall_s']:.3f}.")
         if q_previous:
             p8, pg = q_previous["qwen8b_scgrpo_1k_20gib_auto"], q_previous["qwen8b_grpo_1k_20gib_auto"]
             states += (f" Before the sampler's states served the student ({QWEN8B_PREVIOUS_FILE}): {p8['wall_s']:.1f} s "
@@ -242,7 +251,7 @@ def budget_entries() -> dict[str, dict]:
         out["qlora_8b_1k_step_20gib_s"] = entry(
             "qlora_8b_1k_step_20gib_s", sc8["wall_s"], sc8["card"], sc8["command"],
             f"{shape}: SC-GRPO {sc8['wall_s']:.1f} s = sampling {sc8['time_generation_s']:.1f} s (streamed 4-bit "
-            f"mode, {sc8['rollout_slots']:.0f} decode slots for {sc8['prompts_per_gpu'] * sc8['group_size']} rows, "
+            f"mode, the nf4 codes read inside the matmul, {sc8['rollout_slots']:.0f} decode slots for {sc8['prompts_per_gpu'] * sc8['group_size']} rows, "
             f"{sc8['rollout_decode_steps']:.0f} decode steps, the final states kept on the host for the self-teacher), "
             f"teacher pass {sc8['time_teacher_s']:.1f} s (the teacher's rows alone), update "
             f"{sc8['time_train_s']:.1f} s ({update_passes(sc8)}), peak allocated "
@@ -279,6 +288,70 @@ def entry(name: str, value: float, card: str, command: str, note: str) -> dict:
 def met_cell(item: dict) -> str:
     """The table's "met" cell: yes, **no**, or - for a figure without a target."""
     return "-" if item["met"] is None else "yes" if item["met"] else "**no**"
+
+
+NF4_SAMPLING_FILE = "bench_qwen8b_sampling_nf4_defaults_h200.json"  # (streamed 4-bit sampling: fused, dequantizing)
+NF4_TUNE_FILE = "tune_nf4_matmul_orders_h200.json"  # (scripts/tune_nf4_matmul.py: the projections alone)
+NF4_CHECK_FILE = "check_nf4_matmul_orders_h200.json"  # (scripts/check_nf4_matmul.py: every weight, many passes)
+H200_TB_S = 4.8
+"""The H200's memory bandwidth (TB/s, its data sheet)"""
+
+
+def qwen8b_decode_bytes(rows: int = 64, new_tokens: int = 1024, prompt: int = 35) -> float:
+    """What one decode step of the Qwen3-8B shape must read at least, on average over a rollout of ``new_tokens``:
+    the nf4 projections' codes and fp32 block scales (0.5 + 4/64 bytes a weight), the bf16 head, the KV cache at the
+    rollout's mean length (bf16, 36 layers x 8 key/value heads x 128 x 2 a token; ``prompt`` tokens of chat-template
+    prompt first)."""
+    hidden, inner, layers, kv_dim, q_dim, vocab = 4096, 12288, 36, 8 * 128, 32 * 128, 151936
+    weights = layers * (hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden + 3 * hidden * inner)
+    kv_token = layers * kv_dim * 2 * 2
+    return weights * (0.5 + 4 / 64) + vocab * hidden * 2 + rows * (prompt + new_tokens / 2) * kv_token
+
+
+def decode_entries() -> dict[str, dict]:
+    """``qlora_8b_decode_step_ms_20gib``: the streamed 4-bit decode step (what a 20 GiB budget picks) at 64 rows x
+    1,024 tokens at the defaults (the fused nf4 matmul), its share of the card's bandwidth, and dequantizing into a
+    scratch in the same call."""
+    path = os.path.join(RESULTS, NF4_SAMPLING_FILE)
+    if not os.path.exists(path):
+        return {}
+    payload = json.load(open(path))
+    by = {case["case"]: case for case in payload["cases"]}
+    base, dequantize = by["qwen8b_sampling_streamed"], by.get("qwen8b_sampling_streamed_dequantize")
+    floor_ms = qwen8b_decode_bytes() / (H200_TB_S * 1e12) * 1e3
+    share = lambda ms: floor_ms / ms  # noqa: E731
+    note = (f"random Qwen3-8B-shaped model, nf4 + LoRA r=16, 64 rows x 1,024 new tokens forced, the streamed 4-bit "
+            f"mode (what a 20 GiB budget picks) with the nf4 codes read inside the matmul ({base['stream_kernel']}, "
+            f"scgrpo.rollout.nf4_matmul at its tuned launches): {base['ms_per_decode_step']:.2f} ms a decode step; a "
+            f"step must read {qwen8b_decode_bytes() / 1e9:.1f} GB (nf4 codes and scales, the bf16 head, the KV cache at "
+            f"the mean length), {floor_ms:.2f} ms at {H200_TB_S} TB/s, so "
+            f"{100 * share(base['ms_per_decode_step']):.0f}% of the bandwidth; log-prob mismatch "
+            f"{base['logprob_mismatch_mean']:.3f} nats mean")
+    if dequantize:
+        note += (f". In the same call, dequantizing into a scratch then cuBLAS (the previous default): "
+                 f"{dequantize['ms_per_decode_step']:.2f} ms ({100 * share(dequantize['ms_per_decode_step']):.0f}%), "
+                 f"mismatch {dequantize['logprob_mismatch_mean']:.3f}")
+    tune = os.path.join(RESULTS, NF4_TUNE_FILE)
+    if os.path.exists(tune):
+        t = json.load(open(tune))
+        ms, rate = t["step_ms"], t["gb_per_s"]
+        note += (f". The projections alone ({NF4_TUNE_FILE}, a step's 36 layers): {ms['fused_best']:.2f} ms fused "
+                 f"({rate['fused_best']:.0f} GB/s) against {ms['dequantize_mm']:.2f} ms dequantizing "
+                 f"({rate['dequantize_mm']:.0f} GB/s) and {ms['bf16_mm']:.2f} ms for bf16 weights "
+                 f"({rate['bf16_mm']:.0f} GB/s); the rest of the step is attention, the head, norms and LoRA")
+    check = os.path.join(RESULTS, NF4_CHECK_FILE)
+    if os.path.exists(check):
+        settings = json.load(open(check))["settings"]
+        racy = [c for c in settings if c.get("order") == "wx" and c["wrong_passes"]]
+        clean = [c for c in settings if c.get("order") != "wx"]
+        note += (f"; every weight of {sum(c['passes'] for c in clean)} passes at {len(clean)} settings (the tuned "
+                 f"launches among them) is bitsandbytes' own, {sum(c['wrong_passes'] for c in clean)} wrong "
+                 f"({NF4_CHECK_FILE})")
+        if racy:
+            note += (f", where the product by a register operand (order 'wx', Triton 3.6's ptxas) gave wrong weights "
+                     f"in {racy[0]['wrong_passes']} of {racy[0]['passes']}")
+    name = "qlora_8b_decode_step_ms_20gib"
+    return {name: entry(name, base["ms_per_decode_step"], payload["card"], payload["command"], note)}
 
 
 PUBLIC_FILE = "bench_rollout_public_lora_h200.json"  # (the public generate on a peft model, its two sizes)
@@ -883,6 +956,7 @@ def main() -> None:
             summary.update(budget_entries())
             summary.update(at_trl_memory_entries())
             summary.update(public_rollout_entries())
+            summary.update(decode_entries())
         for key, item in qlora_8b_entries(card, per_card[card], all_rows[card]).items():
             earlier = summary.get(key)
             if earlier is not None and earlier["card"] != item["card"]:  # the later card's figure, the other's noted

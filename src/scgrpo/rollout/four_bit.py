@@ -28,13 +28,16 @@ from torch import Tensor
 MODES = ("auto", "resident", "streamed", "layers")
 """GenerationSettings.four_bit's values (see scgrpo.rollout.engine)"""
 STREAM_CHUNK = 1 << 30
-STREAM_KERNEL = "dequantize"
-"""How a streamed projection multiplies: "dequantize" (bitsandbytes' kernel into the scratch, then a matmul) or
-"fused" (:mod:`scgrpo.rollout.nf4_matmul`: the codes read inside the matmul, nf4 weights only; the others are
-dequantized). Benchmarks set it (``scripts/bench_step.py``'s ``qwen8b_sampling_streamed_fused``); measured on an H200
-(64 rows, Qwen3-8B shapes): 27.7 ms a decode step with 64-row tiles against 17.5 ms dequantizing (its first version
-took 119.5 ms; benchmarks/results/bench_qwen8b_sampling_fused_tiled_h200.json), and its projections alone at the
-settings it now takes 12.8 ms a step against 12.3 ms (benchmarks/results/tune_nf4_matmul_h200.json), so it stays off"""
+STREAM_KERNEL = "fused"
+"""How a streamed projection multiplies: "fused" (:mod:`scgrpo.rollout.nf4_matmul`: the codes read inside the
+matmul, for nf4 weights whose rows it takes and inputs of up to :data:`FUSED_ROWS` rows; the others are
+dequantized) or "dequantize" (bitsandbytes' kernel into the scratch, then a matmul). On an H200 (64 rows, Qwen3-8B's
+shapes) sampling takes 12.55 ms a decode step fused against 18.05 ms dequantizing
+(benchmarks/results/bench_qwen8b_sampling_nf4_defaults_h200.json)"""
+FUSED_ROWS = 64
+"""The most rows of an input the fused kernel multiplies (a decode step's): a prefill's many rows go to cuBLAS on
+the dequantized weight, which reads each weight once for them all, where the kernel reads it once a block of 64
+rows and sums its runs of a row through fp32 partials"""
 
 
 def resident_fits(copy: int, left: int, kept: bool = False) -> bool:
@@ -173,7 +176,8 @@ def streamed_matmul(x: Tensor, dequantizers: list[Dequantizer], plan: list[tuple
     """``[x W_1^T | ... | x W_k^T | x A^T] (+ bias)`` for ``x`` ``[M, K]``: each run of ``plan`` dequantized into
     ``scratch`` and multiplied at once (``W x^T`` into rows of the transposed output, so every run writes a
     contiguous block), the adapters' down-projections ``lora_a`` ``[R, K]`` after them. With :data:`STREAM_KERNEL`
-    "fused", each weight the fused kernel takes is multiplied by it instead (no scratch)."""
+    "fused" and at most :data:`FUSED_ROWS` rows, each weight the fused kernel takes is multiplied by it instead (no
+    scratch)."""
     m = x.shape[0]
     out = sum(d.rows for d in dequantizers)
     rank = 0 if lora_a is None else lora_a.shape[0]
@@ -181,7 +185,7 @@ def streamed_matmul(x: Tensor, dequantizers: list[Dequantizer], plan: list[tuple
     x_t = x.t()
     cols = dequantizers[0].cols
     fused = set()
-    if STREAM_KERNEL == "fused":
+    if STREAM_KERNEL == "fused" and m <= FUSED_ROWS:
         from scgrpo.rollout.nf4_matmul import nf4_matmul_t, supported
 
         at = 0
