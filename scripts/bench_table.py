@@ -290,7 +290,7 @@ def met_cell(item: dict) -> str:
     return "-" if item["met"] is None else "yes" if item["met"] else "**no**"
 
 
-NF4_SAMPLING_FILE = "bench_qwen8b_sampling_nf4_defaults_h200.json"  # (streamed 4-bit sampling: fused, dequantizing)
+NF4_SAMPLING_FILE = "bench_qwen8b_sampling_nf4_rowmajor_h200.json"  # (streamed 4-bit sampling: fused, dequantizing)
 NF4_TUNE_FILE = "tune_nf4_matmul_orders_h200.json"  # (scripts/tune_nf4_matmul.py: the projections alone)
 NF4_CHECK_FILE = "check_nf4_matmul_orders_h200.json"  # (scripts/check_nf4_matmul.py: every weight, many passes)
 H200_TB_S = 4.8

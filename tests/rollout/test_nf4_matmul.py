@@ -35,7 +35,7 @@ def test_fused_nf4_matmul_multiplies_by_bitsandbytes_values(rows, cols, m, neste
     """Rows not a multiple of the tile, inputs of 1 to 17 rows and of 100 (two blocks of rows), with and without double quantisation, rows cut into
     runs summed afterwards or not, codes looked up in memory a code or a byte, or a 32-bit word at a time (in
     registers on a GPU; the interpreter reads the same words and assembles their values the same way), as x W^T
-    or W x^T, rows of whole blocks (one scale a row a step: blocks of 64, and of 128 over rows of
+    or W x^T, into rows of a transposed output or columns of a row-major one, rows of whole blocks (one scale a row a step: blocks of 64, and of 128 over rows of
     256) or not (blocks of 128 over rows of 192): W x^T with W as bitsandbytes dequantizes it (written out by hand), to fp32 summation order (the kernel's
     only difference)."""
     from scgrpo.rollout import nf4_matmul
@@ -58,6 +58,9 @@ def test_fused_nf4_matmul_multiplies_by_bitsandbytes_values(rows, cols, m, neste
     out = torch.zeros(rows + 3, m, device=DEVICE)
     nf4_matmul_t(x, d, out[2 : 2 + rows], split=split, lookup=lookup, order=order)  # into rows of a larger output, the others untouched
     assert torch.equal(out[2 : 2 + rows], got) and (out[:2] == 0).all() and (out[2 + rows :] == 0).all()
+    wide = torch.zeros(m, rows + 5, device=DEVICE)  # into columns of a row-major output, the others untouched
+    nf4_matmul_t(x, d, wide[:, 3 : 3 + rows].t(), split=split, lookup=lookup, order=order)
+    assert torch.equal(wide[:, 3 : 3 + rows], got.t()) and (wide[:, :3] == 0).all() and (wide[:, 3 + rows :] == 0).all()
 
 
 @runs

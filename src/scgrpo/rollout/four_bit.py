@@ -32,8 +32,8 @@ STREAM_KERNEL = "fused"
 """How a streamed projection multiplies: "fused" (:mod:`scgrpo.rollout.nf4_matmul`: the codes read inside the
 matmul, for nf4 weights whose rows it takes and inputs of up to :data:`FUSED_ROWS` rows; the others are
 dequantized) or "dequantize" (bitsandbytes' kernel into the scratch, then a matmul). On an H200 (64 rows, Qwen3-8B's
-shapes) sampling takes 12.55 ms a decode step fused against 18.05 ms dequantizing
-(benchmarks/results/bench_qwen8b_sampling_nf4_defaults_h200.json)"""
+shapes) sampling takes 11.88 ms a decode step fused against 18.02 ms dequantizing
+(benchmarks/results/bench_qwen8b_sampling_nf4_rowmajor_h200.json)"""
 FUSED_ROWS = 64
 """The most rows of an input the fused kernel multiplies (a decode step's): a prefill's many rows go to cuBLAS on
 the dequantized weight, which reads each weight once for them all, where the kernel reads it once a block of 64
@@ -177,10 +177,22 @@ def streamed_matmul(x: Tensor, dequantizers: list[Dequantizer], plan: list[tuple
     ``scratch`` and multiplied at once (``W x^T`` into rows of the transposed output, so every run writes a
     contiguous block), the adapters' down-projections ``lora_a`` ``[R, K]`` after them. With :data:`STREAM_KERNEL`
     "fused" and at most :data:`FUSED_ROWS` rows, each weight the fused kernel takes is multiplied by it instead (no
-    scratch)."""
+    scratch), into columns of the row-major output when it takes them all (no transposed copy)."""
     m = x.shape[0]
     out = sum(d.rows for d in dequantizers)
     rank = 0 if lora_a is None else lora_a.shape[0]
+    if STREAM_KERNEL == "fused" and m <= FUSED_ROWS:
+        from scgrpo.rollout.nf4_matmul import nf4_matmul_t, supported
+
+        if all(supported(d, x.device) for d in dequantizers):  # (the output row-major as the kernel writes it)
+            y = torch.empty(m, out + rank, dtype=x.dtype, device=x.device)
+            at = 0
+            for d in dequantizers:
+                nf4_matmul_t(x, d, y[:, at : at + d.rows].t())
+                at += d.rows
+            if rank:
+                y[:, out:].copy_(torch.mm(x, lora_a.t()))
+            return y if bias is None else y.add_(bias)
     y_t = torch.empty(out + rank, m, dtype=x.dtype, device=x.device)
     x_t = x.t()
     cols = dequantizers[0].cols

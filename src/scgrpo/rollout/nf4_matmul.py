@@ -38,12 +38,13 @@ if AVAILABLE:
 
     @triton.jit
     def _nf4_matmul_kernel(codes_ptr, scales_ptr, table_ptr, x_ptr, out_ptr, m, n, stride_xm, stride_os, stride_on,
+                           stride_om,
                            K: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                            LOOKUP: tl.constexpr, LOOKUP_PTX: tl.constexpr, PRECISION: tl.constexpr,
                            ORDER: tl.constexpr):
-        """out[s, rn, rm] = sum over the ``s``-th of ``SPLIT`` runs of ``K`` of W[rn, k] x[rm, k] (``K`` a constant:
-        one compilation a row length). ``W`` comes from its packed codes (two a byte, the high nibble first,
+        """out[s, rn, rm] (at ``s * stride_os + rn * stride_on + rm * stride_om``) = sum over the ``s``-th of
+        ``SPLIT`` runs of ``K`` of W[rn, k] x[rm, k] (``K`` a constant: one compilation a row length). ``W`` comes from its packed codes (two a byte, the high nibble first,
         row-major over the flat weight) and one fp32 scale a flat block of ``BLOCKSIZE`` weights; ``ROW_BLOCKS``:
         rows are whole blocks and a step of ``BLOCK_K`` weights is whole blocks or lies in one (a row's scales of
         a step are read once, not per weight). ``LOOKUP`` (:data:`LOOKUPS`' index) says how codes become values:
@@ -129,21 +130,24 @@ if AVAILABLE:
             else:
                 acc = tl.dot(w, tl.trans(xs), acc, input_precision=PRECISION)  # [BN, BM]
         if ORDER == 0:
-            out = out_ptr + pid_k.to(tl.int64) * stride_os + rn[None, :] * stride_on + rm[:, None]
+            out = out_ptr + pid_k.to(tl.int64) * stride_os + rn[None, :] * stride_on + rm[:, None] * stride_om
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rn[None, :] < n) & x_ok)
         else:
-            out = out_ptr + pid_k.to(tl.int64) * stride_os + rn[:, None] * stride_on + rm[None, :]
+            out = out_ptr + pid_k.to(tl.int64) * stride_os + rn[:, None] * stride_on + rm[None, :] * stride_om
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rn[:, None] < n) & m_ok)
 
     @triton.jit
-    def _sum_splits_kernel(part_ptr, out_ptr, total, m, stride_on, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        """out[i // m, i % m] = sum over s of part[s, i] (``part`` fp32 ``[SPLIT, total]``), in the output's dtype."""
+    def _sum_splits_kernel(part_ptr, out_ptr, total, inner, stride_outer, stride_inner, SPLIT: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """sum over s of part[s, i] (``part`` fp32 ``[SPLIT, total]``), in the output's dtype, at
+        ``(i // inner) * stride_outer + (i % inner) * stride_inner`` of ``out``."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in range(SPLIT):
             acc += tl.load(part_ptr + s * total + i, mask=ok, other=0.0)
-        tl.store(out_ptr + (i // m) * stride_on + i % m, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + (i // inner) * stride_outer + (i % inner) * stride_inner, acc.to(out_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 STEP = 64
@@ -256,7 +260,8 @@ def nf4_matmul_t(x: Tensor, dequantizer, out_t: Optional[Tensor] = None, block_m
                  num_stages: Optional[int] = None, block_k: Optional[int] = None,
                  lookup: Optional[str] = None, order: Optional[str] = None) -> Tensor:
     """``W x^T`` ``[N, M]`` for ``x`` ``[M, K]`` (the compute dtype) and ``dequantizer``'s nf4 weight ``W`` ``[N,
-    K]``, into ``out_t`` when given (rows of a transposed output, as the streamed mode writes them). ``block_m``:
+    K]``, into ``out_t`` when given: rows of a transposed output (``[N, M]``, unit stride along M), or the transpose
+    of columns of a row-major one (``y[:, a:b].t()``, unit stride along N). ``block_m``:
     rows of ``x`` a program takes (default: all of a decode batch up to 64, so that each weight tile is read once);
     ``split``: runs of ``K`` multiplied apart and then summed (default: :func:`splits`); ``num_warps``,
     ``num_stages``: Triton's launch settings; ``block_k``: the kernel's ``BLOCK_K``; ``lookup``: one of
@@ -285,11 +290,12 @@ def nf4_matmul_t(x: Tensor, dequantizer, out_t: Optional[Tensor] = None, block_m
     size = dequantizer.blocksize
     row_blocks = k % size == 0 and (size % block_k == 0 or block_k % size == 0)
     grid = (triton.cdiv(n, block_n), m_blocks, split)
+    m_inner = out_t.stride(1) == 1  # (rows of a transposed output; else columns of a row-major one)
     if split == 1:
-        target, stride_s, stride_n = out_t, 0, out_t.stride(0)
-    else:
-        target = torch.empty(split, n, m, dtype=torch.float32, device=x.device)
-        stride_s, stride_n = target.stride(0), target.stride(1)
+        target = out_t
+    else:  # fp32 partial sums laid out as the output is
+        target = torch.empty(split, *((n, m) if m_inner else (m, n)), dtype=torch.float32, device=x.device)
+        target = target if m_inner else target.transpose(1, 2)
     lookup = launch["lookup"]
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup {lookup!r}: one of {LOOKUPS}")
@@ -299,13 +305,15 @@ def nf4_matmul_t(x: Tensor, dequantizer, out_t: Optional[Tensor] = None, block_m
     table = (nf4_plane_table(x.device) if in_registers else nf4_pair_table(x.device) if lookup == "pairs"
              else nf4_table(x.device))
     _nf4_matmul_kernel[grid](dequantizer.packed, dequantizer.scales, table, x, target, m, n,
-                             x.stride(0), stride_s, stride_n, K=k, BLOCKSIZE=size, BLOCK_M=block_m,
+                             x.stride(0), target.stride(0) if split > 1 else 0, target.stride(-2),
+                             target.stride(-1), K=k, BLOCKSIZE=size, BLOCK_M=block_m,
                              BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, ROW_BLOCKS=row_blocks,
                              LOOKUP=LOOKUPS.index(lookup), LOOKUP_PTX=nf4_lookup.ptx() if in_registers else "",
                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=launch["num_warps"],
                              num_stages=launch["num_stages"], ORDER=ORDERS.index(launch["order"]))
     if split > 1:
         total, block = n * m, 1024
-        _sum_splits_kernel[(triton.cdiv(total, block),)](target, out_t, total, m, out_t.stride(0), SPLIT=split,
+        inner, outer = (m, out_t.stride(0)) if m_inner else (n, out_t.stride(1))  # (the partials' memory order)
+        _sum_splits_kernel[(triton.cdiv(total, block),)](target, out_t, total, inner, outer, 1, SPLIT=split,
                                                           BLOCK=block)
     return out_t
