@@ -61,6 +61,9 @@ def test_fused_nf4_matmul_multiplies_by_bitsandbytes_values(rows, cols, m, neste
     wide = torch.zeros(m, rows + 5, device=DEVICE)  # into columns of a row-major output, the others untouched
     nf4_matmul_t(x, d, wide[:, 3 : 3 + rows].t(), split=split, lookup=lookup, order=order)
     assert torch.equal(wide[:, 3 : 3 + rows], got.t()) and (wide[:, :3] == 0).all() and (wide[:, 3 + rows :] == 0).all()
+    sparse = torch.zeros(m, 2 * rows, device=DEVICE)  # (neither stride 1: every other column)
+    nf4_matmul_t(x, d, sparse[:, ::2].t(), split=split, lookup=lookup, order=order)
+    assert torch.equal(sparse[:, ::2], got.t()) and (sparse[:, 1::2] == 0).all()
 
 
 @runs
@@ -81,6 +84,21 @@ def test_a_streamed_projection_with_the_fused_kernel_gives_the_dequantizing_one(
     got = streamed_matmul(x, dequantizers, plan, scratch, lora_a, bias)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     from scgrpo.rollout import nf4_matmul
+
+    long_rows = [Dequantizer(_weight(48, 512, True, seed=9)), Dequantizer(_weight(16, 512, False, seed=10))]
+    long_plan = four_bit.chunk_plan(long_rows, 1 << 30)
+    long_x, long_a = torch.randn(6, 512, device=DEVICE), torch.randn(4, 512, device=DEVICE)
+    monkeypatch.setattr(four_bit, "STREAM_KERNEL", "dequantize")
+    long_want = streamed_matmul(long_x, long_rows, long_plan, torch.empty(48 * 512, device=DEVICE), long_a, None)
+    monkeypatch.setattr(four_bit, "STREAM_KERNEL", "fused")
+    strides, kernel = [], nf4_matmul.nf4_matmul_t
+    monkeypatch.setattr(nf4_matmul, "nf4_matmul_t", lambda x, d, out_t, **k: strides.append(out_t.stride()) or
+                        kernel(x, d, out_t, **k))
+    long_got = streamed_matmul(long_x, long_rows, long_plan, torch.full((48 * 512,), float("nan"), device=DEVICE),
+                               long_a, None)
+    torch.testing.assert_close(long_got, long_want, rtol=1e-5, atol=1e-5)  # (rows of 512: runs summed, split 4)
+    assert strides == [(1, 68), (1, 68)]  # columns of the row-major output, no transposed one to copy
+    assert nf4_matmul.splits(48, 512, 1, nf4_matmul.BLOCK_N, nf4_matmul.BLOCK_K) > 1
 
     many = torch.randn(four_bit.FUSED_ROWS + 1, 128, device=DEVICE)  # (a prefill's rows: dequantized, then cuBLAS)
     monkeypatch.setattr(nf4_matmul, "nf4_matmul_t", lambda *a, **k: pytest.fail("the fused kernel ran"))

@@ -313,7 +313,8 @@ def nf4_matmul_t(x: Tensor, dequantizer, out_t: Optional[Tensor] = None, block_m
                              num_stages=launch["num_stages"], ORDER=ORDERS.index(launch["order"]))
     if split > 1:
         total, block = n * m, 1024
-        inner, outer = (m, out_t.stride(0)) if m_inner else (n, out_t.stride(1))  # (the partials' memory order)
-        _sum_splits_kernel[(triton.cdiv(total, block),)](target, out_t, total, inner, outer, 1, SPLIT=split,
+        inner, outer, step = ((m, out_t.stride(0), out_t.stride(1)) if m_inner  # (the partials' memory order)
+                              else (n, out_t.stride(1), out_t.stride(0)))
+        _sum_splits_kernel[(triton.cdiv(total, block),)](target, out_t, total, inner, outer, step, SPLIT=split,
                                                           BLOCK=block)
     return out_t
