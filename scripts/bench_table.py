@@ -318,12 +318,13 @@ def decode_entries() -> dict[str, dict]:
     payload = json.load(open(path))
     by = {case["case"]: case for case in payload["cases"]}
     base, dequantize = by["qwen8b_sampling_streamed"], by.get("qwen8b_sampling_streamed_dequantize")
-    floor_ms = qwen8b_decode_bytes() / (H200_TB_S * 1e12) * 1e3
+    step_bytes = qwen8b_decode_bytes()
+    floor_ms = step_bytes / (H200_TB_S * 1e12) * 1e3
     share = lambda ms: floor_ms / ms  # noqa: E731
     note = (f"random Qwen3-8B-shaped model, nf4 + LoRA r=16, 64 rows x 1,024 new tokens forced, the streamed 4-bit "
             f"mode (what a 20 GiB budget picks) with the nf4 codes read inside the matmul ({base['stream_kernel']}, "
             f"scgrpo.rollout.nf4_matmul at its tuned launches): {base['ms_per_decode_step']:.2f} ms a decode step; a "
-            f"step must read {qwen8b_decode_bytes() / 1e9:.1f} GB (nf4 codes and scales, the bf16 head, the KV cache at "
+            f"step must read {step_bytes / 1e9:.1f} GB (nf4 codes and scales, the bf16 head, the KV cache at "
             f"the mean length), {floor_ms:.2f} ms at {H200_TB_S} TB/s, so "
             f"{100 * share(base['ms_per_decode_step']):.0f}% of the bandwidth; log-prob mismatch "
             f"{base['logprob_mismatch_mean']:.3f} nats mean")

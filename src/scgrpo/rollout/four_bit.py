@@ -30,8 +30,8 @@ MODES = ("auto", "resident", "streamed", "layers")
 STREAM_CHUNK = 1 << 30
 STREAM_KERNEL = "fused"
 """How a streamed projection multiplies: "fused" (:mod:`scgrpo.rollout.nf4_matmul`: the codes read inside the
-matmul, for nf4 weights whose rows it takes and inputs of up to :data:`FUSED_ROWS` rows; the others are
-dequantized) or "dequantize" (bitsandbytes' kernel into the scratch, then a matmul). On an H200 (64 rows, Qwen3-8B's
+matmul, for a projection's weights when it takes them all and inputs of up to :data:`FUSED_ROWS` rows; others
+are dequantized) or "dequantize" (bitsandbytes' kernel into the scratch, then a matmul). On an H200 (64 rows, Qwen3-8B's
 shapes) sampling takes 11.88 ms a decode step fused against 18.02 ms dequantizing
 (benchmarks/results/bench_qwen8b_sampling_nf4_rowmajor_h200.json)"""
 FUSED_ROWS = 64
@@ -176,8 +176,8 @@ def streamed_matmul(x: Tensor, dequantizers: list[Dequantizer], plan: list[tuple
     """``[x W_1^T | ... | x W_k^T | x A^T] (+ bias)`` for ``x`` ``[M, K]``: each run of ``plan`` dequantized into
     ``scratch`` and multiplied at once (``W x^T`` into rows of the transposed output, so every run writes a
     contiguous block), the adapters' down-projections ``lora_a`` ``[R, K]`` after them. With :data:`STREAM_KERNEL`
-    "fused" and at most :data:`FUSED_ROWS` rows, each weight the fused kernel takes is multiplied by it instead (no
-    scratch), into columns of the row-major output when it takes them all (no transposed copy)."""
+    "fused", at most :data:`FUSED_ROWS` rows and every weight one the fused kernel takes, each is multiplied by it
+    instead, into columns of the row-major output (no scratch, no transposed copy)."""
     m = x.shape[0]
     out = sum(d.rows for d in dequantizers)
     rank = 0 if lora_a is None else lora_a.shape[0]
@@ -196,19 +196,7 @@ def streamed_matmul(x: Tensor, dequantizers: list[Dequantizer], plan: list[tuple
     y_t = torch.empty(out + rank, m, dtype=x.dtype, device=x.device)
     x_t = x.t()
     cols = dequantizers[0].cols
-    fused = set()
-    if STREAM_KERNEL == "fused" and m <= FUSED_ROWS:
-        from scgrpo.rollout.nf4_matmul import nf4_matmul_t, supported
-
-        at = 0
-        for i, d in enumerate(dequantizers):
-            if supported(d, x.device):
-                nf4_matmul_t(x, d, y_t[at : at + d.rows])
-                fused.add(i)
-            at += d.rows
     for i, start, end, at in plan:
-        if i in fused:
-            continue
         w = scratch[: (end - start) * cols].view(end - start, cols)
         dequantizers[i].into(w, start, end)
         torch.mm(w, x_t, out=y_t[at : at + end - start])

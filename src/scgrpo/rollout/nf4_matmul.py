@@ -44,10 +44,11 @@ if AVAILABLE:
                            LOOKUP: tl.constexpr, LOOKUP_PTX: tl.constexpr, PRECISION: tl.constexpr,
                            ORDER: tl.constexpr):
         """out[s, rn, rm] (at ``s * stride_os + rn * stride_on + rm * stride_om``) = sum over the ``s``-th of
-        ``SPLIT`` runs of ``K`` of W[rn, k] x[rm, k] (``K`` a constant: one compilation a row length). ``W`` comes from its packed codes (two a byte, the high nibble first,
-        row-major over the flat weight) and one fp32 scale a flat block of ``BLOCKSIZE`` weights; ``ROW_BLOCKS``:
-        rows are whole blocks and a step of ``BLOCK_K`` weights is whole blocks or lies in one (a row's scales of
-        a step are read once, not per weight). ``LOOKUP`` (:data:`LOOKUPS`' index) says how codes become values:
+        ``SPLIT`` runs of ``K`` of W[rn, k] x[rm, k] (``K`` a constant: one compilation a row length). ``W`` comes
+        from its packed codes (two a byte, the high nibble first, row-major over the flat weight) and one fp32
+        scale a flat block of ``BLOCKSIZE`` weights; ``ROW_BLOCKS``: rows are whole blocks and a step of ``BLOCK_K``
+        weights is whole blocks or lies in one (a row's scales of a step are read once, not per weight).
+        ``LOOKUP`` (:data:`LOOKUPS`' index) says how codes become values:
         0, ``table_ptr`` holds the 16 values, looked up a code; 1, it holds each byte's two values in one 64-bit word
         (the high nibble's in the low half), looked up a byte; 2, ``LOOKUP_PTX`` (:mod:`scgrpo.rollout.nf4_lookup`)
         turns each 32-bit word of codes into its eight values in registers. ``ORDER`` (:data:`ORDERS`' index): 0,
